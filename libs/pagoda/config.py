@@ -1,0 +1,89 @@
+"""Engine configuration: one dataclass per concern, resolved once at start-up.
+
+The same values travel to every process of a replica (scheduler, workers,
+tokenizer), so two processes never disagree on block size or hash seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The prefix-cache hash seed. Every process of the cluster must use the same one,
+# or the tokenizer's block hashes would not match the scheduler's and KV-aware
+# routing would silently hit 0% (vLLM once seeded it randomly).
+DEFAULT_PREFIX_HASH_SEED = "pagoda-prefix-cache-v1"
+
+
+@dataclass
+class ModelArchConfig:
+    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF `rope_scaling` / `rope_parameters` (type != default)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 uses q/k/v biases
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    architecture: str = "LlamaForCausalLM"
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        if isinstance(self.eos_token_id, int):
+            return [self.eos_token_id]
+        return list(self.eos_token_id)
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache: fixed-size blocks, optional prefix caching."""
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    # Bytes of memory to give the KV cache when no override is set (CPU has no
+    # "free device memory" to measure; GPU uses gpu_memory_utilization instead).
+    kv_cache_memory_bytes: int = 2 * 1024**3
+    gpu_memory_utilization: float = 0.9
+    prefix_hash_seed: str = DEFAULT_PREFIX_HASH_SEED
+    num_blocks: int = 0  # resolved at start-up
+
+
+@dataclass
+class SchedulerConfig:
+    """Batching limits of one step."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    # Above this many prompt tokens a prefill is split so decodes keep flowing.
+    long_prefill_token_threshold: int = 0
+    max_waiting_requests: int | None = None
+
+
+@dataclass
+class EngineConfig:
+    """Everything one replica needs; built by `pagoda.engine.arg_utils.EngineArgs`."""
+
+    model: str
+    tokenizer: str | None
+    dtype: str  # resolved: "float32" | "bfloat16" | "float16"
+    arch: ModelArchConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    served_model_name: list[str] = field(default_factory=list)
+    seed: int = 0
+    device: str = "cpu"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1

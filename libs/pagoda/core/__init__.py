@@ -1,0 +1,1 @@
+"""Engine core: request state, KV block bookkeeping and the scheduler."""

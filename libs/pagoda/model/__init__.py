@@ -1,0 +1,1 @@
+"""Models (Llama family), layers, paged attention and weight loading."""

@@ -1,0 +1,1 @@
+"""Sampling: logits processing, token selection and logprobs."""

@@ -1,0 +1,1 @@
+"""The worker side of a step: persistent batch, model runner, attention inputs."""
