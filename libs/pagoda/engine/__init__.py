@@ -1,0 +1,1 @@
+"""The engine loop: requests in, token deltas out (no detokenization here)."""
