@@ -1,0 +1,110 @@
+"""A request's state inside the scheduler."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from pagoda.core.block_hash import BlockHash, hash_request_tokens
+from pagoda.engine.core_types import EngineCoreRequest, FinishReason
+from pagoda.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Request:
+    """One sequence being generated.
+
+    Invariants:
+      * `all_token_ids == prompt_token_ids + output_token_ids`;
+      * `num_computed_tokens <= num_tokens`: the KV of the first
+        `num_computed_tokens` tokens is in this request's blocks. Each step the
+        scheduler lets computed tokens catch up with known tokens, which covers
+        prefill, chunked prefill, decode and prefix hits with one rule;
+      * `block_hashes` covers exactly the full blocks of `all_token_ids`.
+    """
+
+    def __init__(self, core_request: EngineCoreRequest, block_size: int, hash_seed: str,
+                 max_model_len: int) -> None:
+        self.request_id = core_request.request_id
+        self.sampling_params: SamplingParams = core_request.sampling_params
+        self.prompt_token_ids = list(core_request.prompt_token_ids)
+        self.output_token_ids: list[int] = list(core_request.output_token_ids)
+        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+        self.eos_token_ids = set(core_request.eos_token_ids)
+        self.arrival_time = core_request.arrival_time
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit of the first schedule; -1 until then
+        self.num_preemptions = 0
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        params = self.sampling_params
+        remaining = max_model_len - len(self.prompt_token_ids)
+        self.max_tokens = min(params.max_tokens, remaining) if params.max_tokens else remaining
+        self._block_size = block_size
+        self._hash_seed = hash_seed
+        self._extra_keys = _extra_keys(params)
+        self.block_hashes: list[BlockHash] = []
+        self._update_block_hashes()
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    # ------------------------------------------------------------------ updates
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self.num_tokens % self._block_size == 0:
+            self._update_block_hashes()
+
+    def check_stop(self) -> bool:
+        """Sets finish_reason if the last sampled token ends the request."""
+        params = self.sampling_params
+        if self.num_output_tokens < params.min_tokens:
+            return False
+        last = self.output_token_ids[-1]
+        if not params.ignore_eos and last in self.eos_token_ids:
+            self.finish_reason, self.stop_reason = FinishReason.STOP, None
+        elif last in params.stop_token_ids:
+            self.finish_reason, self.stop_reason = FinishReason.STOP, last
+        elif self.num_output_tokens >= self.max_tokens:
+            self.finish_reason = FinishReason.LENGTH
+        return self.finish_reason is not None
+
+    def _update_block_hashes(self) -> None:
+        self.block_hashes = hash_request_tokens(
+            self.all_token_ids, self._block_size, self._hash_seed, self._extra_keys,
+            start_hashes=self.block_hashes)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")
+
+
+def _extra_keys(params: SamplingParams) -> tuple | None:
+    """Keys that make equal token ids hash differently (e.g. a LoRA or a cache salt)."""
+    extra = params.extra_args or {}
+    salt = extra.get("cache_salt")
+    return (salt,) if salt else None

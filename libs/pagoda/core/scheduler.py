@@ -1,0 +1,222 @@
+"""Continuous batching under a token budget, FCFS, preemption by recompute.
+
+One rule covers prefill, chunked prefill, decode and prefix hits: each step a
+request is given `num_tokens - num_computed_tokens` tokens (capped by the
+budget), i.e. its computed tokens catch up with its known tokens. A decode is a
+request one token behind; a prefix hit starts with computed tokens > 0.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable
+
+from pagoda.config import CacheConfig, SchedulerConfig
+from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.request import Request, RequestStatus
+from pagoda.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagoda.engine.core_types import EngineCoreOutput, EngineCoreRequest, FinishReason
+from pagoda.worker.runner_output import ModelRunnerOutput
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot for metrics, logs and load-aware routing."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_blocks: int
+    num_free_blocks: int
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the KV cache manager of one replica.
+
+    Invariant: a request is in exactly one of `waiting` or `running` until it
+    finishes; a running request holds blocks for all its computed tokens.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 num_blocks: int) -> None:
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size,
+                                               cache_config.enable_prefix_caching,
+                                               scheduler_config.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        # Requests that ended since the last step: the worker drops their state.
+        self._finished_req_ids: set[str] = set()
+        self._pending_outputs: list[EngineCoreOutput] = []
+
+    # ------------------------------------------------------------------ intake
+    def add_request(self, core_request: EngineCoreRequest) -> Request:
+        if core_request.request_id in self.requests:
+            raise ValueError(f"request id {core_request.request_id!r} is already in use")
+        request = Request(core_request, self.block_size, self.cache_config.prefix_hash_seed,
+                          self.config.max_model_len)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        return request
+
+    def finish_requests(self, request_ids: Iterable[str], reason: FinishReason) -> None:
+        """End requests from outside the step (abort, stop string, client gone)."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.finish_reason = reason
+            self._free_request(request)
+            self._pending_outputs.append(EngineCoreOutput(
+                request_id, [], finish_reason=reason, num_cached_tokens=max(request.num_cached_tokens, 0)))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        preempted: set[str] = set()
+
+        for request in list(self.running):
+            if request.request_id in preempted:
+                continue  # preempted earlier in this loop to make room
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                continue
+            new_blocks = self._allocate_or_preempt(request, num_new, preempted)
+            if new_blocks is None:
+                continue  # the request itself was preempted
+            budget -= num_new
+            num_scheduled[request.request_id] = num_new
+            cached.req_ids.append(request.request_id)
+            cached.new_block_ids.append([b.block_id for b in new_blocks])
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+
+        # Only admit waiting requests when nothing had to be preempted this step.
+        while self.waiting and budget > 0 and not preempted \
+                and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit = [], 0
+            if request.num_computed_tokens == 0:
+                hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - request.num_computed_tokens - num_hit
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = self._cap(num_new, budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks, num_hit)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.num_computed_tokens += num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
+            request.status = RequestStatus.RUNNING
+            budget -= num_new
+            num_scheduled[request.request_id] = num_new
+            new_reqs.append(NewRequestData(
+                request.request_id, request.prompt_token_ids, list(request.output_token_ids),
+                request.sampling_params, self.kv_cache_manager.get_block_ids(request.request_id),
+                request.num_computed_tokens))
+
+        output = SchedulerOutput(new_reqs, cached, num_scheduled, sum(num_scheduled.values()),
+                                 self._finished_req_ids, preempted)
+        self._finished_req_ids = set()
+        for request_id, num in num_scheduled.items():
+            self.requests[request_id].num_computed_tokens += num
+        return output
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        return self._cap(request.num_tokens - request.num_computed_tokens, budget)
+
+    def _cap(self, num_new: int, budget: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        if threshold > 0:
+            num_new = min(num_new, threshold)
+        return max(min(num_new, budget), 0)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: set[str]):
+        """Allocate for `request`, preempting the lowest-priority running requests
+        (latest arrivals) until it fits. None if `request` itself was preempted."""
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.add(victim.request_id)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ------------------------------------------------------------------ update
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        now = time.time()
+        for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue  # aborted while the step ran
+            new_token_ids: list[int] = []
+            for token_id in token_ids:
+                request.append_output_token(token_id)
+                new_token_ids.append(token_id)
+                if request.check_stop():
+                    break
+            prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
+            if not new_token_ids and prompt_logprobs is None:
+                continue
+            if new_token_ids and request.first_token_time is None:
+                request.first_token_time = now
+            outputs.append(EngineCoreOutput(
+                req_id, new_token_ids, runner_output.logprobs.get(req_id), prompt_logprobs,
+                request.finish_reason, request.stop_reason, max(request.num_cached_tokens, 0)))
+            if request.finish_reason is not None:
+                self.running.remove(request)
+                self._free_request(request)
+        return outputs
+
+    def _free_request(self, request: Request) -> None:
+        request.status = RequestStatus.FINISHED
+        self.kv_cache_manager.free(request)
+        self._finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def take_pending_outputs(self) -> list[EngineCoreOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
+
+    def get_stats(self) -> SchedulerStats:
+        stats = self.kv_cache_manager.prefix_stats
+        pool = self.kv_cache_manager.pool
+        return SchedulerStats(len(self.running), len(self.waiting), pool.usage(), stats.queries,
+                              stats.hits, self.num_preemptions, pool.num_blocks, pool.num_free_blocks)
+

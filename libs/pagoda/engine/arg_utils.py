@@ -1,0 +1,121 @@
+"""Engine arguments with vLLM's names and CLI flags, resolved into an `EngineConfig`."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from pagoda.config import (DEFAULT_PREFIX_HASH_SEED, CacheConfig, EngineConfig, SchedulerConfig)
+
+
+@dataclass
+class EngineArgs:
+    """What a user may set; `create_engine_config` turns it into resolved config."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+    served_model_name: list[str] | str | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enforce_eager: bool = False
+    prefix_cache_hash_seed: str = DEFAULT_PREFIX_HASH_SEED
+    device: str = "auto"
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, include_model: bool = True) -> argparse.ArgumentParser:
+        d = EngineArgs
+        if include_model:
+            parser.add_argument("--model", default=None,
+                                help="HF safetensors directory or GGUF file (default: SmolLM2-135M-Instruct).")
+        parser.add_argument("--tokenizer", default=None, help="Tokenizer path (default: the model's).")
+        parser.add_argument("--dtype", default=d.dtype,
+                            choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
+        parser.add_argument("--max-model-len", type=int, default=None,
+                            help="Context length (default: the model's).")
+        parser.add_argument("--block-size", type=int, default=d.block_size)
+        parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                            default=d.enable_prefix_caching)
+        parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+        parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+        parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                            default=d.enable_chunked_prefill)
+        parser.add_argument("--long-prefill-token-threshold", type=int, default=0)
+        parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+        parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+        parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+        parser.add_argument("--seed", type=int, default=d.seed)
+        parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+        parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+        parser.add_argument("--enforce-eager", action="store_true")
+        parser.add_argument("--prefix-cache-hash-seed", default=DEFAULT_PREFIX_HASH_SEED,
+                            help="Seed of the prefix-cache block hashes; identical in every process.")
+        parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    def create_engine_config(self) -> EngineConfig:
+        import torch
+
+        from pagoda.model.loader import load_arch_config, resolve_dtype, resolve_model_path
+
+        model_path = resolve_model_path(self.model)
+        arch = load_arch_config(model_path)
+        device = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = resolve_dtype(self.dtype, device)
+        max_model_len = self.max_model_len or arch.max_position_embeddings
+        if max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+        max_batched = self.max_num_batched_tokens or 2048
+        if not self.enable_chunked_prefill:
+            max_batched = max(max_batched, max_model_len)
+        _check_positive(block_size=self.block_size, max_num_seqs=self.max_num_seqs,
+                        max_num_batched_tokens=max_batched)
+        cache = CacheConfig(
+            block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            prefix_hash_seed=self.prefix_cache_hash_seed)
+        if self.kv_cache_memory_bytes:
+            cache.kv_cache_memory_bytes = self.kv_cache_memory_bytes
+        scheduler = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
+            max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold)
+        names = self.served_model_name
+        if isinstance(names, str):
+            names = [names]
+        return EngineConfig(
+            model=model_path, tokenizer=self.tokenizer, dtype=str(dtype).removeprefix("torch."),
+            arch=arch, cache=cache, scheduler=scheduler,
+            served_model_name=list(names or [default_served_name(self.model, model_path)]),
+            seed=self.seed, device=device, tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size)
+
+
+def default_served_name(model_arg: str | None, model_path: str) -> str:
+    """The name clients use: the argument as given, or the default model's name."""
+    if model_arg:
+        return model_arg
+    return "SmolLM2-135M-Instruct"
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")

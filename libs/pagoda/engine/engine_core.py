@@ -1,0 +1,90 @@
+"""The engine core: a scheduler and an executor, stepped in a loop."""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+from pagoda.config import EngineConfig
+from pagoda.core.kv_events import KVEvent
+from pagoda.core.scheduler import Scheduler, SchedulerStats
+from pagoda.engine.core_types import EngineCoreOutput, EngineCoreRequest, FinishReason
+from pagoda.engine.executor import Executor
+from pagoda.worker.runner_output import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Token ids in, token ids out. Not thread-safe: drive it from one thread.
+
+    Invariant: every accepted request eventually yields exactly one output with a
+    `finish_reason` (stop, length or abort).
+    """
+
+    def __init__(self, config: EngineConfig, executor: Executor) -> None:
+        self.config = config
+        self.executor = executor
+        num_blocks = config.cache.num_gpu_blocks_override or executor.determine_num_blocks()
+        executor.initialize_kv_cache(num_blocks)
+        config.cache.num_blocks = num_blocks
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks,
+                    config.cache.block_size, num_blocks * config.cache.block_size)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        validate_request(request, self.config, self.scheduler.kv_cache_manager.pool.num_blocks)
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.finish_requests(request_ids, FinishReason.ABORT)
+
+    def step(self) -> list[EngineCoreOutput]:
+        """schedule -> execute -> update."""
+        if not self.scheduler.has_unfinished_requests():
+            return self.scheduler.take_pending_outputs()
+        scheduler_output = self.scheduler.schedule()
+        runner_output = (self.executor.execute_model(scheduler_output)
+                         if scheduler_output.total_num_scheduled_tokens else ModelRunnerOutput.empty())
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.get_stats()
+
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.scheduler.kv_cache_manager.take_events()
+
+    def cached_block_hashes(self) -> list[bytes]:
+        return self.scheduler.kv_cache_manager.pool.cached_hashes()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def validate_request(request: EngineCoreRequest, config: EngineConfig, num_blocks: int) -> None:
+    """Reject what could never be served, with vLLM's wording, before it is queued."""
+    num_prompt = len(request.prompt_token_ids)
+    max_len = config.scheduler.max_model_len
+    if num_prompt == 0:
+        raise ValueError("The prompt cannot be empty.")
+    vocab = config.arch.vocab_size
+    bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"Token id {bad[0]} is out of vocabulary (vocab size {vocab}).")
+    if num_prompt >= max_len:
+        raise ValueError(
+            f"The decoder prompt (length {num_prompt}) is longer than the maximum model length "
+            f"of {max_len}. Make sure that `max_model_len` is no smaller than the number of "
+            f"text tokens plus one.")
+    # A request that can never fit the KV cache would be preempted forever.
+    max_total = min(num_prompt + (request.sampling_params.max_tokens or max_len), max_len)
+    capacity = num_blocks * config.cache.block_size
+    if max_total > capacity:
+        raise ValueError(f"The request needs up to {max_total} tokens of KV cache, more than "
+                         f"this replica holds ({capacity} tokens).")

