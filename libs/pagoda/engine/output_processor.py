@@ -91,13 +91,14 @@ class OutputProcessor:
                 completion.cumulative_logprob += sum(p[t].logprob for p, t in
                                                     zip(positions, out.new_token_ids))
             _, stop_str = child.detokenizer.update(out.new_token_ids, finished=out.finished)
-            completion.text = child.detokenizer.output_text
-            if stop_str is not None and not out.finished:
+            if stop_str is not None:  # wins over EOS/length in the same step, as in vLLM
                 completion.finish_reason, completion.stop_reason = "stop", stop_str
-                to_abort.append(out.request_id)
+                if not out.finished:
+                    to_abort.append(out.request_id)
             elif out.finished:
                 completion.finish_reason, completion.stop_reason = str(out.finish_reason), out.stop_reason
             if completion.finish_reason is not None:
+                completion.text = child.detokenizer.output_text
                 del self.children[out.request_id]
                 parent.num_unfinished -= 1
                 if parent.num_unfinished == 0:

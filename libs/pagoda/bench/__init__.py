@@ -1,0 +1,1 @@
+"""Benchmarks: `pagoda bench throughput` (offline engine) and `pagoda bench serve`."""
