@@ -1,0 +1,151 @@
+"""Llama-family GGUF files (llama.cpp's format): architecture config and HF-named weights.
+
+Weights are dequantized to fp32 with `gguf.quants.dequantize` and renamed to HF
+names, so they go through the same `load_weights` as safetensors checkpoints.
+llama.cpp's converter permutes the rows of Q and K of "llama" models (it uses the
+interleaved rotary layout, HF the rotate-half one); we undo it exactly as
+transformers does, so the loaded weights equal transformers' GGUF load bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from pagoda.config import ModelArchConfig
+from pagoda.model.rotary import normalize_rope_scaling
+
+# general.architecture -> the HF architecture it runs as.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                   "output": "lm_head"}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+# Llama 3 rope scaling as per-frequency divisors; it is read into the config instead.
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+@functools.lru_cache(maxsize=2)
+def gguf_reader(path: str) -> GGUFReader:
+    """Parsing the metadata (vocabulary included) takes seconds; config and weights share it."""
+    return GGUFReader(path)
+
+
+def _field(reader: GGUFReader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`, etc."""
+    base, suffix = gguf_name.rsplit(".", 1)
+    if base in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[base]}.{suffix}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
+    raise ValueError(f"Unknown GGUF tensor {gguf_name!r}")
+
+
+def unpermute_rotary_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's `permute` on Q/K rows (weights or biases), per head."""
+    half = weights.shape[0] // num_heads // 2
+    w = weights.reshape(num_heads, half, 2, *weights.shape[1:])
+    return w.swapaxes(2, 1).reshape(weights.shape)
+
+
+def iter_gguf_weights(path: str, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, fp32 tensor) for every weight of the file, one at a time."""
+    reader = gguf_reader(path)
+    permuted = _field(reader, "general.architecture") == "llama"
+    for tensor in reader.tensors:
+        if tensor.name == _ROPE_FREQS:
+            continue
+        name = hf_tensor_name(tensor.name)
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        if permuted and ".attn_q." in tensor.name:
+            weights = unpermute_rotary_rows(weights, arch.num_attention_heads)
+        elif permuted and ".attn_k." in tensor.name:
+            weights = unpermute_rotary_rows(weights, arch.num_key_value_heads)
+        # Copy: the data may be a read-only view of the memory-mapped file.
+        yield name, torch.from_numpy(np.array(weights, dtype=np.float32, copy=True))
+
+
+def _rope_scaling(reader: GGUFReader, prefix: str, tensors: dict) -> dict | None:
+    if _ROPE_FREQS in tensors:
+        t = tensors[_ROPE_FREQS]
+        factors = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(-1)
+        return {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
+    kind = _field(reader, prefix + "rope.scaling.type")
+    factor = _field(reader, prefix + "rope.scaling.factor")
+    legacy_linear = _field(reader, prefix + "rope.scale_linear")
+    if kind in (None, "none") and legacy_linear not in (None, 1.0):
+        kind, factor = "linear", legacy_linear
+    if kind in (None, "none"):
+        return None
+    scaling = {"rope_type": kind, "factor": factor}
+    original = _field(reader, prefix + "rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = original
+    return normalize_rope_scaling(scaling)
+
+
+def _eos_token_ids(reader: GGUFReader) -> int | list[int] | None:
+    # llama.cpp stops on any end-of-generation token: eos, end-of-turn, end-of-message.
+    ids = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        value = _field(reader, f"tokenizer.ggml.{key}")
+        if value is not None and value not in ids:
+            ids.append(int(value))
+    if not ids:
+        return None
+    return ids[0] if len(ids) == 1 else ids
+
+
+def arch_config_from_gguf(path: str) -> ModelArchConfig:
+    """ModelArchConfig from GGUF metadata; ValueError for an architecture we cannot run."""
+    reader = gguf_reader(path)
+    gguf_arch = _field(reader, "general.architecture")
+    if gguf_arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"Unsupported GGUF architecture {gguf_arch!r} in {path}; "
+                         f"supported: {', '.join(GGUF_ARCHITECTURES)}")
+    architecture = GGUF_ARCHITECTURES[gguf_arch]
+    if gguf_arch == "llama" and "mistral" in str(_field(reader, "general.name", "")).lower():
+        architecture = "MistralForCausalLM"  # same network; the name is for humans
+    p = gguf_arch + "."
+    tensors = {t.name: t for t in reader.tensors}
+    hidden = int(_field(reader, p + "embedding_length"))
+    num_heads = int(_field(reader, p + "attention.head_count"))
+    head_dim = (_field(reader, p + "attention.key_length")
+                or _field(reader, p + "rope.dimension_count") or hidden // num_heads)
+    vocab = _field(reader, p + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    return ModelArchConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, p + "feed_forward_length")),
+        num_hidden_layers=int(_field(reader, p + "block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(_field(reader, p + "attention.head_count_kv", num_heads)),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(reader, p, tensors),
+        max_position_embeddings=int(_field(reader, p + "context_length", 2048)),
+        # llama.cpp drops the LM head of tied models; the embedding matrix serves as both.
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_id=_eos_token_ids(reader),
+        architecture=architecture,
+    )

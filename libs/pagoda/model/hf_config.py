@@ -1,0 +1,80 @@
+"""ModelArchConfig from an HF model directory (config.json, generation_config.json)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from pagoda.config import ModelArchConfig
+from pagoda.model.rotary import normalize_rope_scaling
+
+# Architectures that run on pagoda.model.llama.LlamaForCausalLM.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def check_architecture(architecture: str) -> str:
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"Unsupported model architecture {architecture!r}; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return architecture
+
+
+def _read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _merge_eos(config_eos, generation_eos):
+    """Union of the eos ids of config.json and generation_config.json, config's first.
+
+    Instruct checkpoints often list their end-of-turn token only in the generation
+    config (Llama 3: eos 128001 in config, [128001, 128008, 128009] there).
+    """
+    ids: list[int] = []
+    for value in (config_eos, generation_eos):
+        for token in [value] if isinstance(value, int) else (value or []):
+            if token not in ids:
+                ids.append(token)
+    if not ids:
+        return None
+    return ids[0] if len(ids) == 1 else ids
+
+
+def _rope(config: dict) -> tuple[float, dict | None]:
+    # transformers >= 5 writes `rope_parameters` (theta inside); older configs
+    # write `rope_theta` and `rope_scaling` at the top level.
+    params = config.get("rope_parameters") or {}
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    return float(theta), normalize_rope_scaling(config.get("rope_scaling") or params)
+
+
+def arch_config_from_hf_dir(model_dir: str) -> ModelArchConfig:
+    """Parse `model_dir/config.json`; ValueError for an architecture we cannot run."""
+    config = _read_json(os.path.join(model_dir, "config.json"))
+    architectures = config.get("architectures") or []
+    if not architectures:
+        raise ValueError(f"{model_dir}/config.json names no architecture")
+    architecture = check_architecture(architectures[0])
+    generation_path = os.path.join(model_dir, "generation_config.json")
+    generation = _read_json(generation_path) if os.path.exists(generation_path) else {}
+    num_heads = config["num_attention_heads"]
+    rope_theta, rope_scaling = _rope(config)
+    return ModelArchConfig(
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_hidden_layers=config["num_hidden_layers"],
+        num_attention_heads=num_heads,
+        num_key_value_heads=config.get("num_key_value_heads") or num_heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=config.get("max_position_embeddings", 2048),
+        tie_word_embeddings=config.get("tie_word_embeddings", False),
+        # Qwen2 always biases q/k/v and its config has no flag for it.
+        attention_bias=architecture == "Qwen2ForCausalLM" or config.get("attention_bias", False),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_id=_merge_eos(config.get("eos_token_id"), generation.get("eos_token_id")),
+        architecture=architecture,
+    )

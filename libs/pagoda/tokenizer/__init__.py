@@ -1,0 +1,1 @@
+"""Tokenizer side of the engine: loading, chat templates, incremental detokenization."""

@@ -1,0 +1,138 @@
+"""OpenAI-style chat messages -> the model's chat template -> prompt token ids."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jinja2
+
+# OpenAI's roles ("developer" is the newer name of "system" for reasoning models;
+# "function" is the deprecated predecessor of "tool").
+VALID_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+# Part types this text-only engine understands; OpenAI's assistant messages may carry a
+# "refusal" part, which is text too.
+TEXT_PART_TYPES = frozenset({"text", "input_text", "refusal"})
+# Arguments apply_chat_template sets itself; chat_template_kwargs may not override them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+     "tools", "return_dict", "return_tensors"}
+)
+
+
+def apply_chat_template(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """Render `messages` with the tokenizer's chat template and tokenize the result.
+
+    The template writes its own BOS / control tokens, so the rendered text is encoded with
+    ``add_special_tokens=False`` (as vLLM does): never a second BOS. Raises ValueError with
+    a message naming the offending field for invalid input.
+    """
+    prompt = render_chat_template(
+        tokenizer, messages, add_generation_prompt, continue_final_message,
+        chat_template_kwargs, tools,
+    )
+    return list(tokenizer.encode(prompt, add_special_tokens=False))
+
+
+def render_chat_template(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    """The prompt text `apply_chat_template` tokenizes (same arguments, same errors)."""
+    if add_generation_prompt and continue_final_message:
+        raise ValueError(
+            "continue_final_message and add_generation_prompt cannot both be true: the first "
+            "continues the last message, the second starts a new assistant message."
+        )
+    conversation = normalize_messages(messages)
+    if continue_final_message and conversation[-1].get("content") is None:
+        raise ValueError("continue_final_message is set but the final message has no content.")
+    extra = dict(chat_template_kwargs or {})
+    overridden = sorted(RESERVED_TEMPLATE_KWARGS & extra.keys())
+    if overridden:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(overridden)}.")
+    if getattr(tokenizer, "chat_template", None) is None and "chat_template" not in extra:
+        raise ValueError(
+            "The model's tokenizer has no chat template; use the completions API or pass "
+            "a chat template."
+        )
+    try:
+        return tokenizer.apply_chat_template(
+            conversation,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **extra,
+        )
+    except jinja2.TemplateError as exc:
+        # A template may reject a conversation (wrong role order, a missing field it
+        # reads); that is the request's fault, so it becomes a ValueError (HTTP 400).
+        raise ValueError(f"The chat template could not render these messages: {exc}") from exc
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Validate OpenAI chat messages and flatten each content to one string.
+
+    A content given as a list of parts becomes the parts' texts joined with newlines (vLLM's
+    "string" content format). Other keys (name, tool_calls, tool_call_id, ...) pass through
+    to the template unchanged.
+    """
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise ValueError("messages must be a non-empty list of chat messages.")
+    return [_normalize_message(message, i) for i, message in enumerate(messages)]
+
+
+def _normalize_message(message: Any, index: int) -> dict[str, Any]:
+    where = f"messages[{index}]"
+    if not isinstance(message, Mapping):
+        raise ValueError(f"{where} must be an object with 'role' and 'content', got {type(message).__name__}.")
+    role = message.get("role")
+    if role not in VALID_ROLES:
+        raise ValueError(
+            f"{where}.role must be one of {', '.join(sorted(VALID_ROLES))}; got {role!r}."
+        )
+    normalized = dict(message)
+    if "content" not in message or message["content"] is None:
+        # OpenAI allows an assistant turn that only calls tools.
+        if role == "assistant" and message.get("tool_calls"):
+            normalized["content"] = None
+            return normalized
+        raise ValueError(f"{where}.content is required for role {role!r}.")
+    normalized["content"] = _flatten_content(message["content"], f"{where}.content")
+    return normalized
+
+
+def _flatten_content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, Sequence) or isinstance(content, bytes):
+        raise ValueError(f"{where} must be a string or a list of content parts.")
+    texts = []
+    for j, part in enumerate(content):
+        part_where = f"{where}[{j}]"
+        if not isinstance(part, Mapping):
+            raise ValueError(f"{part_where} must be an object with a 'type'.")
+        part_type = part.get("type")
+        if part_type not in TEXT_PART_TYPES:
+            raise ValueError(
+                f"{part_where}: content part type {part_type!r} is not supported; "
+                "this model accepts text only ('text' parts)."
+            )
+        key = "refusal" if part_type == "refusal" else "text"
+        text = part.get(key)
+        if not isinstance(text, str):
+            raise ValueError(f"{part_where}.{key} must be a string.")
+        texts.append(text)
+    return "\n".join(texts)

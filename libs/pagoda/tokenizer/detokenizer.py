@@ -1,0 +1,282 @@
+"""Incremental (streaming) detokenization of one request's output tokens.
+
+Plain Python over a Hugging Face tokenizer, one instance per request: it is used by the
+offline engine's output processor in-process and by the tokenizer service's streaming
+decode alike, so it holds no global state.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+from pagoda.tokenizer.stop_checker import StopChecker
+
+if TYPE_CHECKING:
+    from pagoda.sampling_params import SamplingParams
+
+# How many prompt tokens to decode in front of the first output token. Some decoders
+# (SentencePiece's Metaspace, `Strip`) treat the first token of a decode call specially;
+# giving them a little real context makes the first output token decode as it does inside
+# the whole sequence. vLLM uses the same number (INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
+INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET = 5
+
+# What decoders produce for bytes that are not (yet) valid UTF-8.
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns output token ids into text deltas, a few tokens at a time.
+
+    Invariants (tested in tests/tokenizer/test_detokenizer.py):
+      * ``"".join(update(...) for each batch) + flush()`` is the text the output adds to
+        the whole sequence's decode, ``decode(prompt + output)[len(decode(prompt)):]``, for
+        any chunking. For byte-level BPE (GPT-2 / SmolLM2 / Llama-3 / Qwen2) that equals
+        ``tokenizer.decode(output_ids, skip_special_tokens=...)`` for any token ids. For
+        SentencePiece decoders (Llama-2 / Mistral) the first output token keeps its leading
+        space (decoded alone it would lose it), and it holds for valid UTF-8 output: their
+        byte-fallback decoder judges a run of byte tokens as a whole, so an invalid byte can
+        retroactively turn an already complete character into U+FFFDs in a one-shot decode,
+        which no streaming decoder can do. The prompt is assumed to decode cleanly (not to
+        end in a partial character).
+      * A delta never ends in a partial UTF-8 character: while the decoded window ends in
+        U+FFFD, nothing is emitted; once the character completes, it is emitted whole.
+        (Byte-fallback decoders write one U+FFFD per dangling byte, so nothing before the
+        last U+FFFD is final either; holding the whole pending chunk is what keeps this
+        exact for both decoder families.) `flush()` emits whatever is still held: the
+        replacement characters that a one-shot decode would also produce.
+      * Each step decodes a window of two short token runs (the chunk already emitted, for
+        context, and the tokens not yet emitted), never the whole output: the cost per
+        token is O(1) amortized. The window only grows while its text keeps ending in
+        U+FFFD (real text does for at most three bytes; a run of invalid bytes from
+        random ids can do it longer) or the new tokens add no text.
+
+    This is vLLM's prefix_offset / read_offset algorithm: ``ids[prefix_offset:read_offset]``
+    is the context chunk whose text has been emitted, ``ids[read_offset:]`` the pending
+    tokens. Special tokens that `skip_special_tokens` drops are never put in the window
+    (the Rust decoder drops exactly the added tokens marked special), so a run of them
+    costs nothing.
+
+    `spaces_between_special_tokens` only affects the slow (pure Python) tokenizers; the
+    Rust decoders ignore it, as does vLLM's fast path.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._skipped_ids = _skipped_special_ids(tokenizer) if skip_special_tokens else frozenset()
+        self._token_ids: list[int] = []
+        self._text = _TextAccumulator()
+        self._flushed = False
+        # The decode window: prompt tail first, then output tokens (skipped specials left out).
+        prompt = [t for t in prompt_token_ids if t not in self._skipped_ids]
+        self._window_ids = prompt[-INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET:]
+        self._read_offset = len(self._window_ids)
+        self._prefix_len = len(self._decode(self._window_ids))
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def token_ids(self) -> list[int]:
+        """All output token ids given so far, special tokens included."""
+        return self._token_ids
+
+    @property
+    def output_text(self) -> str:
+        """All text emitted so far: the concatenation of every delta returned."""
+        return self._text.text
+
+    def update(self, new_token_ids: Sequence[int]) -> str:
+        """Add output tokens; return the text they complete (possibly "")."""
+        if self._flushed:
+            raise RuntimeError("IncrementalDetokenizer.update() called after flush().")
+        self._token_ids.extend(new_token_ids)
+        kept = [t for t in new_token_ids if t not in self._skipped_ids]
+        if not kept:
+            return ""
+        self._window_ids.extend(kept)
+        text = self._decode(self._window_ids)
+        if len(text) <= self._prefix_len or text.endswith(REPLACEMENT_CHAR):
+            # Either an incomplete character is pending, or the tokens added no text yet
+            # (a decoder may still attach it to a later token): hold everything.
+            return ""
+        return self._emit(text)
+
+    def flush(self) -> str:
+        """Emit the text still held back (a trailing incomplete character decodes to
+        U+FFFD, as in a one-shot decode). Call once, when the request has finished."""
+        if self._flushed:
+            return ""
+        self._flushed = True
+        if self._read_offset == len(self._window_ids):
+            return ""
+        text = self._decode(self._window_ids)
+        if len(text) <= self._prefix_len:
+            return ""
+        return self._emit(text)
+
+    # ------------------------------------------------------------------ internals
+    def _emit(self, text: str) -> str:
+        """Emit `text` past the context chunk and slide the window: the pending tokens
+        become the next context chunk."""
+        delta = text[self._prefix_len:]
+        del self._window_ids[: self._read_offset]
+        self._read_offset = len(self._window_ids)
+        # Decoded on its own (not sliced from `text`) so that the context chunk's text is
+        # measured the way the next window will decode it, first-token quirks included.
+        self._prefix_len = len(self._decode(self._window_ids))
+        self._text.append(delta)
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+
+
+def _skipped_special_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids a decode with skip_special_tokens=True drops. For Rust-backed tokenizers this
+    is the added tokens marked `special` (a superset of `all_special_ids`)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        added = backend.get_added_tokens_decoder()
+        return frozenset(i for i, token in added.items() if token.special)
+    return frozenset(tokenizer.all_special_ids)
+
+
+class DetokenizerWithStops:
+    """Streaming detokenization with stop strings, for one request (one completion).
+
+    Invariants (tested in tests/tokenizer/test_detokenizer_with_stops.py):
+      * The concatenation of the deltas `update` returns is the final text: the one-shot
+        decode of the output, truncated before the first stop string to complete (after it
+        with include_stop_str_in_output), or the whole decode if none did.
+      * A delta never contains characters that a later stop match removes: characters
+        that could begin a stop string are held back until they cannot (vLLM holds a fixed
+        ``len(longest stop) - 1`` characters; holding only a real partial match streams
+        sooner with the same guarantee). ``update(..., finished=True)`` flushes them.
+      * Stop strings must include text from after the first `min_tokens` output tokens
+        (vLLM's rule), so a stop string never ends a request before min_tokens.
+      * Memory is bounded by the longest stop string: only the tail a future match or the
+        held-back text can touch is kept besides the detokenizer's own state.
+
+    Once a stop string matched, the request is finished (`finished`, `stop_reason`); the
+    caller ends it with finish_reason "stop". Further `update` calls are errors.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        min_tokens: int = 0,
+    ) -> None:
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt_token_ids, skip_special_tokens, spaces_between_special_tokens
+        )
+        self.stop_checker = StopChecker(stop, include_stop_str_in_output)
+        self.min_tokens = min_tokens
+        self.finished = False
+        self.stop_reason: str | None = None
+        self._text = _TextAccumulator()
+        # The detokenizer text from absolute char `_tail_offset` on: the held-back chars
+        # plus enough context for the next stop search.
+        self._tail = ""
+        self._tail_offset = 0
+        self._num_emitted = 0
+
+    @classmethod
+    def from_sampling_params(
+        cls, tokenizer: Any, prompt_token_ids: Sequence[int], params: "SamplingParams"
+    ) -> "DetokenizerWithStops":
+        return cls(
+            tokenizer,
+            prompt_token_ids,
+            stop=params.stop or (),
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+            min_tokens=params.min_tokens,
+        )
+
+    @property
+    def token_ids(self) -> list[int]:
+        """All output token ids given so far (not truncated by a stop string)."""
+        return self.detokenizer.token_ids
+
+    @property
+    def output_text(self) -> str:
+        """The text streamed so far: the concatenation of every delta returned."""
+        return self._text.text
+
+    def update(self, new_token_ids: Sequence[int], finished: bool = False) -> tuple[str, str | None]:
+        """Add output tokens; return ``(delta_text, stop_str)``. `stop_str` is the stop
+        string that matched (the request is now finished) or None. With ``finished=True``
+        (the request ended for another reason: EOS, stop token, max_tokens, abort) all
+        held-back text is flushed."""
+        if self.finished:
+            raise RuntimeError("DetokenizerWithStops.update() called after the request finished.")
+        num_min = max(0, min(len(new_token_ids), self.min_tokens - len(self.token_ids)))
+        unchecked = self.detokenizer.update(new_token_ids[:num_min]) if num_min else ""
+        checked = self.detokenizer.update(new_token_ids[num_min:]) if len(new_token_ids) > num_min else ""
+        if finished:
+            checked += self.detokenizer.flush()
+        self._tail += unchecked + checked
+        stop_str, visible_len = self.stop_checker.check(self._tail, len(checked))
+        if stop_str is None and not finished:
+            visible_len -= self.stop_checker.partial_match_len(self._tail)
+        visible_end = self._tail_offset + visible_len
+        # A match can only start in text that was held back, never in text already sent.
+        assert visible_end >= self._num_emitted, "stop match overlaps text already streamed"
+        delta = self._tail[self._num_emitted - self._tail_offset : visible_len]
+        self._num_emitted = visible_end
+        self._text.append(delta)
+        self._trim_tail()
+        if stop_str is not None or finished:
+            self.finished = True
+            self.stop_reason = stop_str
+        return delta, stop_str
+
+    def _trim_tail(self) -> None:
+        """Drop the tail chars that neither held-back text nor a future match can need."""
+        tail_end = self._tail_offset + len(self._tail)
+        keep_from = min(self._num_emitted, tail_end - self.stop_checker.max_stop_len + 1)
+        if keep_from > self._tail_offset:
+            self._tail = self._tail[keep_from - self._tail_offset :]
+            self._tail_offset = keep_from
+
+
+class _TextAccumulator:
+    """Append-only text kept as chunks and joined only when read, so that a long output
+    costs O(1) per append instead of a full copy of the text on every token."""
+
+    def __init__(self) -> None:
+        self._chunks: list[str] = []
+        self._joined = ""
+
+    def append(self, chunk: str) -> None:
+        if chunk:
+            self._chunks.append(chunk)
+
+    @property
+    def text(self) -> str:
+        if self._chunks:
+            self._joined += "".join(self._chunks)
+            self._chunks.clear()
+        return self._joined
