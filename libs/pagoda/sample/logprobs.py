@@ -57,8 +57,10 @@ def gather_topk_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
         raise ValueError(f"k must be in [0, {vocab_size}], got {k}.")
     chosen_ids = token_ids.to(device=logprobs.device, dtype=torch.long).view(num_rows, 1)
     chosen_logprobs = logprobs.gather(1, chosen_ids)
-    # count_nonzero: summing a bool tensor converts it to int64 first (~3x slower).
-    chosen_ranks = torch.count_nonzero(logprobs >= chosen_logprobs, dim=1).unsqueeze(1)
+    # Summing the comparison as uint8 into int32 avoids widening [N, V] to int64
+    # first, which cost more than the comparison itself.
+    at_least_as_likely = (logprobs >= chosen_logprobs).view(torch.uint8)
+    chosen_ranks = at_least_as_likely.sum(dim=1, keepdim=True, dtype=torch.int32).long()
     topk_logprobs, topk_ids = torch.topk(logprobs, k, dim=1)
     topk_ranks = torch.arange(1, k + 1, device=logprobs.device).expand(num_rows, k)
     return LogprobsTensors(
