@@ -1,0 +1,18 @@
+"""Triton kernels for the CUDA path, each beside a torch reference.
+
+The kernel modules import triton at their top, so import them only where CUDA — or
+the Triton interpreter (`TRITON_INTERPRET=1`, set before triton is first imported) —
+is in use; `import pagoda.kernels`, `reference` and `testing` stay free of triton.
+
+- `kv_cache.write_kv_cache`        KV-cache write by slot mapping
+- `attention.paged_attention`      decode (split-K) + prefill/chunked-prefill over paged KV
+- `rms_norm.rms_norm`              RMSNorm, optionally fused with the residual add
+- `rotary.rotary_embedding`        rotary position embedding (NeoX or GPT-J layout)
+- `activation.silu_and_mul`        SiLU(gate) * up
+- `reference`                      the torch oracles the tests compare against
+- `testing`                        random paged batches and interpreter fixes for the
+                                   tests and benchmarks/gpu_check.py
+
+The launchers take the same arguments as the torch path in `pagoda.model`, so
+`pagoda.model.ops` switches between them on the tensors' device alone.
+"""

@@ -77,11 +77,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, D] (NeoX layout) by per-token cos/sin [T, D/2]; a new tensor.
-    Same contract as `pagoda.model.rotary.apply_rotary`."""
+    """Rotate x [T, heads, D] (NeoX layout) by the per-token tables of
+    `pagoda.model.rotary.RotaryEmbedding`; a new tensor. Same contract as
+    `pagoda.model.rotary.apply_rotary`.
+
+    The kernel wants half tables `[T, D/2]` of cos and +sin. Full-width tables (HF's
+    `cat(cos, cos)` with `cat(-sin, sin)` or `cat(sin, sin)`) carry exactly those in
+    their first and second halves, so they are passed as strided views, not copied.
+    """
     if use_triton(x):
         from pagoda.kernels.rotary import rotary_embedding as kernel
 
+        half = x.shape[-1] // 2
+        if cos.shape[-1] == x.shape[-1]:
+            cos, sin = cos[:, :half], sin[:, half:]
         return kernel(x, cos, sin)
     return torch_rotary.apply_rotary(x, cos, sin)
 

@@ -1,0 +1,180 @@
+"""Paged-attention decode: one query token per request, split-K over long contexts.
+
+Grid `(num_seqs, num_kv_heads, num_splits)`. A program owns one KV head and all
+`G = H / Hkv` query heads that share it (GQA), so each K/V tile is read once per
+group, and the `G` query rows (padded to 16 for the tensor cores) form the M side
+of the dot. The context's `ceil(seq_len / BLOCK_N)` tiles are cut into
+`num_splits` contiguous ranges *inside the kernel* from the device-side `seq_len`,
+so any `num_splits` is correct for any context length — which keeps the kernel
+safe to replay from a CUDA graph captured at another length.
+
+With one split the program normalises and writes the output directly; otherwise
+each split writes its unnormalised accumulator with its running max `m` and sum `l`
+(base-2 exponent domain), and `_reduce_kernel` merges them:
+
+    out = sum_s acc_s * 2^(m_s - M) / sum_s l_s * 2^(m_s - M),   M = max_s m_s
+
+A request with `seq_len == 0` (batch padding) gets zeros.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from pagoda.kernels._checks import dot_precision, next_power_of_2, num_sms
+
+# A split shorter than this many tokens is not worth its partial write + reduce.
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_SPLITS = 32
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_acc_ptr, part_ml_ptr,
+    scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    # Finite running-max sentinel: an empty split or an empty context (seq_len 0)
+    # must never compute (-inf) - (-inf) = NaN.
+    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for tile in range(tile_lo, tile_hi):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < seq_len
+        blocks = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        in_page = offs_n % PAGE_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + blocks[:, None] * stride_kb + in_page[:, None] * stride_ks
+                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + blocks[:, None] * stride_vb + in_page[:, None] * stride_vs
+                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        # Partials: acc [num_seqs, H, NUM_SPLITS, BLOCK_D], ml [num_seqs, H, NUM_SPLITS, 2].
+        row = (seq.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_mask[:, None])
+        tl.store(part_ml_ptr + row * 2, m_i, mask=g_mask)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=g_mask)
+
+
+@triton.jit
+def _reduce_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    row = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + offs_s
+    m = tl.load(part_ml_ptr + row * 2, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))
+    total = tl.sum(l * w, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Enough splits to give every SM about two programs, but no split shorter than
+    `_MIN_TOKENS_PER_SPLIT` tokens of the longest context. Pure heuristic: any value
+    is correct. Rounded down to a power of two because the split count is a compile
+    time constant: a growing context must not trigger a recompile at every step."""
+    programs = max(1, num_seqs * num_kv_heads)
+    wanted = math.ceil(2 * num_sms(device) / programs)
+    by_length = max(1, max_seq_len // _MIN_TOKENS_PER_SPLIT)
+    splits = int(max(1, min(wanted, by_length, _MAX_SPLITS)))
+    return 1 << (splits.bit_length() - 1)
+
+
+def decode_attention(
+    query: torch.Tensor,  # [num_seqs, H, D], one token per request
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [>= num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [>= num_seqs] int32
+    scale: float,
+    out: torch.Tensor,  # [num_seqs, H, D], written
+    max_seq_len: int,
+    num_splits: int | None = None,
+) -> None:
+    """Launch the decode kernel (and the split reduce). Arguments are checked by
+    `pagoda.kernels.attention.paged_attention`."""
+    num_seqs, num_heads, head_dim = query.shape
+    _, page_size, num_kv_heads, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
+    block_d = max(16, next_power_of_2(head_dim))
+    part_acc = part_ml = out  # unused placeholders when there is one split
+    if num_splits > 1:
+        part_acc = torch.empty((num_seqs, num_heads, num_splits, block_d), dtype=torch.float32,
+                               device=query.device)
+        part_ml = torch.empty((num_seqs, num_heads, num_splits, 2), dtype=torch.float32,
+                              device=query.device)
+    on_gpu = query.device.type == "cuda"
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, key_cache, value_cache, block_tables, seq_lens, out, part_acc, part_ml,
+        scale * 1.4426950408889634,  # log2(e): the kernel works in base 2
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=page_size,
+        BLOCK_N=64 if on_gpu else 16, NUM_SPLITS=num_splits,
+        DOT_PRECISION=dot_precision(query.dtype),
+        num_warps=4,
+    )
+    if num_splits > 1:
+        _reduce_kernel[(num_seqs, num_heads)](
+            out, part_acc, part_ml, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),
+        )

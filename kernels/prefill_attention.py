@@ -1,0 +1,119 @@
+"""Prefill / chunked-prefill attention over the paged KV cache.
+
+Grid `(num_prefills, num_heads, ceil(max_query_len / BLOCK_M))`. Request `r`'s
+`q_len` query tokens sit at sequence positions `ctx .. seq_len - 1` where
+`ctx = seq_len - q_len` tokens (a prefix-cache hit or earlier chunks) were already
+cached; this step's keys were written to the cache before attention runs, so all
+keys are read from the cache through the block table. Query at position `p` sees
+keys `0 .. p` (causal across the cached prefix):
+
+    keys   0 ........ ctx-1 | ctx ........ seq_len-1
+    query ctx+i               sees keys 0 .. ctx+i
+
+A program (request, head, query tile) stops its key loop at the last position its
+tile can see, so cost follows the causal triangle.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagoda.kernels._checks import dot_precision, next_power_of_2
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    out_ptr, scale_log2, first_req,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    req = first_req + tl.program_id(0)
+    head = tl.program_id(1)
+    m_tile = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    if m_tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len
+    kv_head = head // GROUP
+
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_DIM
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    q_pos = ctx_len + offs_m
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = block_tables_ptr + req.to(tl.int64) * stride_bt
+    kv_end = tl.minimum(seq_len, ctx_len + (m_tile + 1) * BLOCK_M)
+    for start in range(0, kv_end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        blocks = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        in_page = offs_n % PAGE_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + blocks[:, None] * stride_kb + in_page[:, None] * stride_ks
+                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + blocks[:, None] * stride_vb + in_page[:, None] * stride_vs
+                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [T, H, D], all tokens of the step
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    query_start_loc: torch.Tensor,  # [B+1] int32
+    scale: float,
+    out: torch.Tensor,  # [T, H, D], rows of requests first_req.. written
+    first_req: int,
+    num_reqs: int,
+    max_query_len: int,
+) -> None:
+    """Launch for requests `first_req .. num_reqs - 1`. Arguments are checked by
+    `pagoda.kernels.attention.paged_attention`."""
+    _, num_heads, head_dim = query.shape
+    _, page_size, num_kv_heads, _ = key_cache.shape
+    on_gpu = query.device.type == "cuda"
+    block_m = 64 if on_gpu else 16
+    grid = (num_reqs - first_req, num_heads, triton.cdiv(max_query_len, block_m))
+    _prefill_kernel[grid](
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+        out, scale * 1.4426950408889634, first_req,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_D=max(16, next_power_of_2(head_dim)), PAGE_SIZE=page_size,
+        BLOCK_M=block_m, BLOCK_N=64 if on_gpu else 16,
+        DOT_PRECISION=dot_precision(query.dtype),
+        num_warps=4,
+    )
