@@ -87,3 +87,4 @@ class EngineConfig:
     device: str = "cpu"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    enforce_eager: bool = False  # no CUDA graphs

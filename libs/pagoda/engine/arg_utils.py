@@ -105,7 +105,7 @@ class EngineArgs:
             arch=arch, cache=cache, scheduler=scheduler,
             served_model_name=list(names or [default_served_name(self.model, model_path)]),
             seed=self.seed, device=device, tensor_parallel_size=self.tensor_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size)
+            pipeline_parallel_size=self.pipeline_parallel_size, enforce_eager=self.enforce_eager)
 
 
 def default_served_name(model_arg: str | None, model_path: str) -> str:

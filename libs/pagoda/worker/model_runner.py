@@ -32,6 +32,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.model = None
+        self.cuda_graphs = None  # DecodeCUDAGraphs on CUDA unless enforce_eager
 
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
@@ -47,17 +48,61 @@ class ModelRunner:
 
         per_block = kv_cache_bytes_per_block(self.config.arch, self.block_size, self.dtype)
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * self.config.cache.gpu_memory_utilization)
+            # What the weights, the largest step's activations and everything else on the
+            # card leave of the `gpu_memory_utilization` share goes to the KV cache.
+            peak_activations = self._profile_peak_activation_bytes()
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * self.config.cache.gpu_memory_utilization) - (total - free) \
+                - peak_activations
         else:
             budget = self.config.cache.kv_cache_memory_bytes
         return max(budget // per_block, 1)
+
+    @torch.inference_mode()
+    def _profile_peak_activation_bytes(self) -> int:
+        """Run the largest step the scheduler may plan (one prefill of
+        max_num_batched_tokens) on a scratch cache and measure its peak memory."""
+        from pagoda.core.sched_output import NewRequestData
+        from pagoda.model.kv_cache import allocate_kv_caches
+        from pagoda.sampling_params import SamplingParams
+
+        sched = self.config.scheduler
+        num_tokens = min(sched.max_num_batched_tokens, sched.max_model_len)
+        num_blocks = -(-num_tokens // self.block_size)
+        caches = allocate_kv_caches(self.config.arch, num_blocks, self.block_size, self.dtype,
+                                    self.device)
+        state = CachedRequestState.from_new(NewRequestData(
+            "profile", [0] * num_tokens, [], SamplingParams(), list(range(num_blocks)), 0), None)
+        inputs = build_model_inputs({"profile": state}, {"profile": num_tokens}, self.block_size,
+                                    self.device)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, caches, inputs.attn_metadata)
+        self.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del caches, hidden
+        torch.cuda.empty_cache()
+        return peak
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         from pagoda.model.kv_cache import allocate_kv_caches
 
         self.kv_caches = allocate_kv_caches(self.config.arch, num_blocks, self.block_size,
                                             self.dtype, self.device)
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            self._capture_cuda_graphs()
+
+    def _capture_cuda_graphs(self) -> None:
+        from pagoda.worker.cuda_graphs import DecodeCUDAGraphs, cuda_graph_sizes
+
+        sched = self.config.scheduler
+        self.cuda_graphs = DecodeCUDAGraphs(
+            lambda ids, pos, md: self.model(ids, pos, self.kv_caches, md),
+            cuda_graph_sizes(sched.max_num_seqs), -(-sched.max_model_len // self.block_size),
+            sched.max_model_len, self.device)
+        self.cuda_graphs.capture()
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
@@ -67,12 +112,18 @@ class ModelRunner:
             return ModelRunnerOutput.empty()
         inputs = build_model_inputs(self.states, scheduler_output.num_scheduled_tokens,
                                     self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        hidden = self._forward(inputs)
         prompt_logprobs = self._prompt_logprobs(inputs, hidden, scheduler_output.num_scheduled_tokens)
         sampled, logprobs = self._sample(inputs, hidden)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             self.states[req_id].num_computed_tokens += n
         return ModelRunnerOutput(inputs.req_ids, sampled, logprobs, prompt_logprobs)
+
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+        md = inputs.attn_metadata
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(md, len(inputs.input_ids)):
+            return self.cuda_graphs.run(inputs.input_ids, inputs.positions, md)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, md)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
