@@ -22,7 +22,8 @@ PROMPTS = [
     "books about distant stars, dragons and the long forgotten history of her people. One day",
 ]
 MAX_TOKENS = 24
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# EOS ends both engines the same way (HF includes the EOS token; so do we, like vLLM).
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 
 ENGINE_VARIANTS = {
     "prefix_caching": dict(enable_prefix_caching=True),
@@ -38,7 +39,7 @@ def hf_greedy(model, tokenizer, prompts, max_tokens):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                 min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+                                 do_sample=False, pad_token_id=0)
         results.append((ids[0].tolist(), out[0, ids.shape[1]:].tolist()))
     return results
 
