@@ -83,10 +83,13 @@ def _make_plan(md: AttentionMetadata, block_size: int) -> _Plan:
 def _get_plan(md: AttentionMetadata, block_size: int) -> _Plan:
     # Memoised on the metadata object, which lives for exactly one step, so the
     # 30-odd layers of a model do not rebuild the same index tensors.
-    plan = md.__dict__.get(_PLAN_ATTR)
+    plan = getattr(md, _PLAN_ATTR, None)
     if plan is None or plan.block_size != block_size:
         plan = _make_plan(md, block_size)
-        setattr(md, _PLAN_ATTR, plan)
+        try:
+            setattr(md, _PLAN_ATTR, plan)
+        except AttributeError:  # a slotted/frozen metadata: correct, just rebuilt per layer
+            pass
     return plan
 
 

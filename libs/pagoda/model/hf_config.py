@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 from pagoda.config import ModelArchConfig
 from pagoda.model.rotary import normalize_rope_scaling
+
+logger = logging.getLogger(__name__)
 
 # Architectures that run on pagoda.model.llama.LlamaForCausalLM.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -48,6 +51,17 @@ def _rope(config: dict) -> tuple[float, dict | None]:
     return float(theta), normalize_rope_scaling(config.get("rope_scaling") or params)
 
 
+def _warn_sliding_window(config: dict) -> None:
+    # Mistral v0.1 attends to the last 4096 tokens only; we attend to all of them,
+    # which is the same model up to that length and differs beyond it.
+    window = config.get("sliding_window")
+    if window and config.get("use_sliding_window", True) and window < config.get(
+            "max_position_embeddings", 0):
+        logger.warning("Model uses sliding-window attention (%d tokens); Pagoda attends to the "
+                       "whole context, so outputs past %d tokens differ from the original",
+                       window, window)
+
+
 def arch_config_from_hf_dir(model_dir: str) -> ModelArchConfig:
     """Parse `model_dir/config.json`; ValueError for an architecture we cannot run."""
     config = _read_json(os.path.join(model_dir, "config.json"))
@@ -59,6 +73,7 @@ def arch_config_from_hf_dir(model_dir: str) -> ModelArchConfig:
     generation = _read_json(generation_path) if os.path.exists(generation_path) else {}
     num_heads = config["num_attention_heads"]
     rope_theta, rope_scaling = _rope(config)
+    _warn_sliding_window(config)
     return ModelArchConfig(
         vocab_size=config["vocab_size"],
         hidden_size=config["hidden_size"],

@@ -2,7 +2,8 @@
 
 q/k/v are one fused projection (`qkv_proj`) and gate/up another (`gate_up_proj`):
 two matmuls per block instead of five. `load_weights` takes HF names and fills
-the fused parameters shard by shard.
+the fused parameters shard by shard. Every non-matmul op goes through
+`pagoda.model.ops`, which runs the Triton kernels on CUDA and the torch path on CPU.
 """
 
 from __future__ import annotations
@@ -14,11 +15,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.config import ModelArchConfig
-from pagoda.model.attention import paged_attention, write_kv_cache
+from pagoda.model import ops
 from pagoda.model.attention_metadata import AttentionMetadata
-from pagoda.model.layers import Embedding, Linear, RMSNorm, silu_and_mul
-from pagoda.model.rotary import RotaryEmbedding, apply_rotary
+from pagoda.model.layers import Embedding, Linear, RMSNorm
+from pagoda.model.rotary import RotaryEmbedding
 from pagoda.model.weight_names import load_named_weights
+
+
+def _norm(norm: RMSNorm, x: torch.Tensor,
+          residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm (fused with the residual add) through the kernel switch."""
+    return ops.rms_norm(x, norm.weight, norm.eps, residual)
 
 
 class LlamaAttention(nn.Module):
@@ -41,11 +48,11 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)
         qk, value = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         # Rotate queries and keys in one go: they share positions.
-        qk = apply_rotary(qk, cos, sin)
+        qk = ops.rotary_embedding(qk, cos, sin)
         query, key = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         key_cache, value_cache = kv_cache
-        write_kv_cache(key, value, key_cache, value_cache, md.slot_mapping)
-        out = paged_attention(query, key_cache, value_cache, md, self.scale)
+        ops.write_kv_cache(key, value, key_cache, value_cache, md.slot_mapping)
+        out = ops.paged_attention(query, key_cache, value_cache, md, self.scale)
         return self.o_proj(out.view(num_tokens, -1))
 
 
@@ -56,7 +63,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -71,9 +78,9 @@ class LlamaDecoderLayer(nn.Module):
                 sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (mlp output, residual stream before it); the next norm adds them."""
-        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = _norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(hidden, cos, sin, kv_cache, md)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = _norm(self.post_attention_layernorm, hidden, residual)
         return self.mlp(hidden), residual
 
 
@@ -95,7 +102,7 @@ class LlamaModel(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, md)
-        hidden, _ = self.norm(hidden, residual)
+        hidden, _ = _norm(self.norm, hidden, residual)
         return hidden
 
 
