@@ -1,0 +1,163 @@
+"""Run the five services as local processes on loopback and supervise them.
+
+`pagoda serve` uses it; so do the end-to-end tests. Invariants:
+  * each service is its own process (own session, so Ctrl-C reaches only the
+    supervisor, which then stops them gateway-first) and dies with the supervisor
+    even if the supervisor is killed (PR_SET_PDEATHSIG);
+  * the cluster is "up" only when every service answers its health check;
+  * if any service exits, `wait()` returns its name, exit code and last log lines.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+# Start order; shutdown goes the other way (the gateway stops taking requests first).
+SERVICE_ORDER = ["kv-cache-manager", "tokenizer", "gpu-worker", "scheduler", "gateway"]
+LOG_TAIL_LINES = 40
+
+
+@dataclass
+class ServiceProcess:
+    """One child process, its address and the tail of its stderr."""
+
+    name: str
+    argv: list[str]
+    address: str  # host:port
+    http_health: bool = False  # gateway: GET /health; others: gRPC health
+    process: subprocess.Popen | None = None
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=LOG_TAIL_LINES))
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def is_healthy(self) -> bool:
+        if self.http_health:
+            try:
+                return httpx.get(f"http://{self.address}/health", timeout=2.0).status_code == 200
+            except httpx.HTTPError:
+                return False
+        with grpc.insecure_channel(self.address) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=2.0)
+            except grpc.RpcError:
+                return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+class ServiceFailed(RuntimeError):
+    """A service exited; the message names it and quotes its last log lines."""
+
+    def __init__(self, service: ServiceProcess) -> None:
+        code = service.process.returncode if service.process else None
+        lines = "".join(f"    {line}" for line in service.tail)
+        super().__init__(f"service '{service.name}' exited with code {code}; its last log "
+                         f"lines:\n{lines}")
+        self.service = service
+
+
+def die_with_parent() -> None:
+    """In the child: get SIGTERM when the supervisor dies, however it dies."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class LocalCluster:
+    """Start, watch and stop a set of ServiceProcess."""
+
+    def __init__(self, services: list[ServiceProcess], log_stream=None) -> None:
+        self.services = {s.name: s for s in services}
+        self.log_stream = log_stream if log_stream is not None else sys.stderr
+        self._log_lock = threading.Lock()
+
+    def start(self) -> None:
+        for name in SERVICE_ORDER:
+            if name in self.services:
+                self._spawn(self.services[name])
+
+    def _spawn(self, service: ServiceProcess) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        service.process = subprocess.Popen(
+            service.argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, env=env, start_new_session=True,
+            preexec_fn=die_with_parent if sys.platform == "linux" else None)
+        threading.Thread(target=self._pump, args=(service,), daemon=True,
+                         name=f"log-{service.name}").start()
+
+    def _pump(self, service: ServiceProcess) -> None:
+        """Copy a child's stderr to ours, prefixed, keeping the tail for errors."""
+        for raw in service.process.stderr:
+            line = raw.decode(errors="replace")
+            service.tail.append(line)
+            with self._log_lock:
+                self.log_stream.write(f"[{service.name}] {line}")
+                self.log_stream.flush()
+
+    def failed_service(self) -> ServiceProcess | None:
+        for service in self.services.values():
+            if service.process is not None and service.process.poll() is not None:
+                return service
+        return None
+
+    def wait_healthy(self, timeout: float, stop: threading.Event | None = None) -> None:
+        """Return once every service is healthy; raise ServiceFailed or TimeoutError."""
+        deadline = time.monotonic() + timeout
+        pending = [self.services[n] for n in SERVICE_ORDER if n in self.services]
+        while pending:
+            failed = self.failed_service()
+            if failed is not None:
+                raise ServiceFailed(failed)
+            if stop is not None and stop.is_set():
+                raise KeyboardInterrupt
+            pending = [s for s in pending if not s.is_healthy()]
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(s.name for s in pending)
+                raise TimeoutError(f"services not healthy after {timeout:.0f}s: {names}")
+            if pending:
+                time.sleep(0.25)
+
+    def watch(self, stop: threading.Event, poll: float = 0.2) -> ServiceProcess | None:
+        """Block until `stop` is set (-> None) or a service exits (-> it)."""
+        while not stop.wait(poll):
+            failed = self.failed_service()
+            if failed is not None:
+                return failed
+        return None
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM each service, gateway first; SIGKILL what is still alive at the deadline."""
+        order = [self.services[n] for n in reversed(SERVICE_ORDER) if n in self.services]
+        for service in order:
+            if service.process is not None and service.process.poll() is None:
+                service.process.send_signal(signal.SIGTERM)
+                if service.name == "gateway":  # let in-flight HTTP requests end first
+                    _wait(service.process, timeout / 3)
+        deadline = time.monotonic() + timeout
+        for service in order:
+            if service.process is not None:
+                _wait(service.process, max(0.1, deadline - time.monotonic()))
+                if service.process.poll() is None:
+                    service.process.kill()
+                    service.process.wait()
+
+
+def _wait(process: subprocess.Popen, timeout: float) -> None:
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        pass

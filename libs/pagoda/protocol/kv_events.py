@@ -1,0 +1,49 @@
+"""Scheduler -> kv-cache-manager messages: KV cache events."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagoda._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2 as pb
+from pagoda.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+
+def kv_event_to_proto(event: KVEvent) -> pb.KvEvent:
+    if isinstance(event, BlockStored):
+        return pb.KvEvent(block_stored=pb.BlockStored(
+            block_hashes=event.block_hashes,
+            parent_block_hash=event.parent_block_hash or b"",
+            token_ids=event.token_ids,
+            block_size=event.block_size,
+        ))
+    if isinstance(event, BlockRemoved):
+        return pb.KvEvent(block_removed=pb.BlockRemoved(block_hashes=event.block_hashes))
+    if isinstance(event, AllBlocksCleared):
+        return pb.KvEvent(all_blocks_cleared=pb.AllBlocksCleared())
+    raise TypeError(f"not a KV event: {event!r}")
+
+
+def kv_event_from_proto(msg: pb.KvEvent) -> KVEvent:
+    kind = msg.WhichOneof("event")
+    if kind == "block_stored":
+        m = msg.block_stored
+        return BlockStored(
+            block_hashes=list(m.block_hashes),
+            parent_block_hash=m.parent_block_hash or None,
+            token_ids=list(m.token_ids),
+            block_size=m.block_size,
+        )
+    if kind == "block_removed":
+        return BlockRemoved(block_hashes=list(msg.block_removed.block_hashes))
+    if kind == "all_blocks_cleared":
+        return AllBlocksCleared()
+    raise ValueError("empty KV event")
+
+
+def publish_request(instance_id: str, model: str, block_size: int, epoch: str,
+                    sequence_number: int, events: Sequence[KVEvent]
+                    ) -> pb.PublishKvEventsRequest:
+    return pb.PublishKvEventsRequest(
+        instance_id=instance_id, model=model, block_size=block_size, epoch=epoch,
+        sequence_number=sequence_number, events=[kv_event_to_proto(e) for e in events],
+    )

@@ -1,0 +1,110 @@
+"""Gateway <-> scheduler messages: tokenized requests in, token-id deltas out.
+
+A `Generate` stream carries one request's `EngineCoreOutput`s. The scheduler
+coalesces every output that piled up since its last write into one chunk
+(`outputs_to_responses`), and the gateway turns each message back into one
+`EngineCoreOutput` (`response_to_output`), so both ends speak the engine's types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2 as pb
+from pagoda.engine.core_types import EngineCoreOutput, EngineCoreRequest, FinishReason
+from pagoda.protocol.common import (
+    extend_logprobs,
+    finish_reason_from_proto,
+    finish_reason_to_proto,
+    logprobs_from_proto,
+    logprobs_to_proto,
+    sampling_params_from_proto,
+    sampling_params_to_proto,
+)
+from pagoda.worker.runner_output import LogprobsLists
+
+
+def request_to_proto(req: EngineCoreRequest) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=req.request_id,
+        prompt_token_ids=req.prompt_token_ids,
+        sampling_params=sampling_params_to_proto(req.sampling_params),
+        eos_token_ids=req.eos_token_ids,
+        arrival_time=req.arrival_time,
+        output_token_ids=req.output_token_ids,
+    )
+
+
+def request_from_proto(msg: pb.GenerateRequest) -> EngineCoreRequest:
+    """Raises ValueError if the sampling params are invalid."""
+    return EngineCoreRequest(
+        request_id=msg.request_id,
+        prompt_token_ids=list(msg.prompt_token_ids),
+        sampling_params=sampling_params_from_proto(msg.sampling_params),
+        eos_token_ids=list(msg.eos_token_ids),
+        arrival_time=msg.arrival_time,
+        output_token_ids=list(msg.output_token_ids),
+    )
+
+
+def outputs_to_responses(outputs: Sequence[EngineCoreOutput], num_prompt_tokens: int,
+                         num_output_tokens: int) -> list[pb.GenerateResponse]:
+    """Coalesce one request's outputs (oldest first) into at most one chunk, plus
+    a `complete` if the last one finished. `num_output_tokens` counts every token
+    generated so far, these outputs included."""
+    token_ids: list[int] = []
+    logprobs: LogprobsLists | None = None
+    prompt_logprobs: LogprobsLists | None = None
+    for out in outputs:
+        token_ids.extend(out.new_token_ids)
+        if out.new_logprobs is not None:
+            logprobs = logprobs or LogprobsLists()
+            extend_logprobs(logprobs, out.new_logprobs)
+        if out.new_prompt_logprobs is not None:
+            prompt_logprobs = prompt_logprobs or LogprobsLists()
+            extend_logprobs(prompt_logprobs, out.new_prompt_logprobs)
+    last = outputs[-1]
+    responses = []
+    if token_ids or logprobs or prompt_logprobs:
+        chunk = pb.GenerateChunk(token_ids=token_ids, num_cached_tokens=last.num_cached_tokens)
+        if logprobs is not None:
+            logprobs_to_proto(logprobs, chunk.logprobs)
+        if prompt_logprobs is not None:
+            logprobs_to_proto(prompt_logprobs, chunk.prompt_logprobs)
+        responses.append(pb.GenerateResponse(chunk=chunk))
+    if last.finished:
+        complete = pb.GenerateComplete(
+            finish_reason=finish_reason_to_proto(last.finish_reason),
+            num_prompt_tokens=num_prompt_tokens,
+            num_output_tokens=num_output_tokens,
+            num_cached_tokens=last.num_cached_tokens,
+        )
+        if isinstance(last.stop_reason, int):
+            complete.stop_token_id = last.stop_reason
+        responses.append(pb.GenerateResponse(complete=complete))
+    return responses
+
+
+def response_to_output(request_id: str, msg: pb.GenerateResponse) -> EngineCoreOutput:
+    """One stream message -> one EngineCoreOutput (a `complete` has no tokens)."""
+    if msg.HasField("chunk"):
+        c = msg.chunk
+        return EngineCoreOutput(
+            request_id=request_id,
+            new_token_ids=list(c.token_ids),
+            new_logprobs=logprobs_from_proto(c.logprobs) if c.HasField("logprobs") else None,
+            new_prompt_logprobs=(logprobs_from_proto(c.prompt_logprobs)
+                                 if c.HasField("prompt_logprobs") else None),
+            num_cached_tokens=c.num_cached_tokens,
+        )
+    c = msg.complete
+    reason = finish_reason_from_proto(c.finish_reason)
+    if reason is None:  # FinishReason.STOP is 0: test against None, not falsiness
+        reason = FinishReason.ABORT
+    return EngineCoreOutput(
+        request_id=request_id,
+        new_token_ids=[],
+        finish_reason=reason,
+        stop_reason=c.stop_token_id if c.HasField("stop_token_id") else None,
+        num_cached_tokens=c.num_cached_tokens,
+    )

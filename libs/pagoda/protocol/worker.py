@@ -1,0 +1,91 @@
+"""Scheduler <-> worker messages: the per-step plan and its result.
+
+The plan keeps its order on the wire (`num_scheduled_tokens` travels as two
+parallel lists, since a proto map would not keep the dict's order), so the worker
+sees exactly the `SchedulerOutput` the scheduler built.
+"""
+
+from __future__ import annotations
+
+from pagoda._proto.pagoda.worker.v1 import worker_pb2 as pb
+from pagoda.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagoda.protocol.common import (
+    logprobs_from_proto,
+    logprobs_to_proto,
+    sampling_params_from_proto,
+    sampling_params_to_proto,
+)
+from pagoda.worker.runner_output import ModelRunnerOutput
+
+
+def scheduler_output_to_proto(out: SchedulerOutput) -> pb.SchedulerOutput:
+    msg = pb.SchedulerOutput(
+        scheduled_req_ids=list(out.num_scheduled_tokens.keys()),
+        num_scheduled_tokens=list(out.num_scheduled_tokens.values()),
+        total_num_scheduled_tokens=out.total_num_scheduled_tokens,
+        finished_req_ids=sorted(out.finished_req_ids),
+        preempted_req_ids=sorted(out.preempted_req_ids),
+    )
+    for new in out.scheduled_new_reqs:
+        msg.scheduled_new_reqs.add(
+            req_id=new.req_id,
+            prompt_token_ids=new.prompt_token_ids,
+            output_token_ids=new.output_token_ids,
+            sampling_params=sampling_params_to_proto(new.sampling_params),
+            block_ids=new.block_ids,
+            num_computed_tokens=new.num_computed_tokens,
+        )
+    cached = out.scheduled_cached_reqs
+    msg.scheduled_cached_reqs.req_ids.extend(cached.req_ids)
+    msg.scheduled_cached_reqs.num_computed_tokens.extend(cached.num_computed_tokens)
+    for block_ids in cached.new_block_ids:
+        msg.scheduled_cached_reqs.new_block_ids.add(block_ids=block_ids)
+    return msg
+
+
+def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
+    new_reqs = [
+        NewRequestData(
+            req_id=m.req_id,
+            prompt_token_ids=list(m.prompt_token_ids),
+            output_token_ids=list(m.output_token_ids),
+            sampling_params=sampling_params_from_proto(m.sampling_params),
+            block_ids=list(m.block_ids),
+            num_computed_tokens=m.num_computed_tokens,
+        )
+        for m in msg.scheduled_new_reqs
+    ]
+    c = msg.scheduled_cached_reqs
+    cached = CachedRequestData(
+        req_ids=list(c.req_ids),
+        new_block_ids=[list(b.block_ids) for b in c.new_block_ids],
+        num_computed_tokens=list(c.num_computed_tokens),
+    )
+    return SchedulerOutput(
+        scheduled_new_reqs=new_reqs,
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens=dict(zip(msg.scheduled_req_ids, msg.num_scheduled_tokens)),
+        total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
+        finished_req_ids=set(msg.finished_req_ids),
+        preempted_req_ids=set(msg.preempted_req_ids),
+    )
+
+
+def model_runner_output_to_proto(out: ModelRunnerOutput) -> pb.ModelRunnerOutput:
+    msg = pb.ModelRunnerOutput(req_ids=out.req_ids)
+    for tokens in out.sampled_token_ids:
+        msg.sampled_token_ids.add(token_ids=tokens)
+    for req_id, lists in out.logprobs.items():
+        logprobs_to_proto(lists, msg.logprobs[req_id])
+    for req_id, lists in out.prompt_logprobs.items():
+        logprobs_to_proto(lists, msg.prompt_logprobs[req_id])
+    return msg
+
+
+def model_runner_output_from_proto(msg: pb.ModelRunnerOutput) -> ModelRunnerOutput:
+    return ModelRunnerOutput(
+        req_ids=list(msg.req_ids),
+        sampled_token_ids=[list(t.token_ids) for t in msg.sampled_token_ids],
+        logprobs={k: logprobs_from_proto(v) for k, v in msg.logprobs.items()},
+        prompt_logprobs={k: logprobs_from_proto(v) for k, v in msg.prompt_logprobs.items()},
+    )

@@ -1,0 +1,1 @@
+"""Helpers every service shell shares: logging, the gRPC server lifecycle, /metrics."""

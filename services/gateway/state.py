@@ -1,0 +1,39 @@
+"""What the gateway's routes share: peers, served names, API key."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass, field
+
+from pagoda.services.gateway.errors import APIError
+from pagoda.services.gateway.peers import Peers
+
+
+@dataclass
+class GatewayState:
+    """Invariant: `served_model_names[0]` is the name responses report; `peers` is
+    set when the app starts (inside its event loop)."""
+
+    peers: Peers | None
+    served_model_names: list[str] = field(default_factory=list)
+    api_key: str | None = None
+
+    def check_model(self, model: str | None) -> str:
+        """The name to report; 404 for a model this gateway does not serve."""
+        names = self.model_names()
+        if model is None or model in names:
+            return model or names[0]
+        raise APIError(f"The model `{model}` does not exist.", 404, param="model")
+
+    def model_names(self) -> list[str]:
+        """The configured names, else the ones the scheduler was started with."""
+        if self.served_model_names:
+            return self.served_model_names
+        info = self.peers.model_info()
+        return list(info.served_model_name) or [info.model]
+
+    def is_authorized(self, authorization: str | None) -> bool:
+        if not self.api_key:
+            return True
+        expected = f"Bearer {self.api_key}".encode()
+        return hmac.compare_digest((authorization or "").encode(), expected)

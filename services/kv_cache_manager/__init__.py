@@ -1,0 +1,1 @@
+"""The kv-cache-manager service: the cluster prefix index in Redis (see README.md)."""

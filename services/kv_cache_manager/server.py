@@ -1,0 +1,39 @@
+"""`pagoda kv-cache-manager`: the kv-cache-manager service's process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import redis
+
+from pagoda._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2_grpc as pb_grpc
+from pagoda.services.common.grpc_server import add_server_args, serve_sync
+from pagoda.services.common.logs import setup_logging
+from pagoda.services.kv_cache_manager.index import PrefixIndex
+from pagoda.services.kv_cache_manager.servicer import KvCacheManagerServicer
+
+DEFAULT_PORT = 50054
+SERVICE_NAME = "pagoda.kv_cache_manager.v1.KvCacheManagerService"
+logger = logging.getLogger(__name__)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_server_args(parser, DEFAULT_PORT)
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
+                        help="Redis holding the cluster prefix index.")
+
+
+def main(args: argparse.Namespace) -> int:
+    setup_logging("kv-cache-manager")
+    client = redis.Redis.from_url(args.redis_url, socket_timeout=5, socket_connect_timeout=5)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        # Serve anyway: Redis may come up later, and callers degrade meanwhile.
+        logger.warning("redis at %s is not reachable yet: %s", args.redis_url, exc)
+    servicer = KvCacheManagerServicer(PrefixIndex(client))
+    serve_sync("kv-cache-manager", args,
+               [(pb_grpc.add_KvCacheManagerServiceServicer_to_server, servicer, SERVICE_NAME)],
+               on_stop=client.close)
+    return 0

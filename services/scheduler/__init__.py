@@ -1,0 +1,1 @@
+"""The scheduler service: one model replica's queue, batching and blocks (see README.md)."""

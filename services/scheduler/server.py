@@ -1,0 +1,125 @@
+"""`pagoda scheduler`: one model replica's scheduler process (grpc.aio + engine thread)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import uuid
+
+import grpc
+from grpc_health.v1 import health, health_pb2_grpc
+
+from pagoda import tracing
+from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2 as pb
+from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from pagoda.metrics import stat_logger
+from pagoda.services.common.grpc_server import (GRPC_OPTIONS, NOT_SERVING, SERVING,
+                                                add_server_args, bind)
+from pagoda.services.common.logs import setup_logging
+from pagoda.services.common.metrics_server import maybe_start_metrics
+from pagoda.services.common.tracing import aio_server_interceptors
+
+DEFAULT_PORT = 50052
+SERVICE_NAME = "pagoda.scheduler.v1.SchedulerService"
+logger = logging.getLogger(__name__)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    from pagoda.engine.arg_utils import EngineArgs
+
+    add_server_args(parser, DEFAULT_PORT)
+    parser.add_argument("--worker-addr", default="127.0.0.1:50053",
+                        help="host:port of this replica's gpu-worker (rank 0).")
+    parser.add_argument("--kv-cache-manager-addr", default="127.0.0.1:50054",
+                        help="host:port of the kv-cache-manager that indexes this replica's "
+                             "KV events ('' = do not publish).")
+    parser.add_argument("--instance-id", default=None,
+                        help="This replica's id in the cluster index (default: host:port).")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="Names clients may use for the model (default: the model argument).")
+    EngineArgs.add_cli_args(parser)
+    stat_logger.add_cli_args(parser)
+    tracing.add_cli_args(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    from pagoda.engine.arg_utils import EngineArgs
+    from pagoda.engine.engine_core import EngineCore
+    from pagoda.services.scheduler.metrics import build_recorder
+    from pagoda.services.scheduler.worker_executor import GrpcWorkerExecutor
+
+    setup_logging("scheduler")
+    tracing.init_tracing("scheduler", args.otlp_traces_endpoint)
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    executor = GrpcWorkerExecutor(args.worker_addr)
+    core = EngineCore(config, executor)
+    instance_id = args.instance_id or f"{args.host}:{args.port}"
+    info = pb.GetModelInfoResponse(
+        model=config.model, max_model_len=config.scheduler.max_model_len,
+        block_size=config.cache.block_size, num_gpu_blocks=config.cache.num_blocks,
+        instance_id=instance_id, prefix_hash_seed=config.cache.prefix_hash_seed,
+        served_model_name=config.served_model_name)
+    recorder, stats_thread = build_recorder(config, args)
+    try:
+        asyncio.run(_serve(args, core, info, config.arch.eos_token_ids, recorder))
+    finally:
+        core.shutdown()
+        if stats_thread is not None:
+            stats_thread.stop()
+        tracing.shutdown_tracing()
+    return 0
+
+
+async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,
+                 eos_token_ids: list[int], recorder=None) -> None:
+    from pagoda.services.scheduler.engine_loop import EngineLoop
+    from pagoda.services.scheduler.kv_publisher import KvEventPublisher
+    from pagoda.services.scheduler.metrics import KvPublisherMetrics
+    from pagoda.services.scheduler.servicer import SchedulerServicer
+
+    loop = asyncio.get_running_loop()
+    publisher = None
+    if args.kv_cache_manager_addr:
+        publisher = KvEventPublisher(args.kv_cache_manager_addr, info.instance_id, info.model,
+                                     info.block_size, uuid.uuid4().hex,
+                                     metrics=KvPublisherMetrics(info.served_model_name[0])).start()
+    health_servicer = health.aio.HealthServicer()
+    servicer: SchedulerServicer | None = None
+
+    def on_failure(exc: Exception) -> None:
+        servicer.on_failure(exc)
+        for name in ("", SERVICE_NAME):
+            asyncio.run_coroutine_threadsafe(health_servicer.set(name, NOT_SERVING), loop)
+
+    engine = EngineLoop(core, lambda outs: servicer.on_outputs(outs),
+                        publisher.publish if publisher else (lambda events: None), on_failure,
+                        recorder)
+    servicer = SchedulerServicer(engine, info, eos_token_ids)
+    servicer.bind_loop(loop)
+
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=aio_server_interceptors())
+    pb_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = bind(server, args.host, args.port)
+    await server.start()
+    engine.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, SERVING)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    metrics = maybe_start_metrics(args.host, args.metrics_port, lambda: engine.failure is None)
+    logger.info("scheduler %s listening on %s:%d (%d KV blocks of %d tokens)", info.instance_id,
+                args.host, port, info.num_gpu_blocks, info.block_size)
+    await stop.wait()
+    logger.info("shutting down")
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=5.0)
+    engine.stop()
+    if publisher is not None:
+        publisher.stop()
+    if metrics is not None:
+        metrics.stop()
+    logger.info("scheduler stopped")

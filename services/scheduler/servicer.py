@@ -1,0 +1,146 @@
+"""The scheduler's RPCs (grpc.aio): one `Generate` stream per request.
+
+Outputs arrive from the engine thread once per step (`dispatch`, scheduled onto
+the event loop with one `call_soon_threadsafe` for all requests). Each stream
+keeps a pending list; its handler drains whatever piled up into one message, so
+a reader that falls behind gets fewer, larger chunks instead of a backlog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2 as pb
+from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from pagoda.engine.core_types import EngineCoreOutput
+from pagoda.protocol.scheduler import outputs_to_responses, request_from_proto
+from pagoda.services.scheduler.engine_loop import EngineLoop
+from pagoda.services.scheduler.tracing import REQUEST_SPANS
+
+logger = logging.getLogger(__name__)
+
+
+class _RequestStream:
+    """Outputs of one request not yet written to its stream."""
+
+    __slots__ = ("pending", "ready", "error", "num_prompt_tokens", "num_output_tokens")
+
+    def __init__(self, num_prompt_tokens: int) -> None:
+        self.pending: list[EngineCoreOutput] = []
+        self.ready = asyncio.Event()
+        self.error: str | None = None
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_output_tokens = 0
+
+
+class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
+    """Invariant: a request is in `_streams` from its acceptance until its handler
+    exits; a handler that exits before the request finished aborts it."""
+
+    def __init__(self, engine: EngineLoop, model_info: pb.GetModelInfoResponse,
+                 default_eos_token_ids: list[int]) -> None:
+        self.engine = engine
+        self.model_info = model_info
+        self.default_eos = default_eos_token_ids
+        self._streams: dict[str, _RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    # ------------------------------------------------------------ engine thread -> loop
+    def on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def on_failure(self, exc: Exception) -> None:
+        self._loop.call_soon_threadsafe(self._fail_all, f"replica failed: {exc}")
+
+    def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:  # None: the handler already left (aborted)
+                stream.pending.append(out)
+                stream.ready.set()
+
+    def _fail_all(self, message: str) -> None:
+        for stream in self._streams.values():
+            stream.error = message
+            stream.ready.set()
+
+    # ------------------------------------------------------------ RPCs
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        if self.engine.failure is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"replica failed: {self.engine.failure}")
+        try:
+            core_request = request_from_proto(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        rid = core_request.request_id
+        if rid in self._streams:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is in use")
+        if not core_request.eos_token_ids:
+            core_request.eos_token_ids = list(self.default_eos)
+        stream = _RequestStream(len(core_request.prompt_token_ids))
+        self._streams[rid] = stream
+        REQUEST_SPANS.register_current(rid)  # its steps and phases join the caller's trace
+        finished = False
+        try:
+            error = await self._submit(core_request)
+            if error is not None:
+                finished = True  # rejected: nothing to abort
+                code = (grpc.StatusCode.INVALID_ARGUMENT if isinstance(error, ValueError)
+                        else grpc.StatusCode.UNAVAILABLE)
+                await context.abort(code, str(error))
+            while not finished:
+                await stream.ready.wait()
+                stream.ready.clear()
+                if stream.error is not None:
+                    finished = True  # the engine is gone: nothing left to abort
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, stream.error)
+                batch, stream.pending = stream.pending, []
+                if not batch:
+                    continue
+                stream.num_output_tokens += sum(len(o.new_token_ids) for o in batch)
+                finished = batch[-1].finished
+                for response in outputs_to_responses(batch, stream.num_prompt_tokens,
+                                                     stream.num_output_tokens):
+                    yield response
+        finally:
+            self._streams.pop(rid, None)
+            REQUEST_SPANS.unregister(rid)
+            if not finished:  # cancelled by the client (disconnect, stop string)
+                self.engine.abort([rid])
+
+    async def _submit(self, core_request) -> Exception | None:
+        accepted = self._loop.create_future()
+
+        def on_accept(error: Exception | None) -> None:
+            self._loop.call_soon_threadsafe(_resolve, accepted, error)
+
+        self.engine.submit(core_request, on_accept)
+        return await accepted
+
+    async def AbortRequests(self, request: pb.AbortRequestsRequest, context
+                            ) -> pb.AbortRequestsResponse:
+        self.engine.abort(list(request.request_ids))
+        return pb.AbortRequestsResponse()
+
+    async def GetLoad(self, request: pb.GetLoadRequest, context) -> pb.GetLoadResponse:
+        s = self.engine.stats
+        return pb.GetLoadResponse(
+            num_running=s.num_running, num_waiting=s.num_waiting,
+            kv_cache_usage=s.kv_cache_usage, prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
+            serving=self.engine.failure is None)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context
+                           ) -> pb.GetModelInfoResponse:
+        return self.model_info
+
+
+def _resolve(future: asyncio.Future, error: Exception | None) -> None:
+    if not future.done():
+        future.set_result(error)

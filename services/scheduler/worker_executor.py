@@ -1,0 +1,83 @@
+"""`GrpcWorkerExecutor`: the engine core's executor, backed by a gpu-worker service.
+
+One unary `ExecuteModel` call per engine step carries that step's plan of diffs.
+Block allocation stays in the scheduler; the worker only runs the plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from pagoda._proto.pagoda.worker.v1 import worker_pb2 as pb
+from pagoda._proto.pagoda.worker.v1 import worker_pb2_grpc as pb_grpc
+from pagoda.core.sched_output import SchedulerOutput
+from pagoda.engine.executor import Executor
+from pagoda.protocol.worker import model_runner_output_from_proto, scheduler_output_to_proto
+from pagoda.services.common.grpc_server import CLIENT_OPTIONS
+from pagoda.services.common.tracing import intercept
+from pagoda.services.scheduler.tracing import step_span
+from pagoda.worker.runner_output import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerUnavailable(RuntimeError):
+    """The worker failed or went away; the replica cannot continue."""
+
+
+class GrpcWorkerExecutor(Executor):
+    """Invariant: `step_id` counts the ExecuteModel calls since InitializeKvCache, and
+    the worker rejects any other, so scheduler and worker never drift apart."""
+
+    def __init__(self, address: str, connect_timeout: float = 600.0,
+                 step_timeout: float | None = 600.0) -> None:
+        self.address = address
+        self.step_timeout = step_timeout
+        self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+        self._stub = pb_grpc.WorkerServiceStub(intercept(self._channel))
+        self._step_id = 0
+        self._wait_until_ready(connect_timeout)
+
+    def _wait_until_ready(self, timeout: float) -> None:
+        """The worker may still be loading its weights: wait for it, logging now and then."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                info = self._stub.GetWorkerInfo(pb.GetWorkerInfoRequest(), timeout=5.0,
+                                                wait_for_ready=True)
+                logger.info("gpu-worker at %s: %s (%s on %s)", self.address, info.model,
+                            info.dtype, info.device)
+                return
+            except grpc.RpcError as exc:
+                if time.monotonic() > deadline:
+                    raise WorkerUnavailable(f"gpu-worker at {self.address} is not reachable: "
+                                            f"{exc.code().name}") from exc
+                logger.info("waiting for the gpu-worker at %s", self.address)
+
+    def determine_num_blocks(self) -> int:
+        return self._call("DetermineNumBlocks", pb.DetermineNumBlocksRequest()).num_blocks
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._call("InitializeKvCache", pb.InitializeKvCacheRequest(num_blocks=num_blocks))
+        self._step_id = 0
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        request = pb.ExecuteModelRequest(step_id=self._step_id,
+                                         scheduler_output=scheduler_output_to_proto(scheduler_output))
+        with step_span(scheduler_output, self._step_id):
+            reply = self._call("ExecuteModel", request, self.step_timeout)
+        self._step_id += 1
+        return model_runner_output_from_proto(reply.model_runner_output)
+
+    def shutdown(self) -> None:
+        self._channel.close()
+
+    def _call(self, method: str, request, timeout: float | None = 600.0):
+        try:
+            return getattr(self._stub, method)(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise WorkerUnavailable(f"gpu-worker at {self.address} failed in {method}: "
+                                    f"{exc.code().name}: {exc.details()}") from exc

@@ -1,0 +1,1 @@
+"""The tokenizer service: encode, chat template, streaming decode (see README.md)."""

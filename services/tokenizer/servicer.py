@@ -1,0 +1,100 @@
+"""The tokenizer service's RPCs over one HF tokenizer."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from pagoda._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as pb
+from pagoda._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
+from pagoda.protocol.tokenizer import chat_input_from_proto
+from pagoda.services.tokenizer.decode_stream import CompletionDecoder, DecodeStep
+from pagoda.tokenizer.chat import render_chat_template
+
+logger = logging.getLogger(__name__)
+
+
+class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
+    """Stateless except for each live DecodeStream's decoders, which die with it."""
+
+    def __init__(self, tokenizer: Any, model: str, eos_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.model = model
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = len(tokenizer)
+
+    def Tokenize(self, request: pb.TokenizeRequest, context: grpc.ServicerContext
+                 ) -> pb.TokenizeResponse:
+        try:
+            if request.WhichOneof("input") == "chat":
+                prompt = render_chat_template(self.tokenizer, **chat_input_from_proto(request.chat))
+                token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            else:
+                prompt = request.prompt
+                token_ids = self.tokenizer.encode(prompt,
+                                                  add_special_tokens=request.add_special_tokens)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:  # a template's own errors (jinja2) are the caller's input
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chat template error: {exc}")
+        response = pb.TokenizeResponse(token_ids=token_ids, prompt=prompt)
+        if request.return_token_strs:
+            response.token_strs.extend(self.tokenizer.convert_ids_to_tokens(token_ids))
+        return response
+
+    def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.ServicerContext
+                   ) -> pb.DetokenizeResponse:
+        bad = [t for t in request.token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"Token id {bad[0]} is out of vocabulary (vocab size {self.vocab_size}).")
+        text = self.tokenizer.decode(list(request.token_ids),
+                                     skip_special_tokens=request.skip_special_tokens)
+        return pb.DetokenizeResponse(text=text)
+
+    def DecodeStream(self, request_iterator: Iterator[pb.DecodeStreamRequest],
+                     context: grpc.ServicerContext) -> Iterator[pb.DecodeStreamResponse]:
+        decoders: dict[str, CompletionDecoder] = {}
+        for request in request_iterator:
+            response = pb.DecodeStreamResponse()
+            for item in request.inputs:
+                result = self._decode_one(decoders, item)
+                if result is not None:
+                    response.results.append(result)
+            yield response
+
+    def GetTokenizerInfo(self, request: pb.GetTokenizerInfoRequest, context: grpc.ServicerContext
+                         ) -> pb.GetTokenizerInfoResponse:
+        return pb.GetTokenizerInfoResponse(
+            model=self.model, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,
+            has_chat_template=getattr(self.tokenizer, "chat_template", None) is not None)
+
+    def _decode_one(self, decoders: dict[str, CompletionDecoder], item: pb.DecodeInput
+                    ) -> pb.DecodeResult | None:
+        if item.release:
+            decoders.pop(item.request_id, None)
+            return None
+        decoder = decoders.get(item.request_id)
+        if decoder is None:
+            if not item.HasField("options"):  # a completion already complete: ignore
+                return None
+            opts = item.options
+            decoder = CompletionDecoder(
+                self.tokenizer, list(opts.prompt_token_ids), opts.skip_special_tokens,
+                opts.spaces_between_special_tokens, list(opts.stop),
+                opts.include_stop_str_in_output)
+            decoders[item.request_id] = decoder
+        step = decoder.update(list(item.token_ids)) if item.token_ids else DecodeStep("", None, 0)
+        if item.finished and not step.complete:
+            final = decoder.finish()
+            step = DecodeStep(step.text + final.text, final.stop_string,
+                              step.num_tokens_used, complete=True)
+        if step.complete:
+            del decoders[item.request_id]
+            return pb.DecodeResult(request_id=item.request_id, complete=pb.DecodeComplete(
+                text=step.text, stop_string=step.stop_string or "",
+                num_tokens_used=step.num_tokens_used))
+        return pb.DecodeResult(request_id=item.request_id, chunk=pb.DecodeChunk(text=step.text))

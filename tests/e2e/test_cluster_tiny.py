@@ -1,0 +1,186 @@
+"""The five services end to end on a tiny random Llama, through the official openai client."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import redis
+from cluster_harness import flag_value, wait_until
+
+from pagoda.config import DEFAULT_PREFIX_HASH_SEED
+from pagoda.core.block_hash import hash_request_tokens
+from pagoda.services.common.redis_server import free_port
+from pagoda.services.kv_cache_manager.index import PrefixIndex
+
+pytestmark = pytest.mark.slow
+GREEDY = dict(temperature=0.0, max_tokens=24)
+
+
+def test_models_list(tiny_client):
+    models = tiny_client.models.list().data
+    assert [m.id for m in models] == ["tiny"] and models[0].model_extra["max_model_len"] == 1024
+
+
+def test_completion_streamed_equals_non_streamed(tiny_client):
+    whole = tiny_client.completions.create(model="tiny", prompt="The capital of France", **GREEDY)
+    chunks = list(tiny_client.completions.create(model="tiny", prompt="The capital of France",
+                                                 stream=True, **GREEDY,
+                                                 stream_options={"include_usage": True}))
+    assert whole.choices[0].text
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+
+
+def test_chat_streamed_equals_non_streamed(tiny_client):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Name three colours."}]
+    whole = tiny_client.chat.completions.create(model="tiny", messages=messages, **GREEDY)
+    chunks = list(tiny_client.chat.completions.create(model="tiny", messages=messages,
+                                                      stream=True, **GREEDY))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_usage_counts_match_the_tokens(tiny_client, tiny_cluster):
+    prompt = "Once upon a time there was"
+    out = tiny_client.completions.create(model="tiny", prompt=prompt, max_tokens=17,
+                                         temperature=0.0, extra_body={"ignore_eos": True})
+    count = httpx.post(f"{tiny_cluster.url[:-3]}/tokenize", json={"prompt": prompt}).json()["count"]
+    assert out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == \
+        (count, 17, count + 17)
+
+
+def test_concurrent_streams_each_get_their_own_text(tiny_client):
+    prompts = [f"Story number {i}: the {w}" for i, w in
+               enumerate(["cat", "dog", "ship", "moon", "tree", "river", "king", "robot"] * 2)]
+    expected = [tiny_client.completions.create(model="tiny", prompt=p, **GREEDY).choices[0].text
+                for p in prompts]
+
+    def stream(prompt: str) -> str:
+        chunks = tiny_client.completions.create(model="tiny", prompt=prompt, stream=True, **GREEDY)
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        got = list(pool.map(stream, prompts))
+    assert got == expected
+    assert len(set(expected)) > 1  # different prompts really gave different texts
+
+
+def test_kv_cache_manager_records_the_scheduler_blocks(tiny_client, tiny_cluster, redis_server):
+    prompt_ids = list(range(1000, 1000 + 40))  # 2 full blocks of 16
+    tiny_client.completions.create(model="tiny", prompt=prompt_ids, max_tokens=2)
+    scheduler = tiny_cluster.service_args("scheduler")
+    instance = f"127.0.0.1:{flag_value(scheduler, '--port')}"
+    model = flag_value(scheduler, "--model")
+    hashes = hash_request_tokens(prompt_ids, 16, DEFAULT_PREFIX_HASH_SEED)
+    index = PrefixIndex(redis.Redis.from_url(redis_server.url))
+    # Events are batched off the step's critical path: give them a moment.
+    assert wait_until(lambda: index.lookup(model, 16, hashes).get(instance) == 2, timeout=10)
+
+
+def test_gateway_stops_cleanly_on_sigterm(tiny_cluster, tiny_client):
+    """A second gateway on the same peers: SIGTERM makes it exit 0, mid-stream or not."""
+    gateway = tiny_cluster.service_args("gateway")
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pagoda.cli.main", "gateway", "--port", str(port),
+         "--tokenizer-addr", flag_value(gateway, "--tokenizer-addr"),
+         "--scheduler-addrs", flag_value(gateway, "--scheduler-addrs")],
+        stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert wait_until(lambda: _healthy(url), timeout=60)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        assert client.completions.create(model="tiny", prompt="Hi", max_tokens=4).choices
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(20) == 0
+        assert "Traceback" not in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+    # The cluster's own gateway is unaffected.
+    assert tiny_client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_bench_serve_prints_one_json_line(tiny_cluster):
+    out = subprocess.run(
+        [sys.executable, "-m", "pagoda.cli.main", "bench", "serve", "--base-url",
+         tiny_cluster.url[:-3], "--num-prompts", "6", "--max-concurrency", "3",
+         "--random-input-len", "20", "--random-output-len", "8"],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["completed"] == 6 and result["errors"] == 0
+    for key in ("output_tokens_per_s", "requests_per_s", "mean_ttft_ms", "p50_ttft_ms",
+                "p99_ttft_ms", "mean_tpot_ms", "p50_tpot_ms", "p99_tpot_ms"):
+        assert result[key] > 0
+    # ignore_eos: every request produced exactly the asked number of tokens.
+    assert result["output_tokens_per_s"] == pytest.approx(6 * 8 / result["elapsed_s"], rel=0.01)
+
+
+def test_client_disconnect_aborts_the_request(tiny_cluster):
+    import grpc
+
+    from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
+    from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
+
+    scheduler = tiny_cluster.service_args("scheduler")
+    channel = grpc.insecure_channel(f"127.0.0.1:{flag_value(scheduler, '--port')}")
+    stub = spb_grpc.SchedulerServiceStub(channel)
+    body = {"model": "tiny", "prompt": "Go on forever", "max_tokens": 1000, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{tiny_cluster.url}/completions", json=body, timeout=60) as resp:
+        chunks = (line for line in resp.iter_lines() if line.startswith("data: "))
+        next(chunks)
+        start = time.monotonic()
+        for _ in range(10):
+            next(chunks)
+        seconds_per_token = (time.monotonic() - start) / 10
+        assert stub.GetLoad(spb.GetLoadRequest()).num_running == 1
+    # The connection is closed: the gateway cancels the scheduler stream, which aborts.
+    closed = time.monotonic()
+    assert wait_until(lambda: stub.GetLoad(spb.GetLoadRequest()).num_running == 0, timeout=5)
+    # ...well before the ~990 tokens left would have taken to generate.
+    assert time.monotonic() - closed < 0.5 * 989 * seconds_per_token
+    load = stub.GetLoad(spb.GetLoadRequest())
+    assert load.num_waiting == 0
+    channel.close()
+
+
+def test_non_streamed_request_is_aborted_when_its_client_leaves(tiny_cluster):
+    import grpc
+
+    from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
+    from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
+
+    scheduler = tiny_cluster.service_args("scheduler")
+    channel = grpc.insecure_channel(f"127.0.0.1:{flag_value(scheduler, '--port')}")
+    stub = spb_grpc.SchedulerServiceStub(channel)
+    body = {"model": "tiny", "prompt": "Go on", "max_tokens": 1000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{tiny_cluster.url}/completions", json=body, timeout=httpx.Timeout(
+            60, read=0.5))
+    running_after_timeout = stub.GetLoad(spb.GetLoadRequest()).num_running
+    left = time.monotonic()
+    assert wait_until(lambda: stub.GetLoad(spb.GetLoadRequest()).num_running == 0, timeout=5)
+    aborted_in = time.monotonic() - left
+    channel.close()
+    # It was still generating when the client left, and stopped soon after.
+    assert running_after_timeout == 1 and aborted_in < 2.5

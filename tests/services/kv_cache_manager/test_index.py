@@ -1,0 +1,72 @@
+"""The prefix index records what schedulers report, in a real Redis."""
+
+from __future__ import annotations
+
+from pagoda._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2 as pb
+from pagoda._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2_grpc as pb_grpc
+from pagoda.core.block_hash import hash_request_tokens
+from pagoda.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from pagoda.protocol.kv_events import publish_request
+from pagoda.services.kv_cache_manager.index import PrefixIndex
+from pagoda.services.kv_cache_manager.servicer import KvCacheManagerServicer
+
+SEED = "test-seed"
+MODEL = "m"
+
+
+def hashes(tokens, block_size=4):
+    return hash_request_tokens(tokens, block_size, SEED)
+
+
+def stored(hs, block_size=4):
+    return BlockStored(list(hs), None, list(range(len(hs) * block_size)), block_size)
+
+
+def test_stored_blocks_give_longest_prefix_per_instance(redis_client):
+    index = PrefixIndex(redis_client)
+    a = hashes(list(range(16)))           # 4 blocks
+    b = hashes(list(range(8)) + [99] * 8)  # shares 2 leading blocks with a
+    index.apply(MODEL, 4, "s1", "e1", 0, [stored(a)])
+    index.apply(MODEL, 4, "s2", "e1", 0, [stored(b[:3])])
+    assert index.lookup(MODEL, 4, a) == {"s1": 4, "s2": 2}
+    assert index.lookup(MODEL, 4, b) == {"s1": 2, "s2": 3}
+    assert index.lookup(MODEL, 4, hashes([7] * 8)) == {}
+
+
+def test_removed_and_cleared_blocks_leave_the_index(redis_client):
+    index = PrefixIndex(redis_client)
+    a = hashes(list(range(16)))
+    index.apply(MODEL, 4, "s1", "e1", 0, [stored(a), BlockRemoved([a[2]])])
+    assert index.lookup(MODEL, 4, a) == {"s1": 2}
+    assert index.instance_blocks(MODEL, 4, "s1") == {a[0], a[1], a[3]}
+    n = index.apply(MODEL, 4, "s1", "e1", 1, [AllBlocksCleared(), stored(a[:1])])
+    assert n == 1
+    assert index.lookup(MODEL, 4, a) == {"s1": 1}
+
+
+def test_new_epoch_drops_the_old_entries(redis_client):
+    index = PrefixIndex(redis_client)
+    a = hashes(list(range(16)))
+    index.apply(MODEL, 4, "s1", "e1", 0, [stored(a)])
+    index.apply(MODEL, 4, "s1", "e2", 0, [stored(a[:1])])
+    assert index.lookup(MODEL, 4, a) == {"s1": 1}
+
+
+def test_namespaces_keep_models_and_block_sizes_apart(redis_client):
+    index = PrefixIndex(redis_client)
+    a = hashes(list(range(16)))
+    index.apply("m1", 4, "s1", "e1", 0, [stored(a)])
+    assert index.lookup("m2", 4, a) == {}
+    assert index.lookup("m1", 8, a) == {}
+    assert index.lookup("m1", 4, a) == {"s1": 4}
+
+
+def test_grpc_publish_then_lookup(redis_client, grpc_server_factory):
+    served = grpc_server_factory(pb_grpc.add_KvCacheManagerServiceServicer_to_server,
+                                 KvCacheManagerServicer(PrefixIndex(redis_client)))
+    stub = pb_grpc.KvCacheManagerServiceStub(served.channel)
+    a = hashes(list(range(12)))
+    reply = stub.PublishKvEvents(publish_request("s1", MODEL, 4, "e1", 0, [stored(a)]))
+    assert reply.num_blocks == 3
+    found = stub.LookupPrefix(pb.LookupPrefixRequest(model=MODEL, block_size=4, block_hashes=a))
+    assert dict(found.num_cached_blocks) == {"s1": 3}
