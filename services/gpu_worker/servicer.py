@@ -56,7 +56,4 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
 def _forget_requests(runner) -> None:
     """A (re)starting scheduler knows none of a previous one's requests: drop their
     batch state so a stale request can never shadow a new one with the same id."""
-    for name in ("states", "generators"):
-        table = getattr(runner, name, None)
-        if isinstance(table, dict):
-            table.clear()
+    runner.reset()

@@ -104,6 +104,11 @@ class ModelRunner:
             sched.max_model_len, self.device)
         self.cuda_graphs.capture()
 
+    def reset(self) -> None:
+        """Forget every request (a restarted scheduler knows none of them)."""
+        self.states.clear()
+        self.generators.clear()
+
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
