@@ -87,4 +87,11 @@ class EngineConfig:
     device: str = "cpu"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # "ray" | "mp" when the worker group has more than one rank; None for one rank.
+    distributed_executor_backend: str | None = None
     enforce_eager: bool = False  # no CUDA graphs
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in this replica's worker group."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size

@@ -18,7 +18,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pagoda import tracing
 from pagoda.services.common.metrics_server import maybe_start_metrics
+from pagoda.services.common.tracing import server_interceptors
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--port", type=int, default=default_port, help="gRPC port.")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="HTTP port for /metrics and /health (0 = off).")
+    tracing.add_cli_args(parser)
 
 
 def stop_event_on_signals() -> threading.Event:
@@ -97,8 +100,10 @@ def serve_sync(
     `servicers`: (add_XServicer_to_server, servicer, full service name) triples.
     """
     stop = stop_event_on_signals()
+    if not tracing.is_enabled():  # a service that makes traced calls turned it on earlier
+        tracing.init_tracing(name, getattr(args, "otlp_traces_endpoint", None))
     server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name),
-                         options=GRPC_OPTIONS)
+                         options=GRPC_OPTIONS, interceptors=server_interceptors())
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [""]
@@ -118,4 +123,5 @@ def serve_sync(
         metrics.stop()
     if on_stop is not None:
         on_stop()
+    tracing.shutdown_tracing()  # flush the spans still buffered
     logger.info("%s stopped", name)

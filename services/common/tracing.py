@@ -28,12 +28,17 @@ from pagoda import tracing
 UNTRACED_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 
 
-def _traced(method: str) -> bool:
-    return tracing.is_enabled() and not method.startswith(UNTRACED_PREFIXES)
+def _name(method: str | bytes) -> str:
+    """`/package.Service/Method` (grpc.aio passes it as bytes) -> `package.Service/Method`."""
+    return (method.decode() if isinstance(method, bytes) else method).lstrip("/")
 
 
-def _attributes(method: str) -> dict[str, str]:
-    service, _, name = method.lstrip("/").rpartition("/")
+def _traced(method: str | bytes) -> bool:
+    return tracing.is_enabled() and not ("/" + _name(method)).startswith(UNTRACED_PREFIXES)
+
+
+def _attributes(method: str | bytes) -> dict[str, str]:
+    service, _, name = _name(method).rpartition("/")
     return {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
 
 
@@ -64,7 +69,7 @@ class ClientInterceptor(grpc.UnaryUnaryClientInterceptor):
     def intercept_unary_unary(self, continuation, details, request):
         if not _traced(details.method):
             return continuation(details, request)
-        span = tracing.get_tracer().start_span(details.method.lstrip("/"), kind=SpanKind.CLIENT,
+        span = tracing.get_tracer().start_span(_name(details.method), kind=SpanKind.CLIENT,
                                                attributes=_attributes(details.method))
         new = _CallDetails(details.method, details.timeout,
                            _metadata_with_context(details.metadata, span), details.credentials,
@@ -83,7 +88,7 @@ class _AioClientBase:
     async def _intercept(self, continuation, details, request):
         if not _traced(details.method):
             return await continuation(details, request)
-        span = tracing.get_tracer().start_span(details.method.lstrip("/"), kind=SpanKind.CLIENT,
+        span = tracing.get_tracer().start_span(_name(details.method), kind=SpanKind.CLIENT,
                                                attributes=_attributes(details.method))
         new = grpc.aio.ClientCallDetails(details.method, details.timeout,
                                          _metadata_with_context(details.metadata, span),
@@ -131,7 +136,7 @@ def intercept(channel: grpc.Channel) -> grpc.Channel:
 # ---------------------------------------------------------------------- servers
 def _server_span(details: grpc.HandlerCallDetails):
     parent = tracing.extract(dict(details.invocation_metadata or ()))
-    return tracing.get_tracer().start_span(details.method.lstrip("/"), context=parent,
+    return tracing.get_tracer().start_span(_name(details.method), context=parent,
                                            kind=SpanKind.SERVER,
                                            attributes=_attributes(details.method)), parent
 

@@ -7,44 +7,61 @@ import time
 from collections.abc import Callable
 
 import grpc
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+import httpx
+from fastapi import FastAPI
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 import pagoda
 from pagoda._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
 from pagoda.protocol.tokenizer import chat_input_to_proto
 from pagoda.services.gateway import openai_routes
-from pagoda.services.gateway.errors import APIError, error_body, from_grpc_error, \
+from pagoda.services.gateway.auth import APIKeyMiddleware
+from pagoda.services.gateway.errors import APIError, from_grpc_error, \
     install_error_handlers
 from pagoda.services.gateway.openai_models import (DetokenizeRequest, TokenizeChatRequest,
                                                    TokenizeCompletionRequest)
+from pagoda.services.gateway.metrics import (ObservabilityMiddleware, PeerMetrics,
+                                             render_cluster_metrics)
+from pagoda.services.gateway.middleware import HttpOptions, install_http_middleware
 from pagoda.services.gateway.peers import Peers
+from pagoda.services.gateway.router import DEFAULT_POLICY
+from pagoda.services.gateway.router_context import RoutingHeaderMiddleware
 from pagoda.services.gateway.state import GatewayState
 from pagoda.tokenizer.chat import normalize_messages
 
 
-def build_app(state: GatewayState, make_peers: Callable[[], Peers]) -> FastAPI:
-    """`make_peers` runs inside the server's event loop (gRPC aio channels bind to it)."""
+def build_app(state: GatewayState, make_peers: Callable[[], Peers],
+              peer_metrics: list[PeerMetrics] | None = None,
+              kv_cache_manager_addr: str | None = None,
+              http_options: HttpOptions | None = None) -> FastAPI:
+    """`make_peers` runs inside the server's event loop (gRPC aio channels bind to it).
+    `peer_metrics`: services whose /metrics the gateway's /metrics includes;
+    `kv_cache_manager_addr`: the router's prefix index (None: routing by load only);
+    `http_options`: CORS settings (default: vLLM's, everything allowed)."""
+    scraper = httpx.AsyncClient() if peer_metrics else None
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         state.peers = make_peers()
+        if kv_cache_manager_addr:
+            state.peers.use_prefix_index(kv_cache_manager_addr)
         state.peers.start()
         yield
         await state.peers.close()
+        if scraper is not None:
+            await scraper.aclose()
 
     app = FastAPI(title="Pagoda", version=pagoda.__version__, lifespan=lifespan)
     app.state.gateway = state
     install_error_handlers(app)
     app.include_router(openai_routes.router)
 
-    @app.middleware("http")
-    async def require_api_key(request: Request, call_next):
-        if request.url.path.startswith("/v1/") and not state.is_authorized(
-                request.headers.get("authorization")):
-            return JSONResponse(error_body("Unauthorized", 401), status_code=401)
-        return await call_next(request)
+    app.add_middleware(APIKeyMiddleware, state=state)
+    app.add_middleware(RoutingHeaderMiddleware)  # X-Session-Id in, X-Pagoda-Instance out
+    # Added after the API-key check, so it wraps it: it counts (and traces) 401s too.
+    app.add_middleware(ObservabilityMiddleware)
+    install_http_middleware(app, http_options)  # CORS and X-Request-Id wrap everything
 
     @app.get("/health")
     async def health() -> Response:
@@ -52,7 +69,9 @@ def build_app(state: GatewayState, make_peers: Callable[[], Peers]) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+        body = (await render_cluster_metrics(peer_metrics, scraper) if scraper is not None
+                else generate_latest(REGISTRY))
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version() -> dict:
@@ -105,6 +124,14 @@ def build_app(state: GatewayState, make_peers: Callable[[], Peers]) -> FastAPI:
 
 
 def create_app(tokenizer_addr: str, scheduler_addrs: list[str],
-               served_model_names: list[str] | None = None, api_key: str | None = None) -> FastAPI:
+               served_model_names: list[str] | None = None, api_key: str | None = None,
+               kv_cache_manager_addr: str | None = None,
+               peer_metrics: list[PeerMetrics] | None = None,
+               http_options: HttpOptions | None = None, router: str = DEFAULT_POLICY,
+               on_fatal: Callable[[str], None] | None = None) -> FastAPI:
+    """`router`: the routing policy; `on_fatal`: called if the cluster cannot be
+    served correctly (block hashes disagree at start-up)."""
     state = GatewayState(None, list(served_model_names or []), api_key)
-    return build_app(state, lambda: Peers(tokenizer_addr, scheduler_addrs))
+    return build_app(state, lambda: Peers(tokenizer_addr, scheduler_addrs, router,
+                                          on_fatal=on_fatal),
+                     peer_metrics, kv_cache_manager_addr, http_options)

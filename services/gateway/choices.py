@@ -4,7 +4,11 @@ Token ids come from the scheduler; text comes from the tokenizer's DecodeStream,
 which also matches stop strings. When a stop string ends the text, the request is
 aborted in the scheduler (closing the stream cancels the call) and the tokens
 after the one that completed the match are dropped, so usage counts only the
-tokens the client's text came from.
+tokens the client's text came from (and so do their logprobs).
+
+Logprob candidates ride the same decode round trip: each input names the ids
+whose text the logprobs need (`decode_token_ids`), so asking for logprobs costs
+no extra call.
 """
 
 from __future__ import annotations
@@ -16,16 +20,21 @@ from dataclasses import dataclass, field
 import grpc
 
 from pagoda._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
-from pagoda.engine.core_types import EngineCoreRequest
+from pagoda.engine.core_types import EngineCoreOutput, EngineCoreRequest
 from pagoda.protocol.tokenizer import decode_options_to_proto
 from pagoda.services.gateway.decode_mux import DecodeMux, DecodeStreamBroken
 from pagoda.services.gateway.errors import APIError, from_grpc_error
+from pagoda.services.gateway.logprobs import TokenLogprob, candidate_ids, token_logprobs
 from pagoda.services.gateway.peers import SchedulerReplica
 
 
 @dataclass
 class ChoiceDelta:
-    """New text of one choice; `finish_reason` set on its last delta."""
+    """New text of one choice; `finish_reason` set on its last delta.
+
+    `logprobs` (when the request asked for them) is parallel to `token_ids`;
+    `prompt_logprobs` (when asked) is the whole prompt's, on the choice's first delta.
+    """
 
     index: int
     text: str
@@ -33,35 +42,90 @@ class ChoiceDelta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+
+
+class _LogprobRows:
+    """A choice's logprobs as they arrive: which ids to decode, then the rows."""
+
+    def __init__(self, request: EngineCoreRequest, discard_output: bool) -> None:
+        params = request.sampling_params
+        self.want_output = params.logprobs is not None
+        self.discard_output = discard_output
+        self.prompt_ids = request.prompt_token_ids
+        self.prompt: list[TokenLogprob] | None = [] if params.prompt_logprobs is not None \
+            else None
+        self._prompt_taken = False
+
+    def ids_to_decode(self, out: EngineCoreOutput, first: bool) -> list[int]:
+        ids = []
+        if self.prompt is not None:
+            if first:  # the first prompt token has no logprob, but echo shows its text
+                ids.append(self.prompt_ids[0])
+            ids += candidate_ids(out.new_prompt_logprobs)
+        if self.want_output and not self.discard_output:
+            ids += candidate_ids(out.new_logprobs)
+        return ids
+
+    def read(self, out: EngineCoreOutput, first: bool, texts) -> list[TokenLogprob] | None:
+        """Consume the decoded texts (in `ids_to_decode` order); the output rows."""
+        texts = iter(texts)
+        if self.prompt is not None:
+            if first:
+                self.prompt.append(TokenLogprob(self.prompt_ids[0], next(texts, "")))
+            rows = token_logprobs(out.new_prompt_logprobs, texts)
+            # A preempted request recomputes its prompt: keep one row per position.
+            self.prompt.extend(rows[:len(self.prompt_ids) - len(self.prompt)])
+        if not self.want_output:
+            return None
+        return [] if self.discard_output else token_logprobs(out.new_logprobs, texts)
+
+    def take_prompt(self) -> list[TokenLogprob] | None:
+        """The prompt's logprobs, once: on the first delta that goes out (the prefill
+        that yields the first token has scored the whole prompt)."""
+        if self.prompt is None or self._prompt_taken:
+            return None
+        self._prompt_taken = True
+        return self.prompt
 
 
 async def stream_choice(replica: SchedulerReplica, mux: DecodeMux, request: EngineCoreRequest,
-                        index: int) -> AsyncIterator[ChoiceDelta]:
-    """Yield the choice's deltas; the last one has a finish_reason. Raises APIError."""
+                        index: int, discard_output: bool = False) -> AsyncIterator[ChoiceDelta]:
+    """Yield the choice's deltas; the last one has a finish_reason. Raises APIError.
+
+    `discard_output`: the caller wants only the prompt's logprobs (completions'
+    echo with max_tokens 0): the generated token is neither decoded nor shown.
+    """
     rid = request.request_id
     options = decode_options_to_proto(request.prompt_token_ids, request.sampling_params)
+    rows = _LogprobRows(request, discard_output)
     outputs = replica.generate(request)
     first, complete = True, False
     try:
         async for out in outputs:
-            item = tpb.DecodeInput(request_id=rid, token_ids=out.new_token_ids,
-                                   finished=out.finished)
+            token_ids = [] if discard_output else out.new_token_ids
+            item = tpb.DecodeInput(request_id=rid, token_ids=token_ids, finished=out.finished,
+                                   decode_token_ids=rows.ids_to_decode(out, first))
             if first:
                 item.options.CopyFrom(options)
-                first = False
+            was_first, first = first, False
             result = await mux.decode(item)
+            logprobs = rows.read(out, was_first, result.decoded_tokens)
             if result.HasField("chunk"):
-                yield ChoiceDelta(index, result.chunk.text, out.new_token_ids,
-                                  num_cached_tokens=out.num_cached_tokens)
+                if token_ids or result.chunk.text:  # not a prompt-logprobs-only message
+                    yield ChoiceDelta(index, result.chunk.text, token_ids,
+                                      num_cached_tokens=out.num_cached_tokens,
+                                      logprobs=logprobs, prompt_logprobs=rows.take_prompt())
                 continue
             complete = True
             done = result.complete
-            if done.stop_string:
-                yield ChoiceDelta(index, done.text, out.new_token_ids[:done.num_tokens_used],
-                                  "stop", done.stop_string, out.num_cached_tokens)
-            else:
-                yield ChoiceDelta(index, done.text, out.new_token_ids, str(out.finish_reason),
-                                  out.stop_reason, out.num_cached_tokens)
+            used = done.num_tokens_used if done.stop_string else len(token_ids)
+            finish = ("stop", done.stop_string) if done.stop_string else \
+                (str(out.finish_reason), out.stop_reason)
+            yield ChoiceDelta(index, done.text, token_ids[:used], *finish, out.num_cached_tokens,
+                              logprobs[:used] if logprobs is not None else None,
+                              rows.take_prompt())
             return
         raise APIError("The scheduler ended the request without finishing it.", 500)
     except grpc.RpcError as exc:

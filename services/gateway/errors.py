@@ -10,6 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+# Seconds a client should wait before retrying a request refused for load.
+RETRY_AFTER_S = 1
 # gRPC status from a peer -> HTTP status the client sees.
 _GRPC_TO_HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: HTTPStatus.BAD_REQUEST,
@@ -24,12 +26,14 @@ class APIError(Exception):
     """An error the client should see as OpenAI error JSON."""
 
     def __init__(self, message: str, status: int = HTTPStatus.BAD_REQUEST,
-                 param: str | None = None, err_type: str | None = None) -> None:
+                 param: str | None = None, err_type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = int(status)
         self.param = param
         self.err_type = err_type or error_type(self.status)
+        self.headers = headers  # e.g. Retry-After on a 503 for load
 
     def body(self) -> dict:
         return error_body(self.message, self.status, self.param, self.err_type)
@@ -58,23 +62,46 @@ def from_grpc_error(exc: grpc.RpcError, peer: str) -> APIError:
     status = _GRPC_TO_HTTP.get(code, HTTPStatus.INTERNAL_SERVER_ERROR)
     if status == HTTPStatus.BAD_REQUEST:
         return APIError(details or "invalid request", status)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # back-pressure, not a failure
+        return APIError(f"The server is overloaded: {details}", status,
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
     return APIError(f"{peer} failed: {code.name}: {details}", status)
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """(message, param) for the first of pydantic's errors: param is the top-level
+    field; the message names the full path (list indices, union members)."""
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ())]
+    if loc[:1] == ["body"]:
+        loc = loc[1:]
+    msg = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+        error = (first.get("ctx") or {}).get("error", "")
+        return f"The request body is not valid JSON: {error or msg}.", None
+    if not loc:
+        if first.get("type") == "missing":
+            return "The request body must be a JSON object.", None
+        return f"The request body must be a JSON object: {msg}", None
+    return f"{'.'.join(loc)}: {msg}", loc[0]
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(UnicodeEncodeError)
+    async def _bad_unicode(_: Request, exc: UnicodeEncodeError) -> JSONResponse:
+        # JSON may escape a lone surrogate ("\ud800"), which no UTF-8 peer accepts.
+        return JSONResponse(error_body(
+            "The request contains text that is not valid Unicode (an unpaired surrogate).",
+            400), status_code=400)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         # vLLM answers 400 (never 422) for a malformed body.
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        message = f"{param}: {first.get('msg', 'invalid request')}" if param else \
-            first.get("msg", "invalid request")
+        message, param = validation_message(exc.errors())
         return JSONResponse(error_body(message, 400, param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)

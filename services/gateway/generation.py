@@ -3,6 +3,9 @@
 A request with P prompts and `n` choices becomes P x n scheduler requests (choice
 index = prompt index * n + i, as vLLM numbers them), all routed to one replica so
 that the choices of a prompt share its cached prefix.
+
+Usage is exact: prompt tokens count once per prompt (not per choice, as OpenAI and
+vLLM count them); completion tokens are the tokens each choice's text came from.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pagoda.services.gateway.errors import APIError
 from pagoda.services.gateway.openai_models import SamplingFields
 from pagoda.services.gateway.peers import Peers
 from pagoda.services.gateway.responses import Usage
+from pagoda.services.gateway.router_dispatch import routed_deltas
 
 
 @dataclass
@@ -28,17 +32,19 @@ class Prompt:
     text: str | None = None
 
 
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_request_id(prefix: str, base: str | None = None) -> str:
+    """The response's id: `prefix-base` (base: the request's X-Request-Id), else random."""
+    return f"{prefix}-{base or uuid.uuid4().hex}"
 
 
-def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int:
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
+                       prompt_param: str = "messages") -> int:
     """vLLM's rule: default to the remaining context; reject what cannot fit."""
     if prompt_len >= max_model_len:
         raise APIError(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
             f"request has {prompt_len} input tokens. Please reduce the length of the input.",
-            param="messages")
+            param=prompt_param)
     if requested is None:
         return max_model_len - prompt_len
     if requested < 1:
@@ -53,27 +59,41 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
 
 
 class Generation:
-    """The scheduler requests of one HTTP request, and their merged deltas."""
+    """The scheduler requests of one HTTP request, and their merged deltas.
+
+    Invariant: construction validates everything the gateway can (types, ranges,
+    vocabulary, context length) and raises APIError before anything is submitted.
+    `echo_only` (completions' echo with max_tokens 0, to score a prompt) generates
+    one token and shows none of it.
+    """
 
     def __init__(self, peers: Peers, request_id: str, prompts: list[Prompt],
-                 body: SamplingFields, max_tokens: int | None) -> None:
+                 body: SamplingFields, max_tokens: int | None,
+                 prompt_param: str = "prompt", unique_id: bool = True,
+                 echo_only: bool = False) -> None:
         body.check_common()
         info = peers.model_info()
-        eos = list(peers.tokenizer_info().eos_token_ids)
+        tokenizer = peers.tokenizer_info()
+        eos = list(tokenizer.eos_token_ids)
         self.peers = peers
         self.request_id = request_id
+        self.user = body.user  # the session key of the `session` router, unless a header says
         self.n = body.n
-        self.usage = Usage(prompt_tokens=sum(len(p.token_ids) for p in prompts) * body.n)
+        self.prompts = prompts
+        self.discard_output = echo_only
+        self.usage = Usage(prompt_tokens=sum(len(p.token_ids) for p in prompts))
         self.requests: list[EngineCoreRequest] = []
+        # Ids in the scheduler must be unique; a client's X-Request-Id may not be.
+        engine_id = request_id if unique_id else f"{request_id}-{uuid.uuid4().hex[:8]}"
         now = time.time()
         for p_idx, prompt in enumerate(prompts):
-            if not prompt.token_ids:
-                raise APIError("The prompt cannot be empty.", param="prompt")
-            limit = resolve_max_tokens(max_tokens, len(prompt.token_ids), info.max_model_len)
-            params = body.to_sampling_params(limit)
+            check_prompt(prompt.token_ids, tokenizer.vocab_size, prompt_param)
+            limit = resolve_max_tokens(1 if self.discard_output else max_tokens,
+                                       len(prompt.token_ids), info.max_model_len, prompt_param)
+            params = body.to_sampling_params(limit, tokenizer.vocab_size)
             for i in range(body.n):
                 self.requests.append(EngineCoreRequest(
-                    request_id=f"{request_id}-{p_idx}-{i}", prompt_token_ids=prompt.token_ids,
+                    request_id=f"{engine_id}-{p_idx}-{i}", prompt_token_ids=prompt.token_ids,
                     sampling_params=params, eos_token_ids=eos, arrival_time=now))
 
     @property
@@ -81,14 +101,28 @@ class Generation:
         return len(self.requests)
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
-        """Every choice's deltas as they come; counts completion tokens into usage."""
-        replica = self.peers.pick_scheduler()
+        """Every choice's deltas as they come; counts completion tokens into usage.
+        The router picks the replica (router_dispatch.py: another one if it refuses)."""
         mux = self.peers.tokenizer.mux
-        streams = [stream_choice(replica, mux, req, index)
-                   for index, req in enumerate(self.requests)]
+
+        def open_streams(replica):
+            return merge_choices([stream_choice(replica, mux, req, index, self.discard_output)
+                                  for index, req in enumerate(self.requests)])
+
         cached: dict[int, int] = {}
-        async for delta in merge_choices(streams):
+        async for delta in routed_deltas(self.peers, self.requests, open_streams, self.user):
             self.usage.completion_tokens += len(delta.token_ids)
             cached[delta.index] = delta.num_cached_tokens
-            self.usage.cached_tokens = sum(cached.values())
+            # Once per prompt, like prompt_tokens: its first choice's count.
+            self.usage.cached_tokens = sum(v for i, v in cached.items() if i % self.n == 0)
             yield delta
+
+
+def check_prompt(token_ids: list[int], vocab_size: int, param: str) -> None:
+    """400 for an empty prompt or a token id outside the tokenizer's vocabulary."""
+    if not token_ids:
+        raise APIError("The prompt cannot be empty.", param=param)
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(f"Token id {bad} is out of vocabulary (vocab size {vocab_size}).",
+                       param=param)

@@ -1,53 +1,102 @@
 """OpenAI request bodies (vLLM's field names), validated by pydantic.
 
-Unknown fields are ignored, as vLLM does. `to_sampling_params` is the one place
-that maps request fields onto `SamplingParams`.
+Unknown fields are ignored, as vLLM does. Types are checked by pydantic (a wrong
+type is a 400, never a 422); integers that travel on the wire are bounded to
+their proto width here, so no value can fail later as a 500. Ranges of sampling
+fields are `SamplingParams`' to check: `to_sampling_params` is the one place that
+maps request fields onto it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagoda.sampling_params import SamplingParams
 from pagoda.services.gateway.errors import APIError
 
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# vLLM's default --max-logprobs: the most top logprobs a request may ask for.
+MAX_LOGPROBS = 20
+# OpenAI's limit on `n` (also keeps one request from flooding a scheduler).
+MAX_N = 128
+# OpenAI's (and vLLM's) bound on a logit bias.
+MAX_LOGIT_BIAS = 100.0
+
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(BaseModel):
-    """The sampling fields chat and completions share."""
+class _Body(BaseModel):
+    # NaN/Infinity are accepted by Python's JSON parser; no sampling field wants them.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
-    model_config = ConfigDict(extra="ignore")
+
+class SamplingFields(_Body):
+    """The fields chat and completions share."""
 
     model: str | None = None
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Annotated[int, Field(le=INT32_MAX)] | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Annotated[int, Field(le=INT32_MAX)] = 0
     max_tokens: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool = False
+    echo: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    # ------------------------------------------------------------ per-API answers
+    def num_logprobs(self) -> int | None:
+        """Top logprobs per generated token; None for no logprobs (each API's own
+        fields say; see the subclasses)."""
+        return None
+
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
+    # ------------------------------------------------------------ validation
+    def check_common(self) -> None:
+        """What pydantic's types cannot say; raises APIError (400)."""
+        if not 1 <= self.n <= MAX_N:
+            raise APIError(f"n must be between 1 and {MAX_N}, got {self.n}.", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise APIError("Stream options can only be defined when `stream=True`.",
+                           param="stream_options")
+        for name, value in (("logprobs", self.num_logprobs()),
+                            ("prompt_logprobs", self.prompt_logprobs)):
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise APIError(f"Requested {name} of {value}; it must be between 0 and the "
+                               f"maximum allowed, {MAX_LOGPROBS}.", param=name)
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError("`prompt_logprobs` are not available when `stream=True`.",
+                           param="prompt_logprobs")
+        for text in ([self.stop] if isinstance(self.stop, str) else self.stop or []):
+            _check_unicode(text, "stop")
+
+    def to_sampling_params(self, max_tokens: int, vocab_size: int) -> SamplingParams:
         """Build (and validate) the engine's params for one completion (n = 1)."""
         try:
             return SamplingParams(
@@ -66,48 +115,104 @@ class SamplingFields(BaseModel):
                 ignore_eos=self.ignore_eos,
                 max_tokens=max_tokens,
                 min_tokens=self.min_tokens,
+                logprobs=self.num_logprobs(),
+                prompt_logprobs=self.num_prompt_logprobs(),
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
-                logit_bias={int(k): v for k, v in self.logit_bias.items()}
-                if self.logit_bias else None,
+                logit_bias=self._logit_bias(vocab_size),
             )
         except ValueError as exc:
-            raise APIError(str(exc), param=_param_of(str(exc))) from exc
+            raise APIError(str(exc), param=_param_of(str(exc))) from None
 
-    def check_common(self) -> None:
-        if self.n < 1:
-            raise APIError(f"n must be at least 1, got {self.n}.", param="n")
-        if self.stream_options is not None and not self.stream:
-            raise APIError("Stream options can only be defined when `stream=True`.",
-                           param="stream_options")
+    def _logit_bias(self, vocab_size: int) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise APIError(f"logit_bias keys must be token ids, got {key!r}.",
+                               param="logit_bias") from None
+            if not 0 <= token_id < vocab_size:
+                raise APIError(f"token_id {token_id} in logit_bias is out of vocabulary "
+                               f"(vocab size {vocab_size}).", param="logit_bias")
+            bias[token_id] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, value))
+        return bias
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
     max_tokens: int | None = 16
+    # Top logprobs per token (OpenAI's legacy field: an integer, at most 5 there).
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        # Echoed prompt tokens carry logprobs too (OpenAI's echo + logprobs).
+        if self.prompt_logprobs is None and self.echo and self.logprobs is not None:
+            return self.logprobs
+        return self.prompt_logprobs
+
+    def check_common(self) -> None:
+        super().check_common()
+        if self.suffix is not None:
+            raise APIError("suffix is not currently supported.", param="suffix")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError("max_tokens must be at least 1 (0 only with echo).",
+                           param="max_tokens")
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens (OpenAI's newer name) wins over max_tokens."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def check_common(self) -> None:
+        if self.top_logprobs is not None:
+            if self.top_logprobs < 0:
+                raise APIError("`top_logprobs` must be a positive value.", param="top_logprobs")
+            if self.top_logprobs > 0 and not self.logprobs:
+                raise APIError("When using `top_logprobs`, `logprobs` must be set to true.",
+                               param="top_logprobs")
+        super().check_common()
+        if isinstance(self.tool_choice, dict) or self.tool_choice == "required":
+            raise APIError("Only tool_choice 'none' and 'auto' are supported (no tool-call "
+                           "parser or structured output yet).", param="tool_choice")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise APIError(f"response_format {kind!r} is not supported yet (no structured "
+                           f"output); only 'text'.", param="response_format")
 
 
-class TokenizeCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TokenizeCompletionRequest(_Body):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TokenizeChatRequest(_Body):
     model: str | None = None
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
@@ -116,15 +221,20 @@ class TokenizeChatRequest(BaseModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int] = Field(...)
+    tokens: list[TokenId] = Field(...)
+
+
+def _check_unicode(text: str, param: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(f"{param} is not valid Unicode (an unpaired surrogate).",
+                       param=param) from None
 
 
 def _param_of(message: str) -> str | None:
     """The SamplingParams field a validation message names (its first word)."""
     first = message.split(" ", 1)[0].rstrip(":")
     return first if first.isidentifier() else None
-
-

@@ -12,13 +12,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagoda._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
 from pagoda.protocol.tokenizer import chat_input_to_proto
-from pagoda.services.gateway.choices import ChoiceDelta
+from pagoda.services.gateway.chunks import ChatChunks, ChunkRenderer, CompletionChunks
 from pagoda.services.gateway.errors import APIError, from_grpc_error
 from pagoda.services.gateway.generation import Generation, Prompt, new_request_id
-from pagoda.services.gateway.openai_models import ChatCompletionRequest, CompletionRequest
-from pagoda.services.gateway.responses import (DONE, ChoiceText, ResponseHeader, chat_body,
-                                               chat_chunk, completion_body, completion_chunk,
-                                               sse, usage_chunk)
+from pagoda.services.gateway.openai_models import (ChatCompletionRequest, CompletionRequest,
+                                                   SamplingFields)
+from pagoda.services.gateway.responses import (DONE, ChoiceText, LogprobsFormat, ResponseHeader,
+                                               chat_body, completion_body, sse)
 from pagoda.services.gateway.state import GatewayState
 from pagoda.tokenizer.chat import normalize_messages
 
@@ -33,15 +33,20 @@ async def create_completion(body: CompletionRequest, request: Request):
     state: GatewayState = request.app.state.gateway
     model = state.check_model(body.model)
     prompts = await tokenize_prompts(state, body.prompt)
-    gen = Generation(state.peers, new_request_id("cmpl"), prompts, body, body.max_tokens)
+    if body.echo:
+        await fill_prompt_texts(state, prompts, body.skip_special_tokens)
+    rid, unique = _request_id(request, "cmpl")
+    gen = Generation(state.peers, rid, prompts, body, body.max_tokens, "prompt", unique,
+                     echo_only=body.echo and body.max_tokens == 0)
     head = ResponseHeader(gen.request_id, model)
-    echo = [p.text or "" for p in prompts for _ in range(body.n)] if body.echo else None
+    fmt = LogprobsFormat(body.num_logprobs(), body.return_tokens_as_token_ids)
+    echoes = [p.text or "" for p in prompts] if body.echo else None
     if body.stream:
-        return await stream_response(
-            gen, lambda d: [completion_chunk(head, d)] if d.text or d.finish_reason else [],
-            head, "text_completion", body)
+        return await stream_response(gen, CompletionChunks(*_renderer_args(head, fmt, gen, body),
+                                                           echoes=echoes), body, request)
     choices = await collect(gen, request)
-    return JSONResponse(completion_body(head, choices, gen.usage, echo))
+    per_choice = [echoes[i // body.n] for i in range(len(choices))] if echoes else None
+    return JSONResponse(completion_body(head, choices, gen.usage, fmt, per_choice))
 
 
 @router.post("/v1/chat/completions")
@@ -55,27 +60,37 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     chat = chat_input_to_proto(messages, body.add_generation_prompt, body.continue_final_message,
                                body.chat_template_kwargs, body.tools)
     reply = await tokenize(state, tpb.TokenizeRequest(chat=chat))
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    gen = Generation(state.peers, new_request_id("chatcmpl"),
-                     [Prompt(list(reply.token_ids), reply.prompt)], body, max_tokens)
+    rid, unique = _request_id(request, "chatcmpl")
+    gen = Generation(state.peers, rid, [Prompt(list(reply.token_ids), reply.prompt)], body,
+                     body.requested_max_tokens(), "messages", unique)
     head = ResponseHeader(gen.request_id, model)
+    fmt = LogprobsFormat(body.num_logprobs(), body.return_tokens_as_token_ids)
+    echo = _chat_echo(messages) if body.echo else ""
     if body.stream:
-        started: set[int] = set()
-
-        def chunks(d: ChoiceDelta) -> list[dict]:
-            out = []
-            if d.index not in started:  # the first chunk of a choice names the role
-                started.add(d.index)
-                out.append(chat_chunk(head, d.index, {"role": "assistant", "content": ""}))
-            if d.text:
-                out.append(chat_chunk(head, d.index, {"content": d.text}))
-            if d.finish_reason is not None:
-                out.append(chat_chunk(head, d.index, {}, d.finish_reason, d.stop_reason))
-            return out
-
-        return await stream_response(gen, chunks, head, "chat.completion.chunk", body)
+        return await stream_response(gen, ChatChunks(*_renderer_args(head, fmt, gen, body),
+                                                     echo=echo), body, request)
     choices = await collect(gen, request)
-    return JSONResponse(chat_body(head, choices, gen.usage))
+    return JSONResponse(chat_body(head, choices, gen.usage, fmt, echo))
+
+
+def _request_id(request: Request, prefix: str) -> tuple[str, bool]:
+    """(response id, whether it is unique): built from the X-Request-Id middleware's id;
+    a client's own id may repeat, so the scheduler's ids then get a random suffix."""
+    base = getattr(request.state, "request_id", None)
+    from_client = bool(getattr(request.state, "request_id_from_client", False))
+    return new_request_id(prefix, base), not from_client
+
+
+def _renderer_args(head: ResponseHeader, fmt: LogprobsFormat, gen: Generation,
+                   body: SamplingFields) -> tuple:
+    continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+    return head, fmt, [len(p.token_ids) for p in gen.prompts], gen.n, continuous
+
+
+def _chat_echo(messages: list[dict]) -> str:
+    """vLLM's chat echo: the last message's content when it is the assistant's own."""
+    last = messages[-1]
+    return (last.get("content") or "") if last.get("role") == "assistant" else ""
 
 
 async def tokenize(state: GatewayState, request: tpb.TokenizeRequest) -> tpb.TokenizeResponse:
@@ -94,19 +109,34 @@ async def tokenize_prompts(state: GatewayState, prompt) -> list[Prompt]:
         raise APIError("The prompt cannot be empty.", param="prompt")
     if all(isinstance(p, int) for p in prompt):
         return [Prompt(list(prompt))]
-    prompts = []
-    for p in prompt:
-        if isinstance(p, str):
-            reply = await tokenize(state, tpb.TokenizeRequest(prompt=p, add_special_tokens=True))
-            prompts.append(Prompt(list(reply.token_ids), p))
-        else:
-            prompts.append(Prompt(list(p)))
-    return prompts
+
+    async def one(p) -> Prompt:
+        if not isinstance(p, str):
+            return Prompt(list(p))
+        reply = await tokenize(state, tpb.TokenizeRequest(prompt=p, add_special_tokens=True))
+        return Prompt(list(reply.token_ids), p)
+
+    return list(await asyncio.gather(*(one(p) for p in prompt)))
+
+
+async def fill_prompt_texts(state: GatewayState, prompts: list[Prompt],
+                            skip_special_tokens: bool) -> None:
+    """Give prompts sent as token ids their text (what `echo` shows)."""
+    vocab = state.peers.tokenizer_info().vocab_size
+    for p in prompts:
+        if p.text is not None or not p.token_ids or not all(0 <= t < vocab for t in p.token_ids):
+            continue  # an invalid prompt is rejected by Generation with a clearer message
+        try:
+            reply = await state.peers.tokenizer.stub.Detokenize(
+                tpb.DetokenizeRequest(token_ids=p.token_ids,
+                                      skip_special_tokens=skip_special_tokens), timeout=60.0)
+        except grpc.RpcError as exc:
+            raise from_grpc_error(exc, "tokenizer") from None
+        p.text = reply.text
 
 
 async def collect(gen: Generation, request: Request) -> list[ChoiceText]:
-    """Run a non-streamed request to the end, or abort it if the client goes away
-    (cancelling the task closes the scheduler streams, which aborts the requests)."""
+    """Run a non-streamed request to the end (or until its client leaves)."""
 
     async def run() -> list[ChoiceText]:
         choices = [ChoiceText() for _ in range(gen.num_choices)]
@@ -114,7 +144,13 @@ async def collect(gen: Generation, request: Request) -> list[ChoiceText]:
             choices[delta.index].add(delta)
         return choices
 
-    task = asyncio.create_task(run())
+    return await until_disconnected(run(), request)
+
+
+async def until_disconnected(awaitable, request: Request):
+    """Await `awaitable`, or cancel it if the client goes away (cancelling closes the
+    scheduler streams, which aborts the requests and frees their KV blocks)."""
+    task = asyncio.ensure_future(awaitable)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
@@ -128,26 +164,29 @@ async def collect(gen: Generation, request: Request) -> list[ChoiceText]:
             await asyncio.gather(task, return_exceptions=True)
 
 
-async def stream_response(gen: Generation, to_chunks, head: ResponseHeader, obj: str, body
-                          ) -> StreamingResponse:
+async def stream_response(gen: Generation, renderer: ChunkRenderer, body: SamplingFields,
+                          request: Request) -> StreamingResponse:
     """SSE of every delta, then usage (if asked) and `data: [DONE]`.
 
     The first delta is awaited before the response starts, so errors found on
-    submission (bad input, no replica) are a plain HTTP error, not an SSE event.
+    submission (bad input, no replica, a full queue) are a plain HTTP error, not an
+    SSE event. A later failure is an error event, then `data: [DONE]`. A client
+    that leaves aborts the request: while it waits for the first token (here) or
+    mid-stream (Starlette cancels `events`).
     """
     deltas = gen.deltas()
-    first = await anext(deltas)
+    first = await until_disconnected(anext(deltas), request)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     async def events() -> AsyncIterator[bytes]:
         try:
-            for chunk in to_chunks(first):
+            for chunk in renderer.chunks(first):
                 yield sse(chunk)
             async for delta in deltas:
-                for chunk in to_chunks(delta):
+                for chunk in renderer.chunks(delta):
                     yield sse(chunk)
             if include_usage:
-                yield sse(usage_chunk(head, obj, gen.usage))
+                yield sse(renderer.usage_chunk(gen.usage))
         except APIError as exc:
             yield sse(exc.body())
         except Exception as exc:  # noqa: BLE001 (the client gets an error event, never a hang)

@@ -1,16 +1,24 @@
 """The gateway's gRPC peers: the tokenizer and the scheduler replicas.
 
 The gateway starts before its peers may be up (as in Kubernetes): a background
-task keeps polling their health and model info, and `/health` answers 503 until
-the tokenizer and at least one scheduler serve.
+task keeps polling their health, model info and load, and `/health` answers 503
+until the tokenizer and at least one routable scheduler serve. Replicas come
+from `--scheduler-addrs` (router_discovery.py: fixed addresses, or DNS names
+re-resolved every few seconds); one that joins is routable after its first
+successful poll (<= HEALTH_POLL_S), one that leaves DNS or stops serving gets no
+new request, and its channel closes once its last request has ended.
+
+When routing uses the prefix index, each replica must first prove that its block
+hashes equal the tokenizer's (router_check.py); a mismatch before the gateway
+was ever ready is fatal (`on_fatal`), later it only keeps that replica out.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -22,12 +30,19 @@ from pagoda._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
 from pagoda.engine.core_types import EngineCoreOutput, EngineCoreRequest
 from pagoda.protocol.scheduler import request_to_proto, response_to_output
 from pagoda.services.common.grpc_server import CLIENT_OPTIONS, STREAM_READER_OPTIONS
+from pagoda.services.common.tracing import aio_client_interceptors
 from pagoda.services.gateway.decode_mux import DecodeMux
-from pagoda.services.gateway.errors import APIError
+from pagoda.services.gateway.errors import APIError, from_grpc_error
+from pagoda.services.gateway.router import DEFAULT_POLICY, Router
+from pagoda.services.gateway.router_check import check_block_hashes
+from pagoda.services.gateway.router_discovery import Discovery, parse_scheduler_addrs
+from pagoda.services.gateway.router_prefix import PrefixIndexClient
 
 logger = logging.getLogger(__name__)
 SERVING = health_pb2.HealthCheckResponse.SERVING
-HEALTH_POLL_S = 2.0
+HEALTH_POLL_S = 1.0
+# Failures before any output that another replica may retry (router_dispatch.py).
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class Peer:
@@ -36,7 +51,8 @@ class Peer:
     def __init__(self, name: str, address: str, options=CLIENT_OPTIONS) -> None:
         self.name = name
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=options)
+        self.channel = grpc.aio.insecure_channel(address, options=options,
+                                                 interceptors=aio_client_interceptors())
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.serving = False
 
@@ -53,23 +69,77 @@ class Peer:
         return serving
 
 
+class ReplicaRefused(APIError):
+    """A replica failed a request before producing any output (retryable elsewhere)."""
+
+    def __init__(self, exc: grpc.RpcError, address: str) -> None:
+        error = from_grpc_error(exc, f"scheduler {address}")
+        super().__init__(error.message, error.status, error.param, error.err_type, error.headers)
+        self.code = exc.code()
+
+
 class SchedulerReplica(Peer):
+    """One model replica, with the load this gateway put on it (router.Route keeps
+    `num_in_flight` and `num_pending_tokens`) and the load it last reported."""
+
     def __init__(self, address: str) -> None:
         super().__init__("scheduler", address, STREAM_READER_OPTIONS)
         self.stub = spb_grpc.SchedulerServiceStub(self.channel)
         self.info: spb.GetModelInfoResponse | None = None
+        self.load: spb.GetLoadResponse | None = None
+        self.hashes_agree: bool | None = None  # None: not checked yet
+        self.removed = False  # left DNS: no new requests, close when idle
+        self.num_in_flight = 0
+        self.num_pending_tokens = 0
+
+    @property
+    def instance_id(self) -> str:
+        return self.info.instance_id if self.info is not None and self.info.instance_id \
+            else self.address
+
+    def is_routable(self) -> bool:
+        return (self.serving and self.info is not None and self.hashes_agree is True
+                and not self.removed)
+
+    def num_requests(self) -> int:
+        """Requests on the replica: ours in flight, or all it reported if more."""
+        import os
+        if os.environ.get("NOREP"):
+            return self.num_in_flight
+        reported = self.load.num_running + self.load.num_waiting if self.load else 0
+        return max(self.num_in_flight, reported)
+
+    def on_refused(self, error: ReplicaRefused) -> None:
+        if error.code == grpc.StatusCode.UNAVAILABLE:
+            self.serving = False  # until the next poll finds it serving again
 
     async def refresh(self) -> None:
-        if await self.check_health() and self.info is None:
+        was_serving = self.serving
+        if not await self.check_health():
+            self.load = None
+            return
+        if self.info is None or not was_serving:  # new, or back (maybe restarted)
             self.info = await self.stub.GetModelInfo(spb.GetModelInfoRequest(), timeout=5.0)
+            self.hashes_agree = None
+        try:
+            self.load = await self.stub.GetLoad(spb.GetLoadRequest(), timeout=2.0)
+        except grpc.RpcError:
+            self.load = None  # load-aware routing then counts only our own requests
 
     async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
         """The request's outputs; closing the iterator early cancels the call, which
-        aborts the request in the scheduler."""
+        aborts the request in the scheduler. Raises ReplicaRefused for a retryable
+        failure before the first output."""
         call = self.stub.Generate(request_to_proto(request))
+        received = False
         try:
             async for message in call:
+                received = True
                 yield response_to_output(request.request_id, message)
+        except grpc.RpcError as exc:
+            if not received and exc.code() in RETRYABLE:
+                raise ReplicaRefused(exc, self.address) from None
+            raise
         finally:
             call.cancel()
 
@@ -88,48 +158,92 @@ class TokenizerPeer(Peer):
 
 
 class Peers:
-    """All peers of one gateway, with round-robin routing over serving schedulers."""
+    """All peers of one gateway and its router. Create inside the event loop."""
 
-    def __init__(self, tokenizer_addr: str, scheduler_addrs: list[str]) -> None:
-        if not scheduler_addrs:
-            raise ValueError("at least one scheduler address is required")
+    def __init__(self, tokenizer_addr: str, scheduler_addrs: str | list[str],
+                 router: str = DEFAULT_POLICY, on_fatal: Callable[[str], None] | None = None,
+                 discovery: Discovery | None = None) -> None:
         self.tokenizer = TokenizerPeer(tokenizer_addr)
-        self.schedulers = [SchedulerReplica(a) for a in scheduler_addrs]
-        self._round_robin = itertools.cycle(range(len(self.schedulers)))
+        self.discovery = discovery or Discovery(parse_scheduler_addrs(scheduler_addrs))
+        self.schedulers = [SchedulerReplica(a) for a in self.discovery.static_addresses()]
+        self.router = Router(router)
+        self.on_fatal = on_fatal
+        self.fatal_error: str | None = None
         self._task: asyncio.Task | None = None
         self.ready = asyncio.Event()
+
+    def use_prefix_index(self, kv_cache_manager_addr: str) -> None:
+        """Route with the cluster prefix index at this address (before `start`)."""
+        self.router.index = PrefixIndexClient(kv_cache_manager_addr)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._poll())
 
     async def refresh(self) -> None:
+        await self._discover()
         await asyncio.gather(self.tokenizer.refresh(), *(s.refresh() for s in self.schedulers),
                              return_exceptions=True)
+        await self._check_hashes()
         if self.is_healthy():
             self.ready.set()
 
     def is_healthy(self) -> bool:
-        return (self.tokenizer.serving and self.tokenizer.info is not None
-                and any(s.serving and s.info is not None for s in self.schedulers))
-
-    def pick_scheduler(self) -> SchedulerReplica:
-        """Round robin over the replicas that serve (the KV-aware router comes later)."""
-        for _ in range(len(self.schedulers)):
-            replica = self.schedulers[next(self._round_robin)]
-            if replica.serving and replica.info is not None:
-                return replica
-        raise APIError("No scheduler replica is available.", 503)
+        return (self.fatal_error is None and self.tokenizer.serving
+                and self.tokenizer.info is not None
+                and any(s.is_routable() for s in self.schedulers))
 
     def model_info(self) -> spb.GetModelInfoResponse:
-        for replica in self.schedulers:
-            if replica.info is not None:
-                return replica.info
+        known = [s for s in self.schedulers if s.info is not None]
+        for replica in sorted(known, key=lambda s: not s.is_routable()):
+            return replica.info
         raise APIError("The model is not loaded yet.", 503)
 
     def tokenizer_info(self) -> tpb.GetTokenizerInfoResponse:
         if self.tokenizer.info is None:
             raise APIError("The tokenizer is not available yet.", 503)
         return self.tokenizer.info
+
+    async def _discover(self) -> None:
+        if not self.discovery.has_dns:
+            return
+        addresses = await self.discovery.addresses(time.monotonic())
+        known = {s.address: s for s in self.schedulers}
+        for address in addresses:
+            if address not in known:
+                logger.info("scheduler replica %s discovered", address)
+                self.schedulers.append(SchedulerReplica(address))
+            elif known[address].removed:
+                known[address].removed = False
+        for replica in list(self.schedulers):
+            replica.removed = replica.address not in addresses
+            if replica.removed and replica.num_in_flight == 0:
+                logger.info("scheduler replica %s left; closing its channel", replica.address)
+                self.schedulers.remove(replica)
+                await replica.channel.close()
+
+    async def _check_hashes(self) -> None:
+        """Run the block-hash check on replicas that (re)joined."""
+        pending = [s for s in self.schedulers if s.serving and s.info is not None
+                   and s.hashes_agree is None]
+        if not pending or self.tokenizer.info is None:
+            return
+        for replica in pending:
+            if self.router.index is None:  # routing never looks at hashes
+                replica.hashes_agree = True
+                continue
+            try:
+                problem = await check_block_hashes(self.tokenizer.stub, replica.stub,
+                                                   replica.info, self.tokenizer.info.vocab_size)
+            except grpc.RpcError:
+                continue  # a peer could not answer now: check again on the next poll
+            replica.hashes_agree = problem is None
+            if problem is None:
+                continue
+            logger.error("scheduler %s: %s; it gets no requests", replica.address, problem)
+            if not self.ready.is_set() and self.fatal_error is None:
+                self.fatal_error = f"scheduler {replica.address}: {problem}"
+                if self.on_fatal is not None:
+                    self.on_fatal(self.fatal_error)
 
     async def _poll(self) -> None:
         while True:
@@ -143,5 +257,6 @@ class Peers:
         if self._task is not None:
             self._task.cancel()
         await self.tokenizer.mux.close()
+        await self.router.close()
         for peer in [self.tokenizer, *self.schedulers]:
             await peer.channel.close()

@@ -1,4 +1,8 @@
-"""OpenAI response bodies and SSE framing, built as plain dicts (cheap per chunk)."""
+"""OpenAI response bodies and SSE framing, built as plain dicts (cheap per chunk).
+
+Non-streamed bodies are assembled here from each choice's accumulated deltas
+(`ChoiceText`); streamed chunks are in `chunks.py`.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 
 from pagoda.services.gateway.choices import ChoiceDelta
+from pagoda.services.gateway.logprobs import (TokenLogprob, chat_logprobs, completion_logprobs,
+                                              prompt_logprobs_json)
 
 DONE = b"data: [DONE]\n\n"
 
@@ -41,25 +47,13 @@ class ResponseHeader:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def completion_chunk(head: ResponseHeader, d: ChoiceDelta) -> dict:
-    return {"id": head.id, "object": "text_completion", "created": head.created,
-            "model": head.model,
-            "choices": [{"index": d.index, "text": d.text, "logprobs": None,
-                         "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]}
+@dataclass
+class LogprobsFormat:
+    """How a request wants logprobs shown: `num_top` alternatives per token (None:
+    no logprobs), and tokens as `token_id:N` instead of text."""
 
-
-def chat_chunk(head: ResponseHeader, index: int, delta: dict, finish_reason: str | None = None,
-               stop_reason: int | str | None = None) -> dict:
-    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    if finish_reason is not None:
-        choice["stop_reason"] = stop_reason
-    return {"id": head.id, "object": "chat.completion.chunk", "created": head.created,
-            "model": head.model, "choices": [choice]}
-
-
-def usage_chunk(head: ResponseHeader, obj: str, usage: Usage) -> dict:
-    return {"id": head.id, "object": obj, "created": head.created, "model": head.model,
-            "choices": [], "usage": usage.as_dict()}
+    num_top: int | None = None
+    as_token_ids: bool = False
 
 
 @dataclass
@@ -69,9 +63,15 @@ class ChoiceText:
     parts: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def add(self, d: ChoiceDelta) -> None:
         self.parts.append(d.text)
+        if d.logprobs:
+            self.logprobs.extend(d.logprobs)
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         if d.finish_reason is not None:
             self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
 
@@ -80,20 +80,43 @@ class ChoiceText:
         return "".join(self.parts)
 
 
+def _prompt_logprobs(c: ChoiceText) -> list | None:
+    return prompt_logprobs_json(c.prompt_logprobs) if c.prompt_logprobs is not None else None
+
+
+def completion_choice(index: int, c: ChoiceText, fmt: LogprobsFormat,
+                      echo: str | None) -> dict:
+    """One completions choice; `echo` is the prompt's text when the request echoes
+    (its tokens, with their logprobs, then lead the choice's logprobs)."""
+    logprobs = None
+    if fmt.num_top is not None:
+        tokens = [*(c.prompt_logprobs or []), *c.logprobs] if echo is not None else c.logprobs
+        logprobs = completion_logprobs(tokens, fmt.num_top, 0, fmt.as_token_ids)
+    return {"index": index, "text": (echo or "") + c.text, "logprobs": logprobs,
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            "prompt_logprobs": _prompt_logprobs(c)}
+
+
 def completion_body(head: ResponseHeader, choices: list[ChoiceText], usage: Usage,
-                    prefixes: list[str] | None = None) -> dict:
+                    fmt: LogprobsFormat, echoes: list[str] | None = None) -> dict:
     return {"id": head.id, "object": "text_completion", "created": head.created,
             "model": head.model,
-            "choices": [{"index": i, "text": (prefixes[i] if prefixes else "") + c.text,
-                         "logprobs": None, "finish_reason": c.finish_reason,
-                         "stop_reason": c.stop_reason} for i, c in enumerate(choices)],
+            "choices": [completion_choice(i, c, fmt, echoes[i] if echoes else None)
+                        for i, c in enumerate(choices)],
             "usage": usage.as_dict()}
 
 
-def chat_body(head: ResponseHeader, choices: list[ChoiceText], usage: Usage) -> dict:
+def chat_body(head: ResponseHeader, choices: list[ChoiceText], usage: Usage,
+              fmt: LogprobsFormat, echo: str = "") -> dict:
+    """`echo`: the last message's content, when the request echoes it (vLLM's chat echo)."""
+    out = []
+    for i, c in enumerate(choices):
+        logprobs = None
+        if fmt.num_top is not None:
+            logprobs = chat_logprobs(c.logprobs, fmt.num_top, fmt.as_token_ids)
+        out.append({"index": i, "message": {"role": "assistant", "content": echo + c.text},
+                    "logprobs": logprobs, "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason})
     return {"id": head.id, "object": "chat.completion", "created": head.created,
-            "model": head.model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                         "logprobs": None, "finish_reason": c.finish_reason,
-                         "stop_reason": c.stop_reason} for i, c in enumerate(choices)],
-            "usage": usage.as_dict()}
+            "model": head.model, "choices": out, "usage": usage.as_dict(),
+            "prompt_logprobs": _prompt_logprobs(choices[0]) if choices else None}

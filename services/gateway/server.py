@@ -7,7 +7,9 @@ import logging
 import os
 import signal
 
+from pagoda import tracing
 from pagoda.services.common.logs import setup_logging
+from pagoda.services.gateway.router import DEFAULT_POLICY, POLICIES
 
 DEFAULT_PORT = 8000
 logger = logging.getLogger(__name__)
@@ -19,26 +21,53 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer-addr", default="127.0.0.1:50051",
                         help="host:port of the tokenizer service.")
     parser.add_argument("--scheduler-addrs", default="127.0.0.1:50052",
-                        help="Comma-separated host:port of the scheduler replicas.")
+                        help="Comma-separated scheduler replicas: host:port, or "
+                             "dns:///NAME:PORT for every address NAME resolves to (re-resolved "
+                             "every few seconds, e.g. a Kubernetes headless Service).")
+    parser.add_argument("--router", default=DEFAULT_POLICY, choices=POLICIES,
+                        help="How requests are spread over the replicas (kv_aware: cached "
+                             "prefix against load; session: sticky by X-Session-Id or `user`).")
     parser.add_argument("--kv-cache-manager-addr", default="127.0.0.1:50054",
-                        help="host:port of the kv-cache-manager (used by the KV-aware router).")
+                        help="host:port of the kv-cache-manager (used by the KV-aware router "
+                             "and the prefix-index probe; '' = none).")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="Names clients may use for the model (default: the scheduler's).")
     parser.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"),
                         help="Require `Authorization: Bearer KEY` on /v1/* "
                              "(default: $PAGODA_API_KEY).")
+    parser.add_argument("--peer-metrics", default=None, metavar="SERVICE=HOST:PORT,...",
+                        help="Other services' /metrics endpoints to include in this "
+                             "gateway's /metrics (one scrape target for a local cluster; "
+                             "their series get instance=HOST:PORT).")
+    tracing.add_cli_args(parser)
+    from pagoda.services.gateway.middleware import add_http_args
+
+    add_http_args(parser)  # CORS: --allowed-origins, --allowed-methods, ...
 
 
 def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagoda.services.gateway.app import create_app
+    from pagoda.services.gateway.metrics import PeerMetrics
+    from pagoda.services.gateway.middleware import HttpOptions
 
     setup_logging("gateway")
+    tracing.init_tracing("gateway", args.otlp_traces_endpoint)
     schedulers = [a.strip() for a in args.scheduler_addrs.split(",") if a.strip()]
-    app = create_app(args.tokenizer_addr, schedulers, args.served_model_name, args.api_key)
-    logger.info("gateway on http://%s:%d (tokenizer %s, schedulers %s)", args.host, args.port,
-                args.tokenizer_addr, ", ".join(schedulers))
+    fatal: list[str] = []
+
+    def on_fatal(message: str) -> None:  # stop serving: uvicorn shuts down on SIGTERM
+        logger.critical("%s", message)
+        fatal.append(message)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    app = create_app(args.tokenizer_addr, schedulers, args.served_model_name, args.api_key,
+                     args.kv_cache_manager_addr or None, PeerMetrics.parse_list(args.peer_metrics),
+                     http_options=HttpOptions.from_args(args), router=args.router,
+                     on_fatal=on_fatal)
+    logger.info("gateway on http://%s:%d (tokenizer %s, schedulers %s, router %s)", args.host,
+                args.port, args.tokenizer_addr, ", ".join(schedulers), args.router)
     # uvicorn handles SIGTERM/SIGINT itself (stop accepting, finish in-flight requests,
     # run the lifespan exit), then re-raises the signal to the handler it found: make
     # that one a no-op so a clean shutdown exits 0 instead of dying by the signal.
@@ -46,5 +75,6 @@ def main(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: None)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=5, access_log=False)
+    tracing.shutdown_tracing()
     logger.info("gateway stopped")
-    return 0
+    return 1 if fatal else 0

@@ -9,7 +9,9 @@ import grpc
 
 from pagoda._proto.pagoda.worker.v1 import worker_pb2 as pb
 from pagoda._proto.pagoda.worker.v1 import worker_pb2_grpc as pb_grpc
+from pagoda.distributed.group_executor import WorkerGroupFailed
 from pagoda.protocol.worker import model_runner_output_to_proto, scheduler_output_from_proto
+from pagoda.services.gpu_worker.metrics import worker_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +50,11 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                               f"step {request.step_id} but expected {self._next_step}: "
                               "the scheduler must call InitializeKvCache first")
             plan = scheduler_output_from_proto(request.scheduler_output)
-            output = self.runner.execute_model(plan)
+            try:
+                with worker_metrics().execute_model.time():
+                    output = self.runner.execute_model(plan)
+            except WorkerGroupFailed as exc:  # a rank of a TP/PP group died: final
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             self._next_step += 1
         return pb.ExecuteModelResponse(model_runner_output=model_runner_output_to_proto(output))
 

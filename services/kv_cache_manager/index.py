@@ -5,83 +5,157 @@ never share entries)::
 
     pagoda:kv:{model}:{block_size}:block:{hash hex}   SET of instance ids holding it
     pagoda:kv:{model}:{block_size}:inst:{id}:blocks   SET of hash hexes the instance holds
-    pagoda:kv:{model}:{block_size}:inst:{id}:meta     HASH epoch, sequence_number, last_seen
-    pagoda:kv:{model}:{block_size}:instances          SET of instance ids
+    pagoda:kv:{model}:{block_size}:inst:{id}:meta     HASH epoch, sequence_number, resync
+    pagoda:kv:{model}:{block_size}:instances          ZSET instance id -> last seen (unix s)
+    pagoda:kv:namespaces                              SET of "{block_size}:{model}"
 
-Invariant: `block:h` contains instance i exactly when `inst:i:blocks` contains h
-(both are written in the same pipeline), so an instance's entries can always be
-dropped completely from its own block set.
+Invariants:
+  * `block:h` contains instance i exactly when `inst:i:blocks` contains h (both
+    are written in the same pipeline), so an instance's entries can always be
+    dropped completely from its own block set;
+  * an instance's batches are applied in order without holes (sequencing.py);
+    otherwise it is marked `resync` and its batches are ignored until the
+    snapshot it owes arrives;
+  * lookups only count instances seen within `heartbeat_timeout`, and `reap`
+    drops the entries of the others, so a dead instance never attracts traffic
+    for longer than the timeout.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import redis
 
 from pagoda.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pagoda.services.kv_cache_manager.sequencing import (Action, Decision, InstanceMeta,
+                                                          decide_batch, decide_heartbeat)
 
 logger = logging.getLogger(__name__)
+NAMESPACES_KEY = "pagoda:kv:namespaces"
+PIPELINE_CHUNK = 5000  # commands per pipeline round trip when copying a snapshot
 
 
 def namespace(model: str, block_size: int) -> str:
     return f"pagoda:kv:{model}:{block_size}"
 
 
+@dataclass(frozen=True)
+class IndexReply:
+    """What the index did with a batch or heartbeat."""
+
+    num_blocks: int
+    decision: Decision
+    restarted: bool = False  # an older epoch of the instance was dropped
+
+    @property
+    def resync_required(self) -> bool:
+        return self.decision.action is Action.RESYNC
+
+
+@dataclass(frozen=True)
+class InstanceInfo:
+    instance_id: str
+    epoch: str
+    num_blocks: int
+    seconds_since_seen: float
+    resync_pending: bool
+
+
 class PrefixIndex:
-    """Applies KV event batches and answers longest-cached-prefix lookups."""
+    """Applies KV event batches and heartbeats; answers longest-cached-prefix lookups."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, heartbeat_timeout: float = 10.0,
+                 clock: Callable[[], float] = time.time) -> None:
         self.redis = client
+        self.heartbeat_timeout = heartbeat_timeout
+        self.clock = clock
 
+    # ------------------------------------------------------------------ writes
     def apply(self, model: str, block_size: int, instance_id: str, epoch: str,
-              sequence_number: int, events: Sequence[KVEvent]) -> int:
-        """Apply one batch in order; returns the instance's block count afterwards.
-
-        A batch from a new epoch (the instance restarted) first drops every entry
-        of the old one: its cache is gone.
-        """
+              sequence_number: int, events: Sequence[KVEvent],
+              snapshot: Sequence[bytes] | None = None) -> IndexReply:
+        """Apply one batch (after `snapshot`, if given: the instance's whole cache)."""
         ns = namespace(model, block_size)
-        meta_key = f"{ns}:inst:{instance_id}:meta"
-        old_epoch, old_seq = self.redis.hmget(meta_key, "epoch", "sequence_number")
-        if old_epoch is not None and old_epoch.decode() != epoch:
-            logger.info("instance %s restarted (epoch %s -> %s): dropping its entries",
-                        instance_id, old_epoch.decode(), epoch)
-            self._clear_instance(ns, instance_id)
-        elif old_seq is not None and sequence_number != int(old_seq) + 1:
-            # Issue 5 turns this into a resync; until then the index may drift.
-            logger.warning("instance %s: KV event batch %d follows %d (events lost)",
-                           instance_id, sequence_number, int(old_seq))
-        pipe = self.redis.pipeline(transaction=False)
-        for event in events:
-            if isinstance(event, AllBlocksCleared):
-                pipe.execute()
-                self._clear_instance(ns, instance_id)
-            elif isinstance(event, BlockStored):
-                self._queue_change(pipe, ns, instance_id, event.block_hashes, add=True)
-            elif isinstance(event, BlockRemoved):
-                self._queue_change(pipe, ns, instance_id, event.block_hashes, add=False)
-        pipe.sadd(f"{ns}:instances", instance_id)
-        pipe.hset(meta_key, mapping={"epoch": epoch, "sequence_number": sequence_number,
-                                     "last_seen": time.time()})
-        pipe.scard(f"{ns}:inst:{instance_id}:blocks")
-        return int(pipe.execute()[-1])
+        meta = self._meta(ns, instance_id)
+        decision = decide_batch(meta, epoch, sequence_number, snapshot is not None)
+        restarted = self._drop_old_epoch(ns, instance_id, meta, epoch, decision)
+        if decision.action is Action.APPLY:
+            if snapshot is not None:
+                if not restarted:  # a snapshot replaces whatever the index held
+                    self._clear_instance(ns, instance_id)
+                self._add_blocks(ns, instance_id, snapshot)
+            self._apply_events(ns, instance_id, events)
+            last, resync = sequence_number, False
+        elif decision.action is Action.RESYNC:
+            if meta is None or decision.drop_old_entries or not meta.resync_pending:
+                logger.warning("instance %s: batch %d cannot be applied (%s), asking for a "
+                               "snapshot", instance_id, sequence_number, decision.reason.value)
+            last = -1 if decision.drop_old_entries else meta.last_sequence_number
+            resync = True
+        else:
+            last, resync = meta.last_sequence_number, False
+        n = self._register(ns, model, block_size, instance_id, epoch, last, resync)
+        return IndexReply(n, decision, restarted)
 
+    def heartbeat(self, model: str, block_size: int, instance_id: str, epoch: str,
+                  num_batches_sent: int) -> IndexReply:
+        """Refresh the instance's registration; RESYNC if it has lost batches."""
+        ns = namespace(model, block_size)
+        meta = self._meta(ns, instance_id)
+        decision = decide_heartbeat(meta, epoch, num_batches_sent)
+        restarted = self._drop_old_epoch(ns, instance_id, meta, epoch, decision)
+        last = -1 if decision.drop_old_entries else meta.last_sequence_number
+        if decision.action is Action.RESYNC and (meta is None or not meta.resync_pending):
+            logger.warning("instance %s: heartbeat says %d batches sent, index has %d (%s); "
+                           "asking for a snapshot", instance_id, num_batches_sent, last + 1,
+                           decision.reason.value)
+        n = self._register(ns, model, block_size, instance_id, epoch, last,
+                           resync=decision.action is Action.RESYNC)
+        return IndexReply(n, decision, restarted)
+
+    def deregister(self, model: str, block_size: int, instance_id: str, epoch: str) -> int:
+        """Drop the instance and its entries (unless a newer epoch registered since);
+        returns how many blocks it had."""
+        ns = namespace(model, block_size)
+        meta = self._meta(ns, instance_id)
+        if meta is not None and meta.epoch != epoch:
+            return 0
+        return self._drop_instance(ns, instance_id)
+
+    def reap(self) -> list[tuple[str, str]]:
+        """Drop every instance not seen within the heartbeat timeout: [(model, id)]."""
+        dropped = []
+        cutoff = self.clock() - self.heartbeat_timeout
+        for model, block_size in self.namespaces():
+            ns = namespace(model, block_size)
+            for raw in self.redis.zrangebyscore(f"{ns}:instances", "-inf", f"({cutoff}"):
+                instance_id = raw.decode()
+                n = self._drop_instance(ns, instance_id)
+                logger.warning("instance %s of %s: no heartbeat for %.0fs, dropped its %d "
+                               "blocks", instance_id, model, self.heartbeat_timeout, n)
+                dropped.append((model, instance_id))
+        return dropped
+
+    # ------------------------------------------------------------------ reads
     def lookup(self, model: str, block_size: int, block_hashes: Sequence[bytes]
                ) -> dict[str, int]:
-        """Instance id -> number of leading blocks of `block_hashes` it holds."""
+        """Live instance id -> number of leading blocks of `block_hashes` it holds."""
         if not block_hashes:
             return {}
         ns = namespace(model, block_size)
         pipe = self.redis.pipeline(transaction=False)
+        pipe.zrangebyscore(f"{ns}:instances", self.clock() - self.heartbeat_timeout, "+inf")
         for h in block_hashes:
             pipe.smembers(f"{ns}:block:{h.hex()}")
+        live, *members_per_block = pipe.execute()
+        alive: set[bytes] = set(live)
         counts: dict[str, int] = {}
-        alive: set[bytes] | None = None
-        for i, members in enumerate(pipe.execute()):
-            alive = set(members) if alive is None else alive & members
+        for i, members in enumerate(members_per_block):
+            alive &= members
             if not alive:
                 break
             for inst in alive:
@@ -93,22 +167,102 @@ class PrefixIndex:
         members = self.redis.smembers(f"{namespace(model, block_size)}:inst:{instance_id}:blocks")
         return {bytes.fromhex(m.decode()) for m in members}
 
-    @staticmethod
-    def _queue_change(pipe, ns: str, instance_id: str, block_hashes: Sequence[bytes],
-                      add: bool) -> None:
-        if not block_hashes:
-            return
-        hexes = [h.hex() for h in block_hashes]
-        blocks_key = f"{ns}:inst:{instance_id}:blocks"
-        for hx in hexes:
-            (pipe.sadd if add else pipe.srem)(f"{ns}:block:{hx}", instance_id)
-        (pipe.sadd if add else pipe.srem)(blocks_key, *hexes)
+    def list_instances(self, model: str, block_size: int) -> list[InstanceInfo]:
+        """The live instances of a namespace, in id order."""
+        ns = namespace(model, block_size)
+        now = self.clock()
+        seen = self.redis.zrangebyscore(f"{ns}:instances", now - self.heartbeat_timeout, "+inf",
+                                        withscores=True)
+        infos = []
+        for raw, last_seen in sorted(seen):
+            instance_id = raw.decode()
+            meta = self._meta(ns, instance_id)
+            infos.append(InstanceInfo(
+                instance_id, meta.epoch if meta else "",
+                self.redis.scard(f"{ns}:inst:{instance_id}:blocks"), now - last_seen,
+                meta.resync_pending if meta else False))
+        return infos
 
-    def _clear_instance(self, ns: str, instance_id: str) -> None:
+    def namespaces(self) -> list[tuple[str, int]]:
+        """Every (model, block_size) the index has seen."""
+        out = []
+        for raw in self.redis.smembers(NAMESPACES_KEY):
+            size, _, model = raw.decode().partition(":")
+            out.append((model, int(size)))
+        return sorted(out)
+
+    # ------------------------------------------------------------------ helpers
+    def _drop_old_epoch(self, ns: str, instance_id: str, meta: InstanceMeta | None, epoch: str,
+                        decision: Decision) -> bool:
+        """Forget a restarted instance's old cache; True if there was one."""
+        if not decision.drop_old_entries or meta is None:
+            return False
+        n = self._clear_instance(ns, instance_id)
+        logger.info("instance %s: epoch %s -> %s, dropped its %d old entries", instance_id,
+                    meta.epoch, epoch, n)
+        return True
+
+    def _meta(self, ns: str, instance_id: str) -> InstanceMeta | None:
+        epoch, seq, resync = self.redis.hmget(f"{ns}:inst:{instance_id}:meta", "epoch",
+                                              "sequence_number", "resync")
+        if epoch is None:
+            return None
+        return InstanceMeta(epoch.decode(), int(seq or -1), resync == b"1")
+
+    def _register(self, ns: str, model: str, block_size: int, instance_id: str, epoch: str,
+                  last_sequence_number: int, resync: bool) -> int:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.sadd(NAMESPACES_KEY, f"{block_size}:{model}")
+        pipe.zadd(f"{ns}:instances", {instance_id: self.clock()})
+        pipe.hset(f"{ns}:inst:{instance_id}:meta", mapping={
+            "epoch": epoch, "sequence_number": last_sequence_number, "resync": int(resync)})
+        pipe.scard(f"{ns}:inst:{instance_id}:blocks")
+        return int(pipe.execute()[-1])
+
+    def _apply_events(self, ns: str, instance_id: str, events: Sequence[KVEvent]) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for event in events:
+            if isinstance(event, AllBlocksCleared):
+                pipe.execute()
+                self._clear_instance(ns, instance_id)
+            elif isinstance(event, BlockStored):
+                _queue_change(pipe, ns, instance_id, event.block_hashes, add=True)
+            elif isinstance(event, BlockRemoved):
+                _queue_change(pipe, ns, instance_id, event.block_hashes, add=False)
+        pipe.execute()
+
+    def _add_blocks(self, ns: str, instance_id: str, block_hashes: Sequence[bytes]) -> None:
+        for start in range(0, len(block_hashes), PIPELINE_CHUNK):
+            pipe = self.redis.pipeline(transaction=False)
+            _queue_change(pipe, ns, instance_id, block_hashes[start:start + PIPELINE_CHUNK],
+                          add=True)
+            pipe.execute()
+
+    def _clear_instance(self, ns: str, instance_id: str) -> int:
         blocks_key = f"{ns}:inst:{instance_id}:blocks"
         hexes = [m.decode() for m in self.redis.smembers(blocks_key)]
+        for start in range(0, len(hexes), PIPELINE_CHUNK):
+            pipe = self.redis.pipeline(transaction=False)
+            for hx in hexes[start:start + PIPELINE_CHUNK]:
+                pipe.srem(f"{ns}:block:{hx}", instance_id)
+            pipe.execute()
+        self.redis.delete(blocks_key)
+        return len(hexes)
+
+    def _drop_instance(self, ns: str, instance_id: str) -> int:
+        n = self._clear_instance(ns, instance_id)
         pipe = self.redis.pipeline(transaction=False)
-        for hx in hexes:
-            pipe.srem(f"{ns}:block:{hx}", instance_id)
-        pipe.delete(blocks_key)
+        pipe.zrem(f"{ns}:instances", instance_id)
+        pipe.delete(f"{ns}:inst:{instance_id}:meta")
         pipe.execute()
+        return n
+
+
+def _queue_change(pipe, ns: str, instance_id: str, block_hashes: Sequence[bytes],
+                  add: bool) -> None:
+    if not block_hashes:
+        return
+    hexes = [h.hex() for h in block_hashes]
+    for hx in hexes:
+        (pipe.sadd if add else pipe.srem)(f"{ns}:block:{hx}", instance_id)
+    (pipe.sadd if add else pipe.srem)(f"{ns}:inst:{instance_id}:blocks", *hexes)

@@ -11,9 +11,12 @@ from pagoda._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2_grpc a
 from pagoda.services.common.grpc_server import add_server_args, serve_sync
 from pagoda.services.common.logs import setup_logging
 from pagoda.services.kv_cache_manager.index import PrefixIndex
+from pagoda.services.kv_cache_manager.metrics import kv_index_metrics
+from pagoda.services.kv_cache_manager.reaper import Reaper
 from pagoda.services.kv_cache_manager.servicer import KvCacheManagerServicer
 
 DEFAULT_PORT = 50054
+DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 SERVICE_NAME = "pagoda.kv_cache_manager.v1.KvCacheManagerService"
 logger = logging.getLogger(__name__)
 
@@ -22,6 +25,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_server_args(parser, DEFAULT_PORT)
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
                         help="Redis holding the cluster prefix index.")
+    parser.add_argument("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT,
+                        help="Seconds without a heartbeat after which an instance's entries "
+                             "are dropped (schedulers beat every --kv-heartbeat-interval).")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -32,8 +38,16 @@ def main(args: argparse.Namespace) -> int:
     except redis.RedisError as exc:
         # Serve anyway: Redis may come up later, and callers degrade meanwhile.
         logger.warning("redis at %s is not reachable yet: %s", args.redis_url, exc)
-    servicer = KvCacheManagerServicer(PrefixIndex(client))
+    index = PrefixIndex(client, heartbeat_timeout=args.heartbeat_timeout)
+    metrics = kv_index_metrics()
+    reaper = Reaper(index, metrics).start()
+
+    def on_stop() -> None:
+        reaper.stop()
+        client.close()
+
+    servicer = KvCacheManagerServicer(index, metrics)
     serve_sync("kv-cache-manager", args,
                [(pb_grpc.add_KvCacheManagerServiceServicer_to_server, servicer, SERVICE_NAME)],
-               on_stop=client.close)
+               on_stop=on_stop)
     return 0

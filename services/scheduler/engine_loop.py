@@ -28,6 +28,10 @@ KvEventsCallback = Callable[[list[KVEvent]], None]
 FailureCallback = Callable[[Exception], None]
 
 
+class QueueFull(Exception):
+    """The waiting queue holds `--max-waiting-requests` requests: come back later."""
+
+
 @dataclass
 class _Add:
     request: EngineCoreRequest
@@ -35,9 +39,14 @@ class _Add:
 
 
 class EngineLoop:
-    """Invariant: every `submit` gets exactly one `on_accept` call (None or the
-    ValueError that rejected it); after a failure every later submit is rejected
-    with the failure."""
+    """Invariant: every `submit` gets exactly one `on_accept` call (None, the
+    ValueError that rejected it, or QueueFull); after a failure every later submit
+    is rejected with the failure.
+
+    Back-pressure: with `max_waiting_requests` set, a submit is refused with
+    QueueFull when the requests waiting in the scheduler plus those posted but not
+    yet applied reach it, so memory stays bounded however fast requests arrive.
+    """
 
     def __init__(self, core: EngineCore, on_outputs: OutputsCallback,
                  on_kv_events: KvEventsCallback, on_failure: FailureCallback,
@@ -50,9 +59,14 @@ class EngineLoop:
         self._cv = threading.Condition()
         self._adds: list[_Add] = []
         self._aborts: list[str] = []
+        self._calls: list[Callable[[], None]] = []  # run on this thread between steps
         self._stopped = False
         self.failure: Exception | None = None
         self.stats = core.get_stats()  # refreshed every step; read by GetLoad
+        self.max_waiting_requests = core.config.scheduler.max_waiting_requests
+        # The scheduler's waiting queue as of the last apply/step (guarded by _cv):
+        # exact after a step, and counts accepted adds until the next one.
+        self._num_waiting = 0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> None:
@@ -63,12 +77,23 @@ class EngineLoop:
             if self.failure is not None:
                 on_accept(self.failure)
                 return
+            limit = self.max_waiting_requests
+            if limit is not None and self._num_waiting + len(self._adds) >= limit:
+                on_accept(QueueFull(f"The scheduler's waiting queue is full ({limit} requests "
+                                    f"waiting); retry later."))
+                return
             self._adds.append(_Add(request, on_accept))
             self._cv.notify()
 
     def abort(self, request_ids: list[str]) -> None:
         with self._cv:
             self._aborts.extend(request_ids)
+            self._cv.notify()
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the engine thread before the next step (it may read the core)."""
+        with self._cv:
+            self._calls.append(fn)
             self._cv.notify()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -81,14 +106,17 @@ class EngineLoop:
         try:
             while True:
                 with self._cv:
-                    while not (self._adds or self._aborts or self._stopped
+                    while not (self._adds or self._aborts or self._calls or self._stopped
                                or self.core.has_unfinished_requests()):
                         self._cv.wait()
                     if self._stopped:
                         return
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, []
+                    calls, self._calls = self._calls, []
                 self._apply(adds, aborts)
+                for fn in calls:
+                    fn()
                 self._step()
         except Exception as exc:  # the worker died, or a bug: fail loudly, never hang
             logger.exception("engine loop failed")
@@ -100,6 +128,7 @@ class EngineLoop:
             self._on_failure(exc)
 
     def _apply(self, adds: list[_Add], aborts: list[str]) -> None:
+        accepted = 0
         for add in adds:
             try:
                 self.core.add_request(add.request)
@@ -108,14 +137,19 @@ class EngineLoop:
             else:
                 if self._recorder is not None:
                     self._recorder.on_add(add.request)
+                accepted += 1
                 add.on_accept(None)
         if aborts:
             self.core.abort_requests(aborts)
+        with self._cv:
+            self._num_waiting += accepted
 
     def _step(self) -> None:
         step_start = time.time()
         outputs = self.core.step()
         self.stats = self.core.get_stats()
+        with self._cv:
+            self._num_waiting = self.stats.num_waiting
         if self._recorder is not None:  # before dispatch: a finished request is counted
             self._recorder.on_step(self.core, step_start, outputs, self.stats)
         if outputs:

@@ -39,9 +39,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="This replica's id in the cluster index (default: host:port).")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="Names clients may use for the model (default: the model argument).")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="On SIGTERM: seconds in-flight requests get to finish before they "
+                             "are aborted (new ones are refused at once).")
+    parser.add_argument("--kv-heartbeat-interval", type=float, default=1.0,
+                        help="Seconds between heartbeats to the kv-cache-manager when no KV "
+                             "event batch went out (keep it well under its --heartbeat-timeout).")
     EngineArgs.add_cli_args(parser)
     stat_logger.add_cli_args(parser)
-    tracing.add_cli_args(parser)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -60,7 +65,7 @@ def main(args: argparse.Namespace) -> int:
         model=config.model, max_model_len=config.scheduler.max_model_len,
         block_size=config.cache.block_size, num_gpu_blocks=config.cache.num_blocks,
         instance_id=instance_id, prefix_hash_seed=config.cache.prefix_hash_seed,
-        served_model_name=config.served_model_name)
+        served_model_name=config.served_model_name, epoch=uuid.uuid4().hex)
     recorder, stats_thread = build_recorder(config, args)
     try:
         asyncio.run(_serve(args, core, info, config.arch.eos_token_ids, recorder))
@@ -74,6 +79,7 @@ def main(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,
                  eos_token_ids: list[int], recorder=None) -> None:
+    from pagoda.services.scheduler.drain import drain
     from pagoda.services.scheduler.engine_loop import EngineLoop
     from pagoda.services.scheduler.kv_publisher import KvEventPublisher
     from pagoda.services.scheduler.metrics import KvPublisherMetrics
@@ -83,8 +89,9 @@ async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,
     publisher = None
     if args.kv_cache_manager_addr:
         publisher = KvEventPublisher(args.kv_cache_manager_addr, info.instance_id, info.model,
-                                     info.block_size, uuid.uuid4().hex,
-                                     metrics=KvPublisherMetrics(info.served_model_name[0])).start()
+                                     info.block_size, info.epoch,
+                                     metrics=KvPublisherMetrics(info.served_model_name[0]),
+                                     heartbeat_interval=args.kv_heartbeat_interval).start()
     health_servicer = health.aio.HealthServicer()
     servicer: SchedulerServicer | None = None
 
@@ -98,6 +105,9 @@ async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,
                         recorder)
     servicer = SchedulerServicer(engine, info, eos_token_ids)
     servicer.bind_loop(loop)
+    if publisher is not None:  # a resync's snapshot is taken on the engine thread
+        publisher.snapshot_source = lambda deliver: engine.call_soon(
+            lambda: deliver(core.cached_block_hashes()))
 
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=aio_server_interceptors())
     pb_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
@@ -107,19 +117,19 @@ async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,
     engine.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, SERVING)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    metrics = maybe_start_metrics(args.host, args.metrics_port, lambda: engine.failure is None)
+    stop, force = asyncio.Event(), asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the second signal cuts the drain short
+        loop.add_signal_handler(sig, lambda: force.set() if stop.is_set() else stop.set())
+    metrics = maybe_start_metrics(args.host, args.metrics_port,
+                                  lambda: engine.failure is None and not servicer.draining)
     logger.info("scheduler %s listening on %s:%d (%d KV blocks of %d tokens)", info.instance_id,
                 args.host, port, info.num_gpu_blocks, info.block_size)
     await stop.wait()
     logger.info("shutting down")
-    await health_servicer.enter_graceful_shutdown()
-    await server.stop(grace=5.0)
+    await drain(servicer, health_servicer, args.drain_timeout, force)
+    await server.stop(grace=1.0)
     engine.stop()
     if publisher is not None:
-        publisher.stop()
-    if metrics is not None:
-        metrics.stop()
+        publisher.stop(deregister=True)
+    # `metrics` stays open until the process exits (see drain.py): never stop it here.
     logger.info("scheduler stopped")

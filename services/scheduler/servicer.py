@@ -13,11 +13,13 @@ import logging
 
 import grpc
 
+from pagoda._proto.pagoda.common.v1 import common_pb2 as cpb
 from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2 as pb
 from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from pagoda.engine.core_types import EngineCoreOutput
+from pagoda.protocol.kv_events import hash_blocks
 from pagoda.protocol.scheduler import outputs_to_responses, request_from_proto
-from pagoda.services.scheduler.engine_loop import EngineLoop
+from pagoda.services.scheduler.engine_loop import EngineLoop, QueueFull
 from pagoda.services.scheduler.tracing import REQUEST_SPANS
 
 logger = logging.getLogger(__name__)
@@ -47,9 +49,15 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         self.default_eos = default_eos_token_ids
         self._streams: dict[str, _RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.draining = False  # set by drain.py: refuse new requests, finish the rest
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests whose streams are open (accepted or being accepted)."""
+        return len(self._streams)
 
     # ------------------------------------------------------------ engine thread -> loop
     def on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
@@ -74,6 +82,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         if self.engine.failure is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"replica failed: {self.engine.failure}")
+        if self.draining:  # refused before acceptance: the gateway retries elsewhere
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "replica is draining")
         try:
             core_request = request_from_proto(request)
         except ValueError as exc:
@@ -92,6 +102,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             if error is not None:
                 finished = True  # rejected: nothing to abort
                 code = (grpc.StatusCode.INVALID_ARGUMENT if isinstance(error, ValueError)
+                        else grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(error, QueueFull)
                         else grpc.StatusCode.UNAVAILABLE)
                 await context.abort(code, str(error))
             while not finished:
@@ -123,6 +134,12 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         self.engine.submit(core_request, on_accept)
         return await accepted
 
+    def abort_all(self) -> int:
+        """Abort every request in flight (a drain that ran out of time)."""
+        ids = list(self._streams)
+        self.engine.abort(ids)
+        return len(ids)
+
     async def AbortRequests(self, request: pb.AbortRequestsRequest, context
                             ) -> pb.AbortRequestsResponse:
         self.engine.abort(list(request.request_ids))
@@ -134,11 +151,28 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             num_running=s.num_running, num_waiting=s.num_waiting,
             kv_cache_usage=s.kv_cache_usage, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
-            serving=self.engine.failure is None)
+            serving=self.engine.failure is None and not self.draining, draining=self.draining)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context
                            ) -> pb.GetModelInfoResponse:
         return self.model_info
+
+    async def HashBlocks(self, request: cpb.HashBlocksRequest, context) -> cpb.HashBlocksResponse:
+        try:
+            return hash_blocks(request, self.model_info.prefix_hash_seed)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def GetCachedBlocks(self, request: pb.GetCachedBlocksRequest, context
+                              ) -> pb.GetCachedBlocksResponse:
+        if self.engine.failure is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"replica failed: {self.engine.failure}")
+        done = self._loop.create_future()
+        core = self.engine.core
+        self.engine.call_soon(lambda: self._loop.call_soon_threadsafe(
+            _resolve, done, core.cached_block_hashes()))
+        hashes = await asyncio.wait_for(done, timeout=30.0)
+        return pb.GetCachedBlocksResponse(block_hashes=hashes, epoch=self.model_info.epoch)
 
 
 def _resolve(future: asyncio.Future, error: Exception | None) -> None:

@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from pagoda._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
+from pagoda.config import DEFAULT_PREFIX_HASH_SEED
 from pagoda.services.common.grpc_server import add_server_args, serve_sync
 from pagoda.services.common.logs import setup_logging
 
@@ -19,9 +20,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="HF safetensors directory or GGUF file (default: SmolLM2-135M-Instruct).")
     parser.add_argument("--tokenizer", default=None, help="Tokenizer path (default: the model's).")
+    parser.add_argument("--prefix-cache-hash-seed", default=DEFAULT_PREFIX_HASH_SEED,
+                        help="Seed of the prefix-cache block hashes (HashBlocks); must equal "
+                             "the schedulers'.")
 
 
-def build_servicer(model: str | None, tokenizer_path: str | None = None):
+def build_servicer(model: str | None, tokenizer_path: str | None = None,
+                   prefix_hash_seed: str = DEFAULT_PREFIX_HASH_SEED):
     from pagoda.model.loader import load_arch_config, resolve_model_path
     from pagoda.services.tokenizer.servicer import TokenizerServicer
     from pagoda.tokenizer.loader import load_tokenizer
@@ -32,12 +37,12 @@ def build_servicer(model: str | None, tokenizer_path: str | None = None):
     if not eos and tokenizer.eos_token_id is not None:
         eos = [tokenizer.eos_token_id]
     logger.info("tokenizer of %s loaded (vocab %d)", model_path, len(tokenizer))
-    return TokenizerServicer(tokenizer, model_path, eos)
+    return TokenizerServicer(tokenizer, model_path, eos, prefix_hash_seed)
 
 
 def main(args: argparse.Namespace) -> int:
     setup_logging("tokenizer")
-    servicer = build_servicer(args.model, args.tokenizer)
+    servicer = build_servicer(args.model, args.tokenizer, args.prefix_cache_hash_seed)
     serve_sync("tokenizer", args,
                [(pb_grpc.add_TokenizerServiceServicer_to_server, servicer, SERVICE_NAME)],
                max_workers=16)

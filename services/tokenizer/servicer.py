@@ -8,10 +8,14 @@ from typing import Any
 
 import grpc
 
+from pagoda._proto.pagoda.common.v1 import common_pb2 as cpb
 from pagoda._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as pb
 from pagoda._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
+from pagoda.config import DEFAULT_PREFIX_HASH_SEED
+from pagoda.protocol.kv_events import hash_blocks
 from pagoda.protocol.tokenizer import chat_input_from_proto
 from pagoda.services.tokenizer.decode_stream import CompletionDecoder, DecodeStep
+from pagoda.services.tokenizer.metrics import timed, tokenizer_metrics
 from pagoda.tokenizer.chat import render_chat_template
 
 logger = logging.getLogger(__name__)
@@ -20,12 +24,18 @@ logger = logging.getLogger(__name__)
 class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
     """Stateless except for each live DecodeStream's decoders, which die with it."""
 
-    def __init__(self, tokenizer: Any, model: str, eos_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Any, model: str, eos_token_ids: list[int],
+                 prefix_hash_seed: str = DEFAULT_PREFIX_HASH_SEED) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.eos_token_ids = eos_token_ids
+        self.prefix_hash_seed = prefix_hash_seed
         self.vocab_size = len(tokenizer)
+        # id -> decode([id]); a pure function of the id, so it is cached for good
+        # (bounded by the vocabulary). Logprobs ask for the same few ids again and again.
+        self._token_strs: dict[int, str] = {}
 
+    @timed("Tokenize")
     def Tokenize(self, request: pb.TokenizeRequest, context: grpc.ServicerContext
                  ) -> pb.TokenizeResponse:
         try:
@@ -41,10 +51,12 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         except Exception as exc:  # a template's own errors (jinja2) are the caller's input
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chat template error: {exc}")
         response = pb.TokenizeResponse(token_ids=token_ids, prompt=prompt)
+        tokenizer_metrics().tokens.labels("Tokenize").inc(len(token_ids))
         if request.return_token_strs:
             response.token_strs.extend(self.tokenizer.convert_ids_to_tokens(token_ids))
         return response
 
+    @timed("Detokenize")
     def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.ServicerContext
                    ) -> pb.DetokenizeResponse:
         bad = [t for t in request.token_ids if not 0 <= t < self.vocab_size]
@@ -58,12 +70,15 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
     def DecodeStream(self, request_iterator: Iterator[pb.DecodeStreamRequest],
                      context: grpc.ServicerContext) -> Iterator[pb.DecodeStreamResponse]:
         decoders: dict[str, CompletionDecoder] = {}
+        metrics = tokenizer_metrics()
         for request in request_iterator:
             response = pb.DecodeStreamResponse()
-            for item in request.inputs:
-                result = self._decode_one(decoders, item)
-                if result is not None:
-                    response.results.append(result)
+            with metrics.time("DecodeStream"):
+                for item in request.inputs:
+                    result = self._decode_one(decoders, item)
+                    if result is not None:
+                        response.results.append(result)
+            metrics.tokens.labels("DecodeStream").inc(sum(len(i.token_ids) for i in request.inputs))
             yield response
 
     def GetTokenizerInfo(self, request: pb.GetTokenizerInfoRequest, context: grpc.ServicerContext
@@ -71,6 +86,13 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         return pb.GetTokenizerInfoResponse(
             model=self.model, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,
             has_chat_template=getattr(self.tokenizer, "chat_template", None) is not None)
+
+    def HashBlocks(self, request: cpb.HashBlocksRequest, context: grpc.ServicerContext
+                   ) -> cpb.HashBlocksResponse:
+        try:
+            return hash_blocks(request, self.prefix_hash_seed)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     def _decode_one(self, decoders: dict[str, CompletionDecoder], item: pb.DecodeInput
                     ) -> pb.DecodeResult | None:
@@ -92,9 +114,24 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
             final = decoder.finish()
             step = DecodeStep(step.text + final.text, final.stop_string,
                               step.num_tokens_used, complete=True)
+        decoded = self.decode_tokens(item.decode_token_ids)
         if step.complete:
             del decoders[item.request_id]
             return pb.DecodeResult(request_id=item.request_id, complete=pb.DecodeComplete(
                 text=step.text, stop_string=step.stop_string or "",
-                num_tokens_used=step.num_tokens_used))
-        return pb.DecodeResult(request_id=item.request_id, chunk=pb.DecodeChunk(text=step.text))
+                num_tokens_used=step.num_tokens_used), decoded_tokens=decoded)
+        return pb.DecodeResult(request_id=item.request_id, chunk=pb.DecodeChunk(text=step.text),
+                               decoded_tokens=decoded)
+
+    def decode_tokens(self, token_ids) -> list[str]:
+        """Each id decoded on its own, special tokens kept (vLLM's logprob token text)."""
+        out = []
+        for token_id in token_ids:
+            text = self._token_strs.get(token_id)
+            if text is None:
+                if not 0 <= token_id < self.vocab_size:
+                    out.append("")
+                    continue
+                text = self._token_strs[token_id] = self.tokenizer.decode([token_id])
+            out.append(text)
+        return out

@@ -5,7 +5,10 @@
     supervisor, which then stops them gateway-first) and dies with the supervisor
     even if the supervisor is killed (PR_SET_PDEATHSIG);
   * the cluster is "up" only when every service answers its health check;
-  * if any service exits, `wait()` returns its name, exit code and last log lines.
+  * if any service exits, `watch()` returns it (its name, exit code and last log
+    lines go into ServiceFailed) -- unless it belongs to one of several model
+    replicas: then that replica's other process is stopped too, and the cluster
+    goes on with the remaining replicas.
 """
 
 from __future__ import annotations
@@ -37,8 +40,13 @@ class ServiceProcess:
     argv: list[str]
     address: str  # host:port
     http_health: bool = False  # gateway: GET /health; others: gRPC health
+    kind: str = ""  # the command (SERVICE_ORDER); defaults to the name
+    replica: int | None = None  # which model replica a scheduler/gpu-worker belongs to
     process: subprocess.Popen | None = None
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=LOG_TAIL_LINES))
+
+    def __post_init__(self) -> None:
+        self.kind = self.kind or self.name
 
     @property
     def pid(self) -> int | None:
@@ -82,13 +90,22 @@ class LocalCluster:
 
     def __init__(self, services: list[ServiceProcess], log_stream=None) -> None:
         self.services = {s.name: s for s in services}
+        self.retired: list[ServiceProcess] = []  # replicas dropped by watch(), reaped by stop()
         self.log_stream = log_stream if log_stream is not None else sys.stderr
         self._log_lock = threading.Lock()
 
+    def ordered(self) -> list[ServiceProcess]:
+        """Services in start order (by kind, then name)."""
+        return sorted(self.services.values(),
+                      key=lambda s: (SERVICE_ORDER.index(s.kind), s.name))
+
     def start(self) -> None:
-        for name in SERVICE_ORDER:
-            if name in self.services:
-                self._spawn(self.services[name])
+        for service in self.ordered():
+            self._spawn(service)
+
+    def restart(self, name: str) -> None:
+        """Start an exited service again with the same command line (tests)."""
+        self._spawn(self.services[name])
 
     def _spawn(self, service: ServiceProcess) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -117,7 +134,7 @@ class LocalCluster:
     def wait_healthy(self, timeout: float, stop: threading.Event | None = None) -> None:
         """Return once every service is healthy; raise ServiceFailed or TimeoutError."""
         deadline = time.monotonic() + timeout
-        pending = [self.services[n] for n in SERVICE_ORDER if n in self.services]
+        pending = self.ordered()
         while pending:
             failed = self.failed_service()
             if failed is not None:
@@ -132,21 +149,50 @@ class LocalCluster:
                 time.sleep(0.25)
 
     def watch(self, stop: threading.Event, poll: float = 0.2) -> ServiceProcess | None:
-        """Block until `stop` is set (-> None) or a service exits (-> it)."""
+        """Block until `stop` is set (-> None) or a service exits (-> it), outliving
+        the loss of model replicas while at least one remains."""
         while not stop.wait(poll):
             failed = self.failed_service()
-            if failed is not None:
+            if failed is None:
+                continue
+            if not self._drop_replica(failed):
                 return failed
         return None
 
-    def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM each service, gateway first; SIGKILL what is still alive at the deadline."""
-        order = [self.services[n] for n in reversed(SERVICE_ORDER) if n in self.services]
-        for service in order:
+    def _drop_replica(self, failed: ServiceProcess) -> bool:
+        """Retire the replica `failed` belongs to, if another one serves on."""
+        replicas = {s.replica for s in self.services.values() if s.replica is not None}
+        if failed.replica is None or len(replicas) < 2:
+            return False
+        retired = [s for s in self.services.values() if s.replica == failed.replica]
+        for service in retired:
+            del self.services[service.name]
+            self.retired.append(service)
             if service.process is not None and service.process.poll() is None:
                 service.process.send_signal(signal.SIGTERM)
-                if service.name == "gateway":  # let in-flight HTTP requests end first
-                    _wait(service.process, timeout / 3)
+        with self._log_lock:
+            self.log_stream.write(
+                f"[pagoda serve] {failed.name} exited with code {failed.process.returncode}: "
+                f"replica {failed.replica} retired, {len(replicas) - 1} replica(s) serve on\n")
+            self.log_stream.flush()
+        return True
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM the services in reverse start order; SIGKILL what is still alive at the
+        deadline. The gateway goes first and the schedulers next, each waited for (a
+        third of `timeout` at most): in-flight HTTP requests end, then the schedulers
+        drain and deregister from the kv-cache-manager while it still runs."""
+        order = list(reversed(self.ordered())) + self.retired
+        for kind in ("gateway", "scheduler", None):
+            group = [s for s in order if kind is None or s.kind == kind]
+            for service in group:
+                if service.process is not None and service.process.poll() is None:
+                    service.process.send_signal(signal.SIGTERM)
+            if kind is not None:
+                deadline = time.monotonic() + timeout / 3
+                for service in group:
+                    if service.process is not None:
+                        _wait(service.process, max(0.0, deadline - time.monotonic()))
         deadline = time.monotonic() + timeout
         for service in order:
             if service.process is not None:

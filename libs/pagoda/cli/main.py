@@ -16,10 +16,13 @@ import sys
 COMMAND_MODULES = [
     "pagoda.cli.serve",      # pagoda serve
     "pagoda.cli.services",   # pagoda gateway | tokenizer | scheduler | gpu-worker | kv-cache-manager
+    "pagoda.cli.chat",       # pagoda chat
+    "pagoda.cli.complete",   # pagoda complete
 ]
 BENCH_MODULES = [
     "pagoda.bench.throughput",  # pagoda bench throughput
     "pagoda.bench.serve",       # pagoda bench serve
+    "pagoda.bench.routing",     # pagoda bench routing
 ]
 
 

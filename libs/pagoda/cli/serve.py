@@ -1,9 +1,11 @@
 """`pagoda serve [MODEL]`: the whole cluster on this machine, one process per service.
 
 Starts a private Redis (unless `--redis-url`), the kv-cache-manager, tokenizer,
-gpu-worker, scheduler and gateway on free loopback ports (the gateway on
+`--data-parallel-size` model replicas (a gpu-worker and a scheduler each) and the
+gateway (routing with `--router`) on free loopback ports (the gateway on
 `--host:--port`), waits until each is healthy, prints the URL, and stops them all
-on Ctrl-C/SIGTERM. If a service dies it stops the rest and exits 1, naming it.
+on Ctrl-C/SIGTERM. If a service dies it stops the rest and exits 1, naming it;
+with several replicas, a replica that dies is reported and the others serve on.
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ import signal
 import sys
 import threading
 
+from pagoda import tracing
 from pagoda.cli.local_cluster import LocalCluster, ServiceFailed, ServiceProcess, die_with_parent
+from pagoda.metrics import stat_logger
+from pagoda.services.gateway.middleware import add_http_args, http_flags
+from pagoda.services.gateway.router import DEFAULT_POLICY, POLICIES
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -35,8 +41,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="Require `Authorization: Bearer KEY` (default: $PAGODA_API_KEY).")
     parser.add_argument("--startup-timeout", type=float, default=900.0,
                         help="Seconds to wait for every service to become healthy.")
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="Model replicas: each is a scheduler and its gpu-worker, behind the "
+                             "one gateway. With several, a replica that exits is reported and "
+                             "the rest keep serving.")
+    parser.add_argument("--router", default=DEFAULT_POLICY, choices=POLICIES,
+                        help="How the gateway spreads requests over the replicas.")
     group = parser.add_argument_group("engine (passed to the scheduler and the gpu-worker)")
     EngineArgs.add_cli_args(group)
+    add_http_args(parser.add_argument_group("HTTP (passed to the gateway)"))
+    observability = parser.add_argument_group(
+        "observability (the gateway's /metrics includes every service's)")
+    stat_logger.add_cli_args(observability)
+    tracing.add_cli_args(observability)
     parser.set_defaults(func=run)
     return parser
 
@@ -65,41 +82,69 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def replica_name(kind: str, index: int, num_replicas: int) -> str:
+    """`scheduler` with one replica; `scheduler-0`, `scheduler-1`, ... with several."""
+    return kind if num_replicas == 1 else f"{kind}-{index}"
+
+
 def build_services(args: argparse.Namespace, redis_url: str) -> list[ServiceProcess]:
+    """The processes of the cluster: one kv-cache-manager, tokenizer and gateway, and
+    `--data-parallel-size` model replicas (a scheduler and its gpu-worker each)."""
     from pagoda.services.common.redis_server import free_port
 
     loopback = "127.0.0.1"
-    ports = {name: free_port() for name in ("tokenizer", "scheduler", "gpu-worker",
-                                            "kv-cache-manager")}
+    num_replicas = args.data_parallel_size
+    replicas = [(replica_name("scheduler", i, num_replicas),
+                 replica_name("gpu-worker", i, num_replicas), i) for i in range(num_replicas)]
+    ports = {name: free_port() for name in ("tokenizer", "kv-cache-manager",
+                                            *(n for r in replicas for n in r[:2]))}
     addr = {name: f"{loopback}:{port}" for name, port in ports.items()}
+    metrics_addr = {name: f"{loopback}:{free_port()}" for name in ports}
+    observe = (["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+               if args.otlp_traces_endpoint else [])
+    stats = ["--log-stats-interval", str(args.log_stats_interval),
+             *(["--disable-log-stats"] if args.disable_log_stats else [])]
     model = args.model_tag or args.model
     model_flags = ["--model", model] if model else []
     names = ["--served-model-name", *args.served_model_name] if args.served_model_name else []
     engine = engine_flags(args)
+    seed = (["--prefix-cache-hash-seed", args.prefix_cache_hash_seed]
+            if "--prefix-cache-hash-seed" in engine else [])
 
-    def cmd(name: str, *extra: str) -> list[str]:
-        return [sys.executable, "-m", "pagoda.cli.main", name, *extra]
+    def cmd(kind: str, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "pagoda.cli.main", kind, *extra]
 
-    def grpc_service(name: str, *extra: str) -> ServiceProcess:
-        return ServiceProcess(name, cmd(name, "--host", loopback, "--port", str(ports[name]),
-                                        *extra), addr[name])
+    def grpc_service(kind: str, name: str, *extra: str, replica: int | None = None
+                     ) -> ServiceProcess:
+        return ServiceProcess(name, cmd(kind, "--host", loopback, "--port", str(ports[name]),
+                                        "--metrics-port", metrics_addr[name].split(":")[1],
+                                        *observe, *extra), addr[name], kind=kind,
+                              replica=replica)
 
     gateway_extra = ["--api-key", args.api_key] if args.api_key else []
-    return [
-        grpc_service("kv-cache-manager", "--redis-url", redis_url),
-        grpc_service("tokenizer", *model_flags,
+    gateway_extra += http_flags(args)
+    services = [
+        grpc_service("kv-cache-manager", "kv-cache-manager", "--redis-url", redis_url),
+        grpc_service("tokenizer", "tokenizer", *model_flags, *seed,
                      *(["--tokenizer", args.tokenizer] if args.tokenizer else [])),
-        grpc_service("gpu-worker", *model_flags, *engine),
-        grpc_service("scheduler", *model_flags, *engine, *names,
-                     "--worker-addr", addr["gpu-worker"],
-                     "--kv-cache-manager-addr", addr["kv-cache-manager"]),
-        ServiceProcess("gateway", cmd("gateway", "--host", args.host, "--port", str(args.port),
-                                      "--tokenizer-addr", addr["tokenizer"],
-                                      "--scheduler-addrs", addr["scheduler"],
-                                      "--kv-cache-manager-addr", addr["kv-cache-manager"],
-                                      *names, *gateway_extra),
-                       f"{_connect_host(args.host)}:{args.port}", http_health=True),
     ]
+    for scheduler, worker, i in replicas:
+        services += [
+            grpc_service("gpu-worker", worker, *model_flags, *engine, replica=i),
+            grpc_service("scheduler", scheduler, *model_flags, *engine, *names, *stats,
+                         "--worker-addr", addr[worker],
+                         "--kv-cache-manager-addr", addr["kv-cache-manager"], replica=i),
+        ]
+    services.append(ServiceProcess(
+        "gateway", cmd("gateway", "--host", args.host, "--port", str(args.port),
+                       "--tokenizer-addr", addr["tokenizer"],
+                       "--scheduler-addrs", ",".join(addr[r[0]] for r in replicas),
+                       "--kv-cache-manager-addr", addr["kv-cache-manager"],
+                       "--router", args.router,
+                       "--peer-metrics", ",".join(f"{n}={a}" for n, a in metrics_addr.items()),
+                       *observe, *names, *gateway_extra),
+        f"{_connect_host(args.host)}:{args.port}", http_health=True))
+    return services
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,6 +154,9 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     redis, cluster = None, None
+    if args.data_parallel_size < 1:
+        _say(f"error: --data-parallel-size must be at least 1, got {args.data_parallel_size}")
+        return 2
     try:
         redis_url = args.redis_url
         if not redis_url:

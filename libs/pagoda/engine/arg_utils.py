@@ -22,6 +22,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    max_waiting_requests: int | None = None
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -29,6 +30,7 @@ class EngineArgs:
     served_model_name: list[str] | str | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
     enforce_eager: bool = False
     prefix_cache_hash_seed: str = DEFAULT_PREFIX_HASH_SEED
     device: str = "auto"
@@ -52,12 +54,19 @@ class EngineArgs:
         parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                             default=d.enable_chunked_prefill)
         parser.add_argument("--long-prefill-token-threshold", type=int, default=0)
+        parser.add_argument("--max-waiting-requests", type=int, default=None,
+                            help="Bound of the scheduler's waiting queue; beyond it new requests "
+                                 "are refused (HTTP 503 with Retry-After). Default: unbounded.")
         parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
         parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
         parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
         parser.add_argument("--seed", type=int, default=d.seed)
         parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
         parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+        parser.add_argument("--distributed-executor-backend", default=None, choices=["ray", "mp"],
+                            help="How the ranks of a tensor/pipeline-parallel group run: Ray "
+                                 "actors in a placement group, or local processes (default: ray "
+                                 "when installed and the group has more than one rank, else mp).")
         parser.add_argument("--enforce-eager", action="store_true")
         parser.add_argument("--prefix-cache-hash-seed", default=DEFAULT_PREFIX_HASH_SEED,
                             help="Seed of the prefix-cache block hashes; identical in every process.")
@@ -86,6 +95,8 @@ class EngineArgs:
             max_batched = max(max_batched, max_model_len)
         _check_positive(block_size=self.block_size, max_num_seqs=self.max_num_seqs,
                         max_num_batched_tokens=max_batched)
+        if self.max_waiting_requests is not None:
+            _check_positive(max_waiting_requests=self.max_waiting_requests)
         cache = CacheConfig(
             block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
@@ -96,7 +107,8 @@ class EngineArgs:
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
             max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
-            long_prefill_token_threshold=self.long_prefill_token_threshold)
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_waiting_requests=self.max_waiting_requests)
         names = self.served_model_name
         if isinstance(names, str):
             names = [names]
@@ -105,7 +117,27 @@ class EngineArgs:
             arch=arch, cache=cache, scheduler=scheduler,
             served_model_name=list(names or [default_served_name(self.model, model_path)]),
             seed=self.seed, device=device, tensor_parallel_size=self.tensor_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size, enforce_eager=self.enforce_eager)
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            distributed_executor_backend=self._resolve_backend(arch),
+            enforce_eager=self.enforce_eager)
+
+    def _resolve_backend(self, arch) -> str | None:
+        """Validate the parallel split against the model; pick the group's backend."""
+        import importlib.util
+
+        from pagoda.distributed.parallel_state import validate_parallel_config
+
+        validate_parallel_config(arch, self.tensor_parallel_size, self.pipeline_parallel_size)
+        if self.tensor_parallel_size * self.pipeline_parallel_size == 1:
+            return None
+        has_ray = importlib.util.find_spec("ray") is not None
+        backend = self.distributed_executor_backend or ("ray" if has_ray else "mp")
+        if backend not in ("ray", "mp"):
+            raise ValueError(f"Unknown distributed_executor_backend {backend!r}; "
+                             "expected 'ray' or 'mp'")
+        if backend == "ray" and not has_ray:
+            raise ValueError("distributed_executor_backend='ray' needs Ray: pip install ray")
+        return backend
 
 
 def default_served_name(model_arg: str | None, model_path: str) -> str:

@@ -7,6 +7,7 @@ from typing import Iterable
 
 from pagoda.config import EngineConfig
 from pagoda.core.kv_events import KVEvent
+from pagoda.core.sched_output import SchedulerOutput
 from pagoda.core.scheduler import Scheduler, SchedulerStats
 from pagoda.engine.core_types import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagoda.engine.executor import Executor
@@ -29,6 +30,9 @@ class EngineCore:
         executor.initialize_kv_cache(num_blocks)
         config.cache.num_blocks = num_blocks
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        # The plan of the latest `step` (None if it scheduled nothing), for metrics
+        # and tracing: which requests ran, how many tokens, which were preempted.
+        self.last_scheduler_output: SchedulerOutput | None = None
         logger.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks,
                     config.cache.block_size, num_blocks * config.cache.block_size)
 
@@ -41,9 +45,11 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """schedule -> execute -> update."""
+        self.last_scheduler_output = None
         if not self.scheduler.has_unfinished_requests():
             return self.scheduler.take_pending_outputs()
         scheduler_output = self.scheduler.schedule()
+        self.last_scheduler_output = scheduler_output
         runner_output = (self.executor.execute_model(scheduler_output)
                          if scheduler_output.total_num_scheduled_tokens else ModelRunnerOutput.empty())
         return self.scheduler.update_from_output(scheduler_output, runner_output)

@@ -2,6 +2,8 @@
 
 The engine core only sees this interface, so the same core drives an in-process
 model runner (offline `LLM`), a gpu-worker service over gRPC, or a Ray group.
+`make_executor` picks the local one for a config: in-process for one rank, else a
+worker group whose rank 0 is this process (`--distributed-executor-backend`).
 """
 
 from __future__ import annotations
@@ -49,3 +51,16 @@ class InProcessExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    """The executor that runs `config`'s worker group from this process."""
+    if config.world_size == 1:
+        return InProcessExecutor(config)
+    if config.distributed_executor_backend == "ray":
+        from pagoda.engine.ray_executor import RayExecutor
+
+        return RayExecutor(config)
+    from pagoda.engine.mp_executor import MultiprocExecutor
+
+    return MultiprocExecutor(config)

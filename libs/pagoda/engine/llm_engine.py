@@ -8,7 +8,7 @@ from typing import Any
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.core_types import EngineCoreRequest, FinishReason
 from pagoda.engine.engine_core import EngineCore
-from pagoda.engine.executor import InProcessExecutor
+from pagoda.engine.executor import make_executor
 from pagoda.engine.output_processor import OutputProcessor, ParentRequest
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -22,7 +22,7 @@ class LLMEngine:
 
         self.config = engine_args.create_engine_config()
         self.tokenizer = load_tokenizer(self.config.model, self.config.tokenizer)
-        self.core = EngineCore(self.config, InProcessExecutor(self.config))
+        self.core = EngineCore(self.config, make_executor(self.config))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

@@ -10,7 +10,7 @@ transformers does, so the loaded weights equal transformers' GGUF load bit for b
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -64,14 +64,19 @@ def unpermute_rotary_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
     return w.swapaxes(2, 1).reshape(weights.shape)
 
 
-def iter_gguf_weights(path: str, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, fp32 tensor) for every weight of the file, one at a time."""
+def iter_gguf_weights(path: str, arch: ModelArchConfig,
+                      include: Callable[[str], bool] | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, fp32 tensor) for every weight of the file (that `include`
+    accepts: the rest are never dequantized), one at a time."""
     reader = gguf_reader(path)
     permuted = _field(reader, "general.architecture") == "llama"
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             continue
         name = hf_tensor_name(tensor.name)
+        if include is not None and not include(name):
+            continue
         weights = dequantize(tensor.data, tensor.tensor_type)
         if permuted and ".attn_q." in tensor.name:
             weights = unpermute_rotary_rows(weights, arch.num_attention_heads)

@@ -15,6 +15,7 @@ import os
 import torch
 
 from pagoda.config import ModelArchConfig
+from pagoda.distributed.parallel_state import ParallelContext
 from pagoda.model.gguf_loader import arch_config_from_gguf, iter_gguf_weights
 from pagoda.model.hf_config import arch_config_from_hf_dir
 from pagoda.model.llama import LlamaForCausalLM
@@ -86,14 +87,20 @@ def load_arch_config(model_path: str) -> ModelArchConfig:
 
 
 def load_model(model_path: str, arch: ModelArchConfig, dtype: torch.dtype,
-               device: str | torch.device = "cpu") -> LlamaForCausalLM:
-    """Build the model directly on `device` in `dtype` and fill it from the checkpoint."""
+               device: str | torch.device = "cpu",
+               parallel: ParallelContext | None = None) -> LlamaForCausalLM:
+    """Build the model directly on `device` in `dtype` and fill it from the checkpoint.
+
+    With a `parallel` context, only this rank's share is built, and a pipeline stage
+    reads only the checkpoint tensors it needs.
+    """
     with torch.device(device):
-        model = LlamaForCausalLM(arch, dtype)
+        model = LlamaForCausalLM(arch, dtype, parallel)
+    include = model.needs_checkpoint_tensor if parallel and parallel.pp_size > 1 else None
     if is_gguf(model_path):
-        weights = iter_gguf_weights(model_path, arch)
+        weights = iter_gguf_weights(model_path, arch, include)
     else:
-        weights = iter_safetensors_weights(model_path)
+        weights = iter_safetensors_weights(model_path, include)
     model.load_weights(weights)
     return model.eval()
 

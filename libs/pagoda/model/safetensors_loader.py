@@ -5,7 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -29,12 +29,15 @@ def safetensors_files(model_dir: str) -> list[str]:
     return hf_files or files
 
 
-def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield every tensor of the checkpoint, one at a time (memory-mapped reads)."""
+def iter_safetensors_weights(model_dir: str, include: Callable[[str], bool] | None = None
+                             ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every tensor of the checkpoint (those `include` accepts), one at a time
+    (memory-mapped reads: a tensor left out is never read)."""
     files = safetensors_files(model_dir)
     if not files:
         raise FileNotFoundError(f"No *.safetensors files in {model_dir}")
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if include is None or include(name):
+                    yield name, f.get_tensor(name)

@@ -2,12 +2,14 @@
 
 The fused parameter `...self_attn.qkv_proj.weight` is the row-wise concatenation
 [q_proj; k_proj; v_proj] and `...mlp.gate_up_proj.weight` is [gate_proj; up_proj]
-(biases likewise), so each HF tensor lands in a row range of its fused parameter.
+(biases likewise), so each HF tensor lands in a row range of its fused parameter
+(`_shard_rows` gives the ranges of an unsharded model; a tensor-parallel layer
+takes only its rank's slice of each, see `pagoda.model.parallel_layers`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -57,32 +59,48 @@ def expected_hf_names(model: nn.Module) -> set[str]:
 
 @torch.no_grad()
 def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                       skip_lm_head: bool) -> None:
+                       skip_lm_head: bool,
+                       held_elsewhere: Callable[[str], bool] | None = None) -> None:
     """Copy each (HF name, tensor) into `model`, converting dtype and device.
 
+    A module with `checkpoint_shape`/`load_weight` (the tensor-parallel layers) takes
+    its own slice of the full tensor; any other parameter takes the tensor whole.
     Raises ValueError naming the weight on an unknown name, a shape mismatch, or
     (after the iterable is exhausted) any parameter left unfilled. `lm_head.weight`
-    is skipped when embeddings are tied (some checkpoints store the duplicate).
+    is skipped when embeddings are tied (some checkpoints store the duplicate), and
+    so is any name `held_elsewhere` claims (another pipeline stage's weights).
     """
     params = dict(model.named_parameters())
-    rows = _shard_rows(model.arch)
     loaded: set[str] = set()
     for name, tensor in weights:
         if name.endswith(IGNORED_SUFFIXES) or (skip_lm_head and name == "lm_head.weight"):
             continue
         pname, shard = _split_name(name)
         if pname not in params:
+            if held_elsewhere is not None and held_elsewhere(pname):
+                continue
             raise ValueError(f"Unexpected weight {name!r} in checkpoint: the "
                              f"{model.arch.architecture} model has no such parameter")
-        target = params[pname]
-        if shard is not None:
-            target = target.narrow(0, *rows[shard])
-        if target.shape != tensor.shape:
-            raise ValueError(f"Weight {name!r} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(target.shape)}")
-        target.copy_(tensor)
+        _load_one(model, params[pname], pname, shard, name, tensor)
         loaded.add(name)
     missing = expected_hf_names(model) - loaded
     if missing:
         shown = ", ".join(sorted(missing)[:5])
         raise ValueError(f"Checkpoint is missing {len(missing)} weight(s): {shown}")
+
+
+def _load_one(model: nn.Module, param: nn.Parameter, pname: str, shard: str | None,
+              name: str, tensor: torch.Tensor) -> None:
+    module_name, _, attr = pname.rpartition(".")
+    module = model.get_submodule(module_name)
+    if hasattr(module, "load_weight"):
+        expected = module.checkpoint_shape(attr, shard)
+    else:
+        expected = tuple(param.shape)
+    if tuple(tensor.shape) != tuple(expected):
+        raise ValueError(f"Weight {name!r} has shape {tuple(tensor.shape)}, "
+                         f"expected {tuple(expected)}")
+    if hasattr(module, "load_weight"):
+        module.load_weight(attr, shard, tensor)
+    else:
+        param.copy_(tensor)

@@ -1,9 +1,11 @@
-"""Scheduler -> kv-cache-manager messages: KV cache events."""
+"""Scheduler -> kv-cache-manager messages (KV cache events), and the block hashes
+that routers look up in the index."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pagoda._proto.pagoda.common.v1 import common_pb2 as cpb
 from pagoda._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2 as pb
 from pagoda.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -41,9 +43,30 @@ def kv_event_from_proto(msg: pb.KvEvent) -> KVEvent:
 
 
 def publish_request(instance_id: str, model: str, block_size: int, epoch: str,
-                    sequence_number: int, events: Sequence[KVEvent]
-                    ) -> pb.PublishKvEventsRequest:
+                    sequence_number: int, events: Sequence[KVEvent],
+                    snapshot: Sequence[bytes] | None = None) -> pb.PublishKvEventsRequest:
+    """One numbered batch; with `snapshot` (the instance's whole cache) it resyncs the
+    index, and `events` then apply on top of it."""
     return pb.PublishKvEventsRequest(
         instance_id=instance_id, model=model, block_size=block_size, epoch=epoch,
         sequence_number=sequence_number, events=[kv_event_to_proto(e) for e in events],
+        is_snapshot=snapshot is not None, snapshot_block_hashes=list(snapshot or ()),
     )
+
+
+def hash_blocks(request: cpb.HashBlocksRequest, prefix_hash_seed: str) -> cpb.HashBlocksResponse:
+    """A prompt's block hashes exactly as a scheduler's engine computes them (through
+    the engine's own `Request`, so the cache salt is keyed the same way). Raises
+    ValueError for a block size below 1."""
+    from pagoda.core.request import Request
+    from pagoda.engine.core_types import EngineCoreRequest
+    from pagoda.sampling_params import SamplingParams
+
+    if request.block_size < 1:
+        raise ValueError(f"block_size must be at least 1, got {request.block_size}")
+    salt = {"cache_salt": request.cache_salt} if request.cache_salt else None
+    core = EngineCoreRequest("hash-blocks", list(request.token_ids), SamplingParams(extra_args=salt))
+    engine_request = Request(core, request.block_size, prefix_hash_seed,
+                             max_model_len=len(request.token_ids) + 1)
+    return cpb.HashBlocksResponse(block_hashes=engine_request.block_hashes,
+                                  prefix_hash_seed=prefix_hash_seed)

@@ -8,6 +8,7 @@ import torch
 
 from pagoda.config import EngineConfig
 from pagoda.core.sched_output import SchedulerOutput
+from pagoda.distributed.parallel_state import SINGLE, ParallelContext
 from pagoda.worker.batch_state import CachedRequestState
 from pagoda.worker.input_builder import ModelInputs, build_model_inputs
 from pagoda.worker.runner_output import LogprobsLists, ModelRunnerOutput
@@ -20,10 +21,13 @@ class ModelRunner:
 
     Invariant: after `execute_model`, each request that sampled has the sampled
     token appended to its `CachedRequestState`, matching what the scheduler appends.
+    Given a `ParallelContext`, the weights and KV cache are this rank's share
+    (`pagoda.distributed.parallel_runner` runs the step across the group).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None) -> None:
         self.config = config
+        self.parallel = parallel or SINGLE
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         self.block_size = config.cache.block_size
@@ -40,13 +44,15 @@ class ModelRunner:
         from pagoda.sample.sampler import Sampler
 
         torch.manual_seed(self.config.seed)
-        self.model = load_model(self.config.model, self.config.arch, self.dtype, self.device)
+        self.model = load_model(self.config.model, self.config.arch, self.dtype, self.device,
+                                self.parallel)
         self.sampler = Sampler()
 
     def determine_num_blocks(self) -> int:
         from pagoda.model.kv_cache import kv_cache_bytes_per_block
 
-        per_block = kv_cache_bytes_per_block(self.config.arch, self.block_size, self.dtype)
+        per_block = kv_cache_bytes_per_block(self.config.arch, self.block_size, self.dtype,
+                                             self.parallel)
         if self.device.type == "cuda":
             # What the weights, the largest step's activations and everything else on the
             # card leave of the `gpu_memory_utilization` share goes to the KV cache.
@@ -70,7 +76,7 @@ class ModelRunner:
         num_tokens = min(sched.max_num_batched_tokens, sched.max_model_len)
         num_blocks = -(-num_tokens // self.block_size)
         caches = allocate_kv_caches(self.config.arch, num_blocks, self.block_size, self.dtype,
-                                    self.device)
+                                    self.device, self.parallel)
         state = CachedRequestState.from_new(NewRequestData(
             "profile", [0] * num_tokens, [], SamplingParams(), list(range(num_blocks)), 0), None)
         inputs = build_model_inputs({"profile": state}, {"profile": num_tokens}, self.block_size,
@@ -78,20 +84,35 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, caches, inputs.attn_metadata)
-        self.model.compute_logits(hidden[-1:])
+        hidden = self.model(inputs.input_ids, inputs.positions, caches, inputs.attn_metadata,
+                            self._profile_stage_input(num_tokens))
+        if self.parallel.is_last_stage:  # every TP rank of the stage: the logits all-gather
+            self.model.compute_logits(hidden[-1:])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del caches, hidden
         torch.cuda.empty_cache()
         return peak
 
+    def _profile_stage_input(self, num_tokens: int):
+        """A pipeline stage after the first profiles on zeros in place of the previous
+        stage's hidden states (no send/recv while profiling)."""
+        if self.parallel.is_first_stage:
+            return None
+        from pagoda.model.llama import IntermediateTensors
+
+        zeros = torch.zeros(num_tokens, self.config.arch.hidden_size, dtype=self.dtype,
+                            device=self.device)
+        return IntermediateTensors(zeros, zeros.clone())
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         from pagoda.model.kv_cache import allocate_kv_caches
 
         self.kv_caches = allocate_kv_caches(self.config.arch, num_blocks, self.block_size,
-                                            self.dtype, self.device)
-        if self.device.type == "cuda" and not self.config.enforce_eager:
+                                            self.dtype, self.device, self.parallel)
+        # Graphs capture a whole-model decode; a group's ranks run eagerly for now.
+        if (self.device.type == "cuda" and not self.config.enforce_eager
+                and self.parallel.world_size == 1):
             self._capture_cuda_graphs()
 
     def _capture_cuda_graphs(self) -> None:
@@ -189,16 +210,25 @@ class ModelRunner:
         from pagoda.sample.logprobs import compute_topk_logprobs
 
         result: dict[str, LogprobsLists] = {}
+        for req_id, rows, start, end in self._prompt_logprob_spans(inputs, num_scheduled):
+            state = self.states[req_id]
+            targets = torch.tensor(state.prompt_token_ids[start + 1:end + 1], device=self.device)
+            k = state.sampling_params.prompt_logprobs
+            result[req_id] = compute_topk_logprobs(self.model.compute_logits(hidden[rows]),
+                                                   targets, k).tolists()
+        return result
+
+    def _prompt_logprob_spans(self, inputs: ModelInputs, num_scheduled: dict[str, int]
+                              ) -> list[tuple[str, slice, int, int]]:
+        """(req_id, its rows of the step's hidden states, start, end) of each request
+        that wants prompt logprobs for positions [start, end) computed this step."""
+        spans = []
         qsl = inputs.attn_metadata.query_start_loc_cpu
         for i, req_id in enumerate(inputs.req_ids):
             state = self.states[req_id]
-            k = state.sampling_params.prompt_logprobs
             start = state.num_computed_tokens
             # Position p predicts prompt token p + 1.
             end = min(start + num_scheduled[req_id], state.num_prompt_tokens - 1)
-            if k is None or end <= start:
-                continue
-            rows = hidden[qsl[i]:qsl[i] + (end - start)]
-            targets = torch.tensor(state.prompt_token_ids[start + 1:end + 1], device=self.device)
-            result[req_id] = compute_topk_logprobs(self.model.compute_logits(rows), targets, k).tolists()
-        return result
+            if state.sampling_params.prompt_logprobs is not None and end > start:
+                spans.append((req_id, slice(qsl[i], qsl[i] + (end - start)), start, end))
+        return spans

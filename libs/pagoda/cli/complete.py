@@ -1,0 +1,59 @@
+"""`pagoda complete`: complete prompts against a running server (like `vllm complete`).
+
+Reads one prompt per line (prompt `> `), streams its completion from
+`/v1/completions` to stdout. Ctrl-D quits; `--quick PROMPT` completes once and
+exits. Server errors are printed to stderr; the session goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterable
+from typing import TextIO
+
+from pagoda.cli.chat import add_client_args, input_lines, make_client, sampling_kwargs
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("complete", help="Complete prompts with a running server.",
+                                   description=__doc__.split("\n\n")[0])
+    add_client_args(parser)
+    parser.add_argument("-q", "--quick", metavar="PROMPT", default=None,
+                        help="Complete one prompt, print the text and exit.")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def complete_loop(client, model: str, args: argparse.Namespace, lines: Iterable[str],
+                  out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    import openai
+
+    for line in lines:
+        try:
+            stream = client.completions.create(model=model, prompt=line, stream=True,
+                                               **sampling_kwargs(args))
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    out.write(chunk.choices[0].text)
+                    out.flush()
+            out.write("\n")
+        except openai.APIError as exc:
+            err.write(f"error: {exc}\n")
+            if args.quick is not None:
+                return 1
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    import openai
+
+    try:
+        client, model = make_client(args)
+    except openai.APIError as exc:
+        print(f"error: {args.url} did not list its models: {exc}", file=sys.stderr)
+        return 1
+    if args.quick is not None:
+        return complete_loop(client, model, args, [args.quick])
+    print(f"Using model: {model}. Type a prompt; Ctrl-D quits.", file=sys.stderr)
+    return complete_loop(client, model, args, input_lines())

@@ -1,0 +1,7 @@
+"""Tensor and pipeline parallelism: one model replica split across a group of ranks.
+
+`parallel_state` says where a rank sits, `process_group` joins the group,
+`communication` holds the collectives, `parallel_runner` runs a rank's share of a
+step, `rank_worker` is one rank (driver or follower), and `group_executor` is the
+driver's side of the engine's `Executor`. See README.md for the design.
+"""

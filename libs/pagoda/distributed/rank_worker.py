@@ -1,0 +1,135 @@
+"""One rank of a worker group, and the loop a follower rank runs.
+
+Rank 0 lives in the driver's process (`group_executor.py`); ranks 1..N-1 run
+`serve_follower` in a Ray actor or a spawned process. Every call reaches every
+rank in the same order: the driver broadcasts `(method, args)` on the control
+group, then runs the method itself; each follower receives it and runs it too.
+Methods are collective: whatever a result needs from other ranks travels inside
+the method (the smallest KV capacity, the output rank's step result), so only
+rank 0's return value matters.
+
+A follower that fails records its traceback in the store and exits at once: its
+sockets close, so every peer's pending collective fails within moments instead
+of waiting for a timeout, and the driver can report the cause.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+
+from pagoda.config import EngineConfig
+from pagoda.core.sched_output import SchedulerOutput
+from pagoda.distributed.communication import broadcast_object, min_over, recv_object, send_object
+from pagoda.distributed.process_group import (GroupInit, brief_error, configure_device,
+                                              connect_store, is_peer_loss, join_group,
+                                              record_error)
+from pagoda.worker.runner_output import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN = "shutdown"
+_RESULT_TAG = 7  # control-group tag of the output rank's step result
+
+
+class RankWorker:
+    """Invariant: the methods below are called on every rank with the same arguments
+    in the same order (the driver's broadcast guarantees it)."""
+
+    def __init__(self, config: EngineConfig, rank: int, init: GroupInit, store,
+                 local_device_index: int) -> None:
+        from pagoda.distributed.parallel_runner import ParallelModelRunner
+
+        configure_device(init.device_type, local_device_index, init.world_size)
+        self.rank = rank
+        self.store = store
+        handles = join_group(store, init, rank)
+        self.parallel = handles.parallel
+        self.control = handles.control
+        self.runner = ParallelModelRunner(config, self.parallel)
+
+    def load_model(self) -> None:
+        """Load this rank's share; returns once every rank has (so a rank that cannot
+        load fails the group's start-up rather than its first step)."""
+        self.runner.load_model()
+        min_over(0, self.control)
+
+    def determine_num_blocks(self) -> int:
+        """The group's KV capacity: the smallest any rank can hold."""
+        return min_over(self.runner.determine_num_blocks(), self.control)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+        self.runner.reset()  # a (re)starting scheduler knows none of the previous requests
+
+    def reset(self) -> None:
+        self.runner.reset()
+
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      sampled_token_ids: dict[str, list[int]] | None) -> ModelRunnerOutput | None:
+        """Rank 0 returns the step's result, fetched from the output rank if need be."""
+        output = self.runner.execute_model(scheduler_output, sampled_token_ids)
+        output_rank = self.parallel.output_rank
+        if output_rank == 0:
+            return output
+        if self.rank == output_rank:
+            send_object(output, self.control, 0, _RESULT_TAG)
+        elif self.rank == 0:
+            return recv_object(self.control, output_rank, _RESULT_TAG)
+        return None
+
+    def memory_report(self) -> list[dict[str, int]] | None:
+        """Per rank (at rank 0): bytes of parameters and of KV cache it holds."""
+        mine = {"rank": self.rank,
+                "parameter_bytes": _bytes(self.runner.model.parameters()),
+                "kv_cache_bytes": _bytes(t for pair in self.runner.kv_caches for t in pair)}
+        if self.rank != 0:
+            send_object(mine, self.control, 0, _RESULT_TAG)
+            return None
+        world = self.parallel.world_size
+        return [mine] + [recv_object(self.control, r, _RESULT_TAG) for r in range(1, world)]
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def serve_follower(config: EngineConfig, rank: int, init: GroupInit,
+                   local_device_index: int) -> None:
+    """A follower's whole life: join, then run each broadcast call until shutdown.
+    Any failure is recorded in the store and ends the process (see module doc)."""
+    store = None
+    try:
+        store = connect_store(init)
+        worker = RankWorker(config, rank, init, store, local_device_index)
+        while True:
+            method, args = broadcast_object(None, worker.control, src=0, rank=rank)
+            if method == SHUTDOWN:
+                return
+            getattr(worker, method)(*args)
+    except BaseException as exc:  # noqa: BLE001 - a rank that cannot go on must not linger
+        text = traceback.format_exc()
+        if is_peer_loss(str(exc)):  # another rank (or the driver) went first: not the cause
+            logger.warning("rank %d lost its group (%s); exiting", rank, brief_error(text))
+        else:
+            logger.error("rank %d failed:\n%s", rank, text)
+        if store is not None:
+            record_error(store, rank, text)
+        os._exit(1)
+
+
+def _main() -> None:
+    """`python -m pagoda.distributed.rank_worker`: a follower whose
+    (config, rank, init, device index) arrive pickled on stdin (the mp backend)."""
+    import pickle
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s rank-worker "
+                                                   "%(name)s: %(message)s")
+    config, rank, init, device_index = pickle.load(sys.stdin.buffer)
+    serve_follower(config, rank, init, device_index)
+
+
+if __name__ == "__main__":
+    _main()

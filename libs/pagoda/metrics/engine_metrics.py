@@ -1,0 +1,169 @@
+"""The engine's Prometheus metrics, named, labelled and bucketed exactly as vLLM's.
+
+Existing vLLM dashboards, KEDA triggers and llm-d's endpoint picker read these
+names, so they are a contract: `vllm:` prefix, `model_name` and `engine` labels,
+vLLM's bucket boundaries. (prometheus_client appends `_total` to counters, so
+`vllm:prompt_tokens` is exposed as `vllm:prompt_tokens_total`, as in vLLM.)
+
+One `EngineMetrics` per engine core; pass a fresh `CollectorRegistry` to keep
+several in one process (tests), or leave the process-wide default registry,
+which the service's `/metrics` endpoint serves.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from pagoda.core.scheduler import SchedulerStats
+from pagoda.metrics.stats import IterationStats
+
+FINISH_REASONS = ("stop", "length", "abort")
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                           40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to `max_value`."""
+    buckets: list[int] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10 ** exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+class EngineMetrics:
+    """Records `SchedulerStats` snapshots and `IterationStats` as vLLM's metrics.
+
+    Invariant: counters only move by what the engine did since the previous
+    `record` (cumulative core counters are turned into increments here).
+    """
+
+    def __init__(self, model_name: str, max_model_len: int, engine: str = "0",
+                 registry: CollectorRegistry = REGISTRY) -> None:
+        self.model_name = model_name
+        self.engine = engine
+        self._registry = registry
+        names, values = ["model_name", "engine"], (model_name, engine)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, names, registry=registry).labels(*values)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, names, registry=registry).labels(*values)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, names, buckets=buckets,
+                             registry=registry).labels(*values)
+
+        self.num_requests_running = gauge("vllm:num_requests_running",
+                                          "Number of requests in model execution batches.")
+        self.num_requests_waiting = gauge("vllm:num_requests_waiting",
+                                          "Number of requests waiting to be processed.")
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc",
+                                    "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.num_preemptions = counter("vllm:num_preemptions",
+                                       "Cumulative number of preemption from the engine.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens",
+                                         "Number of generation tokens processed.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          names + ["finished_reason"], registry=registry)
+        self.request_success = {r: success.labels(*values, r) for r in FINISH_REASONS}
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.",
+            token_buckets)
+        self.request_params_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+            token_buckets)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total",
+                                          "Histogram of number of tokens per engine_step.",
+                                          ITERATION_TOKENS_BUCKETS)
+        self._init_latency_histograms(histogram)
+        self._last_queries = self._last_hits = 0
+
+    def _init_latency_histograms(self, histogram) -> None:
+        self.time_to_first_token = histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS)
+        self.inter_token_latency = histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            ITL_BUCKETS)
+        phases = [("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds."),
+                  ("request_queue_time_seconds",
+                   "Histogram of time spent in WAITING phase for request."),
+                  ("request_inference_time_seconds",
+                   "Histogram of time spent in RUNNING phase for request."),
+                  ("request_prefill_time_seconds",
+                   "Histogram of time spent in PREFILL phase for request."),
+                  ("request_decode_time_seconds",
+                   "Histogram of time spent in DECODE phase for request.")]
+        (self.e2e_request_latency, self.request_queue_time, self.request_inference_time,
+         self.request_prefill_time, self.request_decode_time) = (
+            histogram(f"vllm:{name}", doc, REQUEST_LATENCY_BUCKETS) for name, doc in phases)
+
+    def log_cache_config(self, block_size: int, num_gpu_blocks: int,
+                         enable_prefix_caching: bool, gpu_memory_utilization: float) -> None:
+        """`vllm:cache_config_info`: an info-style gauge fixed at 1 (as vLLM emulates Info)."""
+        info = {"block_size": str(block_size), "num_gpu_blocks": str(num_gpu_blocks),
+                "enable_prefix_caching": str(enable_prefix_caching),
+                "gpu_memory_utilization": str(gpu_memory_utilization), "cache_dtype": "auto",
+                "model_name": self.model_name, "engine": self.engine}
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(info),
+              registry=self._registry).labels(**info).set(1)
+
+    def record(self, scheduler_stats: SchedulerStats | None,
+               iteration_stats: IterationStats | None) -> None:
+        if scheduler_stats is not None:
+            self._record_scheduler(scheduler_stats)
+        if iteration_stats is not None:
+            self._record_iteration(iteration_stats)
+
+    def _record_scheduler(self, s: SchedulerStats) -> None:
+        self.num_requests_running.set(s.num_running)
+        self.num_requests_waiting.set(s.num_waiting)
+        self.kv_cache_usage.set(s.kv_cache_usage)
+        self.prefix_cache_queries.inc(max(s.prefix_cache_queries - self._last_queries, 0))
+        self.prefix_cache_hits.inc(max(s.prefix_cache_hits - self._last_hits, 0))
+        self._last_queries, self._last_hits = s.prefix_cache_queries, s.prefix_cache_hits
+
+    def _record_iteration(self, it: IterationStats) -> None:
+        if it.num_preempted_reqs:
+            self.num_preemptions.inc(it.num_preempted_reqs)
+        if it.num_prompt_tokens:
+            self.prompt_tokens.inc(it.num_prompt_tokens)
+        if it.num_generation_tokens:
+            self.generation_tokens.inc(it.num_generation_tokens)
+        if it.num_scheduled_tokens:
+            self.iteration_tokens.observe(it.num_scheduled_tokens)
+        for ttft in it.time_to_first_tokens_iter:
+            self.time_to_first_token.observe(ttft)
+        for itl in it.inter_token_latencies_iter:
+            self.inter_token_latency.observe(itl)
+        for req in it.finished_requests:
+            self.request_success[req.finish_reason].inc()
+            self.e2e_request_latency.observe(req.e2e_latency)
+            self.request_queue_time.observe(req.queued_time)
+            self.request_prefill_time.observe(req.prefill_time)
+            self.request_inference_time.observe(req.inference_time)
+            self.request_decode_time.observe(req.decode_time)
+            self.request_prompt_tokens.observe(req.num_prompt_tokens)
+            self.request_generation_tokens.observe(req.num_generation_tokens)
+            if req.max_tokens_param:
+                self.request_params_max_tokens.observe(req.max_tokens_param)

@@ -1,0 +1,188 @@
+"""Which scheduler replica serves a request: `--router round_robin|least_loaded|kv_aware|session`.
+
+kv_aware (the default) picks the replica with the lowest cost, in tokens of work:
+
+    cost(r) = (prompt tokens - tokens r holds cached)           # prefill r would do
+            + pending prefill tokens this gateway sent to r     # its queue, in tokens
+            + REQUEST_COST_TOKENS x requests on r               # running + waiting
+
+Cached tokens come from the cluster prefix index (router_prefix.py), bridged by
+the routes this gateway made in the last seconds. Requests on r are the larger of
+what this gateway has in flight there (counted the moment it routes, so a burst
+sees its own earlier picks) and what r last reported (GetLoad: every gateway's).
+A prefix thus sticks to the replica that holds it until that replica is loaded
+with about (prompt tokens / REQUEST_COST_TOKENS) more requests than another;
+then a second replica takes it (and caches it too). Ties are broken at random.
+Without the index (Redis or the kv-cache-manager down) the cached term is 0 for
+all: least-loaded routing.
+
+least_loaded: fewest requests, then fewest pending tokens. session: the same
+session (the `X-Session-Id` header, else the body's `user`) always lands on the
+same replica while it serves (rendezvous hashing, so a replica leaving moves
+only its own sessions); no session: least-loaded. round_robin: in turn.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pagoda.services.gateway.errors import APIError
+from pagoda.services.gateway.router_prefix import PrefixIndexClient, RecentRoutes
+
+POLICIES = ("round_robin", "least_loaded", "kv_aware", "session")
+DEFAULT_POLICY = "kv_aware"
+# What one request in progress costs a replica, in prefill-token equivalents: its
+# decode steps share the batch with everyone else's prefill.
+import os
+REQUEST_COST_TOKENS = int(os.environ.get("RC", "64"))
+PENDING_WEIGHT = float(os.environ.get("PW", "1.0"))
+RECENT_COST = float(os.environ.get("RCC", "0"))
+RECENT_TAU = float(os.environ.get("TAU", "5"))
+import math
+
+
+@dataclass
+class RouteRequest:
+    """What the router needs of one HTTP request (all its choices go to one replica)."""
+
+    prompt_token_ids: Sequence[int]  # the first prompt: prefix affinity
+    num_prompt_tokens: int           # every choice's prompt: load
+    num_requests: int = 1
+    cache_salt: str = ""
+    session_key: str | None = None
+
+
+@dataclass
+class Route:
+    """A replica chosen for a request, and the load reserved on it until `release`."""
+
+    replica: object  # peers.SchedulerReplica
+    policy: str
+    predicted_cached_tokens: int | None = None  # None: the index was not asked
+    pending_tokens: int = 0
+    num_requests: int = 1
+    _released: bool = field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.replica.num_in_flight += self.num_requests
+        self.replica.num_pending_tokens += self.pending_tokens
+
+    def prefill_done(self) -> None:
+        """The first output arrived: its prompt no longer waits for prefill."""
+        self.replica.num_pending_tokens -= self.pending_tokens
+        self.pending_tokens = 0
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.prefill_done()
+            self.replica.num_in_flight -= self.num_requests
+
+
+class Router:
+    """Invariant: `route` only returns a replica that is routable right now, and
+    reserves its load before returning (no await between the choice and the
+    reservation), so concurrent routes see each other."""
+
+    def __init__(self, policy: str = DEFAULT_POLICY, index: PrefixIndexClient | None = None,
+                 rng: random.Random | None = None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown router {policy!r}; choose from {', '.join(POLICIES)}")
+        self.policy = policy
+        self.index = index
+        self.recent = RecentRoutes()
+        self.rng = rng or random.Random()
+        self._turn = itertools.count()
+        self._recent: dict[str, tuple[float, float]] = {}
+
+    def recent_load(self, address: str, now: float) -> float:
+        value, at = self._recent.get(address, (0.0, now))
+        return value * math.exp(-(now - at) / RECENT_TAU)
+
+    def _count_route(self, address: str, now: float, work: float) -> None:
+        self._recent[address] = (self.recent_load(address, now) + work, now)
+
+    async def route(self, replicas: Sequence, request: RouteRequest, tokenizer_stub=None,
+                    exclude: frozenset[str] = frozenset()) -> Route:
+        """Pick a replica among `replicas` (SchedulerReplica) minus `exclude` (addresses);
+        503 if none can take the request."""
+        live = [r for r in replicas if r.is_routable() and r.address not in exclude]
+        if not live:
+            raise APIError("No scheduler replica is available.", 503)
+        cached, hashes = {}, None
+        if self.index is not None and tokenizer_stub is not None:
+            cached, hashes = await self._cached_tokens(live, request, tokenizer_stub)
+            live = [r for r in live if r.is_routable()] or live  # the await let time pass
+        chosen = self._choose(live, request, cached)
+        block_size = chosen.info.block_size
+        predicted = None
+        if hashes is not None:
+            predicted = usable_cached_tokens(len(request.prompt_token_ids),
+                                             cached.get(chosen.instance_id, 0), block_size)
+            self.recent.record(hashes, chosen.instance_id, time.monotonic())
+        pending = max(0, request.num_prompt_tokens - (predicted or 0) * request.num_requests)
+        self._count_route(chosen.address, time.monotonic(), pending if os.environ.get("WORK") else 1.0)
+        return Route(chosen, self.policy, predicted, pending, request.num_requests)
+
+    def _choose(self, live: list, request: RouteRequest, cached: dict[str, int]):
+        if self.policy == "round_robin":
+            ordered = sorted(live, key=lambda r: r.address)
+            return ordered[next(self._turn) % len(ordered)]
+        if self.policy == "session" and request.session_key:
+            return max(live, key=lambda r: _rendezvous(request.session_key, r.address))
+        if self.policy == "kv_aware":
+            prompt_len = len(request.prompt_token_ids)
+            now = time.monotonic()
+            rec = {r.address: self.recent_load(r.address, now) for r in live}
+            mean = sum(rec.values()) / len(rec)
+            TOL = float(os.environ.get("TOL", "0.3")); K = float(os.environ.get("K", "4"))
+            costs = {r.address: kv_cost(r, prompt_len, cached.get(r.instance_id, 0))
+                     + RECENT_COST * rec[r.address]
+                     + (prompt_len * max(0.0, (rec[r.address] + K) / (mean + K) - 1) / TOL if TOL > 0 else 0)
+                     for r in live}
+            best = min(costs.values())
+            return self.rng.choice([r for r in live if costs[r.address] == best])
+        key = {r.address: (r.num_requests(), r.num_pending_tokens) for r in live}
+        best = min(key.values())
+        return self.rng.choice([r for r in live if key[r.address] == best])
+
+    async def _cached_tokens(self, live: list, request: RouteRequest, tokenizer_stub
+                             ) -> tuple[dict[str, int], list[bytes] | None]:
+        """instance id -> cached leading blocks (index and recent routes), and the
+        prompt's block hashes (None when the index could not be asked)."""
+        info = live[0].info  # one model and block size per cluster (the chart sets both once)
+        found = await self.index.lookup(tokenizer_stub, request.prompt_token_ids,
+                                        request.cache_salt, info.model, info.block_size)
+        if found is None:
+            return {}, None
+        hashes, blocks = found
+        for instance, n in self.recent.cached_blocks(hashes, time.monotonic()).items():
+            blocks[instance] = max(n, blocks.get(instance, 0))
+        return blocks, hashes
+
+    async def close(self) -> None:
+        if self.index is not None:
+            await self.index.close()
+
+
+def kv_cost(replica, prompt_len: int, cached_blocks: int) -> int:
+    """The kv_aware cost of sending a prompt to `replica` (see the module docstring)."""
+    cached = usable_cached_tokens(prompt_len, cached_blocks, replica.info.block_size)
+    return (prompt_len - cached + PENDING_WEIGHT * replica.num_pending_tokens
+            + REQUEST_COST_TOKENS * replica.num_requests())
+
+
+def usable_cached_tokens(prompt_len: int, cached_blocks: int, block_size: int) -> int:
+    """Tokens a scheduler can take from its cache: whole blocks, never the prompt's
+    last token (it must be computed to sample the first output)."""
+    return min(cached_blocks, (prompt_len - 1) // block_size) * block_size
+
+
+def _rendezvous(session_key: str, address: str) -> int:
+    digest = hashlib.blake2b(f"{session_key}|{address}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")

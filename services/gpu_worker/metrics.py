@@ -1,0 +1,31 @@
+"""The gpu-worker's metrics: how long each step's forward pass and sampling take.
+
+`pagoda_worker_execute_model_seconds`: one `ExecuteModel` (the model runner's
+step: inputs, forward, sampling), without the network; the scheduler's step
+time minus this is the plan's round trip and (de)serialization.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, CollectorRegistry, Histogram
+
+STEP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                30.0]
+
+
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.execute_model = Histogram("pagoda_worker_execute_model_seconds",
+                                       "Seconds the model runner spent on one step.",
+                                       buckets=STEP_BUCKETS, registry=registry)
+
+
+_metrics: WorkerMetrics | None = None
+
+
+def worker_metrics() -> WorkerMetrics:
+    """The process's WorkerMetrics, in the default registry (created on first use)."""
+    global _metrics
+    if _metrics is None:
+        _metrics = WorkerMetrics()
+    return _metrics

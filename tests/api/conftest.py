@@ -1,0 +1,38 @@
+"""Fixtures for the OpenAI API tests: a gateway over fakes (fast) or a real cluster (slow)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import openai
+import pytest
+from api_fakes import Gateway, Peers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "e2e"))  # cluster_harness
+
+
+@pytest.fixture(scope="module")
+def fake_peers(smollm2_tokenizer):
+    peers = Peers(smollm2_tokenizer)
+    yield peers
+    peers.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(fake_peers):
+    gw = Gateway(fake_peers)
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture
+def client(gateway):
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0,
+                         timeout=30)
+
+
+@pytest.fixture
+def last_request(gateway):
+    """The last GenerateRequest the fake scheduler received."""
+    return lambda: gateway.scheduler.requests[-1]

@@ -1,0 +1,190 @@
+"""The API against the real services (tiny random Llama): logprobs, aborts, back-pressure.
+
+One cluster for the module, with a small batch (8 sequences) and a small waiting
+queue (8), so back-pressure is reachable with one request of n = 32.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+from api_strategies import REQUESTS
+from cluster_harness import ServeProcess, flag_value, wait_until
+from hypothesis import HealthCheck, event, given, settings
+
+from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
+from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
+from pagoda.services.common.redis_server import PrivateRedis
+
+pytestmark = pytest.mark.slow
+MAX_MODEL_LEN = 512
+LONG = {"max_tokens": 400, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_dir):
+    with PrivateRedis() as redis:
+        serve = ServeProcess([tiny_llama_dir, "--served-model-name", "tiny", "tiny-alias",
+                              "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+                              "--max-num-seqs", "8", "--max-waiting-requests", "8",
+                              "--redis-url", redis.url])
+        yield serve
+        assert serve.stop() == 0, serve.stderr_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def load(cluster):
+    """() -> the scheduler's GetLoadResponse."""
+    port = flag_value(cluster.service_args("scheduler"), "--port")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = spb_grpc.SchedulerServiceStub(channel)
+    yield lambda: stub.GetLoad(spb.GetLoadRequest(), timeout=5)
+    channel.close()
+
+
+@pytest.fixture
+def client(cluster):
+    return openai.OpenAI(base_url=cluster.url, api_key="unused", max_retries=0, timeout=120)
+
+
+def assert_pool_returns_to_full(load, timeout: float = 10.0) -> None:
+    """No request left and every KV block free (usage counts cached free blocks as free)."""
+    def idle() -> bool:
+        s = load()
+        return s.num_running == 0 and s.num_waiting == 0 and s.kv_cache_usage == 0.0
+    assert wait_until(idle, timeout), load()
+
+
+def test_aliases_are_listed_with_the_context_length(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny", "tiny-alias"]
+    assert {m.model_extra["max_model_len"] for m in models} == {MAX_MODEL_LEN}
+    assert client.completions.create(model="tiny-alias", prompt="Hi", max_tokens=2).choices
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_greedy_chat_logprobs_pick_the_top_token(client, stream):
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Count to five."}],
+                  max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=3,
+                  extra_body={"ignore_eos": True})
+    if stream:
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        content = [e for c in chunks if c.choices[0].logprobs
+                   for e in c.choices[0].logprobs.content]
+    else:
+        content = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    assert len(content) == 8
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-5)
+        assert [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True)
+
+
+def test_echo_logprobs_equal_prompt_logprobs(client):
+    prompt = "The quick brown fox jumps over the lazy dog"
+    echoed = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True,
+                                       logprobs=2)
+    scored = client.completions.create(model="tiny", prompt=prompt, max_tokens=1,
+                                       extra_body={"prompt_logprobs": 2})
+    rows = scored.choices[0].model_extra["prompt_logprobs"]
+    logprobs = echoed.choices[0].logprobs
+    assert echoed.choices[0].text == prompt and "".join(logprobs.tokens) == prompt
+    assert logprobs.token_logprobs[0] is None and rows[0] is None
+    assert len(rows) == len(logprobs.tokens) == echoed.usage.prompt_tokens
+    for lp, top, row in zip(logprobs.token_logprobs[1:], logprobs.top_logprobs[1:], rows[1:]):
+        chosen = next(v for v in row.values() if v["rank"] is not None and
+                      math.isclose(v["logprob"], lp, abs_tol=1e-5))
+        assert chosen["decoded_token"] in top and len(row) <= 3 and lp <= 0
+
+
+def test_streamed_logprobs_equal_non_streamed(client):
+    kwargs = dict(model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0.0,
+                  logprobs=1, echo=True, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0]
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+    tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    lps = [t for c in chunks if c.choices[0].logprobs
+           for t in c.choices[0].logprobs.token_logprobs]
+    assert tokens == whole.logprobs.tokens
+    assert lps == pytest.approx(whole.logprobs.token_logprobs, abs=1e-5)
+
+
+def test_stream_disconnect_frees_every_kv_block(cluster, load):
+    body = {"model": "tiny", "prompt": "Keep talking " * 20, "stream": True, **LONG}
+    with httpx.stream("POST", f"{cluster.url}/completions", json=body, timeout=60) as r:
+        lines = (line for line in r.iter_lines() if line.startswith("data: "))
+        for _ in range(5):
+            next(lines)
+        busy = load()
+        assert busy.num_running == 1 and busy.kv_cache_usage > 0
+    assert_pool_returns_to_full(load)
+
+
+def test_client_timeout_frees_every_kv_block(cluster, load):
+    body = {"model": "tiny", "prompt": "Keep talking", **LONG}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{cluster.url}/completions", json=body,
+                   timeout=httpx.Timeout(60, read=0.5))
+    assert load().kv_cache_usage > 0  # still generating when the client left
+    assert_pool_returns_to_full(load)
+
+
+def test_stop_string_abort_frees_every_kv_block(client, load):
+    out = client.completions.create(model="tiny", prompt="a b c", temperature=0.0, max_tokens=400,
+                                    extra_body={"ignore_eos": True, "stop": [" ", "e", "a"]})
+    assert out.choices[0].finish_reason == "stop"
+    assert_pool_returns_to_full(load)
+
+
+def test_full_queue_is_503_with_retry_after_then_recovers(cluster, client, load):
+    body = {"model": "tiny", "prompt": "Hello", "n": 32, **LONG}
+    r = httpx.post(f"{cluster.url}/completions", json=body, timeout=60)
+    assert r.status_code == 503, r.text
+    assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == 503
+    assert_pool_returns_to_full(load)  # the choices that were accepted are aborted
+    assert client.completions.create(model="tiny", prompt="Hello", max_tokens=2, n=8).choices
+
+
+@settings(max_examples=60, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(request=REQUESTS)
+def test_any_body_gets_2xx_or_a_4xx_envelope_and_the_service_stays_up(cluster, request):
+    path, body = request
+    r = httpx.post(f"{cluster.url}{path}", content=json.dumps(body).encode(), timeout=60,
+                   headers={"content-type": "application/json"})
+    event(f"HTTP {r.status_code}")  # --hypothesis-show-statistics: how many got through
+    if 400 <= r.status_code < 500:
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["code"] == r.status_code
+    else:
+        assert r.status_code == 200, (r.status_code, r.text)
+        if r.headers["content-type"].startswith("text/event-stream"):
+            events = [line[len("data: "):] for line in r.text.splitlines() if line]
+            assert events[-1] == "[DONE]"
+            assert all("error" not in json.loads(e) for e in events[:-1]), r.text
+        else:
+            assert r.json()["choices"] and r.json()["usage"]["completion_tokens"] >= 0
+    assert httpx.get(f"{cluster.url[:-3]}/health", timeout=10).status_code == 200
+
+
+def test_many_bad_requests_then_good_ones(cluster, client, load):
+    started = time.monotonic()
+    for body in ({"prompt": [10**6]}, {"prompt": "x", "max_tokens": MAX_MODEL_LEN},
+                 {"prompt": "x", "temperature": -3}, {"messages": []}):
+        path = "/chat/completions" if "messages" in body else "/completions"
+        r = httpx.post(f"{cluster.url}{path}", json={"model": "tiny", **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == 400
+    assert client.chat.completions.create(model="tiny", max_tokens=2, messages=[
+        {"role": "user", "content": "Hi"}]).choices[0].message.content is not None
+    assert time.monotonic() - started < 30
+    assert_pool_returns_to_full(load)  # nothing the random bodies started is left holding KV

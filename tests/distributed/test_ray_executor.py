@@ -1,0 +1,80 @@
+"""The Ray backend: a placement group with one bundle per rank, follower ranks as
+actors in it, rank 0 in this process. Ray runs in-process on loopback, 4 logical CPUs."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import GREEDY_PROMPTS, engine_kwargs, greedy_params
+from test_rank_failure import kill_during_generation
+
+from pagoda import LLM
+from pagoda.distributed.group_executor import InsufficientResources, WorkerGroupFailed
+
+pytestmark = pytest.mark.slow
+
+
+def wait_until(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return predicate()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def ray_llm(model: str, tp: int, pp: int) -> LLM:
+    return LLM(model=model, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+               distributed_executor_backend="ray", **engine_kwargs())
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2)])
+def test_greedy_tokens_equal_one_device_with_ray(ray_cluster, tiny_llama_dir, reference, tp, pp):
+    llm = ray_llm(tiny_llama_dir, tp, pp)
+    executor = llm.llm_engine.core.executor
+    try:
+        # One bundle per rank; followers are actors placed in bundles 1..N-1.
+        bundles = ray_cluster.util.placement_group_table(executor._placement_group)["bundles"]
+        assert [b["CPU"] for b in bundles.values()] == [1.0] * (tp * pp)
+        assert sorted(executor.actors) == list(range(1, tp * pp))
+        outputs = llm.generate(GREEDY_PROMPTS, greedy_params(), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == reference.token_ids
+        kv = [r["kv_cache_bytes"] for r in executor.memory_report()]
+        assert sum(kv) == reference.kv_cache_bytes * tp // min(tp, 2)
+    finally:
+        llm.llm_engine.core.shutdown()
+    # Shutdown released the bundles for the next group (Ray frees them asynchronously).
+    assert wait_until(lambda: ray_cluster.available_resources().get("CPU") == 4.0, 10)
+
+
+def test_killed_rank_actor_fails_the_generation_within_seconds(ray_cluster, tiny_llama_dir):
+    llm = ray_llm(tiny_llama_dir, 2, 1)
+    executor = llm.llm_engine.core.executor
+    try:
+        result, killed_at = kill_during_generation(
+            llm, lambda: ray_cluster.kill(executor.actors[1], no_restart=True))
+        assert isinstance(result.get("error"), WorkerGroupFailed), result
+        assert "rank 1: actor died" in str(result["error"])
+        assert result["at"] - killed_at < 10
+        with pytest.raises(WorkerGroupFailed):
+            llm.generate([[1, 2, 3]], greedy_params(), use_tqdm=False)
+    finally:
+        llm.llm_engine.core.shutdown()
+
+
+def test_group_larger_than_the_cluster_is_refused_at_start_up(ray_cluster, tiny_llama_dir):
+    start = time.monotonic()
+    with pytest.raises(InsufficientResources, match=r"lacks the resources for "
+                                                    r"tensor_parallel_size=4 x "
+                                                    r"pipeline_parallel_size=2: it needs 8 CPU"):
+        ray_llm(tiny_llama_dir, 4, 2)
+    assert time.monotonic() - start < 30
+    assert ray_cluster.is_initialized()  # a cluster it joined is left running

@@ -1,0 +1,78 @@
+"""`pagoda serve MODEL --tensor-parallel-size 2`: the gpu-worker drives a Ray-placed
+group as its rank 0. Same tokens as one device through the OpenAI API; then a rank
+dies: the request in flight fails within seconds and /health turns 503."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import sys
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+from conftest import GREEDY_PROMPTS, engine_kwargs
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "e2e"))
+from cluster_harness import ServeProcess, wait_until  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def serve_flags(model: str) -> list[str]:
+    kwargs = engine_kwargs()
+    return [model, "--served-model-name", "tiny", "--dtype", kwargs["dtype"],
+            "--max-model-len", str(kwargs["max_model_len"]),
+            "--block-size", str(kwargs["block_size"]),
+            "--max-num-batched-tokens", str(kwargs["max_num_batched_tokens"]),
+            "--num-gpu-blocks-override", str(kwargs["num_gpu_blocks_override"]),
+            "--tensor-parallel-size", "2"]
+
+
+def rank_actor_pids(serve: ServeProcess) -> list[int]:
+    """Ray worker processes running a follower rank (Ray titles them after the actor)."""
+    pids = []
+    for child in psutil.Process(serve.process.pid).children(recursive=True):
+        try:
+            if "_RankActor" in " ".join(child.cmdline()):
+                pids.append(child.pid)
+        except psutil.Error:
+            continue
+    return pids
+
+
+def test_serve_tensor_parallel_matches_one_device_and_fails_loudly(tiny_llama_dir, reference):
+    serve = ServeProcess(serve_flags(tiny_llama_dir))
+    try:
+        assert "--tensor-parallel-size" in serve.service_args("scheduler")
+        tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(tiny_llama_dir)
+        client = openai.OpenAI(base_url=serve.url, api_key="x", max_retries=0, timeout=120)
+        for prompt, want in zip(GREEDY_PROMPTS, reference.token_ids):
+            out = client.completions.create(model="tiny", prompt=prompt, max_tokens=12,
+                                            temperature=0, extra_body={"ignore_eos": True})
+            assert out.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
+
+        pids = rank_actor_pids(serve)
+        assert len(pids) == 1  # rank 1; rank 0 is the gpu-worker itself
+        stream = client.completions.create(model="tiny", prompt="Tell me a long story",
+                                           max_tokens=240, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))  # the request is running
+        os.kill(pids[0], signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises((openai.APIError, openai.APIConnectionError)):
+            for _ in stream:
+                pass
+        assert time.monotonic() - start < 10
+        health = serve.url.removesuffix("/v1") + "/health"
+        assert wait_until(lambda: httpx.get(health).status_code == 503, 15)
+        assert "rank 1: actor died" in serve.stderr_text()
+    finally:
+        code = serve.stop()
+    assert code == 0, serve.stderr_text()[-3000:]
+    # The gpu-worker shut its Ray instance down on the way out.
+    assert wait_until(lambda: not any("raylet" in " ".join(p.info["cmdline"] or [])
+                                      for p in psutil.process_iter(["cmdline"])), 15)

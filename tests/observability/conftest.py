@@ -1,0 +1,57 @@
+"""One local cluster (tiny model, tracing on) for all cluster tests in a module, a
+real Prometheus scraping its gateway, and an OTLP collector receiving its spans."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from obs_harness import OtlpCollector, Prometheus, Serve
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _find_prometheus() -> str | None:
+    spec = importlib.util.spec_from_file_location("install_prometheus",
+                                                  ROOT / "tools" / "install_prometheus.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    path = module.find_prometheus()
+    return str(path) if path else None
+
+
+@pytest.fixture(scope="module")
+def prometheus_binary() -> str:
+    path = _find_prometheus()
+    if path is None:
+        pytest.skip("no prometheus binary: run `python tools/install_prometheus.py` "
+                    "(make install does) or set PROMETHEUS=/path/to/prometheus")
+    return path
+
+
+@pytest.fixture(scope="module")
+def collector():
+    server = OtlpCollector()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_dir, collector):
+    """All five services (and a private Redis) exporting traces to `collector` quickly."""
+    serve = Serve([tiny_llama_dir, "--served-model-name", "tiny", "--dtype", "float32",
+                   "--max-model-len", "1024", "--otlp-traces-endpoint", collector.endpoint,
+                   "--log-stats-interval", "1"],
+                  env={"OTEL_BSP_SCHEDULE_DELAY": "100"})
+    yield serve
+    code = serve.stop()
+    assert code == 0, "".join(serve.log[-60:])
+
+
+@pytest.fixture(scope="module")
+def prometheus(prometheus_binary, cluster, tmp_path_factory):
+    server = Prometheus(prometheus_binary, cluster.base.removeprefix("http://"),
+                        tmp_path_factory.mktemp("prometheus"))
+    yield server
+    server.stop()

@@ -1,0 +1,160 @@
+"""Real processes for the observability tests: `pagoda serve`, a Prometheus server
+scraping it on loopback, and an OTLP trace collector the services export to."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import httpx
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as tpb
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as tpb_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagoda.services.common.redis_server import free_port
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.1):
+    """The first truthy value of `predicate()` within `timeout` seconds, else its last."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+class Serve:
+    """`pagoda serve ARGS` in a subprocess; `base` is the gateway's http://host:port."""
+
+    def __init__(self, args: list[str], env: dict[str, str], timeout: float = 240.0) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "pagoda.cli.main", "serve", *args, "--port", str(self.port)]
+        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True, env={**os.environ, **env})
+        self.log: list[str] = []
+        self._up = threading.Event()
+        threading.Thread(target=self._read, args=(self.process.stdout, True), daemon=True).start()
+        threading.Thread(target=self._read, args=(self.process.stderr, False), daemon=True).start()
+        if not self._up.wait(timeout) or self.process.poll() is not None:
+            self.stop()
+            raise RuntimeError("pagoda serve did not come up:\n" + "".join(self.log[-60:]))
+
+    def _read(self, stream, is_stdout: bool) -> None:
+        for line in stream:
+            self.log.append(line)
+            if is_stdout and "Pagoda is serving" in line:
+                self._up.set()
+
+    def scrape(self) -> dict[tuple[str, frozenset], float]:
+        """The gateway's /metrics (the whole cluster's) as {(sample, labels): value}."""
+        text = httpx.get(f"{self.base}/metrics", timeout=10).text
+        return {(s.name, frozenset(s.labels.items())): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+
+def total(samples: dict, name: str, **labels: str) -> float:
+    """Sum of the samples named `name` whose labels include `labels`."""
+    wanted = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and wanted <= ls)
+
+
+class Prometheus:
+    """A Prometheus server scraping one target every second, with `honor_labels`."""
+
+    def __init__(self, binary: str, target: str, workdir: Path, timeout: float = 60.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = workdir / "prometheus.yml"
+        config.write_text(
+            "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+            "scrape_configs:\n"
+            "  - job_name: pagoda\n"
+            "    honor_labels: true\n"
+            f"    static_configs: [{{targets: ['{target}']}}]\n")
+        self.process = subprocess.Popen(
+            [binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if not wait_until(self._ready, timeout, 0.2):
+            self.stop()
+            raise RuntimeError("prometheus did not become ready")
+
+    def _ready(self) -> bool:
+        if self.process.poll() is not None:
+            raise RuntimeError(f"prometheus exited: {self.process.stderr.read()[-2000:]}")
+        try:
+            return httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def api(self, path: str, **params) -> dict:
+        """GET /api/v1/<path>; the JSON body (status 'success' or 'error')."""
+        return httpx.get(f"{self.url}/api/v1/{path}", params=params, timeout=30).json()
+
+    def query(self, expr: str) -> dict:
+        return self.api("query", query=expr)
+
+    def values(self, expr: str) -> list[float]:
+        body = self.query(expr)
+        assert body["status"] == "success", (expr, body)
+        return [float(r["value"][1]) for r in body["data"]["result"]]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def has_number(values: list[float]) -> bool:
+    return any(not math.isnan(v) for v in values)
+
+
+class OtlpCollector(tpb_grpc.TraceServiceServicer):
+    """An OTLP/gRPC trace receiver: every exported span, with its service's name."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, object]] = []
+        self._lock = threading.Lock()
+        self.server = grpc.server(ThreadPoolExecutor(max_workers=4))
+        tpb_grpc.add_TraceServiceServicer_to_server(self, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.server.start()
+
+    def Export(self, request, context):
+        with self._lock:
+            for resource_spans in request.resource_spans:
+                attrs = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+                for scope in resource_spans.scope_spans:
+                    self.spans.extend((attrs.get("service.name", ""), s) for s in scope.spans)
+        return tpb.ExportTraceServiceResponse()
+
+    def trace(self, trace_id: bytes) -> list[tuple[str, object]]:
+        with self._lock:
+            return [(svc, s) for svc, s in self.spans if s.trace_id == trace_id]
+
+    def stop(self) -> None:
+        self.server.stop(None)

@@ -1,0 +1,210 @@
+"""Two real replicas behind KV-aware routing, with a real Redis: the index follows the
+replicas' caches through restarts and lost events, routing finds cached prefixes
+without herding, and replicas leave (drained or killed) without failing requests.
+
+One cluster for the module; the tests run in order and leave it serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from routing_cluster import HEARTBEAT_TIMEOUT_S, RoutingCluster, wait_until
+
+from pagoda._proto.pagoda.common.v1 import common_pb2 as cpb
+from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
+from pagoda.bench.routing import run_workload, shared_prefix_workload, summarize
+from pagoda.services.kv_cache_manager.index import namespace
+
+pytestmark = pytest.mark.slow
+# 2 replicas x 288 blocks of 16 tokens: each holds about 9 of the 16 ~500-token prefixes.
+NUM_BLOCKS = 288
+_rng = random.Random(5)
+
+
+def prompt(num_tokens: int = 70) -> list[int]:
+    return [_rng.randrange(100, 30000) for _ in range(num_tokens)]
+
+
+def send_all(cluster: RoutingCluster, prompts: list[list[int]], concurrency: int = 4
+             ) -> list[httpx.Response]:
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(cluster.complete, prompts))
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_dir, redis_server):
+    cluster = RoutingCluster(tiny_llama_dir, redis_server.url, 2, NUM_BLOCKS).start()
+    yield cluster
+    cluster.stop()
+
+
+def both_converged(cluster: RoutingCluster) -> bool:
+    return cluster.converged(0) and cluster.converged(1)
+
+
+def test_the_index_converges_after_normal_traffic(cluster):
+    replies = send_all(cluster, [prompt() for _ in range(12)])
+    assert all(r.status_code == 200 for r in replies)
+    assert {r.headers["x-pagoda-instance"] for r in replies} == \
+        {cluster.instance_id(0), cluster.instance_id(1)}
+    assert wait_until(lambda: both_converged(cluster), 10), cluster.log_tail()
+    assert cluster.indexed_blocks(0) and cluster.indexed_blocks(1)
+
+
+def test_kv_aware_finds_cached_prefixes_without_herding(cluster):
+    """16 shared ~500-token prompts x 4 users, random order, concurrency 8."""
+    summaries = {}
+    for seed, router in enumerate(("round_robin", "kv_aware")):
+        prompts = shared_prefix_workload(16, 4, 496, 24, seed=100 + seed)  # fresh prefixes
+        results, elapsed = asyncio.run(run_workload(cluster.gateways[router], prompts, 8, 2))
+        summaries[router] = summarize(router, results, elapsed)
+    kv, rr = summaries["kv_aware"], summaries["round_robin"]
+    assert kv["errors"] == rr["errors"] == 0
+    assert kv["cache_hit_rate"] >= 1.5 * rr["cache_hit_rate"], summaries
+    assert kv["max_replica_share"] <= 0.65 and len(kv["requests_per_replica"]) == 2, summaries
+
+
+def test_the_index_converges_after_a_kv_cache_manager_restart(cluster):
+    cluster.signal("kv-cache-manager", signal.SIGKILL)
+    cluster.wait_exit("kv-cache-manager", 10)
+    # Served without the index (load-based); their KV events are lost meanwhile.
+    replies = send_all(cluster, [prompt() for _ in range(8)])
+    assert all(r.status_code == 200 for r in replies)
+    cluster.restart("kv-cache-manager")
+    assert wait_until(lambda: both_converged(cluster), 15), cluster.log_tail()
+    metrics_port = _flag(cluster.service("kv-cache-manager").argv, "--metrics-port")
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+    assert _counter(text, 'pagoda_kv_index_resyncs_total{reason="gap"}') >= 1
+
+
+def test_the_index_converges_after_lost_events(cluster):
+    """Inject a gap: the index misses a batch (entries gone, sequence behind)."""
+    info, instance = cluster.info(0), cluster.instance_id(0)
+    ns = namespace(info.model, info.block_size)
+    lost = sorted(cluster.cached_blocks(0))[:5]
+    assert lost
+    for h in lost:
+        cluster.redis.srem(f"{ns}:block:{h.hex()}", instance)
+        cluster.redis.srem(f"{ns}:inst:{instance}:blocks", h.hex())
+    cluster.redis.hincrby(f"{ns}:inst:{instance}:meta", "sequence_number", -1)
+    assert not cluster.converged(0)
+    assert wait_until(lambda: cluster.converged(0), 10), cluster.log_tail()
+
+
+def test_the_index_converges_after_a_scheduler_restart(cluster):
+    old_blocks = cluster.indexed_blocks(1)
+    old_epoch = cluster.stub(1).GetModelInfo(spb.GetModelInfoRequest(), timeout=10).epoch
+    assert old_blocks
+    cluster.signal("scheduler-1", signal.SIGKILL)
+    cluster.wait_exit("scheduler-1", 10)
+    replies = send_all(cluster, [prompt() for _ in range(6)])  # the other replica serves
+    assert all(r.status_code == 200 for r in replies)
+    assert {r.headers["x-pagoda-instance"] for r in replies} == {cluster.instance_id(0)}
+    cluster.restart("scheduler-1")
+    assert cluster.stub(1).GetModelInfo(spb.GetModelInfoRequest(), timeout=10).epoch != old_epoch
+    # The new epoch's first heartbeat drops what the old process had cached.
+    assert wait_until(lambda: not (cluster.indexed_blocks(1) & old_blocks), 10)
+    send_all(cluster, [prompt() for _ in range(8)])
+    assert wait_until(lambda: both_converged(cluster), 10), cluster.log_tail()
+
+
+def test_a_draining_replica_fails_no_request_and_a_new_one_joins(cluster):
+    """SIGTERM under load (issue 7's scale-down): in-flight requests finish, new ones go
+    elsewhere, the replica deregisters and exits 0; started again, it gets traffic
+    within 10 s."""
+    gone = cluster.instance_id(1)
+    failures, served_after = [], []
+    stop, exited = threading.Event(), threading.Event()
+
+    def client(k: int) -> None:
+        while not stop.is_set():
+            started_after_exit = exited.is_set()
+            reply = cluster.complete(prompt(), max_tokens=16, stream=k % 2 == 0)
+            if reply.status_code != 200 or "error" in reply.text:
+                failures.append(reply.text[:300])
+            elif started_after_exit:
+                served_after.append(reply.headers["x-pagoda-instance"])
+
+    long_request = _generate_directly(cluster, 1, max_tokens=300)  # surely in flight
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)
+    cluster.signal("scheduler-1", signal.SIGTERM)
+    assert cluster.wait_exit("scheduler-1", 30) == 0
+    exited.set()
+    time.sleep(1.5)
+    stop.set()
+    for thread in threads:
+        thread.join(60)
+    finish = long_request.result(timeout=30)
+    assert failures == [], failures[:3]
+    assert finish.num_output_tokens == 300  # it ran to its end during the drain
+    assert served_after and set(served_after) == {cluster.instance_id(0)}
+    assert gone not in cluster.live_instances() and cluster.indexed_blocks(1) == set()
+    assert re.search(r"scheduler-1.*draining: [1-9]\d* requests in flight", cluster.log_tail(400))
+
+    cluster.restart("scheduler-1")
+    healthy_at = time.monotonic()
+    assert wait_until(lambda: gone in cluster.live_instances(), 5)  # registered by heartbeat
+    landed = wait_until(lambda: cluster.complete(prompt()).headers["x-pagoda-instance"] == gone,
+                        10, 0.0)
+    assert landed and time.monotonic() - healthy_at < 10
+
+
+def test_a_killed_replica_leaves_the_index_and_gets_no_new_request(cluster):
+    while not cluster.indexed_blocks(1):
+        send_all(cluster, [prompt() for _ in range(4)])
+    dead = cluster.instance_id(1)
+    cluster.signal("scheduler-1", signal.SIGKILL)
+    cluster.signal("gpu-worker-1", signal.SIGKILL)
+    killed_at = time.monotonic()
+    replies = send_all(cluster, [prompt() for _ in range(8)])
+    assert all(r.status_code == 200 for r in replies)
+    assert {r.headers["x-pagoda-instance"] for r in replies} == {cluster.instance_id(0)}
+    assert wait_until(lambda: dead not in cluster.live_instances()
+                      and not cluster.indexed_blocks(1), HEARTBEAT_TIMEOUT_S + 3)
+    assert time.monotonic() - killed_at < HEARTBEAT_TIMEOUT_S + 2
+
+
+# ---------------------------------------------------------------- helpers
+def _generate_directly(cluster: RoutingCluster, index: int, max_tokens: int):
+    """A request sent straight to one scheduler, read to its end in a thread."""
+    request = spb.GenerateRequest(
+        request_id=f"drain-probe-{time.monotonic_ns()}", prompt_token_ids=prompt(),
+        sampling_params=cpb.SamplingParams(n=1, temperature=0.0, top_p=1.0, max_tokens=max_tokens,
+                                           ignore_eos=True, repetition_penalty=1.0),
+        eos_token_ids=[2])
+
+    def read() -> spb.GenerateComplete:
+        for message in cluster.stub(index).Generate(request, timeout=60):
+            if message.HasField("complete"):
+                return message.complete
+        raise AssertionError("the stream ended without a complete message")
+
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(read)
+    pool.shutdown(wait=False)
+    time.sleep(0.3)  # accepted and running before the drain starts
+    return future
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def _counter(metrics_text: str, series: str) -> float:
+    for line in metrics_text.splitlines():
+        if line.startswith(series.split("{")[0]) and all(
+                part in line for part in re.findall(r'\w+="[^"]*"', series)):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{series} not exported")

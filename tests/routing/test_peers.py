@@ -1,0 +1,205 @@
+"""Replica discovery (a list or DNS) and the block-hash self-check, against in-process peers."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import httpx
+import pytest
+
+from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
+from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
+from pagoda._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
+from pagoda.protocol.kv_events import hash_blocks
+from pagoda.services.common.redis_server import free_port
+from pagoda.services.gateway.peers import Peers
+from pagoda.services.gateway.router_discovery import (Discovery, Target,
+                                                      parse_scheduler_addrs)
+from pagoda.services.tokenizer.servicer import TokenizerServicer
+
+
+class TinyTokenizer:
+    """Enough of an HF tokenizer for GetTokenizerInfo (HashBlocks needs none)."""
+
+    chat_template = None
+
+    def __len__(self) -> int:
+        return 1000
+
+
+class HashingScheduler(spb_grpc.SchedulerServiceServicer):
+    """A scheduler that serves model info and hashes with its own seed."""
+
+    def __init__(self, seed: str, instance_id: str = "s0") -> None:
+        self.seed = seed
+        self.instance_id = instance_id
+
+    def GetModelInfo(self, request, context):
+        return spb.GetModelInfoResponse(model="m", max_model_len=512, block_size=4,
+                                        instance_id=self.instance_id, prefix_hash_seed=self.seed,
+                                        served_model_name=["m"])
+
+    def GetLoad(self, request, context):
+        return spb.GetLoadResponse(serving=True)
+
+    def HashBlocks(self, request, context):
+        return hash_blocks(request, self.seed)
+
+
+@pytest.fixture
+def peers_at(grpc_server_factory):
+    def start(tokenizer_seed: str, scheduler_seeds: list[str]) -> tuple[str, list[str]]:
+        tokenizer = grpc_server_factory(tpb_grpc.add_TokenizerServiceServicer_to_server,
+                                        TokenizerServicer(TinyTokenizer(), "m", [2],
+                                                          tokenizer_seed))
+        schedulers = [grpc_server_factory(spb_grpc.add_SchedulerServiceServicer_to_server,
+                                          HashingScheduler(seed, f"s{i}"))
+                      for i, seed in enumerate(scheduler_seeds)]
+        return tokenizer.address, [s.address for s in schedulers]
+    return start
+
+
+def test_scheduler_addrs_take_a_list_and_dns_names():
+    targets = parse_scheduler_addrs("a:1, dns:///sched-headless.ns.svc:50052,"
+                                    "dns://8.8.8.8/other:7,[::1]:9")
+    assert targets == [Target("a", 1, False), Target("sched-headless.ns.svc", 50052, True),
+                       Target("other", 7, True), Target("::1", 9, False)]
+    with pytest.raises(ValueError):
+        parse_scheduler_addrs("no-port")
+
+
+def test_dns_names_are_re_resolved_and_a_failure_keeps_the_last_answer():
+    answers = [["10.0.0.1", "10.0.0.2"], ["10.0.0.2", "10.0.0.3"], OSError("SERVFAIL")]
+
+    async def resolver(host, port):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return [(None, None, None, "", (ip, port)) for ip in answer]
+
+    discovery = Discovery(parse_scheduler_addrs("static:1,dns:///svc:50052"), resolver,
+                          refresh_s=5.0)
+
+    async def run():
+        first = await discovery.addresses(now=0.0)
+        cached = await discovery.addresses(now=1.0)  # not due: no query
+        second = await discovery.addresses(now=5.0)
+        third = await discovery.addresses(now=10.0)
+        return first, cached, second, third
+
+    first, cached, second, third = asyncio.run(run())
+    assert first == cached == ["static:1", "10.0.0.1:50052", "10.0.0.2:50052"]
+    assert second == third == ["static:1", "10.0.0.2:50052", "10.0.0.3:50052"]
+
+
+def _serve_scheduler_at(host: str, port: int, servicer) -> grpc.Server:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=4))
+    spb_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    assert server.add_insecure_port(f"{host}:{port}") == port
+    server.start()
+    return server
+
+
+def test_dns_replicas_join_and_leave_the_gateway(peers_at):
+    """Like a headless Service: one name, one A record per replica, one port."""
+    tokenizer, _ = peers_at("seed", [])
+    port = free_port()
+    ips = ["127.0.0.2", "127.0.0.3"]
+    servers = [_serve_scheduler_at(ip, port, HashingScheduler("seed", ip)) for ip in ips]
+    answer = [ips[0]]
+
+    async def resolver(host, p):
+        assert (host, p) == ("sched-headless", port)
+        return [(None, None, None, "", (ip, p)) for ip in answer]
+
+    async def routable(peers) -> list[str]:
+        await peers.refresh()
+        return sorted(s.address for s in peers.schedulers if s.is_routable())
+
+    async def run():
+        target = f"dns:///sched-headless:{port}"
+        peers = Peers(tokenizer, target,
+                      discovery=Discovery(parse_scheduler_addrs(target), resolver, 0.0))
+        peers.use_prefix_index("127.0.0.1:1")  # hashes get checked; lookups would fail
+        try:
+            one = await routable(peers)
+            answer.append(ips[1])
+            two = await routable(peers)
+            answer.remove(ips[0])
+            left = await routable(peers)
+            return one, two, left, [s.address for s in peers.schedulers]
+        finally:
+            await peers.close()
+
+    try:
+        one, two, left, known = asyncio.run(run())
+    finally:
+        for server in servers:
+            server.stop(None)
+    assert one == [f"127.0.0.2:{port}"]
+    assert two == [f"127.0.0.2:{port}", f"127.0.0.3:{port}"]
+    assert left == known == [f"127.0.0.3:{port}"]  # idle: its channel is closed at once
+
+
+def test_replicas_whose_hashes_differ_get_no_traffic_and_stop_a_starting_gateway(peers_at):
+    tokenizer, schedulers = peers_at("seed-a", ["seed-a", "seed-b"])
+    fatal: list[str] = []
+
+    async def run():
+        peers = Peers(tokenizer, ",".join(schedulers), on_fatal=fatal.append)
+        peers.use_prefix_index("127.0.0.1:1")
+        try:
+            await peers.refresh()
+            return {s.address: s.is_routable() for s in peers.schedulers}, peers.is_healthy()
+        finally:
+            await peers.close()
+
+    routable, healthy = asyncio.run(run())
+    assert routable == {schedulers[0]: True, schedulers[1]: False}
+    assert not healthy and len(fatal) == 1
+    assert "seed-a" in fatal[0] and "seed-b" in fatal[0] and schedulers[1] in fatal[0]
+
+
+def test_the_gateway_process_exits_loudly_on_a_hash_mismatch(peers_at):
+    tokenizer, schedulers = peers_at("seed-a", ["seed-b"])
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pagoda.cli.main", "gateway", "--port", str(port),
+         "--tokenizer-addr", tokenizer, "--scheduler-addrs", schedulers[0],
+         "--kv-cache-manager-addr", "127.0.0.1:1"], stderr=subprocess.PIPE, text=True)
+    try:
+        code = process.wait(60)
+        log = process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+    assert code == 1
+    assert "CRITICAL" in log and "block hashes differ" in log and "Traceback" not in log
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+
+
+def test_without_the_index_no_hash_check_is_needed(peers_at):
+    tokenizer, schedulers = peers_at("seed-a", ["seed-b"])
+
+    async def run():
+        peers = Peers(tokenizer, schedulers[0], router="round_robin")
+        try:
+            start = time.monotonic()
+            while not peers.is_healthy() and time.monotonic() - start < 10:
+                await peers.refresh()
+            return peers.is_healthy()
+        finally:
+            await peers.close()
+
+    assert asyncio.run(run())
