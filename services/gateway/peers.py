@@ -103,9 +103,6 @@ class SchedulerReplica(Peer):
 
     def num_requests(self) -> int:
         """Requests on the replica: ours in flight, or all it reported if more."""
-        import os
-        if os.environ.get("NOREP"):
-            return self.num_in_flight
         reported = self.load.num_running + self.load.num_waiting if self.load else 0
         return max(self.num_in_flight, reported)
 

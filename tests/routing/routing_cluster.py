@@ -99,10 +99,14 @@ class RoutingCluster:
         self.cluster.restart(name)
         assert wait_until(self.service(name).is_healthy, timeout, 0.1), self.log_tail()
 
-    def log_tail(self, lines: int = 60) -> str:
+    def log_text(self) -> str:
+        """Everything the services logged so far."""
         self.log.flush()
         with open(self.log.name) as f:
-            return "".join(f.readlines()[-lines:])
+            return f.read()
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "".join(self.log_text().splitlines(keepends=True)[-lines:])
 
     # ------------------------------------------------------------ replicas and index
     def stub(self, index: int) -> spb_grpc.SchedulerServiceStub:

@@ -78,13 +78,23 @@ def test_a_burst_on_one_prefix_spills_over_instead_of_piling_up():
     a, b = FakeReplica("1"), FakeReplica("2")
     router = Router("kv_aware", FakeIndex({"sched-1": 32}), random.Random(0))
     picks = [route(router, [a, b]).replica for _ in range(12)]  # none released: in flight
-    n_a = picks.count(a)
-    # A holds the prefix, so it takes the first ones, until its queue outweighs the
-    # ~512 tokens of prefill it saves; then B takes a share.
-    assert picks[0] is a and picks[1] is a
-    assert 0 < picks.count(b) and n_a > picks.count(b)
-    saved = 32 * BLOCK
-    assert n_a - picks.count(b) <= saved // REQUEST_COST_TOKENS + 2
+    # A holds the prefix, so it takes the first ones; then its queue and its share of
+    # the recent requests outweigh the prefill it saves, and B takes its part.
+    assert picks[:2] == [a, a]
+    assert 4 <= picks.count(b) <= picks.count(a) <= 8
+
+
+def test_new_prefixes_go_where_fewer_requests_went_lately():
+    a, b = FakeReplica("1"), FakeReplica("2")
+    router = Router("kv_aware", FakeIndex({}), random.Random(0))
+    for _ in range(6):  # A served a run of cache hits: cheap, done, nothing in flight
+        route(router, [a], request([7] * 3 * BLOCK)).release()
+    picks = []
+    for i in range(3):  # equal live load: only the recent shares differ
+        chosen = route(router, [a, b], request([i] * 3 * BLOCK))
+        picks.append(chosen.replica)
+        chosen.release()
+    assert picks == [b, b, b]
 
 
 def test_live_load_outweighs_a_small_cached_prefix():
@@ -118,7 +128,7 @@ def test_recent_routes_cover_the_index_lag():
     router = Router("kv_aware", index, random.Random(0))
     first = route(router, [a, b])
     first.release()
-    for _ in range(5):
+    for _ in range(3):  # (more would tip the herding guard: see the burst test)
         again = route(router, [a, b])
         assert again.replica is first.replica
         assert again.predicted_cached_tokens == usable_cached_tokens(len(PROMPT), 32, BLOCK)
