@@ -9,7 +9,7 @@ PORT      ?= 8000
 MODEL     ?=
 PYTEST_ARGS ?=
 
-.PHONY: install proto run test test-fast bench lint clean
+.PHONY: install proto run test test-fast bench bench-routing dashboards clean
 
 install: $(STAMP)
 
@@ -21,6 +21,7 @@ $(STAMP): requirements.lock pyproject.toml
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	$(MAKE) proto
 	$(PY) tools/install_helm.py
+	$(PY) tools/install_prometheus.py
 	@touch $(STAMP)
 
 proto:
@@ -37,6 +38,9 @@ test-fast: install
 
 bench: install
 	$(VENV)/bin/pagoda bench throughput --input-len 128 --output-len 128 --num-prompts 64
+
+dashboards: install
+	$(PY) tools/gen_dashboards.py
 
 clean:
 	rm -rf $(VENV) libs/pagoda/_proto build *.egg-info

@@ -2,9 +2,10 @@
 
 `pagoda_gateway_*`: HTTP requests by route, method and status, their duration,
 in-flight requests, requests rejected (by reason) and aborted by the client;
-`pagoda_router_*`: routing decisions by policy and replica, and the cached
+`pagoda_router_*`: routing decisions by policy and replica (the label is `replica`,
+not `instance`, which Prometheus reserves for the scrape target), and the cached
 prompt tokens the prefix index predicted for the chosen replica against those the
-replica really found (prefix_probe.py).
+replica really found (both fed by router_dispatch.py).
 
 `ObservabilityMiddleware` (pure ASGI, so it sees a streamed response end) counts
 every request and, while tracing is on, runs it inside a SERVER span continuing

@@ -1,8 +1,9 @@
 """Drops instances whose heartbeat lapsed, and refreshes the index-size gauges.
 
-Runs in a daemon thread of the kv-cache-manager. It waits one heartbeat timeout
-after start before reaping, so a kv-cache-manager that was down (and so missed
-heartbeats) does not drop live instances before they had a chance to call in.
+Runs in a daemon thread of the kv-cache-manager, every `interval` seconds. It
+waits one heartbeat timeout after start before it reaps, so a kv-cache-manager
+that was down (and so missed heartbeats) does not drop live instances before
+they had a chance to call in; the gauges are refreshed from the start.
 Several kv-cache-manager replicas may reap the same Redis: dropping is idempotent.
 """
 
@@ -40,26 +41,24 @@ class Reaper:
         self._stop.set()
         self._thread.join(5)
 
-    def run_once(self) -> None:
-        dropped = self.index.reap()
-        if self.metrics is not None:
-            if dropped:
+    def run_once(self, reap: bool = True) -> None:
+        if reap:
+            dropped = self.index.reap()
+            if dropped and self.metrics is not None:
                 self.metrics.dropped_instances.labels("heartbeat").inc(len(dropped))
+        if self.metrics is not None:
             self._refresh_gauges()
 
     def _run(self) -> None:
-        if self._stop.wait(self.index.heartbeat_timeout):  # the grace period (see above)
-            return
+        reap_from = time.monotonic() + self.index.heartbeat_timeout  # the grace period
         last_error = 0.0
-        while True:
+        while not self._stop.wait(self.interval):
             try:
-                self.run_once()
+                self.run_once(reap=time.monotonic() >= reap_from)
             except redis.RedisError as exc:
                 if time.monotonic() - last_error > 30:
                     last_error = time.monotonic()
                     logger.warning("reaper: redis unavailable: %s", exc)
-            if self._stop.wait(self.interval):
-                return
 
     def _refresh_gauges(self) -> None:
         blocks: dict[str, int] = {}

@@ -42,18 +42,24 @@ class Serve:
         self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         text=True, env={**os.environ, **env})
         self.log: list[str] = []
-        self._up = threading.Event()
+        self._up = threading.Event()  # set when it serves, or when it exited
+        self._serving = False
         threading.Thread(target=self._read, args=(self.process.stdout, True), daemon=True).start()
         threading.Thread(target=self._read, args=(self.process.stderr, False), daemon=True).start()
-        if not self._up.wait(timeout) or self.process.poll() is not None:
+        self._up.wait(timeout)
+        if not self._serving:
             self.stop()
+            time.sleep(0.5)  # let the readers catch the last lines
             raise RuntimeError("pagoda serve did not come up:\n" + "".join(self.log[-60:]))
 
     def _read(self, stream, is_stdout: bool) -> None:
         for line in stream:
             self.log.append(line)
             if is_stdout and "Pagoda is serving" in line:
+                self._serving = True
                 self._up.set()
+        if is_stdout:
+            self._up.set()  # it exited without serving: no need to wait any longer
 
     def scrape(self) -> dict[tuple[str, frozenset], float]:
         """The gateway's /metrics (the whole cluster's) as {(sample, labels): value}."""
