@@ -29,6 +29,7 @@ pytestmark = pytest.mark.slow
 # 2 replicas x 272 blocks of 16 tokens: each holds about half of the 16 ~500-token
 # prefixes (plus the in-flight requests' own blocks).
 NUM_BLOCKS = 272
+LONG_TOKENS = 900  # a request that outlives the start of a drain (prompt 70, context 1024)
 _rng = random.Random(5)
 
 
@@ -136,11 +137,12 @@ def test_a_draining_replica_fails_no_request_and_a_new_one_joins(cluster):
             elif started_after_exit:
                 served_after.append(reply.headers["x-pagoda-instance"])
 
-    long_request = _generate_directly(cluster, 1, max_tokens=300)  # surely in flight
+    long_request = _generate_directly(cluster, 1, max_tokens=LONG_TOKENS)
     threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
     for thread in threads:
         thread.start()
-    time.sleep(1.0)
+    time.sleep(0.5)
+    assert not long_request.done()  # in flight when the drain starts
     cluster.signal("scheduler-1", signal.SIGTERM)
     assert cluster.wait_exit("scheduler-1", 30) == 0
     exited.set()
@@ -150,7 +152,7 @@ def test_a_draining_replica_fails_no_request_and_a_new_one_joins(cluster):
         thread.join(60)
     finish = long_request.result(timeout=30)
     assert failures == [], failures[:3]
-    assert finish.num_output_tokens == 300  # it ran to its end during the drain
+    assert finish.num_output_tokens == LONG_TOKENS  # it ran to its end during the drain
     assert served_after and set(served_after) == {cluster.instance_id(0)}
     assert gone not in cluster.live_instances() and cluster.indexed_blocks(1) == set()
     assert re.search(r"\[scheduler-1\].*draining: [1-9]\d* requests in flight", cluster.log_text())
@@ -164,8 +166,8 @@ def test_a_draining_replica_fails_no_request_and_a_new_one_joins(cluster):
 
 
 def test_a_killed_replica_leaves_the_index_and_gets_no_new_request(cluster):
-    while not cluster.indexed_blocks(1):
-        send_all(cluster, [prompt() for _ in range(4)])
+    assert wait_until(lambda: bool(send_all(cluster, [prompt() for _ in range(4)])
+                                   and cluster.indexed_blocks(1)), 30, 0.0)
     dead = cluster.instance_id(1)
     cluster.signal("scheduler-1", signal.SIGKILL)
     cluster.signal("gpu-worker-1", signal.SIGKILL)
