@@ -51,10 +51,10 @@ DEFAULT_POLICY = "kv_aware"
 # What one request in progress costs a replica, in prefill-token equivalents: its
 # decode steps share the batch with everyone else's prefill.
 REQUEST_COST_TOKENS = 64
-PENDING_WEIGHT = 0.25
-IMBALANCE_TOLERANCE = 0.3
-RECENT_TAU_S = 5.0
-RECENT_PRIOR = 4.0  # requests: keeps the share calm while traffic is light
+PENDING_WEIGHT = 0.25  # per queued prefill token (batched with ours, so below 1)
+IMBALANCE_TOLERANCE = 0.3  # share above fair at which a whole cached prompt is outweighed
+RECENT_TAU_S = 5.0  # decay of the recent-requests count
+RECENT_PRIOR = 4.0  # requests added to every count: keeps shares calm while traffic is light
 
 
 @dataclass
@@ -96,9 +96,11 @@ class Route:
 
 
 class Router:
-    """Invariant: `route` only returns a replica that is routable right now, and
-    reserves its load before returning (no await between the choice and the
-    reservation), so concurrent routes see each other."""
+    """Invariant: `route` returns a replica that was routable when the route began
+    (one that stopped serving during the index lookup is skipped unless none is
+    left: the retry in router_dispatch.py covers it), and reserves its load before
+    returning (no await between the choice and the reservation), so concurrent
+    routes see each other."""
 
     def __init__(self, policy: str = DEFAULT_POLICY, index: PrefixIndexClient | None = None,
                  rng: random.Random | None = None) -> None:
@@ -106,10 +108,10 @@ class Router:
             raise ValueError(f"unknown router {policy!r}; choose from {', '.join(POLICIES)}")
         self.policy = policy
         self.index = index
-        self.recent = RecentRoutes()
+        self.recent_routes = RecentRoutes()
         self.rng = rng or random.Random()
         self._turn = itertools.count()
-        self._recent: dict[str, tuple[float, float]] = {}  # address -> (decayed count, when)
+        self._recent_counts: dict[str, tuple[float, float]] = {}  # address -> (count, when)
 
     async def route(self, replicas: Sequence, request: RouteRequest, tokenizer_stub=None,
                     exclude: frozenset[str] = frozenset()) -> Route:
@@ -128,15 +130,16 @@ class Router:
         if hashes is not None:
             predicted = usable_cached_tokens(len(request.prompt_token_ids),
                                              cached.get(chosen.instance_id, 0), block_size)
-            self.recent.record(hashes, chosen.instance_id, time.monotonic())
+            self.recent_routes.record(hashes, chosen.instance_id, time.monotonic())
         pending = max(0, request.num_prompt_tokens - (predicted or 0) * request.num_requests)
         now = time.monotonic()
-        self._recent[chosen.address] = (self.recent_requests(chosen.address, now) + 1.0, now)
+        self._recent_counts[chosen.address] = (self.recent_requests(chosen.address, now) + 1.0,
+                                               now)
         return Route(chosen, self.policy, predicted, pending, request.num_requests)
 
     def recent_requests(self, address: str, now: float) -> float:
         """Requests routed to `address` lately, each decayed by exp(-age / RECENT_TAU_S)."""
-        count, at = self._recent.get(address, (0.0, now))
+        count, at = self._recent_counts.get(address, (0.0, now))
         return count * math.exp(-(now - at) / RECENT_TAU_S)
 
     def excess_share(self, live: list, now: float) -> dict[str, float]:
@@ -172,7 +175,7 @@ class Router:
         if found is None:
             return {}, None
         hashes, blocks = found
-        for instance, n in self.recent.cached_blocks(hashes, time.monotonic()).items():
+        for instance, n in self.recent_routes.cached_blocks(hashes, time.monotonic()).items():
             blocks[instance] = max(n, blocks.get(instance, 0))
         return blocks, hashes
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 
 from pagoda._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2_grpc as pb_grpc
 from pagoda.core.block_hash import hash_request_tokens
 from pagoda.core.kv_events import BlockRemoved, BlockStored
+from pagoda.services.common.redis_server import free_port
 from pagoda.services.kv_cache_manager.index import PrefixIndex
 from pagoda.services.kv_cache_manager.servicer import KvCacheManagerServicer
 from pagoda.services.scheduler.kv_publisher import KvEventPublisher
@@ -102,19 +105,13 @@ def test_a_lost_batch_is_repaired_by_a_snapshot(index, manager):
         publisher.stop()
 
 
-def test_batches_dropped_while_the_manager_is_down_are_resynced(index, redis_client,
-                                                                grpc_server_factory):
-    from pagoda.services.common.redis_server import free_port
-
+def test_batches_dropped_while_the_manager_is_down_are_resynced(index):
     cache = FakeCache()
     port = free_port()
     publisher = publisher_for(f"127.0.0.1:{port}", cache)  # nobody listens yet
     try:
         cache.store(publisher, blocks(1))
         assert wait_until(lambda: publisher.num_dropped_batches >= 1)
-        import grpc
-        from concurrent.futures import ThreadPoolExecutor
-
         server = grpc.server(ThreadPoolExecutor(max_workers=4))
         pb_grpc.add_KvCacheManagerServiceServicer_to_server(KvCacheManagerServicer(index), server)
         server.add_insecure_port(f"127.0.0.1:{port}")

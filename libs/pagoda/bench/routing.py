@@ -68,11 +68,9 @@ def shared_prefix_workload(num_prefixes: int, users_per_prefix: int, prefix_len:
 
 
 def default_num_blocks(args: argparse.Namespace) -> int:
-    """KV blocks holding about half the prefixes, plus the in-flight requests' own."""
-    prefix_blocks = args.prefix_len // args.block_size
-    per_request = -(-(args.suffix_len + args.output_len) // args.block_size) + 1
+    """KV blocks holding about half the prefixes, plus one per request in flight."""
     half = -(-args.num_prefixes // 2)
-    return half * prefix_blocks + args.max_concurrency * per_request
+    return half * (args.prefix_len // args.block_size) + args.max_concurrency
 
 
 @dataclass
