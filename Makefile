@@ -39,6 +39,9 @@ test-fast: install
 bench: install
 	$(VENV)/bin/pagoda bench throughput --input-len 128 --output-len 128 --num-prompts 64
 
+bench-routing: install
+	$(VENV)/bin/pagoda bench routing
+
 dashboards: install
 	$(PY) tools/gen_dashboards.py
 
