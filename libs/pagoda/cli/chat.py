@@ -106,7 +106,11 @@ def chat_loop(client, model: str, args: argparse.Namespace, lines: Iterable[str]
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
+def run_client(args: argparse.Namespace, loop, what: str) -> int:
+    """Connect, then run `loop(client, model, args, lines)` on `--quick` or stdin.
+
+    Shared by `pagoda chat` and `pagoda complete`; `what` names one line of input.
+    """
     import openai
 
     try:
@@ -115,6 +119,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {args.url} did not list its models: {exc}", file=sys.stderr)
         return 1
     if args.quick is not None:
-        return chat_loop(client, model, args, [args.quick])
-    print(f"Using model: {model}. Type a message; Ctrl-D quits.", file=sys.stderr)
-    return chat_loop(client, model, args, input_lines())
+        return loop(client, model, args, [args.quick])
+    print(f"Using model: {model}. Type {what}; Ctrl-D quits.", file=sys.stderr)
+    return loop(client, model, args, input_lines())
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_client(args, chat_loop, "a message")

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterable
 from typing import TextIO
 
-from pagoda.cli.chat import add_client_args, input_lines, make_client, sampling_kwargs
+from pagoda.cli.chat import add_client_args, run_client, sampling_kwargs
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -46,14 +46,4 @@ def complete_loop(client, model: str, args: argparse.Namespace, lines: Iterable[
 
 
 def run(args: argparse.Namespace) -> int:
-    import openai
-
-    try:
-        client, model = make_client(args)
-    except openai.APIError as exc:
-        print(f"error: {args.url} did not list its models: {exc}", file=sys.stderr)
-        return 1
-    if args.quick is not None:
-        return complete_loop(client, model, args, [args.quick])
-    print(f"Using model: {model}. Type a prompt; Ctrl-D quits.", file=sys.stderr)
-    return complete_loop(client, model, args, input_lines())
+    return run_client(args, complete_loop, "a prompt")
