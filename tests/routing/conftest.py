@@ -7,24 +7,8 @@ from typing import NamedTuple
 
 import grpc
 import pytest
-import redis
 from grpc_health.v1 import health, health_pb2_grpc
 
-from pagoda.services.common.redis_server import PrivateRedis
-
-
-@pytest.fixture(scope="session")
-def redis_server():
-    with PrivateRedis() as server:
-        yield server
-
-
-@pytest.fixture
-def redis_client(redis_server):
-    client = redis.Redis.from_url(redis_server.url)
-    client.flushall()
-    yield client
-    client.close()
 
 
 class Served(NamedTuple):
