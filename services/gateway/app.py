@@ -13,8 +13,8 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 import pagoda
-from pagoda._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
-from pagoda.protocol.tokenizer import chat_input_to_proto
+from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
+from pagoda.services.common.protocol.tokenizer import chat_input_to_proto
 from pagoda.services.gateway import openai_routes
 from pagoda.services.gateway.auth import APIKeyMiddleware
 from pagoda.services.gateway.errors import APIError, from_grpc_error, \

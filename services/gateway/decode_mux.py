@@ -14,8 +14,8 @@ import logging
 
 import grpc
 
-from pagoda._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as pb
-from pagoda._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
+from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as pb
+from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pagoda.engine.core_types import EngineCoreRequest
+from pagoda.messages import EngineCoreRequest
 from pagoda.services.gateway.choices import ChoiceDelta, merge_choices, stream_choice
 from pagoda.services.gateway.errors import APIError
 from pagoda.services.gateway.openai_models import SamplingFields

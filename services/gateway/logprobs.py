@@ -1,7 +1,7 @@
 """Logprobs as the OpenAI API shows them, from the engine's `LogprobsLists` rows.
 
 The engine sends, per position, `[chosen, top-1, ..., top-k]` token ids with their
-logprobs and ranks (`pagoda.worker.runner_output.LogprobsLists`). The tokenizer
+logprobs and ranks (`pagoda.messages.LogprobsLists`). The tokenizer
 decodes every candidate id on its own (`DecodeInput.decode_token_ids`, vLLM's
 `decode([id])` rule). This module joins the two into `TokenLogprob`s and renders
 them in the three shapes clients expect:
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from pagoda.worker.runner_output import LogprobsLists
+from pagoda.messages import LogprobsLists
 
 MIN_LOGPROB = -9999.0
 

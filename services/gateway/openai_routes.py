@@ -10,8 +10,8 @@ import grpc
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagoda._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
-from pagoda.protocol.tokenizer import chat_input_to_proto
+from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
+from pagoda.services.common.protocol.tokenizer import chat_input_to_proto
 from pagoda.services.gateway.chunks import ChatChunks, ChunkRenderer, CompletionChunks
 from pagoda.services.gateway.errors import APIError, from_grpc_error
 from pagoda.services.gateway.generation import Generation, Prompt, new_request_id

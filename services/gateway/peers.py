@@ -23,12 +23,12 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
-from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
-from pagoda._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
-from pagoda._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
-from pagoda.engine.core_types import EngineCoreOutput, EngineCoreRequest
-from pagoda.protocol.scheduler import request_to_proto, response_to_output
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
+from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
+from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
+from pagoda.messages import EngineCoreOutput, EngineCoreRequest
+from pagoda.services.common.protocol.scheduler import request_to_proto, response_to_output
 from pagoda.services.common.grpc_server import CLIENT_OPTIONS, STREAM_READER_OPTIONS
 from pagoda.services.common.tracing import aio_client_interceptors
 from pagoda.services.gateway.decode_mux import DecodeMux

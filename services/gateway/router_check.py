@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import grpc
 
-from pagoda._proto.pagoda.common.v1 import common_pb2 as cpb
-from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
+from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
 
 PROBE_BLOCKS = 3
 PROBE_SALT = "pagoda-hash-check"

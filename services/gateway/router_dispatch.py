@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from pagoda.engine.core_types import EngineCoreRequest
+from pagoda.messages import EngineCoreRequest
 from pagoda.services.gateway import router_context
 from pagoda.services.gateway.errors import APIError
 from pagoda.services.gateway.metrics import gateway_metrics

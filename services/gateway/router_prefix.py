@@ -23,9 +23,9 @@ from collections.abc import Sequence
 
 import grpc
 
-from pagoda._proto.pagoda.common.v1 import common_pb2 as cpb
-from pagoda._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2 as kpb
-from pagoda._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2_grpc as kpb_grpc
+from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
+from pagoda.services._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2 as kpb
+from pagoda.services._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2_grpc as kpb_grpc
 from pagoda.services.common.grpc_server import CLIENT_OPTIONS
 from pagoda.services.common.tracing import aio_client_interceptors
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from pagoda._proto.pagoda.worker.v1 import worker_pb2_grpc as pb_grpc
+from pagoda.services._proto.pagoda.worker.v1 import worker_pb2_grpc as pb_grpc
 from pagoda.services.common.grpc_server import add_server_args, serve_sync
 from pagoda.services.common.logs import setup_logging
 

@@ -7,10 +7,10 @@ import threading
 
 import grpc
 
-from pagoda._proto.pagoda.worker.v1 import worker_pb2 as pb
-from pagoda._proto.pagoda.worker.v1 import worker_pb2_grpc as pb_grpc
+from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as pb
+from pagoda.services._proto.pagoda.worker.v1 import worker_pb2_grpc as pb_grpc
 from pagoda.distributed.group_executor import WorkerGroupFailed
-from pagoda.protocol.worker import model_runner_output_to_proto, scheduler_output_from_proto
+from pagoda.services.common.protocol.worker import model_runner_output_to_proto, scheduler_output_from_proto
 from pagoda.services.gpu_worker.metrics import worker_metrics
 
 logger = logging.getLogger(__name__)

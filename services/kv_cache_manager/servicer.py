@@ -8,10 +8,10 @@ import time
 import grpc
 import redis
 
-from pagoda._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2 as pb
-from pagoda._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2_grpc as pb_grpc
+from pagoda.services._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2 as pb
+from pagoda.services._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2_grpc as pb_grpc
 from pagoda.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from pagoda.protocol.kv_events import kv_event_from_proto
+from pagoda.services.common.protocol.kv_events import kv_event_from_proto
 from pagoda.services.kv_cache_manager.index import IndexReply, PrefixIndex
 from pagoda.services.kv_cache_manager.metrics import KvIndexMetrics
 from pagoda.services.kv_cache_manager.sequencing import Action, Reason

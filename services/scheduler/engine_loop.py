@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagoda.core.kv_events import KVEvent
-from pagoda.engine.core_types import EngineCoreOutput, EngineCoreRequest
+from pagoda.messages import EngineCoreOutput, EngineCoreRequest
 from pagoda.engine.engine_core import EngineCore
 from pagoda.metrics.recorder import EngineStatsRecorder
 

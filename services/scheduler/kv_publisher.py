@@ -19,10 +19,10 @@ from collections.abc import Callable
 
 import grpc
 
-from pagoda._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2 as pb
-from pagoda._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2_grpc as pb_grpc
+from pagoda.services._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2 as pb
+from pagoda.services._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2_grpc as pb_grpc
 from pagoda.core.kv_events import KVEvent
-from pagoda.protocol.kv_events import publish_request
+from pagoda.services.common.protocol.kv_events import publish_request
 from pagoda.services.common.grpc_server import CLIENT_OPTIONS
 from pagoda.services.common.tracing import intercept
 from pagoda.services.scheduler.metrics import KvPublisherMetrics

@@ -12,8 +12,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from pagoda import tracing
-from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2 as pb
-from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as pb
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from pagoda.metrics import stat_logger
 from pagoda.services.common.grpc_server import (GRPC_OPTIONS, NOT_SERVING, SERVING,
                                                 add_server_args, bind)

@@ -13,12 +13,12 @@ import logging
 
 import grpc
 
-from pagoda._proto.pagoda.common.v1 import common_pb2 as cpb
-from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2 as pb
-from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from pagoda.engine.core_types import EngineCoreOutput
-from pagoda.protocol.kv_events import hash_blocks
-from pagoda.protocol.scheduler import outputs_to_responses, request_from_proto
+from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as pb
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from pagoda.messages import EngineCoreOutput
+from pagoda.services.common.protocol.kv_events import hash_blocks
+from pagoda.services.common.protocol.scheduler import outputs_to_responses, request_from_proto
 from pagoda.services.scheduler.engine_loop import EngineLoop, QueueFull
 from pagoda.services.scheduler.tracing import REQUEST_SPANS
 

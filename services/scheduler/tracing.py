@@ -21,7 +21,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, SpanContext
 
 from pagoda import tracing
-from pagoda.core.sched_output import SchedulerOutput
+from pagoda.messages import SchedulerOutput
 from pagoda.metrics.stats import FinishedRequestStats
 
 

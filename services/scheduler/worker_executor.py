@@ -11,15 +11,14 @@ import time
 
 import grpc
 
-from pagoda._proto.pagoda.worker.v1 import worker_pb2 as pb
-from pagoda._proto.pagoda.worker.v1 import worker_pb2_grpc as pb_grpc
-from pagoda.core.sched_output import SchedulerOutput
+from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as pb
+from pagoda.services._proto.pagoda.worker.v1 import worker_pb2_grpc as pb_grpc
+from pagoda.messages import ModelRunnerOutput, SchedulerOutput
 from pagoda.engine.executor import Executor
-from pagoda.protocol.worker import model_runner_output_from_proto, scheduler_output_to_proto
+from pagoda.services.common.protocol.worker import model_runner_output_from_proto, scheduler_output_to_proto
 from pagoda.services.common.grpc_server import CLIENT_OPTIONS
 from pagoda.services.common.tracing import intercept
 from pagoda.services.scheduler.tracing import step_span
-from pagoda.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from pagoda._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
+from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
 from pagoda.config import DEFAULT_PREFIX_HASH_SEED
 from pagoda.services.common.grpc_server import add_server_args, serve_sync
 from pagoda.services.common.logs import setup_logging

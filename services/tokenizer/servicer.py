@@ -8,12 +8,12 @@ from typing import Any
 
 import grpc
 
-from pagoda._proto.pagoda.common.v1 import common_pb2 as cpb
-from pagoda._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as pb
-from pagoda._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
+from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
+from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as pb
+from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
 from pagoda.config import DEFAULT_PREFIX_HASH_SEED
-from pagoda.protocol.kv_events import hash_blocks
-from pagoda.protocol.tokenizer import chat_input_from_proto
+from pagoda.services.common.protocol.kv_events import hash_blocks
+from pagoda.services.common.protocol.tokenizer import chat_input_from_proto
 from pagoda.services.tokenizer.decode_stream import CompletionDecoder, DecodeStep
 from pagoda.services.tokenizer.metrics import timed, tokenizer_metrics
 from pagoda.tokenizer.chat import render_chat_template

@@ -19,10 +19,10 @@ import httpx
 import uvicorn
 from grpc_health.v1 import health, health_pb2_grpc
 
-from pagoda._proto.pagoda.common.v1 import common_pb2 as cpb
-from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
-from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
-from pagoda._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
+from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
+from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
 from pagoda.services.common.redis_server import free_port
 from pagoda.services.gateway.app import create_app
 from pagoda.services.tokenizer.servicer import TokenizerServicer

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from pagoda.core.scheduler import SchedulerStats
 from pagoda.engine.arg_utils import EngineArgs
-from pagoda.engine.core_types import EngineCoreRequest
+from pagoda.messages import EngineCoreRequest
 from pagoda.sampling_params import SamplingParams
 from pagoda.services.scheduler.engine_loop import EngineLoop, QueueFull
 

@@ -10,9 +10,9 @@ import sys
 import pytest
 from api_fakes import MODEL, SCRIPT, Gateway
 
-from pagoda.cli.chat import chat_loop, make_client
-from pagoda.cli.complete import complete_loop
-from pagoda.cli.main import build_parser
+from pagoda.services.cli.chat import chat_loop, make_client
+from pagoda.services.cli.complete import complete_loop
+from pagoda.services.cli.main import build_parser
 from pagoda.services.common.redis_server import free_port
 
 
@@ -21,7 +21,7 @@ def script_text(tokenizer, n: int) -> str:
 
 
 def run_cli(*argv: str, stdin: str = "", env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pagoda.cli.main", *argv], input=stdin,
+    return subprocess.run([sys.executable, "-m", "pagoda.services.cli.main", *argv], input=stdin,
                           capture_output=True, text=True, timeout=60,
                           env={**os.environ, **(env or {})})
 

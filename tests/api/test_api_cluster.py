@@ -18,8 +18,8 @@ from api_strategies import REQUESTS
 from cluster_harness import ServeProcess, flag_value, wait_until
 from hypothesis import HealthCheck, event, given, settings
 
-from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
-from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
 from pagoda.services.common.redis_server import PrivateRedis
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ import openai
 import pytest
 from api_fakes import MAX_MODEL_LEN, Gateway
 
-from pagoda.cli.main import build_parser
+from pagoda.services.cli.main import build_parser
 from pagoda.services.gateway.middleware import HttpOptions, http_flags, parse_list
 
 KEY = "sekret-key"

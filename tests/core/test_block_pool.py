@@ -5,7 +5,7 @@ from pagoda.core.block_pool import BlockPool
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.kv_events import BlockRemoved, BlockStored
 from pagoda.core.request import Request
-from pagoda.engine.core_types import EngineCoreRequest
+from pagoda.messages import EngineCoreRequest
 from pagoda.sampling_params import SamplingParams
 
 BS = 4

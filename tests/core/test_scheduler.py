@@ -2,9 +2,8 @@
 
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.core.scheduler import Scheduler
-from pagoda.engine.core_types import EngineCoreRequest, FinishReason
+from pagoda.messages import EngineCoreRequest, FinishReason, ModelRunnerOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.worker.runner_output import ModelRunnerOutput
 
 EOS = 0
 

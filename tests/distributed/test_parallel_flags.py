@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.cli.main import build_parser
-from pagoda.cli.serve import engine_flags
+from pagoda.services.cli.main import build_parser
+from pagoda.services.cli.serve import engine_flags
 
 FLAGS = ["-tp", "2", "--pipeline-parallel-size", "2", "--distributed-executor-backend", "mp"]
 

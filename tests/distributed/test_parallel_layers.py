@@ -114,7 +114,7 @@ def test_vocab_parallel_embedding_and_lm_head_cover_an_uneven_vocabulary(ranks, 
 
 def _two_steps() -> list:
     """A prefill of two requests, then a decode of both: (input_ids, positions, metadata)."""
-    from pagoda.core.sched_output import NewRequestData
+    from pagoda.messages import NewRequestData
     from pagoda.sampling_params import SamplingParams
     from pagoda.worker.batch_state import CachedRequestState
     from pagoda.worker.input_builder import build_model_inputs

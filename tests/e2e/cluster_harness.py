@@ -22,7 +22,7 @@ class ServeProcess:
 
     def __init__(self, args: list[str], timeout: float = 240.0) -> None:
         self.port = free_port()
-        cmd = [sys.executable, "-m", "pagoda.cli.main", "serve", *args, "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "pagoda.services.cli.main", "serve", *args, "--port", str(self.port)]
         self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         self._stderr: list[str] = []
@@ -55,13 +55,13 @@ class ServeProcess:
         return result[0]
 
     def service_pid(self, name: str) -> int:
-        """The pid of the child running `pagoda.cli.main <name>`."""
+        """The pid of the child running `pagoda.services.cli.main <name>`."""
         for child in psutil.Process(self.process.pid).children(recursive=True):
             try:
                 cmdline = child.cmdline()
             except psutil.Error:
                 continue
-            if "pagoda.cli.main" in cmdline and cmdline[cmdline.index("pagoda.cli.main") + 1] == name:
+            if "pagoda.services.cli.main" in cmdline and cmdline[cmdline.index("pagoda.services.cli.main") + 1] == name:
                 return child.pid
         raise LookupError(name)
 

@@ -93,7 +93,7 @@ def test_gateway_stops_cleanly_on_sigterm(tiny_cluster, tiny_client):
     gateway = tiny_cluster.service_args("gateway")
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "pagoda.cli.main", "gateway", "--port", str(port),
+        [sys.executable, "-m", "pagoda.services.cli.main", "gateway", "--port", str(port),
          "--tokenizer-addr", flag_value(gateway, "--tokenizer-addr"),
          "--scheduler-addrs", flag_value(gateway, "--scheduler-addrs")],
         stderr=subprocess.PIPE, text=True)
@@ -121,7 +121,7 @@ def _healthy(url: str) -> bool:
 
 def test_bench_serve_prints_one_json_line(tiny_cluster):
     out = subprocess.run(
-        [sys.executable, "-m", "pagoda.cli.main", "bench", "serve", "--base-url",
+        [sys.executable, "-m", "pagoda.services.cli.main", "bench", "serve", "--base-url",
          tiny_cluster.url[:-3], "--num-prompts", "6", "--max-concurrency", "3",
          "--random-input-len", "20", "--random-output-len", "8"],
         capture_output=True, text=True, timeout=120)
@@ -138,8 +138,8 @@ def test_bench_serve_prints_one_json_line(tiny_cluster):
 def test_client_disconnect_aborts_the_request(tiny_cluster):
     import grpc
 
-    from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
-    from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
+    from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
+    from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
 
     scheduler = tiny_cluster.service_args("scheduler")
     channel = grpc.insecure_channel(f"127.0.0.1:{flag_value(scheduler, '--port')}")
@@ -167,8 +167,8 @@ def test_client_disconnect_aborts_the_request(tiny_cluster):
 def test_non_streamed_request_is_aborted_when_its_client_leaves(tiny_cluster):
     import grpc
 
-    from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
-    from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
+    from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
+    from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
 
     scheduler = tiny_cluster.service_args("scheduler")
     channel = grpc.insecure_channel(f"127.0.0.1:{flag_value(scheduler, '--port')}")

@@ -38,7 +38,7 @@ class Serve:
     def __init__(self, args: list[str], env: dict[str, str], timeout: float = 240.0) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "pagoda.cli.main", "serve", *args, "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "pagoda.services.cli.main", "serve", *args, "--port", str(self.port)]
         self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         text=True, env={**os.environ, **env})
         self.log: list[str] = []

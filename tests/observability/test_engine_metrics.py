@@ -9,9 +9,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagoda.core.sched_output import SchedulerOutput
+from pagoda.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, SchedulerOutput
 from pagoda.core.scheduler import SchedulerStats
-from pagoda.engine.core_types import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagoda.metrics.aggregate import render
 from pagoda.metrics.engine_metrics import EngineMetrics, build_1_2_5_buckets
 from pagoda.metrics.stat_logger import StatLogger

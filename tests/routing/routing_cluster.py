@@ -16,11 +16,11 @@ import grpc
 import httpx
 import redis
 
-from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
-from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
-from pagoda.bench.routing import extra_gateway
-from pagoda.cli import serve
-from pagoda.cli.local_cluster import LocalCluster, ServiceProcess
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
+from pagoda.services.bench.routing import extra_gateway
+from pagoda.services.cli import serve
+from pagoda.services.cli.local_cluster import LocalCluster, ServiceProcess
 from pagoda.services.common.redis_server import free_port
 from pagoda.services.kv_cache_manager.index import PrefixIndex
 

@@ -20,9 +20,9 @@ import httpx
 import pytest
 from routing_cluster import HEARTBEAT_TIMEOUT_S, RoutingCluster, wait_until
 
-from pagoda._proto.pagoda.common.v1 import common_pb2 as cpb
-from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
-from pagoda.bench.routing import run_workload, shared_prefix_workload, summarize
+from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
+from pagoda.services.bench.routing import run_workload, shared_prefix_workload, summarize
 from pagoda.services.common.redis_server import PrivateRedis
 from pagoda.services.kv_cache_manager.index import namespace
 

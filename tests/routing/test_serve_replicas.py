@@ -8,9 +8,9 @@ import signal
 import sys
 import threading
 
-from pagoda.cli.local_cluster import LocalCluster, ServiceProcess
-from pagoda.cli.main import build_parser
-from pagoda.cli.serve import build_services
+from pagoda.services.cli.local_cluster import LocalCluster, ServiceProcess
+from pagoda.services.cli.main import build_parser
+from pagoda.services.cli.serve import build_services
 
 
 def serve_args(*argv: str):

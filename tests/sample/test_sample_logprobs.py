@@ -8,7 +8,7 @@ import torch
 from pagoda.sample.logprobs import compute_topk_logprobs
 from pagoda.sample.sampler import Sampler
 from pagoda.sampling_params import SamplingParams as SP
-from pagoda.worker.runner_output import LogprobsLists
+from pagoda.messages import LogprobsLists
 
 
 def test_chosen_and_topk_columns_match_log_softmax():

@@ -15,6 +15,7 @@ import pytest
 class Served(NamedTuple):
     channel: grpc.Channel
     address: str
+    server: grpc.Server
 
 
 @contextlib.contextmanager
@@ -32,7 +33,7 @@ def _grpc_servers():
         servers.append(server)
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         channels.append(channel)
-        return Served(channel, f"127.0.0.1:{port}")
+        return Served(channel, f"127.0.0.1:{port}", server)
 
     try:
         yield start

@@ -1,1 +1,1 @@
-"""Benchmarks: `pagoda bench throughput` (offline engine) and `pagoda bench serve`."""
+"""Benchmarks of the engine library: `pagoda bench throughput` (offline engine)."""

@@ -6,7 +6,7 @@ import enum
 import time
 
 from pagoda.core.block_hash import BlockHash, hash_request_tokens
-from pagoda.engine.core_types import EngineCoreRequest, FinishReason
+from pagoda.messages import EngineCoreRequest, FinishReason
 from pagoda.sampling_params import SamplingParams
 
 

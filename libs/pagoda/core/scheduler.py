@@ -16,9 +16,8 @@ from typing import Iterable
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.request import Request, RequestStatus
-from pagoda.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from pagoda.engine.core_types import EngineCoreOutput, EngineCoreRequest, FinishReason
-from pagoda.worker.runner_output import ModelRunnerOutput
+from pagoda.messages import (CachedRequestData, EngineCoreOutput, EngineCoreRequest, FinishReason,
+                             ModelRunnerOutput, NewRequestData, SchedulerOutput)
 
 
 @dataclass

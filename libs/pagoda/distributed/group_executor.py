@@ -29,13 +29,12 @@ import time
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.core.sched_output import SchedulerOutput
+from pagoda.messages import ModelRunnerOutput, SchedulerOutput
 from pagoda.distributed.communication import broadcast_object
 from pagoda.distributed.process_group import (GroupInit, brief_error, create_master_store,
                                               is_peer_loss, joined_ranks, recorded_errors)
 from pagoda.distributed.rank_worker import SHUTDOWN, RankWorker
 from pagoda.engine.executor import Executor
-from pagoda.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 

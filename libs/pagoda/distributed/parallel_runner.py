@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.core.sched_output import SchedulerOutput
+from pagoda.messages import ModelRunnerOutput, SchedulerOutput
 from pagoda.distributed.communication import recv_tensor, send_tensor
 from pagoda.worker.input_builder import ModelInputs, build_model_inputs
 from pagoda.worker.model_runner import ModelRunner
-from pagoda.worker.runner_output import ModelRunnerOutput
 
 
 def split_micro_batches(num_scheduled: dict[str, int], max_batches: int) -> list[dict[str, int]]:

@@ -20,12 +20,11 @@ import os
 import traceback
 
 from pagoda.config import EngineConfig
-from pagoda.core.sched_output import SchedulerOutput
+from pagoda.messages import ModelRunnerOutput, SchedulerOutput
 from pagoda.distributed.communication import broadcast_object, min_over, recv_object, send_object
 from pagoda.distributed.process_group import (GroupInit, brief_error, configure_device,
                                               connect_store, is_peer_loss, join_group,
                                               record_error)
-from pagoda.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 

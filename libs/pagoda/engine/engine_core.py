@@ -7,11 +7,10 @@ from typing import Iterable
 
 from pagoda.config import EngineConfig
 from pagoda.core.kv_events import KVEvent
-from pagoda.core.sched_output import SchedulerOutput
+from pagoda.messages import (EngineCoreOutput, EngineCoreRequest, FinishReason, ModelRunnerOutput,
+                             SchedulerOutput)
 from pagoda.core.scheduler import Scheduler, SchedulerStats
-from pagoda.engine.core_types import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagoda.engine.executor import Executor
-from pagoda.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 import abc
 
 from pagoda.config import EngineConfig
-from pagoda.core.sched_output import SchedulerOutput
-from pagoda.worker.runner_output import ModelRunnerOutput
+from pagoda.messages import ModelRunnerOutput, SchedulerOutput
 
 
 class Executor(abc.ABC):

@@ -6,7 +6,7 @@ import itertools
 from typing import Any
 
 from pagoda.engine.arg_utils import EngineArgs
-from pagoda.engine.core_types import EngineCoreRequest, FinishReason
+from pagoda.messages import EngineCoreRequest, FinishReason
 from pagoda.engine.engine_core import EngineCore
 from pagoda.engine.executor import make_executor
 from pagoda.engine.output_processor import OutputProcessor, ParentRequest

@@ -11,11 +11,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.engine.core_types import EngineCoreOutput
+from pagoda.messages import EngineCoreOutput, LogprobsLists
 from pagoda.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer.detokenizer import DetokenizerWithStops
-from pagoda.worker.runner_output import LogprobsLists
 
 
 @dataclass

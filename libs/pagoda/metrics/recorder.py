@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from pagoda.core.scheduler import SchedulerStats
-from pagoda.engine.core_types import EngineCoreOutput, EngineCoreRequest
+from pagoda.messages import EngineCoreOutput, EngineCoreRequest
 from pagoda.metrics.engine_metrics import EngineMetrics
 from pagoda.metrics.stat_logger import StatLogger
 from pagoda.metrics.stats import IterationStats, RequestStatsTracker

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagoda.core.sched_output import SchedulerOutput
-from pagoda.engine.core_types import EngineCoreOutput, EngineCoreRequest
+from pagoda.messages import EngineCoreOutput, EngineCoreRequest, SchedulerOutput
 
 
 @dataclass

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from pagoda.worker.runner_output import LogprobsLists
+from pagoda.messages import LogprobsLists
 
 
 class LogprobsTensors(NamedTuple):

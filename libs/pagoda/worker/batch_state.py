@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagoda.core.sched_output import NewRequestData
+from pagoda.messages import NewRequestData
 from pagoda.sampling_params import SamplingParams
 
 

@@ -7,11 +7,10 @@ import logging
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.core.sched_output import SchedulerOutput
+from pagoda.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from pagoda.distributed.parallel_state import SINGLE, ParallelContext
 from pagoda.worker.batch_state import CachedRequestState
 from pagoda.worker.input_builder import ModelInputs, build_model_inputs
-from pagoda.worker.runner_output import LogprobsLists, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +67,7 @@ class ModelRunner:
     def _profile_peak_activation_bytes(self) -> int:
         """Run the largest step the scheduler may plan (one prefill of
         max_num_batched_tokens) on a scratch cache and measure its peak memory."""
-        from pagoda.core.sched_output import NewRequestData
+        from pagoda.messages import NewRequestData
         from pagoda.model.kv_cache import allocate_kv_caches
         from pagoda.sampling_params import SamplingParams
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from gateway_harness import FakeScheduler, Gateway, run_gateway
 
-from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
-from pagoda._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
+from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
 from pagoda.services.tokenizer.servicer import TokenizerServicer
 
 

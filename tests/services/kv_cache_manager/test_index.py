@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pagoda._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2 as pb
-from pagoda._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2_grpc as pb_grpc
+from pagoda.services._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2 as pb
+from pagoda.services._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2_grpc as pb_grpc
 from pagoda.core.block_hash import hash_request_tokens
 from pagoda.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from pagoda.protocol.kv_events import publish_request
+from pagoda.services.common.protocol.kv_events import publish_request
 from pagoda.services.kv_cache_manager.index import PrefixIndex
 from pagoda.services.kv_cache_manager.servicer import KvCacheManagerServicer
 

@@ -17,7 +17,7 @@ from pagoda.services.common.redis_server import free_port
 def test_serves_health_and_metrics_then_exits_zero_on_sigterm(redis_server):
     port, metrics_port = free_port(), free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "pagoda.cli.main", "kv-cache-manager", "--port", str(port),
+        [sys.executable, "-m", "pagoda.services.cli.main", "kv-cache-manager", "--port", str(port),
          "--metrics-port", str(metrics_port), "--redis-url", redis_server.url],
         stderr=subprocess.PIPE, text=True)
     try:

@@ -13,15 +13,15 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
-from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
-from pagoda._proto.pagoda.worker.v1 import worker_pb2 as wpb
-from pagoda._proto.pagoda.worker.v1 import worker_pb2_grpc as wpb_grpc
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
+from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as wpb
+from pagoda.services._proto.pagoda.worker.v1 import worker_pb2_grpc as wpb_grpc
 from pagoda.engine.arg_utils import EngineArgs
-from pagoda.engine.core_types import EngineCoreRequest, FinishReason
+from pagoda.messages import EngineCoreRequest, FinishReason
 from pagoda.engine.engine_core import EngineCore
 from pagoda.engine.executor import InProcessExecutor
-from pagoda.protocol.scheduler import request_to_proto, response_to_output
+from pagoda.services.common.protocol.scheduler import request_to_proto, response_to_output
 from pagoda.sampling_params import SamplingParams
 from pagoda.services.common.grpc_server import STREAM_READER_OPTIONS
 from pagoda.services.gpu_worker.servicer import WorkerServicer

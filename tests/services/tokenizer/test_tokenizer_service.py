@@ -7,9 +7,9 @@ import random
 import grpc
 import pytest
 
-from pagoda._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as pb
-from pagoda._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
-from pagoda.protocol.tokenizer import chat_input_to_proto
+from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as pb
+from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
+from pagoda.services.common.protocol.tokenizer import chat_input_to_proto
 from pagoda.services.tokenizer.decode_stream import CompletionDecoder
 from pagoda.services.tokenizer.servicer import TokenizerServicer
 

@@ -5,16 +5,15 @@ from __future__ import annotations
 import pytest
 
 from pagoda.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from pagoda.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from pagoda.engine.core_types import EngineCoreOutput, EngineCoreRequest, FinishReason
-from pagoda.protocol.common import sampling_params_from_proto, sampling_params_to_proto
-from pagoda.protocol.kv_events import kv_event_from_proto, kv_event_to_proto
-from pagoda.protocol.scheduler import (outputs_to_responses, request_from_proto,
+from pagoda.messages import (CachedRequestData, EngineCoreOutput, EngineCoreRequest, FinishReason,
+                             LogprobsLists, ModelRunnerOutput, NewRequestData, SchedulerOutput)
+from pagoda.services.common.protocol.common import sampling_params_from_proto, sampling_params_to_proto
+from pagoda.services.common.protocol.kv_events import kv_event_from_proto, kv_event_to_proto
+from pagoda.services.common.protocol.scheduler import (outputs_to_responses, request_from_proto,
                                        request_to_proto, response_to_output)
-from pagoda.protocol.worker import (model_runner_output_from_proto, model_runner_output_to_proto,
+from pagoda.services.common.protocol.worker import (model_runner_output_from_proto, model_runner_output_to_proto,
                                     scheduler_output_from_proto, scheduler_output_to_proto)
 from pagoda.sampling_params import SamplingParams
-from pagoda.worker.runner_output import LogprobsLists, ModelRunnerOutput
 
 
 @pytest.mark.parametrize("params", [

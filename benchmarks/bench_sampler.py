@@ -1,6 +1,6 @@
 """Micro-benchmark of the sampler at a decode-step shape (not collected by pytest).
 
-    .venv/bin/python tests/sample/bench_sampler.py [--batch 64] [--vocab 49152] [--device cpu]
+    .venv/bin/python benchmarks/bench_sampler.py [--batch 64] [--vocab 49152] [--device cpu]
         [--threads N]
 
 Prints the wall time of metadata building (median) and of one sampler call (median

@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from pagoda.bench.serve import percentile
+from pagoda.services.bench.serve import percentile
 
 ROUTERS = ("round_robin", "kv_aware")
 VOCAB = 32000  # ids below every supported model's vocabulary size
@@ -174,8 +174,8 @@ def ratios(by_router: dict[str, dict]) -> dict:
 @contextlib.contextmanager
 def bench_cluster(args: argparse.Namespace, routers: list[str]):
     """A local cluster with one gateway per router: yields {router: base URL}."""
-    from pagoda.cli import serve
-    from pagoda.cli.local_cluster import LocalCluster
+    from pagoda.services.cli import serve
+    from pagoda.services.cli.local_cluster import LocalCluster
     from pagoda.services.common.redis_server import PrivateRedis, free_port
 
     parser = argparse.ArgumentParser()
@@ -204,7 +204,7 @@ def bench_cluster(args: argparse.Namespace, routers: list[str]):
 
 def extra_gateway(gateway, router: str, port: int):
     """Another gateway on the same peers, with `router`."""
-    from pagoda.cli.local_cluster import ServiceProcess
+    from pagoda.services.cli.local_cluster import ServiceProcess
 
     argv = list(gateway.argv)
     argv[argv.index("--router") + 1] = router

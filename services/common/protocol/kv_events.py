@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagoda._proto.pagoda.common.v1 import common_pb2 as cpb
-from pagoda._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2 as pb
+from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
+from pagoda.services._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2 as pb
 from pagoda.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
@@ -59,7 +59,7 @@ def hash_blocks(request: cpb.HashBlocksRequest, prefix_hash_seed: str) -> cpb.Ha
     the engine's own `Request`, so the cache salt is keyed the same way). Raises
     ValueError for a block size below 1."""
     from pagoda.core.request import Request
-    from pagoda.engine.core_types import EngineCoreRequest
+    from pagoda.messages import EngineCoreRequest
     from pagoda.sampling_params import SamplingParams
 
     if request.block_size < 1:

@@ -14,15 +14,15 @@ import importlib
 import sys
 
 COMMAND_MODULES = [
-    "pagoda.cli.serve",      # pagoda serve
-    "pagoda.cli.services",   # pagoda gateway | tokenizer | scheduler | gpu-worker | kv-cache-manager
-    "pagoda.cli.chat",       # pagoda chat
-    "pagoda.cli.complete",   # pagoda complete
+    "pagoda.services.cli.serve",      # pagoda serve
+    "pagoda.services.cli.services",   # pagoda gateway | tokenizer | scheduler | gpu-worker | kv-cache-manager
+    "pagoda.services.cli.chat",       # pagoda chat
+    "pagoda.services.cli.complete",   # pagoda complete
 ]
 BENCH_MODULES = [
     "pagoda.bench.throughput",  # pagoda bench throughput
-    "pagoda.bench.serve",       # pagoda bench serve
-    "pagoda.bench.routing",     # pagoda bench routing
+    "pagoda.services.bench.serve",       # pagoda bench serve
+    "pagoda.services.bench.routing",     # pagoda bench routing
 ]
 
 

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterable
 from typing import TextIO
 
-from pagoda.cli.chat import add_client_args, run_client, sampling_kwargs
+from pagoda.services.cli.chat import add_client_args, run_client, sampling_kwargs
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

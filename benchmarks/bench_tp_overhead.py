@@ -1,6 +1,6 @@
 """Per-step cost of a worker group against one device, and where it goes (not a pytest file).
 
-    .venv/bin/python tests/distributed/bench_tp_overhead.py [--model DIR] [--batch 8]
+    .venv/bin/python benchmarks/bench_tp_overhead.py [--model DIR] [--batch 8]
         [--steps 200] [--splits 1x1,2x1,1x2] [--backend mp]
 
 Runs decode steps (every request one token per step) of a tiny Llama through the

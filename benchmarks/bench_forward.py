@@ -1,7 +1,7 @@
 """Times our forward on SmolLM2: a decode step and a prefill step (not a pytest file).
 
-    .venv/bin/python tests/model/bench_forward.py [--dtype bfloat16] [--profile] [--threads N]
-    .venv/bin/python tests/model/bench_forward.py --matmul   # bf16 vs fp32 matmul speed
+    .venv/bin/python benchmarks/bench_forward.py [--dtype bfloat16] [--profile] [--threads N]
+    .venv/bin/python benchmarks/bench_forward.py --matmul   # bf16 vs fp32 matmul speed
 
 Decode: 64 requests with ~200-token contexts, one token each. Prefill: one 2048-token
 request, and 16 requests of 128 tokens (what `make bench` schedules per step).

@@ -12,10 +12,10 @@ import grpc
 import httpx
 import pytest
 
-from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
-from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
-from pagoda._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
-from pagoda.protocol.kv_events import hash_blocks
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
+from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
+from pagoda.services.common.protocol.kv_events import hash_blocks
 from pagoda.services.common.redis_server import free_port
 from pagoda.services.gateway.peers import Peers
 from pagoda.services.gateway.router_discovery import (Discovery, Target,
@@ -174,7 +174,7 @@ def test_the_gateway_process_exits_loudly_on_a_hash_mismatch(peers_at):
     tokenizer, schedulers = peers_at("seed-a", ["seed-b"])
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "pagoda.cli.main", "gateway", "--port", str(port),
+        [sys.executable, "-m", "pagoda.services.cli.main", "gateway", "--port", str(port),
          "--tokenizer-addr", tokenizer, "--scheduler-addrs", schedulers[0],
          "--kv-cache-manager-addr", "127.0.0.1:1"], stderr=subprocess.PIPE, text=True)
     try:

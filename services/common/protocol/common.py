@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import json
 
-from pagoda._proto.pagoda.common.v1 import common_pb2 as pb
-from pagoda.engine.core_types import FinishReason
+from pagoda.services._proto.pagoda.common.v1 import common_pb2 as pb
+from pagoda.messages import FinishReason, LogprobsLists
 from pagoda.sampling_params import SamplingParams
-from pagoda.worker.runner_output import LogprobsLists
 
 # Fields copied verbatim (same name, scalar or repeated scalar, no None).
 _PLAIN_FIELDS = (

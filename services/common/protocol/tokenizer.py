@@ -6,7 +6,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pagoda._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as pb
+from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as pb
 from pagoda.sampling_params import SamplingParams
 
 

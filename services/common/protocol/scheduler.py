@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagoda._proto.pagoda.scheduler.v1 import scheduler_pb2 as pb
-from pagoda.engine.core_types import EngineCoreOutput, EngineCoreRequest, FinishReason
-from pagoda.protocol.common import (
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as pb
+from pagoda.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
+from pagoda.services.common.protocol.common import (
     extend_logprobs,
     finish_reason_from_proto,
     finish_reason_to_proto,
@@ -21,7 +21,6 @@ from pagoda.protocol.common import (
     sampling_params_from_proto,
     sampling_params_to_proto,
 )
-from pagoda.worker.runner_output import LogprobsLists
 
 
 def request_to_proto(req: EngineCoreRequest) -> pb.GenerateRequest:

@@ -17,7 +17,7 @@ import sys
 import threading
 
 from pagoda import tracing
-from pagoda.cli.local_cluster import LocalCluster, ServiceFailed, ServiceProcess, die_with_parent
+from pagoda.services.cli.local_cluster import LocalCluster, ServiceFailed, ServiceProcess, die_with_parent
 from pagoda.metrics import stat_logger
 from pagoda.services.gateway.middleware import add_http_args, http_flags
 from pagoda.services.gateway.router import DEFAULT_POLICY, POLICIES
@@ -112,7 +112,7 @@ def build_services(args: argparse.Namespace, redis_url: str) -> list[ServiceProc
             if "--prefix-cache-hash-seed" in engine else [])
 
     def cmd(kind: str, *extra: str) -> list[str]:
-        return [sys.executable, "-m", "pagoda.cli.main", kind, *extra]
+        return [sys.executable, "-m", "pagoda.services.cli.main", kind, *extra]
 
     def grpc_service(kind: str, name: str, *extra: str, replica: int | None = None
                      ) -> ServiceProcess:

@@ -7,15 +7,14 @@ sees exactly the `SchedulerOutput` the scheduler built.
 
 from __future__ import annotations
 
-from pagoda._proto.pagoda.worker.v1 import worker_pb2 as pb
-from pagoda.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from pagoda.protocol.common import (
+from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as pb
+from pagoda.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagoda.services.common.protocol.common import (
     logprobs_from_proto,
     logprobs_to_proto,
     sampling_params_from_proto,
     sampling_params_to_proto,
 )
-from pagoda.worker.runner_output import ModelRunnerOutput
 
 
 def scheduler_output_to_proto(out: SchedulerOutput) -> pb.SchedulerOutput:

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from pagoda.cli.main import build_parser
-from pagoda.cli.serve import build_services, engine_flags
+from pagoda.services.cli.main import build_parser
+from pagoda.services.cli.serve import build_services, engine_flags
 
 CONTRACT = {
     "gateway": ["--host", "--port", "--tokenizer-addr", "--scheduler-addrs",
@@ -56,7 +56,7 @@ def test_bench_has_serve_and_throughput():
 
 
 def test_help_runs_as_a_console_script():
-    out = subprocess.run([sys.executable, "-m", "pagoda.cli.main", "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "pagoda.services.cli.main", "--help"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0
     for command in [*DEFAULT_PORTS, "serve", "bench"]:

@@ -1,1 +1,0 @@
-"""The `pagoda` command line (entry point `pagoda.cli.main:main`)."""

@@ -1,0 +1,158 @@
+"""The messages that cross the engine's boundaries, in one module every layer imports downward.
+
+Three hops, named by pipeline stage:
+
+  caller ──EngineCoreRequest──► EngineCore ──SchedulerOutput──► worker
+  caller ◄──EngineCoreOutput─── EngineCore ◄─ModelRunnerOutput── worker
+
+* Engine core in/out: past the tokenizer only token ids travel. An `EngineCoreRequest`
+  carries the prompt's token ids; an `EngineCoreOutput` carries each step's new token
+  ids. Text, stop strings and detokenization live outside the core.
+* Scheduler -> worker (`SchedulerOutput`): a plan made of diffs. A request's prompt,
+  sampling params and block ids travel once (`NewRequestData`); afterwards only its new
+  block ids travel (`CachedRequestData`). The worker keeps its own persistent copy of
+  every running request, appends the tokens it samples itself, and forgets a request
+  when its id shows up in `finished_req_ids` or `preempted_req_ids`. A preempted
+  request that is resumed travels again as new.
+* Worker -> scheduler (`ModelRunnerOutput`): sampled tokens and logprobs per request.
+
+This module imports nothing from `core/`, `engine/` or `worker/`: they import it. The
+gateway may import it too (small plain dataclasses, no model code).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pagoda.sampling_params import SamplingParams
+
+
+# ---------------------------------------------------------------- worker -> scheduler
+@dataclass
+class LogprobsLists:
+    """Logprobs of sampled (or prompt) positions, one row per position.
+
+    Row i: `token_ids[i]` = [chosen token, top-1, ..., top-k], `logprobs[i]` their
+    log-probabilities, `ranks[i]` their ranks (1 = most likely) in the full vocabulary.
+    """
+
+    token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    ranks: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per-step result, in the order of `req_ids`.
+
+    `sampled_token_ids[i]` is empty for a request whose prefill is still partial
+    (no token sampled this step) and holds one token otherwise.
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    # req_id -> logprobs of the token sampled this step (only if requested).
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # req_id -> logprobs of the prompt positions computed this step (only if requested).
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls) -> "ModelRunnerOutput":
+        return cls([], [])
+
+
+# ---------------------------------------------------------------- engine core in/out
+class FinishReason(enum.IntEnum):
+    """Why a request stopped. `str()` gives the OpenAI `finish_reason`."""
+
+    STOP = 0  # EOS, a stop token id, or a stop string
+    LENGTH = 1  # max_tokens or max_model_len
+    ABORT = 2  # client disconnect / abort / error
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+@dataclass
+class EngineCoreRequest:
+    """A tokenized request entering a scheduler (one completion: the caller fans
+    out `n > 1` into n requests)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.time)
+    # Resumed requests (migration): tokens already generated elsewhere.
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class EngineCoreOutput:
+    """One request's progress in one step.
+
+    `new_token_ids` may be empty (a partial prefill produces nothing, but a
+    finished/aborted request still reports once with its finish_reason).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+# ---------------------------------------------------------------- scheduler -> worker
+@dataclass
+class NewRequestData:
+    """A request the worker has not seen (or forgot on preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    # Tokens generated before a preemption; empty for a fresh request.
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the worker already holds, in column form."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan.
+
+    Invariant: `num_scheduled_tokens` has one entry for every request in
+    `scheduled_new_reqs` and `scheduled_cached_reqs`, and their sum is
+    `total_num_scheduled_tokens` (<= max_num_batched_tokens).
+    """
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @classmethod
+    def empty(cls) -> "SchedulerOutput":
+        return cls([], CachedRequestData(), {}, 0)

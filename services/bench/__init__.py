@@ -1,0 +1,1 @@
+"""Benchmarks that start or drive a served cluster: `pagoda bench serve` and `pagoda bench routing`."""

@@ -1,0 +1,1 @@
+"""The `pagoda` command line (entry point `pagoda.services.cli.main:main`)."""
