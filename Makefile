@@ -46,4 +46,4 @@ dashboards: install
 	$(PY) tools/gen_dashboards.py
 
 clean:
-	rm -rf $(VENV) libs/pagoda/_proto build *.egg-info
+	rm -rf $(VENV) services/_proto build *.egg-info

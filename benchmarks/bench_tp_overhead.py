@@ -23,7 +23,7 @@ import statistics
 import tempfile
 import time
 
-FIXTURE = pathlib.Path(__file__).parents[1] / "fixtures" / "tiny_llama" / "config.json"
+FIXTURE = pathlib.Path(__file__).parents[1] / "tests" / "fixtures" / "tiny_llama" / "config.json"
 
 
 def build_tiny_model(out: str) -> str:

@@ -1,8 +1,8 @@
-"""Generate the gRPC stubs from protos/ into libs/pagoda/_proto/ (git-ignored).
+"""Generate the gRPC stubs from protos/ into services/_proto/ (git-ignored).
 
 protoc names Python modules after the .proto paths (`pagoda/scheduler/v1/...` ->
 `pagoda.scheduler.v1`), which would collide with the `pagoda` package itself, so
-the generated imports are rewritten to live under `pagoda._proto`.
+the generated imports are rewritten to live under `pagoda.services._proto`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import grpc_tools
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTOS = ROOT / "protos"
-OUT = ROOT / "libs" / "pagoda" / "_proto"
+OUT = ROOT / "services" / "_proto"
 IMPORT_RE = re.compile(r"^(from|import) pagoda\.", re.MULTILINE)
 
 
@@ -37,7 +37,7 @@ def main() -> int:
         return 1
     for path in OUT.rglob("*.py*"):
         text = path.read_text()
-        path.write_text(IMPORT_RE.sub(lambda m: f"{m.group(1)} pagoda._proto.pagoda.", text))
+        path.write_text(IMPORT_RE.sub(lambda m: f"{m.group(1)} pagoda.services._proto.pagoda.", text))
     for folder in [OUT, *[p for p in OUT.rglob("*") if p.is_dir()]]:
         (folder / "__init__.py").touch()
     print(f"generated {len(sources)} proto file(s) into {OUT.relative_to(ROOT)}")
