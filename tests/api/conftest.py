@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import openai
 import pytest
 from api_fakes import Gateway, Peers
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "e2e"))  # cluster_harness
 
 
 @pytest.fixture(scope="module")

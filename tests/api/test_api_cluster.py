@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 from api_strategies import REQUESTS
-from cluster_harness import ServeProcess, flag_value, wait_until
+from serve_cluster import ServeProcess, flag_value, wait_until
 from hypothesis import HealthCheck, event, given, settings
 
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb

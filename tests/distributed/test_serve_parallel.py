@@ -5,9 +5,7 @@ dies: the request in flight fails within seconds and /health turns 503."""
 from __future__ import annotations
 
 import os
-import pathlib
 import signal
-import sys
 import time
 
 import httpx
@@ -16,8 +14,7 @@ import psutil
 import pytest
 from conftest import GREEDY_PROMPTS, engine_kwargs
 
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "e2e"))
-from cluster_harness import ServeProcess, wait_until  # noqa: E402
+from serve_cluster import ServeProcess, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from cluster_harness import ServeProcess
+from serve_cluster import ServeProcess
 
 from pagoda.services.common.redis_server import PrivateRedis
 

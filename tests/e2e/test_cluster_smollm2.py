@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import psutil
 import pytest
-from cluster_harness import ServeProcess
+from serve_cluster import ServeProcess
 
 pytestmark = pytest.mark.slow
 

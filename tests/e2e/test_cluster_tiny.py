@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 import redis
-from cluster_harness import flag_value, wait_until
+from serve_cluster import flag_value, wait_until
 
 from pagoda.config import DEFAULT_PREFIX_HASH_SEED
 from pagoda.core.block_hash import hash_request_tokens

@@ -9,7 +9,7 @@ import time
 
 import openai
 import pytest
-from cluster_harness import ServeProcess
+from serve_cluster import ServeProcess
 
 pytestmark = pytest.mark.slow
 

@@ -7,27 +7,34 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from obs_harness import OtlpCollector, Prometheus, Serve
+from obs_harness import OtlpCollector, Prometheus
+from serve_cluster import ServeProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _find_prometheus() -> str | None:
+def _install_tool():
     spec = importlib.util.spec_from_file_location("install_prometheus",
                                                   ROOT / "tools" / "install_prometheus.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    path = module.find_prometheus()
-    return str(path) if path else None
+    return module
 
 
 @pytest.fixture(scope="module")
 def prometheus_binary() -> str:
-    path = _find_prometheus()
+    """The Prometheus server binary, installed on first use like `make install` does.
+
+    Missing is a failure, never a skip: the dashboard checks must run in `make test`."""
+    tool = _install_tool()
+    path = tool.find_prometheus()
     if path is None:
-        pytest.skip("no prometheus binary: run `python tools/install_prometheus.py` "
-                    "(make install does) or set PROMETHEUS=/path/to/prometheus")
-    return path
+        tool.main([])
+        path = tool.find_prometheus()
+    if path is None:
+        pytest.fail("no prometheus binary and tools/install_prometheus.py could not install "
+                    "one; set PROMETHEUS=/path/to/prometheus")
+    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +47,7 @@ def collector():
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir, collector):
     """All five services (and a private Redis) exporting traces to `collector` quickly."""
-    serve = Serve([tiny_llama_dir, "--served-model-name", "tiny", "--dtype", "float32",
+    serve = ServeProcess([tiny_llama_dir, "--served-model-name", "tiny", "--dtype", "float32",
                    "--max-model-len", "1024", "--otlp-traces-endpoint", collector.endpoint,
                    "--log-stats-interval", "1"],
                   env={"OTEL_BSP_SCHEDULE_DELAY": "100"})

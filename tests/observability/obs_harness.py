@@ -1,15 +1,11 @@
-"""Real processes for the observability tests: `pagoda serve`, a Prometheus server
-scraping it on loopback, and an OTLP trace collector the services export to."""
+"""Real processes for the observability tests beside `pagoda serve` (serve_cluster.py): a
+Prometheus server scraping it on loopback, and an OTLP trace collector the services export to."""
 
 from __future__ import annotations
 
 import math
-import os
-import signal
 import subprocess
-import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,64 +13,9 @@ import grpc
 import httpx
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as tpb
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as tpb_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.services.common.redis_server import free_port
-
-
-def wait_until(predicate, timeout: float, interval: float = 0.1):
-    """The first truthy value of `predicate()` within `timeout` seconds, else its last."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval)
-
-
-class Serve:
-    """`pagoda serve ARGS` in a subprocess; `base` is the gateway's http://host:port."""
-
-    def __init__(self, args: list[str], env: dict[str, str], timeout: float = 240.0) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "pagoda.services.cli.main", "serve", *args, "--port", str(self.port)]
-        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        text=True, env={**os.environ, **env})
-        self.log: list[str] = []
-        self._up = threading.Event()  # set when it serves, or when it exited
-        self._serving = False
-        threading.Thread(target=self._read, args=(self.process.stdout, True), daemon=True).start()
-        threading.Thread(target=self._read, args=(self.process.stderr, False), daemon=True).start()
-        self._up.wait(timeout)
-        if not self._serving:
-            self.stop()
-            time.sleep(0.5)  # let the readers catch the last lines
-            raise RuntimeError("pagoda serve did not come up:\n" + "".join(self.log[-60:]))
-
-    def _read(self, stream, is_stdout: bool) -> None:
-        for line in stream:
-            self.log.append(line)
-            if is_stdout and "Pagoda is serving" in line:
-                self._serving = True
-                self._up.set()
-        if is_stdout:
-            self._up.set()  # it exited without serving: no need to wait any longer
-
-    def scrape(self) -> dict[tuple[str, frozenset], float]:
-        """The gateway's /metrics (the whole cluster's) as {(sample, labels): value}."""
-        text = httpx.get(f"{self.base}/metrics", timeout=10).text
-        return {(s.name, frozenset(s.labels.items())): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
-
-    def stop(self, timeout: float = 30.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait()
+from serve_cluster import wait_until
 
 
 def total(samples: dict, name: str, **labels: str) -> float:

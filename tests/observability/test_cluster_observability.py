@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from obs_harness import has_number, total, wait_until
+from obs_harness import has_number, total
+from serve_cluster import wait_until
 
 pytestmark = pytest.mark.slow
 DASHBOARDS = Path(__file__).resolve().parents[2] / "charts" / "pagoda" / "dashboards"
@@ -75,12 +76,8 @@ def traffic(cluster, client, request) -> Traffic:
     cluster (after a warm-up request) before the traffic starts, so every rate over
     the traffic has a baseline sample."""
     _complete(client, "warm up", 2)  # creates the series that appear on first use
-    try:
-        prometheus = request.getfixturevalue("prometheus")
-    except pytest.skip.Exception:
-        prometheus = None
-    if prometheus is not None:
-        assert wait_until(lambda: prometheus.values("sum(pagoda_router_decisions_total)"), 30)
+    prometheus = request.getfixturevalue("prometheus")
+    assert wait_until(lambda: prometheus.values("sum(pagoda_router_decisions_total)"), 30)
     before = cluster.scrape()
     sent = [_complete(client, LONG_PROMPT, 3), _complete(client, LONG_PROMPT, 5)]
     with ThreadPoolExecutor(4) as pool:

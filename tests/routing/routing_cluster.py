@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import signal
 import tempfile
-import time
 
 import grpc
 import httpx
@@ -23,18 +22,10 @@ from pagoda.services.cli import serve
 from pagoda.services.cli.local_cluster import LocalCluster, ServiceProcess
 from pagoda.services.common.redis_server import free_port
 from pagoda.services.kv_cache_manager.index import PrefixIndex
+from serve_cluster import wait_until
 
 HEARTBEAT_TIMEOUT_S = 3.0
 HEARTBEAT_INTERVAL_S = 0.5
-
-
-def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 class RoutingCluster:

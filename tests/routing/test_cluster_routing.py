@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from routing_cluster import HEARTBEAT_TIMEOUT_S, RoutingCluster, wait_until
+from routing_cluster import HEARTBEAT_TIMEOUT_S, RoutingCluster
+from serve_cluster import wait_until
 
 from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
