@@ -12,44 +12,21 @@ import logging
 import signal
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pagoda import tracing
+from pagoda.services.common import grpc_channels
+from pagoda.services.common.grpc_channels import (CLIENT_OPTIONS, MAX_MESSAGE_BYTES,  # noqa: F401
+                                                  SERVER_OPTIONS, STREAM_READER_OPTIONS)
 from pagoda.services.common.metrics_server import maybe_start_metrics
-from pagoda.services.common.tracing import server_interceptors
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # gRPC sets SO_REUSEPORT by default, which lets a second server bind a port
-    # that is in use and silently split its traffic. Fail loudly instead.
-    ("grpc.so_reuseport", 0),
-]
-# Channels to peers: a peer that is still starting (or restarting) is retried
-# within ~1 s, not after gRPC's default exponential backoff of up to 2 minutes.
-CLIENT_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
-# Channels that read token streams (gateway -> scheduler `Generate`): a tiny HTTP/2
-# read-ahead window, so a reader that falls behind blocks the sender after a few
-# messages and the scheduler coalesces the backlog into one chunk, instead of
-# queueing thousands of one-token messages. (Large messages are unaffected: the
-# window opens to fit a message being read.)
-STREAM_READER_OPTIONS = CLIENT_OPTIONS + [
-    ("grpc.http2.lookahead_bytes", 64),
-    ("grpc.http2.bdp_probe", 0),
-]
+# Re-exported: the options live with the channels and servers they configure.
+GRPC_OPTIONS = SERVER_OPTIONS
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -60,7 +37,15 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--port", type=int, default=default_port, help="gRPC port.")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="HTTP port for /metrics and /health (0 = off).")
+    parser.add_argument("--metrics-host", default=None,
+                        help="Listen address of --metrics-port (default: --host). A service "
+                             "that serves gRPC on 127.0.0.1 only can still be probed here.")
+    grpc_channels.add_tls_args(parser)
     tracing.add_cli_args(parser)
+
+
+def metrics_host(args: argparse.Namespace) -> str:
+    return getattr(args, "metrics_host", None) or args.host
 
 
 def stop_event_on_signals() -> threading.Event:
@@ -77,9 +62,10 @@ def stop_event_on_signals() -> threading.Event:
 
 
 def bind(server: Any, host: str, port: int) -> int:
-    """Bind the insecure port or raise with the address in the message."""
+    """Listen on host:port (TLS when configured, see grpc_channels) or raise with the
+    address in the message."""
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = grpc_channels.add_port(server, f"{host}:{port}")
     except RuntimeError as exc:  # grpc raises RuntimeError when it cannot bind
         raise SystemExit(f"cannot listen on {host}:{port}: {exc}") from exc
     if bound == 0:
@@ -100,10 +86,10 @@ def serve_sync(
     `servicers`: (add_XServicer_to_server, servicer, full service name) triples.
     """
     stop = stop_event_on_signals()
+    grpc_channels.configure_from_args(args)
     if not tracing.is_enabled():  # a service that makes traced calls turned it on earlier
         tracing.init_tracing(name, getattr(args, "otlp_traces_endpoint", None))
-    server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name),
-                         options=GRPC_OPTIONS, interceptors=server_interceptors())
+    server = grpc_channels.server(max_workers, thread_name_prefix=name)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [""]
@@ -114,7 +100,8 @@ def serve_sync(
     server.start()
     for service_name in names:
         health_servicer.set(service_name, SERVING)
-    metrics = maybe_start_metrics(args.host, args.metrics_port, lambda: not stop.is_set())
+    metrics = maybe_start_metrics(metrics_host(args), args.metrics_port,
+                                  lambda: not stop.is_set())
     logger.info("%s listening on %s:%d", name, args.host, port)
     stop.wait()
     health_servicer.enter_graceful_shutdown()

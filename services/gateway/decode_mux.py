@@ -16,6 +16,7 @@ import grpc
 
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as pb
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
+from pagoda.services.common import grpc_channels
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,8 @@ class DecodeMux:
     async def _exchange(self, call, batch) -> None:
         try:
             await call.write(pb.DecodeStreamRequest(inputs=[item for item, _ in batch]))
-            response = await call.read()
+            response = await grpc_channels.read_within(
+                call, grpc_channels.DECODE_READ_TIMEOUT_S, "the tokenizer")
         except grpc.RpcError as exc:
             self._fail(batch, exc)
             raise

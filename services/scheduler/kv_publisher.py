@@ -23,7 +23,7 @@ from pagoda.services._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_p
 from pagoda.services._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2_grpc as pb_grpc
 from pagoda.core.kv_events import KVEvent
 from pagoda.services.common.protocol.kv_events import publish_request
-from pagoda.services.common.grpc_server import CLIENT_OPTIONS
+from pagoda.services.common import grpc_channels
 from pagoda.services.common.tracing import intercept
 from pagoda.services.scheduler.metrics import KvPublisherMetrics
 
@@ -50,7 +50,7 @@ class KvEventPublisher:
         self.sequence_number = 0  # of the next batch
         self.num_dropped_batches = 0
         self.num_snapshots_sent = 0
-        self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+        self._channel = grpc_channels.channel(address)
         self._stub = pb_grpc.KvCacheManagerServiceStub(intercept(self._channel))
         self._events: list[KVEvent] = []
         self._snapshot: list[bytes] | None = None

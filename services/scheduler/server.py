@@ -8,18 +8,17 @@ import logging
 import signal
 import uuid
 
-import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from pagoda import tracing
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as pb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from pagoda.metrics import stat_logger
-from pagoda.services.common.grpc_server import (GRPC_OPTIONS, NOT_SERVING, SERVING,
-                                                add_server_args, bind)
+from pagoda.services.common import grpc_channels
+from pagoda.services.common.grpc_server import (NOT_SERVING, SERVING,
+                                                add_server_args, bind, metrics_host)
 from pagoda.services.common.logs import setup_logging
 from pagoda.services.common.metrics_server import maybe_start_metrics
-from pagoda.services.common.tracing import aio_server_interceptors
 
 DEFAULT_PORT = 50052
 SERVICE_NAME = "pagoda.scheduler.v1.SchedulerService"
@@ -56,6 +55,7 @@ def main(args: argparse.Namespace) -> int:
     from pagoda.services.scheduler.worker_executor import GrpcWorkerExecutor
 
     setup_logging("scheduler")
+    grpc_channels.configure_from_args(args)  # before the worker channel is made
     tracing.init_tracing("scheduler", args.otlp_traces_endpoint)
     config = EngineArgs.from_cli_args(args).create_engine_config()
     executor = GrpcWorkerExecutor(args.worker_addr)
@@ -109,7 +109,7 @@ async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,
         publisher.snapshot_source = lambda deliver: engine.call_soon(
             lambda: deliver(core.cached_block_hashes()))
 
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=aio_server_interceptors())
+    server = grpc_channels.aio_server()
     pb_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = bind(server, args.host, args.port)
@@ -120,7 +120,7 @@ async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,
     stop, force = asyncio.Event(), asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # the second signal cuts the drain short
         loop.add_signal_handler(sig, lambda: force.set() if stop.is_set() else stop.set())
-    metrics = maybe_start_metrics(args.host, args.metrics_port,
+    metrics = maybe_start_metrics(metrics_host(args), args.metrics_port,
                                   lambda: engine.failure is None and not servicer.draining)
     logger.info("scheduler %s listening on %s:%d (%d KV blocks of %d tokens)", info.instance_id,
                 args.host, port, info.num_gpu_blocks, info.block_size)

@@ -1,0 +1,240 @@
+"""Every gRPC server and channel of Pagoda is made here, so TLS, keepalive and deadlines
+apply to all of them alike.
+
+Mutual TLS (`--grpc-tls-cert/--grpc-tls-key/--grpc-tls-ca`, all three or none): the
+process's servers present the certificate and refuse any client that does not present
+one signed by the CA; its channels present the same certificate and accept only a server
+whose certificate the CA signed. Replicas are dialled by pod IP, which no certificate
+names, so `--grpc-tls-server-name` gives the DNS name every service certificate carries
+and channels check that name instead of the address. Without the flags: plaintext
+(`pagoda serve` on loopback, or a mesh that encrypts).
+
+Invariant: `configure()` runs once at process start, before the first server or channel
+is made; every server port and channel made afterwards uses that configuration.
+
+Hung peers. Every channel pings its peer every KEEPALIVE_TIME_MS while a call is open
+and drops the connection when a ping is not answered within KEEPALIVE_TIMEOUT_MS, so the
+calls on a frozen or unreachable peer fail UNAVAILABLE within ~10 s; servers ping their
+clients the same way, so a stream to a vanished caller ends. A service config gives every
+call a deadline of DEFAULT_DEADLINE_S unless the caller sets a shorter one; the long
+calls are listed in LONG_CALLS instead: their readers bound each read (peers.py,
+decode_mux.py) or pass their own deadline (the worker's steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from pagoda.services.common.tracing import (aio_client_interceptors, aio_server_interceptors,
+                                            server_interceptors)
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+KEEPALIVE_TIME_MS = 5_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+DEFAULT_DEADLINE_S = 60.0
+# Streams that live as long as a generation or the gateway itself, and the worker's
+# steps (a first step may compile kernels): no default deadline.
+LONG_CALLS = [
+    {"service": "pagoda.scheduler.v1.SchedulerService", "method": "Generate"},
+    {"service": "pagoda.tokenizer.v1.TokenizerService", "method": "DecodeStream"},
+    {"service": "pagoda.worker.v1.WorkerService"},
+    {"service": "grpc.health.v1.Health", "method": "Watch"},
+]
+
+
+# Longest silence accepted on a stream read: a decode batch answers in milliseconds; a
+# generation may wait its turn in a replica's queue, but not this long without a token.
+DECODE_READ_TIMEOUT_S = 30.0
+GENERATE_READ_TIMEOUT_S = 300.0
+
+
+def service_config(default_deadline_s: float = DEFAULT_DEADLINE_S) -> str:
+    """A deadline for every method but LONG_CALLS (the most specific entry wins, and
+    an entry without `timeout` means none)."""
+    return json.dumps({"methodConfig": [
+        {"name": [{}], "timeout": f"{default_deadline_s:g}s"},
+        {"name": LONG_CALLS},
+    ]})
+
+
+_KEEPALIVE = [
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    # Keep pinging while a stream waits silently (e.g. a request queued in a replica).
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # gRPC sets SO_REUSEPORT by default, which lets a second server bind a port
+    # that is in use and silently split its traffic. Fail loudly instead.
+    ("grpc.so_reuseport", 0),
+    *_KEEPALIVE,
+    # Accept our clients' pings on silent streams (the default policy answers a
+    # ping more often than every 5 minutes with GOAWAY "too_many_pings").
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+# Channels to peers: a peer that is still starting (or restarting) is retried
+# within ~1 s, not after gRPC's default exponential backoff of up to 2 minutes.
+CLIENT_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    *_KEEPALIVE,
+    ("grpc.service_config", service_config()),
+]
+# Channels that read token streams (gateway -> scheduler `Generate`): a tiny HTTP/2
+# read-ahead window, so a reader that falls behind blocks the sender after a few
+# messages and the scheduler coalesces the backlog into one chunk, instead of
+# queueing thousands of one-token messages. (Large messages are unaffected: the
+# window opens to fit a message being read.)
+STREAM_READER_OPTIONS = CLIENT_OPTIONS + [
+    ("grpc.http2.lookahead_bytes", 64),
+    ("grpc.http2.bdp_probe", 0),
+]
+
+
+@dataclass(frozen=True)
+class GrpcTLS:
+    """One process's mutual-TLS material (PEM files) and the name servers must prove."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+    server_name: str | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "GrpcTLS | None":
+        """None when no TLS flag is set; SystemExit for a partial set or a missing file."""
+        files = {"--grpc-tls-cert": getattr(args, "grpc_tls_cert", None),
+                 "--grpc-tls-key": getattr(args, "grpc_tls_key", None),
+                 "--grpc-tls-ca": getattr(args, "grpc_tls_ca", None)}
+        given = [flag for flag, path in files.items() if path]
+        if not given:
+            return None
+        if len(given) != len(files):
+            missing = ", ".join(flag for flag in files if flag not in given)
+            raise SystemExit(f"mutual TLS needs --grpc-tls-cert, --grpc-tls-key and "
+                             f"--grpc-tls-ca together; missing: {missing}")
+        for flag, path in files.items():
+            if not Path(path).is_file():
+                raise SystemExit(f"{flag}: no file at {path}")
+        return cls(*files.values(), getattr(args, "grpc_tls_server_name", None) or None)
+
+    def _read(self) -> tuple[bytes, bytes, bytes]:
+        return (Path(self.cert_file).read_bytes(), Path(self.key_file).read_bytes(),
+                Path(self.ca_file).read_bytes())
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        cert, key, ca = self._read()
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                           require_client_auth=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        cert, key, ca = self._read()
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                            certificate_chain=cert)
+
+    def channel_options(self) -> list[tuple[str, object]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+    def flags(self) -> list[str]:
+        """The flags that give a child process the same configuration."""
+        out = ["--grpc-tls-cert", self.cert_file, "--grpc-tls-key", self.key_file,
+               "--grpc-tls-ca", self.ca_file]
+        return out + (["--grpc-tls-server-name", self.server_name] if self.server_name else [])
+
+
+_tls: GrpcTLS | None = None
+
+
+def add_tls_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("gRPC mutual TLS (all three files, or none: plaintext)")
+    group.add_argument("--grpc-tls-cert", default=None, metavar="PEM",
+                       help="This service's certificate, presented to its peers both ways.")
+    group.add_argument("--grpc-tls-key", default=None, metavar="PEM",
+                       help="The private key of --grpc-tls-cert.")
+    group.add_argument("--grpc-tls-ca", default=None, metavar="PEM",
+                       help="CA that signed every peer's certificate; callers and servers "
+                            "without one it signed are refused.")
+    group.add_argument("--grpc-tls-server-name", default=None, metavar="NAME",
+                       help="DNS name every service certificate carries, checked instead of "
+                            "the dialled host (replicas are dialled by IP); default: the host.")
+
+
+def configure(tls: GrpcTLS | None) -> None:
+    """Set this process's TLS configuration (None: plaintext). Call before any
+    server or channel is made."""
+    global _tls
+    _tls = tls
+
+
+def configure_from_args(args: argparse.Namespace) -> GrpcTLS | None:
+    configure(GrpcTLS.from_args(args))
+    return _tls
+
+
+def current_tls() -> GrpcTLS | None:
+    return _tls
+
+
+def channel(address: str, options: Sequence = CLIENT_OPTIONS) -> grpc.Channel:
+    """A blocking channel to `address` (wrap it with tracing.intercept for spans)."""
+    if _tls is None:
+        return grpc.insecure_channel(address, options=list(options))
+    return grpc.secure_channel(address, _tls.channel_credentials(),
+                               options=list(options) + _tls.channel_options())
+
+
+def aio_channel(address: str, options: Sequence = CLIENT_OPTIONS) -> grpc.aio.Channel:
+    """An asyncio channel to `address`, traced when tracing is on (create it in the loop)."""
+    interceptors = aio_client_interceptors()
+    if _tls is None:
+        return grpc.aio.insecure_channel(address, options=list(options),
+                                         interceptors=interceptors)
+    return grpc.aio.secure_channel(address, _tls.channel_credentials(),
+                                   options=list(options) + _tls.channel_options(),
+                                   interceptors=interceptors)
+
+
+async def read_within(call: grpc.aio.Call, timeout_s: float, peer: str):
+    """The next message of a stream (or grpc.aio.EOF). A peer silent for `timeout_s`
+    cancels the call and fails it UNAVAILABLE, like a lost connection: keepalive
+    catches a peer that stopped answering pings, this one a peer that answers pings
+    but stopped producing."""
+    try:
+        return await asyncio.wait_for(call.read(), timeout_s)
+    except asyncio.TimeoutError:
+        call.cancel()
+        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                   grpc.aio.Metadata(),
+                                   f"{peer} sent nothing for {timeout_s:g} s") from None
+
+
+def server(max_workers: int, thread_name_prefix: str = "grpc") -> grpc.Server:
+    """A thread-pool server with the keepalive policy, traced when tracing is on."""
+    return grpc.server(ThreadPoolExecutor(max_workers, thread_name_prefix=thread_name_prefix),
+                       options=SERVER_OPTIONS, interceptors=server_interceptors())
+
+
+def aio_server() -> grpc.aio.Server:
+    """An asyncio server with the keepalive policy, traced when tracing is on."""
+    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=aio_server_interceptors())
+
+
+def add_port(server, address: str) -> int:
+    """Listen on `address` (TLS when configured); the bound port, 0 on failure."""
+    if _tls is None:
+        return server.add_insecure_port(address)
+    return server.add_secure_port(address, _tls.server_credentials())
