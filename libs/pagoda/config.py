@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 # or the tokenizer's block hashes would not match the scheduler's and KV-aware
 # routing would silently hit 0% (vLLM once seeded it randomly).
 DEFAULT_PREFIX_HASH_SEED = "pagoda-prefix-cache-v1"
+# vLLM's default --max-logprobs: the most top logprobs a request may ask for.
+DEFAULT_MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -90,6 +92,7 @@ class EngineConfig:
     # "ray" | "mp" when the worker group has more than one rank; None for one rank.
     distributed_executor_backend: str | None = None
     enforce_eager: bool = False  # no CUDA graphs
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # -1: no limit
 
     @property
     def world_size(self) -> int:

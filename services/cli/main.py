@@ -4,7 +4,8 @@ Commands are registered by module: each module in `COMMAND_MODULES` (and each in
 `BENCH_MODULES`, under `pagoda bench`) defines ``add_parser(subparsers)``, which
 adds its subcommand(s) and sets ``func`` (``args -> exit code``). Adding a command
 is one line here. Modules are imported only to build the parser; heavy imports
-(torch, transformers) happen inside ``func``.
+(torch, transformers) happen inside ``func``. Every command takes `--config
+FILE.yaml` and lists the environment variables in its `--help` (arg_parser.py).
 """
 
 from __future__ import annotations
@@ -13,11 +14,16 @@ import argparse
 import importlib
 import sys
 
+from pagoda.envs import environment_help
+from pagoda.services.cli.arg_parser import PagodaArgumentParser
+
 COMMAND_MODULES = [
     "pagoda.services.cli.serve",      # pagoda serve
     "pagoda.services.cli.services",   # pagoda gateway | tokenizer | scheduler | gpu-worker | kv-cache-manager
     "pagoda.services.cli.chat",       # pagoda chat
     "pagoda.services.cli.complete",   # pagoda complete
+    "pagoda.services.cli.run_batch",  # pagoda run-batch
+    "pagoda.services.cli.collect_env",  # pagoda collect-env
 ]
 BENCH_MODULES = [
     "pagoda.bench.throughput",  # pagoda bench throughput
@@ -27,7 +33,7 @@ BENCH_MODULES = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM inference engine.")
+    parser = PagodaArgumentParser(prog="pagoda", description="Pagoda LLM inference engine.")
     parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
@@ -36,7 +42,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench_commands = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
     for name in BENCH_MODULES:
         importlib.import_module(name).add_parser(bench_commands)
+    for command in _leaf_commands(parser):
+        command.add_config_option()
+        command.epilog = environment_help()
     return parser
+
+
+def _leaf_commands(parser: argparse.ArgumentParser) -> list[PagodaArgumentParser]:
+    """Every parser that runs a command (not one that only holds subcommands)."""
+    groups = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not groups:
+        return [parser]
+    children = dict.fromkeys(p for g in groups for p in g.choices.values())  # aliases once
+    return [leaf for child in children for leaf in _leaf_commands(child)]
 
 
 def main(argv: list[str] | None = None) -> int:

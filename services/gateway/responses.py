@@ -23,17 +23,19 @@ def sse(payload: dict) -> bytes:
 
 @dataclass
 class Usage:
-    """Token counts of one HTTP request (all its choices)."""
+    """Token counts of one HTTP request (all its choices). `prompt_tokens_details`
+    (cached tokens) is reported only with --enable-prompt-tokens-details, as in vLLM."""
 
     prompt_tokens: int
     completion_tokens: int = 0
     cached_tokens: int = 0
+    report_details: bool = False
 
     def as_dict(self) -> dict:
         usage = {"prompt_tokens": self.prompt_tokens,
                  "completion_tokens": self.completion_tokens,
                  "total_tokens": self.prompt_tokens + self.completion_tokens}
-        if self.cached_tokens:
+        if self.report_details:
             usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
         return usage
 

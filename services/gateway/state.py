@@ -1,4 +1,4 @@
-"""What the gateway's routes share: peers, served names, API key."""
+"""What the gateway's routes share: peers, served names, API key, serving options."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from pagoda.services.gateway.errors import APIError
 from pagoda.services.gateway.peers import Peers
+from pagoda.services.gateway.serving_options import ServingOptions
 
 
 @dataclass
@@ -17,6 +18,15 @@ class GatewayState:
     peers: Peers | None
     served_model_names: list[str] = field(default_factory=list)
     api_key: str | None = None
+    options: ServingOptions = field(default_factory=ServingOptions)
+
+    def fill_defaults(self, body, requested_max_tokens: int | None, prompts: list) -> int | None:
+        """Lay the generation config's sampling defaults into `body`; the max_tokens to
+        use (serving_options.py)."""
+        info = self.peers.model_info()
+        return self.options.fill_defaults(body, requested_max_tokens,
+                                          [len(p.token_ids) for p in prompts], info.model,
+                                          info.max_model_len)
 
     def check_model(self, model: str | None) -> str:
         """The name to report; 404 for a model this gateway does not serve."""

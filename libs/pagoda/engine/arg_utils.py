@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from pagoda.config import (DEFAULT_PREFIX_HASH_SEED, CacheConfig, EngineConfig, SchedulerConfig)
+from pagoda.config import (DEFAULT_MAX_LOGPROBS, DEFAULT_PREFIX_HASH_SEED, CacheConfig,
+                           EngineConfig, SchedulerConfig)
+
+# Why --trust-remote-code is refused rather than ignored: a user who passes it expects
+# the model's own Python code to run, and Pagoda never runs it.
+TRUST_REMOTE_CODE_REFUSED = (
+    "--trust-remote-code is refused: Pagoda runs no remote code. It serves the model "
+    "architectures it implements itself (see pagoda.model.registry); a model that needs "
+    "its own Python code cannot be served.")
 
 
 @dataclass
@@ -34,6 +42,10 @@ class EngineArgs:
     enforce_eager: bool = False
     prefix_cache_hash_seed: str = DEFAULT_PREFIX_HASH_SEED
     device: str = "auto"
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    generation_config: str = "auto"
+    override_generation_config: dict | str | None = None
+    trust_remote_code: bool = False
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, include_model: bool = True) -> argparse.ArgumentParser:
@@ -71,6 +83,16 @@ class EngineArgs:
         parser.add_argument("--prefix-cache-hash-seed", default=DEFAULT_PREFIX_HASH_SEED,
                             help="Seed of the prefix-cache block hashes; identical in every process.")
         parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+        parser.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                            help="Most logprobs (and prompt_logprobs) a request may ask for; "
+                                 "-1: no limit.")
+        parser.add_argument("--generation-config", default=d.generation_config,
+                            help="Default sampling parameters: 'auto' (the model folder's "
+                                 "generation_config.json), 'vllm' (none) or a folder.")
+        parser.add_argument("--override-generation-config", default=None, metavar="JSON",
+                            help='Laid over the generation config, e.g. \'{"temperature": 0.5}\'.')
+        parser.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction,
+                            default=False, help="Refused: Pagoda runs no remote code.")
         return parser
 
     @classmethod
@@ -81,6 +103,11 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         import torch
 
+        if self.trust_remote_code:
+            raise ValueError(TRUST_REMOTE_CODE_REFUSED)
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no limit) or non-negative, got "
+                             f"{self.max_logprobs}")
         from pagoda.model.loader import load_arch_config, resolve_dtype, resolve_model_path
 
         model_path = resolve_model_path(self.model)
@@ -119,7 +146,7 @@ class EngineArgs:
             seed=self.seed, device=device, tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
             distributed_executor_backend=self._resolve_backend(arch),
-            enforce_eager=self.enforce_eager)
+            enforce_eager=self.enforce_eager, max_logprobs=self.max_logprobs)
 
     def _resolve_backend(self, arch) -> str | None:
         """Validate the parallel split against the model; pick the group's backend."""

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 
+from pagoda import envs
 from pagoda.core.scheduler import SchedulerStats
 from pagoda.metrics.stats import IterationStats
 
@@ -26,9 +27,12 @@ DEFAULT_LOG_STATS_INTERVAL = 10.0
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """`--log-stats-interval`, `--disable-log-stats` (metrics stay on either way)."""
-    parser.add_argument("--log-stats-interval", type=float, default=DEFAULT_LOG_STATS_INTERVAL,
+    parser.add_argument("--log-stats-interval", type=float,
+                        default=envs.get("PAGODA_LOG_STATS_INTERVAL"),
                         help="Seconds between engine stats log lines (throughput, running/"
-                             "waiting, KV usage, prefix hit rate); 0 disables them.")
+                             "waiting, KV usage, prefix hit rate); 0 disables them (default: "
+                             "$PAGODA_LOG_STATS_INTERVAL, else $VLLM_LOG_STATS_INTERVAL, "
+                             f"else {DEFAULT_LOG_STATS_INTERVAL:g}).")
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="Do not log engine stats (Prometheus metrics stay on).")
 

@@ -1,0 +1,87 @@
+"""Environment variables Pagoda reads, with the vLLM names a vLLM deployment already sets.
+
+Every setting has Pagoda's own name (`PAGODA_*`) and, where vLLM has the same
+feature, vLLM's name as an alias. Rule: the Pagoda name wins when both are set; an
+empty value counts as unset. Command-line flags (and `--config` files) override
+both; the variables only change defaults. `--help` prints this table
+(`environment_help`), so the two names are documented in one place.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One setting: its Pagoda name, vLLM's name (None: no vLLM equivalent), how a
+    value parses, the default when neither is set, and what it does."""
+
+    name: str
+    vllm_name: str | None
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+
+
+def _bool(value: str) -> bool:
+    """vLLM's reading of a flag variable: "0"/"false" are off, anything else on."""
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def _positive_float(value: str) -> float:
+    number = float(value)
+    if number <= 0:
+        raise ValueError(f"must be positive, got {value}")
+    return number
+
+
+VARIABLES = {v.name: v for v in [
+    EnvVar("PAGODA_API_KEY", "VLLM_API_KEY", str, None,
+           "API key the gateway requires (`Authorization: Bearer KEY`); --api-key overrides."),
+    EnvVar("PAGODA_LOG_LEVEL", "VLLM_LOGGING_LEVEL", str.upper, "INFO",
+           "Log level of every service and of run-batch (DEBUG, INFO, WARNING, ...)."),
+    EnvVar("PAGODA_CONFIGURE_LOGGING", "VLLM_CONFIGURE_LOGGING", _bool, True,
+           "0: Pagoda leaves Python logging as it finds it (no handler, no format)."),
+    EnvVar("PAGODA_LOGGING_CONFIG_PATH", "VLLM_LOGGING_CONFIG_PATH", str, None,
+           "A JSON file with a logging.config.dictConfig dictionary, used instead of "
+           "Pagoda's format."),
+    EnvVar("PAGODA_LOG_STATS_INTERVAL", "VLLM_LOG_STATS_INTERVAL", _positive_float, 10.0,
+           "Default seconds between engine stats lines (--log-stats-interval)."),
+    EnvVar("PAGODA_ENGINE_READY_TIMEOUT_S", "VLLM_ENGINE_READY_TIMEOUT_S", _positive_float,
+           900.0, "Default seconds `pagoda serve` waits for every service to be healthy "
+           "(--startup-timeout)."),
+]}
+
+
+def get(name: str) -> Any:
+    """The value of setting `name` (its Pagoda name): Pagoda's variable, else vLLM's,
+    else the default. A value that does not parse raises ValueError naming the variable."""
+    var = VARIABLES[name]
+    for env_name in (var.name, var.vllm_name):
+        raw = os.environ.get(env_name) if env_name else None
+        if raw is None or raw == "":
+            continue
+        try:
+            return var.parse(raw)
+        except ValueError as exc:
+            raise ValueError(f"environment variable {env_name}={raw!r}: {exc}") from None
+    return var.default
+
+
+def source(name: str) -> str | None:
+    """Which variable `get(name)` reads (for messages), or None when the default applies."""
+    var = VARIABLES[name]
+    return next((n for n in (var.name, var.vllm_name) if n and os.environ.get(n)), None)
+
+
+def environment_help() -> str:
+    """The table `--help` shows under every command."""
+    lines = ["environment variables (the Pagoda name wins over vLLM's; flags win over both):"]
+    for var in VARIABLES.values():
+        names = var.name + (f", {var.vllm_name}" if var.vllm_name else "")
+        lines.append(f"  {names}\n      {var.doc}")
+    return "\n".join(lines)

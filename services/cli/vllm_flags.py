@@ -1,0 +1,103 @@
+"""vLLM flags Pagoda does not support, and the message a user of one gets.
+
+A vLLM command line moved to Pagoda should fail with a sentence that names the flag
+and says it is not supported, not argparse's usage dump. Flags Pagoda implements are
+not listed here (tests/services/cli/test_vllm_flags.py checks that no entry is a real
+Pagoda flag, so this list cannot go stale silently); anything else unknown gets the
+generic message.
+"""
+
+from __future__ import annotations
+
+# flag (without "--") -> why Pagoda has no such thing (shown after the flag's name).
+UNSUPPORTED = {
+    # models and weights
+    "quantization": "quantized checkpoints are not implemented; Pagoda loads bf16/fp16/fp32 "
+                    "safetensors and GGUF",
+    "load-format": "Pagoda reads safetensors directories and GGUF files only",
+    "download-dir": "Pagoda loads local models only and never downloads",
+    "revision": "Pagoda loads local models only (no hub revisions)",
+    "code-revision": "Pagoda runs no remote code",
+    "tokenizer-revision": "Pagoda loads local tokenizers only",
+    "tokenizer-mode": "Pagoda always uses the model's fast (HF) tokenizer",
+    "hf-token": "Pagoda loads local models only and never contacts a hub",
+    "hf-overrides": "config overrides are not implemented",
+    "hf-config-path": "the model folder's config.json is always used",
+    "config-format": "the model folder's config.json is always used",
+    "rope-scaling": "RoPE scaling comes from the model's config.json",
+    "rope-theta": "RoPE theta comes from the model's config.json",
+    "task": "Pagoda serves text generation only",
+    "runner": "Pagoda serves text generation only",
+    "convert": "Pagoda serves text generation only",
+    "skip-tokenizer-init": "the tokenizer service is part of every cluster",
+    "max-seq-len-to-capture": "CUDA graphs cover Pagoda's own decode batch sizes",
+    "cuda-graph-sizes": "CUDA graphs cover Pagoda's own decode batch sizes",
+    "compilation-config": "Pagoda does not use torch.compile",
+    "kv-cache-dtype": "the KV cache uses the model dtype",
+    "calculate-kv-scales": "the KV cache uses the model dtype",
+    "cpu-offload-gb": "weight offloading is not implemented",
+    "swap-space": "preempted requests are recomputed, never swapped",
+    "kv-transfer-config": "disaggregated prefill is not implemented",
+    "kv-events-config": "Pagoda publishes KV events to its kv-cache-manager itself",
+    # adapters, multimodal, structured output, tools
+    "enable-lora": "LoRA adapters are not implemented",
+    "lora-modules": "LoRA adapters are not implemented",
+    "max-loras": "LoRA adapters are not implemented",
+    "max-lora-rank": "LoRA adapters are not implemented",
+    "speculative-config": "speculative decoding is not implemented",
+    "limit-mm-per-prompt": "Pagoda serves text-only models",
+    "mm-processor-kwargs": "Pagoda serves text-only models",
+    "allowed-local-media-path": "Pagoda serves text-only models",
+    "guided-decoding-backend": "structured output is not implemented",
+    "structured-outputs-config": "structured output is not implemented",
+    "reasoning-parser": "reasoning parsers are not implemented",
+    "enable-auto-tool-choice": "tool-call parsing is not implemented (tools reach the chat "
+                               "template only)",
+    "tool-call-parser": "tool-call parsing is not implemented",
+    "tool-parser-plugin": "tool-call parsing is not implemented",
+    "chat-template-content-format": "message contents are always flattened to strings",
+    "response-role": "the response role is always 'assistant'",
+    # parallelism and platform
+    "enable-expert-parallel": "mixture-of-experts models are not implemented",
+    "data-parallel-address": "data-parallel replicas of `pagoda serve` run on one machine "
+                             "(use the Helm chart across machines)",
+    "data-parallel-rpc-port": "data-parallel replicas of `pagoda serve` run on one machine",
+    "data-parallel-size-local": "data-parallel replicas of `pagoda serve` run on one machine",
+    "headless": "use the individual services (`pagoda scheduler`, `pagoda gpu-worker`, ...)",
+    "disable-custom-all-reduce": "Pagoda uses torch.distributed's all-reduce only",
+    "worker-cls": "the worker is Pagoda's own",
+    "num-scheduler-steps": "multi-step scheduling is not implemented",
+    "async-scheduling": "the scheduler runs one step at a time",
+    # server
+    "uds": "the gateway listens on TCP only",
+    "middleware": "custom ASGI middleware is not loaded",
+    "enable-ssl-refresh": "certificates are read once at start-up",
+    "disable-fastapi-docs": "the gateway's FastAPI docs cannot be turned off yet",
+    "return-tokens-as-token-ids": "ask per request with the `return_tokens_as_token_ids` field",
+    "enable-log-outputs": "only inputs are logged (--enable-log-requests)",
+    "lora-dtype": "LoRA adapters are not implemented",
+}
+
+
+def unknown_flags_message(prog: str, flags: list[str]) -> str:
+    """One line per unknown flag: vLLM's that Pagoda lacks say why; others say unknown."""
+    lines = []
+    for flag in dict.fromkeys(flags):  # once each, in order
+        name = flag.split("=", 1)[0]
+        reason = UNSUPPORTED.get(name.lstrip("-"))
+        if reason is not None:
+            lines.append(f"{name} (a vLLM flag) is not supported by Pagoda: {reason}.")
+        else:
+            lines.append(f"{name} is not supported by Pagoda: {prog} has no such flag "
+                         f"(see `{prog} --help`).")
+    return "\n".join(f"{prog}: error: {line}" for line in lines)
+
+
+def unknown_key_message(path: str, key: str, prog: str) -> str:
+    """For a config-file key that names no flag of `prog`."""
+    name = str(key).replace("_", "-")
+    reason = UNSUPPORTED.get(name)
+    if reason is not None:
+        return f"config file {path}: key {key!r} (vLLM's --{name}) is not supported by " \
+               f"Pagoda: {reason}."
+    return f"config file {path}: unknown key {key!r}: {prog} has no --{name} flag."

@@ -1,0 +1,180 @@
+"""vLLM's OpenAI-server flags for the gateway: what they change, and their CLI.
+
+`ServingOptions` (in `GatewayState.options`) is what the routes consult:
+  * `--max-logprobs` (default 20, -1: no limit): a request asking for more top
+    logprobs or prompt logprobs gets a 400 naming the limit;
+  * `--generation-config auto|vllm|FOLDER`, `--override-generation-config JSON`: the
+    model's recommended sampling settings fill the fields a request leaves unset
+    (`pagoda.generation_config` reads them; `auto` reads the folder of the model the
+    schedulers report, once, when this machine can see it);
+  * `--enable-prompt-tokens-details`: usage carries `prompt_tokens_details.cached_tokens`
+    (without it, no details, as in vLLM);
+  * `--enable-force-include-usage`: every stream ends with a usage chunk, asked or not;
+  * `--enable-log-requests` (`--disable-log-requests`, the default, turns it off):
+    one INFO line per request with its prompt, params and token ids, each cut to
+    `--max-log-len` characters/ids.
+`add_uvicorn_args`/`uvicorn_kwargs`: `--ssl-keyfile`, `--ssl-certfile`, `--ssl-ca-certs`,
+`--ssl-cert-reqs` (HTTPS), `--root-path` (behind a path-prefix proxy),
+`--uvicorn-log-level` and `--disable-uvicorn-access-log`, handed to uvicorn as vLLM does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagoda.config import DEFAULT_MAX_LOGPROBS
+from pagoda.generation_config import (default_max_tokens, load_generation_defaults,
+                                      parse_override)
+
+request_logger = logging.getLogger("pagoda.services.gateway.requests")
+# Sampling fields a generation config may fill (max_tokens is resolved separately).
+_FILLABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# Flags that exist on the engine too: `pagoda serve` defines them once (EngineArgs)
+# and passes them on; the gateway on its own defines them here.
+ENGINE_SHARED = ("max_logprobs", "generation_config", "override_generation_config")
+
+
+@dataclass
+class ServingOptions:
+    """Invariant: built once at start-up and never changed, except the cache of the
+    generation defaults of `generation_config="auto"`, filled on first use."""
+
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
+    enable_prompt_tokens_details: bool = False
+    enable_force_include_usage: bool = False
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
+    _defaults: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ServingOptions":
+        options = cls(args.max_logprobs, args.generation_config,
+                      parse_override(args.override_generation_config),
+                      args.enable_prompt_tokens_details, args.enable_force_include_usage,
+                      args.enable_log_requests, args.max_log_len)
+        if options.generation_config != "auto":  # a folder: fail at start-up, not per request
+            options.generation_defaults(None)
+        return options
+
+    def generation_defaults(self, model_path: str | None) -> dict[str, Any]:
+        """SamplingParams defaults for the model at `model_path` (the schedulers')."""
+        key = model_path if self.generation_config == "auto" else ""
+        if key not in self._defaults:
+            self._defaults[key] = load_generation_defaults(
+                model_path, self.generation_config, self.override_generation_config)
+        return self._defaults[key]
+
+    def fill_defaults(self, body: Any, requested_max_tokens: int | None,
+                      prompt_lens: list[int], model_path: str | None,
+                      max_model_len: int) -> int | None:
+        """Fill the sampling fields `body` leaves unset from the generation config;
+        return the max_tokens to use (None: the rest of the context, as before)."""
+        defaults = self.generation_defaults(model_path)
+        for name in _FILLABLE:
+            if name in defaults and getattr(body, name, None) is None:
+                setattr(body, name, defaults[name])
+        if requested_max_tokens is not None or "max_tokens" not in defaults or not prompt_lens:
+            return requested_max_tokens
+        room = max_model_len - max(prompt_lens)
+        return default_max_tokens(defaults, room) if room > 0 else None
+
+    def on_generation(self, gen: Any) -> None:
+        """What the options change once a request's Generation is built."""
+        gen.usage.report_details = self.enable_prompt_tokens_details
+        if gen.requests:
+            self.log_request(gen.request_id, gen.prompts, gen.requests[0].sampling_params)
+
+    def log_request(self, request_id: str, prompts: list[Any], params: Any) -> None:
+        """vLLM's "Received request" line, once per prompt (prompts: `.text`, `.token_ids`)."""
+        if not self.enable_log_requests:
+            return
+        for prompt in prompts:
+            text, ids = prompt.text, list(prompt.token_ids)
+            if self.max_log_len is not None:
+                text = text[:self.max_log_len] if text is not None else None
+                ids = ids[:self.max_log_len]
+            request_logger.info("Received request %s: prompt: %r, params: %s, "
+                                "prompt_token_ids: %s", request_id, text, params, ids)
+
+
+def add_serving_args(parser: argparse.ArgumentParser, engine_shared: bool = True) -> None:
+    """The gateway's vLLM serving flags; `engine_shared=False` leaves out the ones a
+    parser with the engine's flags (pagoda serve, run-batch) already has."""
+    group = parser.add_argument_group("OpenAI serving (vLLM's flags)")
+    if engine_shared:
+        group.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS,
+                           help="Most logprobs / prompt_logprobs a request may ask for "
+                                "(-1: no limit).")
+        group.add_argument("--generation-config", default="auto",
+                           help="Default sampling parameters: 'auto' (the model folder's "
+                                "generation_config.json), 'vllm' (none) or a folder.")
+        group.add_argument("--override-generation-config", default=None, metavar="JSON",
+                           help="Laid over the generation config.")
+    group.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="Report prompt_tokens_details.cached_tokens in usage.")
+    group.add_argument("--enable-force-include-usage", action="store_true",
+                       help="End every stream with a usage chunk, even if not asked.")
+    group.add_argument("--enable-log-requests", dest="enable_log_requests", action="store_true",
+                       default=False, help="Log each request's prompt and parameters.")
+    group.add_argument("--disable-log-requests", dest="enable_log_requests",
+                       action="store_false", default=False, help="Do not log requests (the default).")
+    group.add_argument("--max-log-len", type=int, default=None,
+                       help="Characters / token ids of a prompt a request log line shows.")
+    group.add_argument("--enable-request-id-headers", action="store_true",
+                       help="Always on in Pagoda: every response carries X-Request-Id.")
+
+
+def add_uvicorn_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("HTTP server (uvicorn)")
+    group.add_argument("--ssl-keyfile", default=None, help="Serve HTTPS with this private key.")
+    group.add_argument("--ssl-certfile", default=None, help="... and this certificate.")
+    group.add_argument("--ssl-ca-certs", default=None,
+                       help="CA certificates to verify clients against.")
+    group.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+                       help="Client certificates: 0 not asked, 1 optional, 2 required.")
+    group.add_argument("--root-path", default=None,
+                       help="The path prefix of a proxy in front of the gateway.")
+    group.add_argument("--uvicorn-log-level", default="warning", choices=UVICORN_LOG_LEVELS,
+                       help="uvicorn's own log level (default: warning).")
+    group.add_argument("--disable-uvicorn-access-log", action="store_true",
+                       help="No access log lines (they show at --uvicorn-log-level info).")
+
+
+def uvicorn_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags as `uvicorn.run` keyword arguments."""
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+    kwargs: dict[str, Any] = {"log_level": args.uvicorn_log_level,
+                              "access_log": not args.disable_uvicorn_access_log}
+    if args.ssl_keyfile:
+        kwargs.update(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                      ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)
+    if args.root_path:
+        kwargs["root_path"] = args.root_path
+    return kwargs
+
+
+def gateway_flags(args: argparse.Namespace) -> list[str]:
+    """The serving and uvicorn flags the user set, re-rendered for the gateway
+    (`pagoda serve`); those left at their default are not passed."""
+    reference = argparse.ArgumentParser(add_help=False)
+    add_serving_args(reference)
+    add_uvicorn_args(reference)
+    flags: list[str] = []
+    for action in reference._actions:
+        value = getattr(args, action.dest, action.default)
+        if value == action.default or value is None:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse._StoreConstAction):
+            if value == action.const:  # the switch that sets this value
+                flags.append(flag)
+        else:
+            flags += [flag, str(value)]
+    return flags
