@@ -39,10 +39,11 @@ def sp_tokenizer():
     return tok
 
 
-def _first_stop_by_chars(text: str, stop: list[str]) -> tuple[str, int] | None:
+def _first_stop_by_chars(text: str, stop: list[str], min_end: int = 0) -> tuple[str, int] | None:
     """Reference stop search: scan one character at a time; return (stop_str, match start)
-    for the first stop string to complete (the longest one on a tie), or None."""
-    for end in range(1, len(text) + 1):
+    for the first stop string to complete (the longest one on a tie), or None. Only matches
+    ending after `min_end` characters count (the text of the first min_tokens tokens)."""
+    for end in range(min_end + 1, len(text) + 1):
         done = [s for s in stop if text[:end].endswith(s)]
         if done:
             s = max(done, key=len)

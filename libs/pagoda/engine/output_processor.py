@@ -1,8 +1,10 @@
 """Turns the core's token-id deltas into vLLM-shaped `RequestOutput`s (offline path).
 
-Detokenization and stop strings live here, outside the core: when a stop string
-completes, the request is reported finished with finish_reason "stop" and its id
-is returned so the caller aborts it in the core.
+Detokenization and stop strings live here, outside the core, in the same
+`StopAwareDecoder` the tokenizer service runs for served requests: when a stop
+string completes, the request is reported finished with finish_reason "stop", the
+tokens after the one that completed it are dropped, and its id is returned so the
+caller aborts it in the core.
 """
 
 from __future__ import annotations
@@ -11,10 +13,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.messages import EngineCoreOutput, LogprobsLists
+from pagoda.messages import EngineCoreOutput, FinishReason, LogprobsLists
 from pagoda.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.tokenizer.detokenizer import DetokenizerWithStops
+from pagoda.tokenizer.stop_aware_decoder import StopAwareDecoder
 
 
 @dataclass
@@ -36,7 +38,7 @@ class ParentRequest:
 class ChildState:
     parent: ParentRequest
     index: int
-    detokenizer: DetokenizerWithStops
+    decoder: StopAwareDecoder
 
 
 def child_request_id(parent_id: str, index: int, n: int) -> str:
@@ -59,12 +61,12 @@ class OutputProcessor:
         ids = []
         for index in range(n):
             child_id = child_request_id(parent.request_id, index, n)
-            detok = DetokenizerWithStops.from_sampling_params(
+            decoder = StopAwareDecoder.from_sampling_params(
                 self.tokenizer, parent.prompt_token_ids, parent.params)
             parent.completions.append(CompletionOutput(
                 index, "", [], 0.0 if parent.params.logprobs is not None else None,
                 [] if parent.params.logprobs is not None else None))
-            self.children[child_id] = ChildState(parent, index, detok)
+            self.children[child_id] = ChildState(parent, index, decoder)
             ids.append(child_id)
         return ids
 
@@ -81,23 +83,25 @@ class OutputProcessor:
                 continue  # already ended by a stop string
             parent, completion = child.parent, child.parent.completions[child.index]
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
-            completion.token_ids.extend(out.new_token_ids)
             if out.new_prompt_logprobs is not None and parent.prompt_logprobs is not None and child.index == 0:
                 parent.prompt_logprobs.extend(self._to_logprobs(out.new_prompt_logprobs))
+            step = child.decoder.update(out.new_token_ids, finished=out.finished,
+                                        stop_terminated=out.finish_reason == FinishReason.STOP)
+            new_token_ids = out.new_token_ids[:step.num_tokens_used]
+            completion.token_ids.extend(new_token_ids)
             if out.new_logprobs is not None and completion.logprobs is not None:
-                positions = self._to_logprobs(out.new_logprobs)
+                positions = self._to_logprobs(out.new_logprobs)[:step.num_tokens_used]
                 completion.logprobs.extend(positions)
                 completion.cumulative_logprob += sum(p[t].logprob for p, t in
-                                                    zip(positions, out.new_token_ids))
-            _, stop_str = child.detokenizer.update(out.new_token_ids, finished=out.finished)
-            if stop_str is not None:  # wins over EOS/length in the same step, as in vLLM
-                completion.finish_reason, completion.stop_reason = "stop", stop_str
+                                                    zip(positions, new_token_ids))
+            if step.stop_str is not None:  # wins over length in the same step, as in vLLM
+                completion.finish_reason, completion.stop_reason = "stop", step.stop_str
                 if not out.finished:
                     to_abort.append(out.request_id)
             elif out.finished:
                 completion.finish_reason, completion.stop_reason = str(out.finish_reason), out.stop_reason
             if completion.finish_reason is not None:
-                completion.text = child.detokenizer.output_text
+                completion.text = child.decoder.output_text
                 del self.children[out.request_id]
                 parent.num_unfinished -= 1
                 if parent.num_unfinished == 0:

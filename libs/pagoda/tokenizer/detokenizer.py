@@ -1,18 +1,12 @@
 """Incremental (streaming) detokenization of one request's output tokens.
 
-Plain Python over a Hugging Face tokenizer, one instance per request: it is used by the
-offline engine's output processor in-process and by the tokenizer service's streaming
-decode alike, so it holds no global state.
+Plain Python over a Hugging Face tokenizer, one instance per request and no global state.
+`StopAwareDecoder` (stop_aware_decoder.py) builds on it; callers use that.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
-
-from pagoda.tokenizer.stop_checker import StopChecker
-
-if TYPE_CHECKING:
-    from pagoda.sampling_params import SamplingParams
+from typing import Any, Sequence
 
 # How many prompt tokens to decode in front of the first output token. Some decoders
 # (SentencePiece's Metaspace, `Strip`) treat the first token of a decode call specially;
@@ -155,111 +149,6 @@ def _skipped_special_ids(tokenizer: Any) -> frozenset[int]:
         added = backend.get_added_tokens_decoder()
         return frozenset(i for i, token in added.items() if token.special)
     return frozenset(tokenizer.all_special_ids)
-
-
-class DetokenizerWithStops:
-    """Streaming detokenization with stop strings, for one request (one completion).
-
-    Invariants (tested in tests/tokenizer/test_detokenizer_with_stops.py):
-      * The concatenation of the deltas `update` returns is the final text: the one-shot
-        decode of the output, truncated before the first stop string to complete (after it
-        with include_stop_str_in_output), or the whole decode if none did.
-      * A delta never contains characters that a later stop match removes: characters
-        that could begin a stop string are held back until they cannot (vLLM holds a fixed
-        ``len(longest stop) - 1`` characters; holding only a real partial match streams
-        sooner with the same guarantee). ``update(..., finished=True)`` flushes them.
-      * Stop strings must include text from after the first `min_tokens` output tokens
-        (vLLM's rule), so a stop string never ends a request before min_tokens.
-      * Memory is bounded by the longest stop string: only the tail a future match or the
-        held-back text can touch is kept besides the detokenizer's own state.
-
-    Once a stop string matched, the request is finished (`finished`, `stop_reason`); the
-    caller ends it with finish_reason "stop". Further `update` calls are errors.
-    """
-
-    def __init__(
-        self,
-        tokenizer: Any,
-        prompt_token_ids: Sequence[int],
-        stop: Sequence[str] = (),
-        include_stop_str_in_output: bool = False,
-        skip_special_tokens: bool = True,
-        spaces_between_special_tokens: bool = True,
-        min_tokens: int = 0,
-    ) -> None:
-        self.detokenizer = IncrementalDetokenizer(
-            tokenizer, prompt_token_ids, skip_special_tokens, spaces_between_special_tokens
-        )
-        self.stop_checker = StopChecker(stop, include_stop_str_in_output)
-        self.min_tokens = min_tokens
-        self.finished = False
-        self.stop_reason: str | None = None
-        self._text = _TextAccumulator()
-        # The detokenizer text from absolute char `_tail_offset` on: the held-back chars
-        # plus enough context for the next stop search.
-        self._tail = ""
-        self._tail_offset = 0
-        self._num_emitted = 0
-
-    @classmethod
-    def from_sampling_params(
-        cls, tokenizer: Any, prompt_token_ids: Sequence[int], params: "SamplingParams"
-    ) -> "DetokenizerWithStops":
-        return cls(
-            tokenizer,
-            prompt_token_ids,
-            stop=params.stop or (),
-            include_stop_str_in_output=params.include_stop_str_in_output,
-            skip_special_tokens=params.skip_special_tokens,
-            spaces_between_special_tokens=params.spaces_between_special_tokens,
-            min_tokens=params.min_tokens,
-        )
-
-    @property
-    def token_ids(self) -> list[int]:
-        """All output token ids given so far (not truncated by a stop string)."""
-        return self.detokenizer.token_ids
-
-    @property
-    def output_text(self) -> str:
-        """The text streamed so far: the concatenation of every delta returned."""
-        return self._text.text
-
-    def update(self, new_token_ids: Sequence[int], finished: bool = False) -> tuple[str, str | None]:
-        """Add output tokens; return ``(delta_text, stop_str)``. `stop_str` is the stop
-        string that matched (the request is now finished) or None. With ``finished=True``
-        (the request ended for another reason: EOS, stop token, max_tokens, abort) all
-        held-back text is flushed."""
-        if self.finished:
-            raise RuntimeError("DetokenizerWithStops.update() called after the request finished.")
-        num_min = max(0, min(len(new_token_ids), self.min_tokens - len(self.token_ids)))
-        unchecked = self.detokenizer.update(new_token_ids[:num_min]) if num_min else ""
-        checked = self.detokenizer.update(new_token_ids[num_min:]) if len(new_token_ids) > num_min else ""
-        if finished:
-            checked += self.detokenizer.flush()
-        self._tail += unchecked + checked
-        stop_str, visible_len = self.stop_checker.check(self._tail, len(checked))
-        if stop_str is None and not finished:
-            visible_len -= self.stop_checker.partial_match_len(self._tail)
-        visible_end = self._tail_offset + visible_len
-        # A match can only start in text that was held back, never in text already sent.
-        assert visible_end >= self._num_emitted, "stop match overlaps text already streamed"
-        delta = self._tail[self._num_emitted - self._tail_offset : visible_len]
-        self._num_emitted = visible_end
-        self._text.append(delta)
-        self._trim_tail()
-        if stop_str is not None or finished:
-            self.finished = True
-            self.stop_reason = stop_str
-        return delta, stop_str
-
-    def _trim_tail(self) -> None:
-        """Drop the tail chars that neither held-back text nor a future match can need."""
-        tail_end = self._tail_offset + len(self._tail)
-        keep_from = min(self._num_emitted, tail_end - self.stop_checker.max_stop_len + 1)
-        if keep_from > self._tail_offset:
-            self._tail = self._tail[keep_from - self._tail_offset :]
-            self._tail_offset = keep_from
 
 
 class _TextAccumulator:
