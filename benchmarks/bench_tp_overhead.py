@@ -67,11 +67,12 @@ class Timers:
 
 
 def install_timers() -> Timers:
-    from pagoda.distributed import group_executor, rank_worker
+    from pagoda.distributed import rank_worker
+    from pagoda.executor import group
     from pagoda.model import parallel_layers
 
     timers = Timers()
-    timers.wrap(group_executor, "broadcast_object", "plan broadcast")
+    timers.wrap(group, "broadcast_object", "plan broadcast")
     timers.wrap(parallel_layers, "all_reduce", "all-reduce")
     timers.wrap(parallel_layers, "gather", "logits gather")
     timers.wrap(rank_worker, "recv_object", "result from last stage")

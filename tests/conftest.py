@@ -12,6 +12,10 @@ import pathlib
 import pytest
 import torch
 
+# The worker-group tests' shared prompts and one-device `reference` (tests/distributed,
+# tests/executor): registered here so the reference is computed once per session.
+pytest_plugins = ["group_cases"]
+
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 TINY_LLAMA_CONFIG = FIXTURES / "tiny_llama" / "config.json"
 

@@ -2,8 +2,10 @@
 
 `pagoda serve` uses it; so do the end-to-end tests. Invariants:
   * each service is its own process (own session, so Ctrl-C reaches only the
-    supervisor, which then stops them gateway-first) and dies with the supervisor
-    even if the supervisor is killed (PR_SET_PDEATHSIG);
+    supervisor, which then stops them gateway-first) and gets SIGTERM when the
+    supervisor dies, even if it is killed (the child sets PR_SET_PDEATHSIG itself:
+    no code runs between fork and exec in a supervisor with gRPC threads, see
+    `pagoda.parent_death`);
   * the cluster is "up" only when every service answers its health check;
   * if any service exits, `watch()` returns it (its name, exit code and last log
     lines go into ServiceFailed) -- unless it belongs to one of several model
@@ -14,7 +16,6 @@
 from __future__ import annotations
 
 import collections
-import ctypes
 import os
 import signal
 import subprocess
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagoda.parent_death import dying_with_this_process
 
 # Start order; shutdown goes the other way (the gateway stops taking requests first).
 SERVICE_ORDER = ["kv-cache-manager", "tokenizer", "gpu-worker", "scheduler", "gateway"]
@@ -78,13 +81,6 @@ class ServiceFailed(RuntimeError):
         self.service = service
 
 
-def die_with_parent() -> None:
-    """In the child: get SIGTERM when the supervisor dies, however it dies."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    PR_SET_PDEATHSIG = 1
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 class LocalCluster:
     """Start, watch and stop a set of ServiceProcess."""
 
@@ -110,9 +106,8 @@ class LocalCluster:
     def _spawn(self, service: ServiceProcess) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         service.process = subprocess.Popen(
-            service.argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, env=env, start_new_session=True,
-            preexec_fn=die_with_parent if sys.platform == "linux" else None)
+            dying_with_this_process(service.argv, signal.SIGTERM), stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
         threading.Thread(target=self._pump, args=(service,), daemon=True,
                          name=f"log-{service.name}").start()
 

@@ -17,7 +17,7 @@ import sys
 import threading
 
 from pagoda import tracing
-from pagoda.services.cli.local_cluster import LocalCluster, ServiceFailed, ServiceProcess, die_with_parent
+from pagoda.services.cli.local_cluster import LocalCluster, ServiceFailed, ServiceProcess
 from pagoda.metrics import stat_logger
 from pagoda.services.gateway.middleware import add_http_args, http_flags
 from pagoda.services.gateway.router import DEFAULT_POLICY, POLICIES
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         redis_url = args.redis_url
         if not redis_url:
-            redis = PrivateRedis().start(start_new_session=True, preexec_fn=die_with_parent)
+            redis = PrivateRedis().start(start_new_session=True, die_with_parent=True)
             redis_url = redis.url
             _say(f"started a private Redis at {redis_url}")
         cluster = LocalCluster(build_services(args, redis_url))

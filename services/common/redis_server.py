@@ -7,12 +7,15 @@ store everywhere, and this needs no system install. Nothing is persisted.
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import subprocess
 import tempfile
 import time
 
 import redis
+
+from pagoda.parent_death import dying_with_this_process
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +44,14 @@ class PrivateRedis:
                 "--save", "", "--appendonly", "no", "--dir", self._dir.name,
                 "--protected-mode", "no", "--loglevel", "warning"]
 
-    def start(self, timeout: float = 10.0, **popen_kwargs) -> "PrivateRedis":
-        self.process = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, **popen_kwargs)
+    def start(self, timeout: float = 10.0, die_with_parent: bool = False,
+              **popen_kwargs) -> "PrivateRedis":
+        """`die_with_parent`: the server gets SIGTERM when this process dies, however
+        it dies (set by the child itself, see `pagoda.parent_death`)."""
+        argv = self.command()
+        if die_with_parent:
+            argv = dying_with_this_process(argv, signal.SIGTERM)
+        self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, **popen_kwargs)
         self.wait_ready(timeout)
         logger.info("private redis at %s (pid %d)", self.url, self.process.pid)
         return self

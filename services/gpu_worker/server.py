@@ -1,4 +1,7 @@
-"""`pagoda gpu-worker`: the model runner's process (CPU today, same code on CUDA)."""
+"""`pagoda gpu-worker`: the model runner's process (CPU today, same code on CUDA).
+
+It runs whatever `make_executor` builds for its config: the model runner in this
+process, or a worker group whose driver and rank 0 is this process."""
 
 from __future__ import annotations
 
@@ -23,31 +26,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from pagoda.engine.arg_utils import EngineArgs
+    from pagoda.executor.factory import make_executor
     from pagoda.services.gpu_worker.servicer import WorkerServicer
 
     setup_logging("gpu-worker")
     config = EngineArgs.from_cli_args(args).create_engine_config()
-    runner, on_stop = _start_runner(config)
+    # Before the gRPC server exists: a worker group (T x P > 1) has this process as its
+    # rank 0 and starts the other ranks (Ray actors by default) while no gRPC thread runs.
+    executor = make_executor(config)
     logger.info("loaded %s (%s on %s)", config.model, config.dtype, config.device)
-    servicer = WorkerServicer(runner, config.model, config.dtype, config.device)
+    servicer = WorkerServicer(executor, config.model, config.dtype, config.device)
     # Steps are sequential; a second thread answers GetWorkerInfo/health meanwhile.
     serve_sync("gpu-worker", args,
                [(pb_grpc.add_WorkerServiceServicer_to_server, servicer, SERVICE_NAME)],
-               max_workers=4, on_stop=on_stop)
+               max_workers=4, on_stop=executor.shutdown)
     return 0
-
-
-def _start_runner(config):
-    """A `ModelRunner` in this process; or, for tensor/pipeline parallelism, a worker
-    group whose driver and rank 0 is this process (the other ranks run where its
-    backend places them: Ray actors by default). Both answer the same calls."""
-    if config.world_size > 1:
-        from pagoda.engine.executor import make_executor
-
-        group = make_executor(config)
-        return group, group.shutdown
-    from pagoda.worker.model_runner import ModelRunner
-
-    runner = ModelRunner(config)
-    runner.load_model()
-    return runner, None

@@ -1,4 +1,5 @@
-"""The gpu-worker's RPCs over one `ModelRunner`."""
+"""The gpu-worker's RPCs over its executor (`make_executor`: the model runner in this
+process, or a worker group whose rank 0 is this process); both also answer `reset`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import grpc
 
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as pb
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2_grpc as pb_grpc
-from pagoda.distributed.group_executor import WorkerGroupFailed
+from pagoda.executor.base import WorkerGroupFailed
 from pagoda.services.common.protocol.worker import model_runner_output_to_proto, scheduler_output_from_proto
 from pagoda.services.gpu_worker.metrics import worker_metrics
 

@@ -14,7 +14,7 @@ import grpc
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as pb
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2_grpc as pb_grpc
 from pagoda.messages import ModelRunnerOutput, SchedulerOutput
-from pagoda.engine.executor import Executor
+from pagoda.executor.base import Executor
 from pagoda.services.common.protocol.worker import model_runner_output_from_proto, scheduler_output_to_proto
 from pagoda.services.common.grpc_server import CLIENT_OPTIONS
 from pagoda.services.common.tracing import intercept

@@ -5,7 +5,7 @@ with each rank holding only its share of the weights and the KV cache."""
 from __future__ import annotations
 
 import pytest
-from conftest import GREEDY_PROMPTS, engine_kwargs, greedy_params
+from group_cases import GREEDY_PROMPTS, engine_kwargs, greedy_params
 
 from pagoda import LLM, SamplingParams
 

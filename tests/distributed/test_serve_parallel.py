@@ -12,7 +12,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from conftest import GREEDY_PROMPTS, engine_kwargs
+from group_cases import GREEDY_PROMPTS, engine_kwargs
 
 from serve_cluster import ServeProcess, wait_until
 

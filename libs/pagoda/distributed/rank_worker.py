@@ -1,9 +1,10 @@
 """One rank of a worker group, and the loop a follower rank runs.
 
-Rank 0 lives in the driver's process (`group_executor.py`); ranks 1..N-1 run
-`serve_follower` in a Ray actor or a spawned process. Every call reaches every
-rank in the same order: the driver broadcasts `(method, args)` on the control
-group, then runs the method itself; each follower receives it and runs it too.
+Rank 0 lives in the driver's process (`pagoda.executor.group`); ranks 1..N-1 run
+`serve_follower` in a Ray actor or in a child process (`pagoda.executor.multiproc`).
+Every call reaches every rank in the same order: the driver broadcasts
+`(method, args)` on the control group, then runs the method itself; each follower
+receives it and runs it too.
 Methods are collective: whatever a result needs from other ranks travels inside
 the method (the smallest KV capacity, the output rank's step result), so only
 rank 0's return value matters.
@@ -119,11 +120,17 @@ def serve_follower(config: EngineConfig, rank: int, init: GroupInit,
 
 
 def _main() -> None:
-    """`python -m pagoda.distributed.rank_worker`: a follower whose
-    (config, rank, init, device index) arrive pickled on stdin (the mp backend)."""
+    """`python -m pagoda.distributed.rank_worker PARENT_PID`: a follower of the mp
+    backend, whose (config, rank, init, device index) arrive pickled on stdin. It
+    dies with its driver: the parent-death signal is set before it reads or joins
+    anything (a driver that died while this module was importing is caught by the
+    parent-pid check, see `pagoda.parent_death`)."""
     import pickle
     import sys
 
+    from pagoda.parent_death import set_parent_death_signal
+
+    set_parent_death_signal(int(sys.argv[1]))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s rank-worker "
                                                    "%(name)s: %(message)s")
     config, rank, init, device_index = pickle.load(sys.stdin.buffer)

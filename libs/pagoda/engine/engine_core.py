@@ -10,7 +10,7 @@ from pagoda.core.kv_events import KVEvent
 from pagoda.messages import (EngineCoreOutput, EngineCoreRequest, FinishReason, ModelRunnerOutput,
                              SchedulerOutput)
 from pagoda.core.scheduler import Scheduler, SchedulerStats
-from pagoda.engine.executor import Executor
+from pagoda.executor.base import Executor
 
 logger = logging.getLogger(__name__)
 

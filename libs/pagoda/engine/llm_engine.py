@@ -8,7 +8,7 @@ from typing import Any
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.messages import EngineCoreRequest, FinishReason
 from pagoda.engine.engine_core import EngineCore
-from pagoda.engine.executor import make_executor
+from pagoda.executor.factory import make_executor
 from pagoda.engine.output_processor import OutputProcessor, ParentRequest
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams

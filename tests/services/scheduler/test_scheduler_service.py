@@ -20,7 +20,7 @@ from pagoda.services._proto.pagoda.worker.v1 import worker_pb2_grpc as wpb_grpc
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.messages import EngineCoreRequest, FinishReason
 from pagoda.engine.engine_core import EngineCore
-from pagoda.engine.executor import InProcessExecutor
+from pagoda.executor.in_process import InProcessExecutor
 from pagoda.services.common.protocol.scheduler import request_to_proto, response_to_output
 from pagoda.sampling_params import SamplingParams
 from pagoda.services.common.grpc_server import STREAM_READER_OPTIONS
@@ -28,7 +28,6 @@ from pagoda.services.gpu_worker.servicer import WorkerServicer
 from pagoda.services.scheduler.engine_loop import EngineLoop
 from pagoda.services.scheduler.servicer import SchedulerServicer
 from pagoda.services.scheduler.worker_executor import GrpcWorkerExecutor
-from pagoda.worker.model_runner import ModelRunner
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [100, 200, 300],
            [42] * 40]
@@ -59,13 +58,12 @@ def offline_tokens(model_dir) -> dict[str, list[int]]:
 
 @pytest.fixture
 def worker(tiny_llama_dir):
-    """A gpu-worker servicer on a free port; yields (address, grpc server)."""
+    """A gpu-worker servicer on a free port, over the executor the gpu-worker builds
+    for one rank; yields (address, grpc server)."""
     config = engine_config(tiny_llama_dir)
-    runner = ModelRunner(config)
-    runner.load_model()
     server = grpc.server(ThreadPoolExecutor(max_workers=2))
     wpb_grpc.add_WorkerServiceServicer_to_server(
-        WorkerServicer(runner, config.model, config.dtype, config.device), server)
+        WorkerServicer(InProcessExecutor(config), config.model, config.dtype, config.device), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     yield f"127.0.0.1:{port}", server

@@ -1,27 +1,30 @@
 """`--distributed-executor-backend mp`: a worker group on this machine, one child
 process per follower rank (rank 0 is the calling process).
 
-Children are started as `python -m pagoda.distributed.rank_worker` with their
-arguments pickled on stdin, not with multiprocessing's spawn, which re-runs the
-caller's main module (a script calling `LLM(...)` at top level would recurse).
-They die with the driver (Linux parent-death signal, which fires when the thread
-that started them ends: create the executor on a long-lived thread), so a driver
-that exits, however it exits, leaves no rank behind.
+Children are started as `python -m pagoda.distributed.rank_worker PARENT_PID` with
+their arguments pickled on stdin, not with multiprocessing's spawn, which re-runs
+the caller's main module (a script calling `LLM(...)` at top level would recurse).
+
+No Python code runs between fork and exec (no `preexec_fn`): the driver may already
+have gRPC or other threads (the gpu-worker, a test process), and forking those is
+what made ranks abort with -6 (see `pagoda.parent_death`). Each child sets its own
+parent-death signal first thing, so a driver that exits, however it exits, leaves
+no rank behind. Linux sends it when the *thread* that started the child ends:
+create the executor on a long-lived thread.
 """
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
+import os
 import pickle
-import signal
 import subprocess
 import sys
 
 from pagoda.config import EngineConfig
-from pagoda.distributed.group_executor import InsufficientResources, WorkerGroupExecutor
 from pagoda.distributed.process_group import GroupInit
-
-_PR_SET_PDEATHSIG = 1
+from pagoda.executor.base import InsufficientResources
+from pagoda.executor.group import WorkerGroupExecutor
 
 
 class MultiprocExecutor(WorkerGroupExecutor):
@@ -45,14 +48,12 @@ class MultiprocExecutor(WorkerGroupExecutor):
         return "127.0.0.1"
 
     def _start_followers(self, init: GroupInit) -> None:
+        argv = [sys.executable, "-m", "pagoda.distributed.rank_worker", str(os.getpid())]
         for rank in range(1, self.world_size):
             device_index = rank if init.device_type == "cuda" else 0
-            process = subprocess.Popen(
-                [sys.executable, "-m", "pagoda.distributed.rank_worker"], stdin=subprocess.PIPE,
-                preexec_fn=_die_with_parent)
-            process.stdin.write(pickle.dumps((self.config, rank, init, device_index)))
-            process.stdin.close()
+            process = subprocess.Popen(argv, stdin=subprocess.PIPE)
             self.processes[rank] = process
+            _send(process, pickle.dumps((self.config, rank, init, device_index)))
 
     def _dead_followers(self) -> dict[int, str]:
         return {rank: f"process exited with code {p.poll()}"
@@ -70,6 +71,10 @@ class MultiprocExecutor(WorkerGroupExecutor):
                 process.wait(timeout=5)
 
 
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def _send(process: subprocess.Popen, payload: bytes) -> None:
+    """Write `payload` to the child's stdin and close it. A child that died before
+    reading it is not an error here: `_dead_followers` reports its exit code."""
+    with contextlib.suppress(BrokenPipeError):
+        process.stdin.write(payload)
+    with contextlib.suppress(BrokenPipeError):
+        process.stdin.close()  # closes the pipe even when its final flush fails

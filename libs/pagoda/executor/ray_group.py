@@ -6,9 +6,10 @@ in this (the driver's) process and so must be on this node; ranks 1..N-1 are
 actors started in bundles 1..N-1, each running `serve_follower` as one long
 call whose end (normal or not) Ray reports, which is how a dead rank is named.
 
-Ray is joined if already initialized (or `RAY_ADDRESS` is set), else started
-locally and shut down with the group. On GPUs, an idle actor holds bundle 0 and
-tells the driver which GPU Ray assigned to it.
+Ray is joined if already initialized (or `RAY_ADDRESS` is set), else a private
+local head is started as a child process and stopped with the group
+(`ray_head.py`: `ray.init()` would fork this process instead). On GPUs, an idle
+actor holds bundle 0 and tells the driver which GPU Ray assigned to it.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import logging
 import os
 
 from pagoda.config import EngineConfig
-from pagoda.distributed.group_executor import InsufficientResources, WorkerGroupExecutor
 from pagoda.distributed.process_group import GroupInit
+from pagoda.executor.base import InsufficientResources
+from pagoda.executor.group import WorkerGroupExecutor
+from pagoda.executor.ray_head import PrivateRayHead
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ class RayExecutor(WorkerGroupExecutor):
         self._loops: dict[int, object] = {}  # rank -> ObjectRef of its `run` call
         self._placement_group = None
         self._placeholder = None
-        self._owns_ray = False
+        self._head: PrivateRayHead | None = None  # set when this group started Ray
         super().__init__(config, **kwargs)
 
     def _place_group(self, device_type: str) -> None:
@@ -55,9 +58,11 @@ class RayExecutor(WorkerGroupExecutor):
         from ray.util.placement_group import placement_group, remove_placement_group
 
         if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False,
-                     log_to_driver=True)
-            self._owns_ray = True
+            address = os.environ.get("RAY_ADDRESS")
+            if not address:
+                self._head = PrivateRayHead().start()
+                address = self._head.address
+            ray.init(address=address, log_to_driver=True)
         self._bundle = {"GPU": 1.0} if device_type == "cuda" else {"CPU": 1.0}
         self._check_totals(ray.cluster_resources())
         bundles = [dict(self._bundle) for _ in range(self.world_size)]
@@ -135,6 +140,7 @@ class RayExecutor(WorkerGroupExecutor):
         from ray.util.placement_group import remove_placement_group
 
         if not ray.is_initialized():
+            self._stop_head()
             return
         if graceful and self._loops:
             ray.wait(list(self._loops.values()), num_returns=len(self._loops), timeout=5)
@@ -143,8 +149,14 @@ class RayExecutor(WorkerGroupExecutor):
                 ray.kill(actor, no_restart=True)
         if self._placement_group is not None:
             remove_placement_group(self._placement_group)
-        if self._owns_ray:
+        if self._head is not None:
             ray.shutdown()
+            self._stop_head()
+
+    def _stop_head(self) -> None:
+        if self._head is not None:
+            self._head.stop()
+            self._head = None
 
 
 def _brief(resources: dict) -> dict:

@@ -1,5 +1,6 @@
-"""A rank that dies fails its group loudly: the step raises within seconds, naming the
-rank, and every later call fails at once (never a hang)."""
+"""`WorkerGroupExecutor` (through the mp backend): a rank that dies fails its group
+loudly: the step raises within seconds, naming the rank, and every later call fails
+at once (never a hang)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import threading
 import time
 
 import pytest
-from conftest import engine_kwargs
+from group_cases import engine_kwargs
 
 from pagoda import LLM, SamplingParams
-from pagoda.distributed.group_executor import WorkerGroupFailed
+from pagoda.executor.base import WorkerGroupFailed
 
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 
@@ -78,7 +79,7 @@ def test_a_follower_that_cannot_start_is_reported(tiny_llama_dir, monkeypatch):
     import dataclasses
 
     from pagoda.engine.arg_utils import EngineArgs
-    from pagoda.engine.mp_executor import MultiprocExecutor
+    from pagoda.executor.multiproc import MultiprocExecutor
 
     config = EngineArgs(model=tiny_llama_dir, tensor_parallel_size=2,
                         distributed_executor_backend="mp", dtype="float32").create_engine_config()

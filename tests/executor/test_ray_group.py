@@ -1,16 +1,17 @@
 """The Ray backend: a placement group with one bundle per rank, follower ranks as
-actors in it, rank 0 in this process. Ray runs in-process on loopback, 4 logical CPUs."""
+actors in it, rank 0 in this process. Ray runs on this machine, 4 logical CPUs, as a
+private head this process joins (`ray.init()` would fork the test process)."""
 
 from __future__ import annotations
 
 import time
 
 import pytest
-from conftest import GREEDY_PROMPTS, engine_kwargs, greedy_params
-from test_rank_failure import kill_during_generation
+from group_cases import GREEDY_PROMPTS, engine_kwargs, greedy_params
+from test_group import kill_during_generation
 
 from pagoda import LLM
-from pagoda.distributed.group_executor import InsufficientResources, WorkerGroupFailed
+from pagoda.executor.base import InsufficientResources, WorkerGroupFailed
 
 pytestmark = pytest.mark.slow
 
@@ -26,9 +27,15 @@ def wait_until(predicate, timeout: float) -> bool:
 def ray_cluster():
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    from pagoda.executor.ray_head import PrivateRayHead
+
+    head = PrivateRayHead(num_cpus=4).start()
+    try:
+        ray.init(address=head.address, log_to_driver=False)
+        yield ray
+        ray.shutdown()
+    finally:
+        head.stop()
 
 
 def ray_llm(model: str, tp: int, pp: int) -> LLM:
@@ -78,3 +85,4 @@ def test_group_larger_than_the_cluster_is_refused_at_start_up(ray_cluster, tiny_
         ray_llm(tiny_llama_dir, 4, 2)
     assert time.monotonic() - start < 30
     assert ray_cluster.is_initialized()  # a cluster it joined is left running
+

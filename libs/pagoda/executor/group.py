@@ -15,8 +15,10 @@ the backend knows about dead ranks, tears the group down, and raises
 `WorkerGroupFailed`; every later call raises it at once. Nothing waits on a dead
 rank: the engine reports the error on its requests within moments.
 
-Backends (`pagoda.engine.ray_executor`, `pagoda.engine.mp_executor`) only place,
-start, watch and stop the follower ranks.
+Backends (`ray_group.RayExecutor`, `multiproc.MultiprocExecutor`) only place,
+start, watch and stop the follower ranks. The ranks themselves (`RankWorker`, the
+collectives, the group's process groups) are `pagoda.distributed`'s, which knows
+nothing of executors.
 """
 
 from __future__ import annotations
@@ -29,22 +31,14 @@ import time
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.messages import ModelRunnerOutput, SchedulerOutput
 from pagoda.distributed.communication import broadcast_object
 from pagoda.distributed.process_group import (GroupInit, brief_error, create_master_store,
                                               is_peer_loss, joined_ranks, recorded_errors)
 from pagoda.distributed.rank_worker import SHUTDOWN, RankWorker
-from pagoda.engine.executor import Executor
+from pagoda.executor.base import Executor, InsufficientResources, WorkerGroupFailed
+from pagoda.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-
-class WorkerGroupFailed(RuntimeError):
-    """A rank of the worker group died or failed: the group can serve no more steps."""
-
-
-class InsufficientResources(RuntimeError):
-    """The cluster cannot place one slot (CPU share or GPU) per rank."""
 
 
 class WorkerGroupExecutor(Executor, abc.ABC):

@@ -1,0 +1,40 @@
+"""The interface the engine core drives, and the errors a worker group raises.
+
+The engine core only sees `Executor`, so the same core drives an in-process model
+runner (offline `LLM`), a gpu-worker service over gRPC (`GrpcWorkerExecutor`), or a
+worker group of T x P ranks. This module imports nothing else of the package: every
+executor depends on it, it depends on none of them.
+"""
+
+from __future__ import annotations
+
+import abc
+
+from pagoda.messages import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(abc.ABC):
+    """Invariant: `initialize_kv_cache` is called once, before any `execute_model`."""
+
+    @abc.abstractmethod
+    def determine_num_blocks(self) -> int:
+        """How many KV blocks the worker group can hold."""
+
+    @abc.abstractmethod
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate `num_blocks` KV blocks on every worker."""
+
+    @abc.abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step."""
+
+    def shutdown(self) -> None:
+        """Release workers (no-op by default)."""
+
+
+class WorkerGroupFailed(RuntimeError):
+    """A rank of the worker group died or failed: the group can serve no more steps."""
+
+
+class InsufficientResources(RuntimeError):
+    """The cluster cannot place one slot (CPU share or GPU) per rank."""

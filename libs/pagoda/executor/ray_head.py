@@ -1,0 +1,86 @@
+"""A private, local Ray head for a driver that finds no Ray cluster to join.
+
+`ray.init()` without a cluster would start one by forking this (the driver's)
+process with a `preexec_fn`: unsafe once the driver has gRPC or other threads (the
+failure `pagoda.parent_death` describes). So the head runs as a child started
+without one, `ray start --head --block`, and the driver joins it by address, which
+forks nothing. The head and every process Ray starts for it die with the driver:
+SIGTERM to the head (at `stop()`, or from its parent-death signal) makes Ray stop
+its raylet, GCS and workers.
+
+Its temp dir is its own, so it does not become "the latest cluster on this
+machine" that another `ray.init()` would join.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pagoda.parent_death import dying_with_this_process
+
+_STARTED = "Ray runtime started."
+
+
+class PrivateRayHead:
+    """Invariant: `address` reaches a running head between `start()` and `stop()`."""
+
+    def __init__(self, num_cpus: int | None = None, num_gpus: int | None = None) -> None:
+        self.num_cpus, self.num_gpus = num_cpus, num_gpus
+        self.address: str | None = None
+        self.process: subprocess.Popen | None = None
+        self._dir: str | None = None
+
+    def start(self, timeout_s: float = 120.0) -> "PrivateRayHead":
+        """Start the head; return once Ray says it runs, or raise with its log's tail."""
+        self._dir = tempfile.mkdtemp(prefix="pagoda-ray-")
+        port = _free_port()
+        argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+                f"--port={port}", f"--temp-dir={self._dir}", "--include-dashboard=false",
+                "--disable-usage-stats"]
+        argv += [f"--num-cpus={self.num_cpus}"] if self.num_cpus is not None else []
+        argv += [f"--num-gpus={self.num_gpus}"] if self.num_gpus is not None else []
+        log = Path(self._dir) / "head.log"
+        # Stopping is the point of SIGTERM here: skip Ray's drain wait (up to 30 s).
+        env = {**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+        with open(log, "wb") as out:
+            self.process = subprocess.Popen(dying_with_this_process(argv, signal.SIGTERM),
+                                            stdout=out, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, env=env)
+        deadline = time.monotonic() + timeout_s
+        while _STARTED not in log.read_text(errors="replace"):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                tail = log.read_text(errors="replace")[-2000:]
+                self.stop()
+                raise RuntimeError(f"a private Ray head did not start within {timeout_s:g} s:"
+                                   f"\n{tail}")
+            time.sleep(0.1)
+        self.address = f"127.0.0.1:{port}"
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop the head and everything Ray started for it; idempotent."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.address = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
