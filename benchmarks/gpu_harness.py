@@ -1,7 +1,7 @@
 """Pieces of benchmarks/gpu_check.py: random-weight Llama models, a greedy step loop
 over pagoda's model, a timed decode loop, HF generate timing, the HBM roofline.
 
-The loops drive `pagoda.model.llama.LlamaForCausalLM` directly with hand-built
+The loops drive `pagoda.model.architectures.llama.LlamaForCausalLM` directly with hand-built
 `AttentionMetadata` (the layout of `attention_metadata.py`: decodes first, then
 prefill chunks), so they measure the model + kernels + CUDA graphs without the
 scheduler. Imports of pagoda happen inside functions: gpu_check.py sets up the
@@ -66,7 +66,7 @@ def rope_theta_of(config) -> float:
 def build_pagoda_model(hf_model, dtype: torch.dtype, device: torch.device):
     """pagoda's LlamaForCausalLM holding the same weights as `hf_model`."""
     from pagoda.config import ModelArchConfig
-    from pagoda.model.llama import LlamaForCausalLM
+    from pagoda.model.architectures.llama import LlamaForCausalLM
 
     c = hf_model.config
     arch = ModelArchConfig(

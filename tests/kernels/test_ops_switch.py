@@ -15,7 +15,8 @@ import torch
 
 from pagoda.config import ModelArchConfig
 from pagoda.kernels.testing import random_paged_batch, relative_error
-from pagoda.model import attention, layers, llama, ops, rotary
+from pagoda.model import attention, layers, ops, rotary
+from pagoda.model.architectures import llama
 from pagoda.model.attention_metadata import AttentionMetadata
 
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from pagoda.model.gguf_loader import hf_tensor_name, unpermute_rotary_rows
+from pagoda.model.architectures.llama import LLAMA_GGUF_LAYOUT
+from pagoda.model.gguf_loader import unpermute_rotary_rows
 from pagoda.model.kv_cache import allocate_kv_caches
 from pagoda.model.loader import load_arch_config, load_model
-from pagoda.model.weight_names import FUSED_SHARDS, _shard_rows
 
 
 def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
@@ -29,6 +29,7 @@ def test_unpermute_inverts_llama_cpp_permute(shape, heads):
 
 
 def test_tensor_names_map_to_hf():
+    hf_tensor_name = LLAMA_GGUF_LAYOUT.hf_tensor_name
     assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
     assert hf_tensor_name("output.weight") == "lm_head.weight"
     assert hf_tensor_name("output_norm.weight") == "model.norm.weight"
@@ -39,13 +40,22 @@ def test_tensor_names_map_to_hf():
         hf_tensor_name("blk.0.ffn_gate_exps.weight")
 
 
+def shard_rows(arch) -> dict[str, tuple[int, int]]:
+    """HF shard name -> (first row, number of rows) inside its fused Llama parameter."""
+    q = arch.num_attention_heads * arch.head_dim
+    kv = arch.num_key_value_heads * arch.head_dim
+    inter = arch.intermediate_size
+    return {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv),
+            "gate_proj": (0, inter), "up_proj": (inter, inter)}
+
+
 def our_tensor(model, hf_name: str) -> torch.Tensor:
     """Our parameter (or its row range in a fused one) holding HF weight `hf_name`."""
     params = dict(model.named_parameters())
-    for fused, shards in FUSED_SHARDS.items():
+    for fused, shards in model.packed_modules_mapping.items():
         for shard in shards:
             if f".{shard}." in hf_name:
-                start, rows = _shard_rows(model.arch)[shard]
+                start, rows = shard_rows(model.arch)[shard]
                 return params[hf_name.replace(f".{shard}.", f".{fused}.")][start:start + rows]
     return params[hf_name]
 

@@ -12,7 +12,7 @@ import torch
 from pagoda.model import loader
 from pagoda.model.attention_metadata import AttentionMetadata
 from pagoda.model.kv_cache import allocate_kv_caches
-from pagoda.model.llama import LlamaForCausalLM
+from pagoda.model.architectures.llama import LlamaForCausalLM
 from pagoda.model.loader import (DEFAULT_MODEL_FILE, load_arch_config, load_model,
                                  resolve_dtype, resolve_model_path)
 from pagoda.model.safetensors_loader import iter_safetensors_weights

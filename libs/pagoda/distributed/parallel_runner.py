@@ -132,7 +132,7 @@ class ParallelModelRunner(ModelRunner):
         """The previous stage's hidden states for this micro-batch (None on stage 0)."""
         if self.parallel.is_first_stage:
             return None
-        from pagoda.model.llama import IntermediateTensors
+        from pagoda.model.intermediate_tensors import IntermediateTensors
 
         shape = (2, len(inputs.input_ids), self.config.arch.hidden_size)
         stacked = recv_tensor(shape, self.dtype, self.device, self.parallel.pp_group,

@@ -1,1 +1,2 @@
-"""Models (Llama family), layers, paged attention and weight loading."""
+"""Models (one file per architecture, found by the registry), layers, paged attention
+and weight loading."""

@@ -1,10 +1,12 @@
-"""Llama-family GGUF files (llama.cpp's format): architecture config and HF-named weights.
+"""GGUF files (llama.cpp's format): architecture config and HF-named weights.
 
+`general.architecture` picks the registry entry and its `GGUFLayout` (tensor names).
 Weights are dequantized to fp32 with `gguf.quants.dequantize` and renamed to HF
 names, so they go through the same `load_weights` as safetensors checkpoints.
 llama.cpp's converter permutes the rows of Q and K of "llama" models (it uses the
-interleaved rotary layout, HF the rotate-half one); we undo it exactly as
-transformers does, so the loaded weights equal transformers' GGUF load bit for bit.
+interleaved rotary layout, HF the rotate-half one); where the layout says so we undo
+it exactly as transformers does, so the loaded weights equal transformers' GGUF load
+bit for bit.
 """
 
 from __future__ import annotations
@@ -18,20 +20,11 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from pagoda.config import ModelArchConfig
+from pagoda.model.arch_spec import GGUFLayout, ModelArchitecture
+from pagoda.model.registry import MODEL_REGISTRY
 from pagoda.model.rotary import normalize_rope_scaling
 
-# general.architecture -> the HF architecture it runs as.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-
-_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-                   "output": "lm_head"}
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-# Llama 3 rope scaling as per-frequency divisors; it is read into the config instead.
+# Llama 3 rope scaling as per-frequency divisors (read into the config, not the model).
 _ROPE_FREQS = "rope_freqs.weight"
 
 
@@ -46,15 +39,15 @@ def _field(reader: GGUFReader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`, etc."""
-    base, suffix = gguf_name.rsplit(".", 1)
-    if base in _GLOBAL_TENSORS:
-        return f"{_GLOBAL_TENSORS[base]}.{suffix}"
-    parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
-    raise ValueError(f"Unknown GGUF tensor {gguf_name!r}")
+def resolve_gguf_architecture(reader: GGUFReader,
+                              path: str) -> tuple[ModelArchitecture, GGUFLayout]:
+    """The registry entry running this file, and its tensor names; ValueError naming
+    the file for an architecture we cannot run."""
+    try:
+        return MODEL_REGISTRY.resolve_gguf(_field(reader, "general.architecture"),
+                                           str(_field(reader, "general.name", "")))
+    except ValueError as e:
+        raise ValueError(f"{e} (in {path})") from None
 
 
 def unpermute_rotary_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
@@ -70,11 +63,12 @@ def iter_gguf_weights(path: str, arch: ModelArchConfig,
     """Yield (HF name, fp32 tensor) for every weight of the file (that `include`
     accepts: the rest are never dequantized), one at a time."""
     reader = gguf_reader(path)
-    permuted = _field(reader, "general.architecture") == "llama"
+    _, layout = resolve_gguf_architecture(reader, path)
+    permuted = layout.rotary_rows_permuted
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             continue
-        name = hf_tensor_name(tensor.name)
+        name = layout.hf_tensor_name(tensor.name)
         if include is not None and not include(name):
             continue
         weights = dequantize(tensor.data, tensor.tensor_type)
@@ -120,14 +114,8 @@ def _eos_token_ids(reader: GGUFReader) -> int | list[int] | None:
 def arch_config_from_gguf(path: str) -> ModelArchConfig:
     """ModelArchConfig from GGUF metadata; ValueError for an architecture we cannot run."""
     reader = gguf_reader(path)
-    gguf_arch = _field(reader, "general.architecture")
-    if gguf_arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"Unsupported GGUF architecture {gguf_arch!r} in {path}; "
-                         f"supported: {', '.join(GGUF_ARCHITECTURES)}")
-    architecture = GGUF_ARCHITECTURES[gguf_arch]
-    if gguf_arch == "llama" and "mistral" in str(_field(reader, "general.name", "")).lower():
-        architecture = "MistralForCausalLM"  # same network; the name is for humans
-    p = gguf_arch + "."
+    spec, _ = resolve_gguf_architecture(reader, path)
+    p = _field(reader, "general.architecture") + "."
     tensors = {t.name: t for t in reader.tensors}
     hidden = int(_field(reader, p + "embedding_length"))
     num_heads = int(_field(reader, p + "attention.head_count"))
@@ -152,5 +140,5 @@ def arch_config_from_gguf(path: str) -> ModelArchConfig:
         attention_bias="blk.0.attn_q.bias" in tensors,
         bos_token_id=None if bos is None else int(bos),
         eos_token_id=_eos_token_ids(reader),
-        architecture=architecture,
+        architecture=spec.hf_name,
     )

@@ -1,4 +1,9 @@
-"""ModelArchConfig from an HF model directory (config.json, generation_config.json)."""
+"""ModelArchConfig from an HF model directory (config.json, generation_config.json).
+
+The fields every Llama-shaped config spells the same way are read here; the registry
+says whether the architecture runs at all, and its `update_arch_config` hook adds
+what that architecture's config leaves implicit.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +12,10 @@ import logging
 import os
 
 from pagoda.config import ModelArchConfig
+from pagoda.model.registry import MODEL_REGISTRY
 from pagoda.model.rotary import normalize_rope_scaling
 
 logger = logging.getLogger(__name__)
-
-# Architectures that run on pagoda.model.llama.LlamaForCausalLM.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-
-
-def check_architecture(architecture: str) -> str:
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"Unsupported model architecture {architecture!r}; "
-                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    return architecture
 
 
 def _read_json(path: str) -> dict:
@@ -68,13 +64,13 @@ def arch_config_from_hf_dir(model_dir: str) -> ModelArchConfig:
     architectures = config.get("architectures") or []
     if not architectures:
         raise ValueError(f"{model_dir}/config.json names no architecture")
-    architecture = check_architecture(architectures[0])
+    spec = MODEL_REGISTRY.resolve(architectures)
     generation_path = os.path.join(model_dir, "generation_config.json")
     generation = _read_json(generation_path) if os.path.exists(generation_path) else {}
     num_heads = config["num_attention_heads"]
     rope_theta, rope_scaling = _rope(config)
     _warn_sliding_window(config)
-    return ModelArchConfig(
+    arch = ModelArchConfig(
         vocab_size=config["vocab_size"],
         hidden_size=config["hidden_size"],
         intermediate_size=config["intermediate_size"],
@@ -87,9 +83,9 @@ def arch_config_from_hf_dir(model_dir: str) -> ModelArchConfig:
         rope_scaling=rope_scaling,
         max_position_embeddings=config.get("max_position_embeddings", 2048),
         tie_word_embeddings=config.get("tie_word_embeddings", False),
-        # Qwen2 always biases q/k/v and its config has no flag for it.
-        attention_bias=architecture == "Qwen2ForCausalLM" or config.get("attention_bias", False),
+        attention_bias=config.get("attention_bias", False),
         bos_token_id=config.get("bos_token_id"),
         eos_token_id=_merge_eos(config.get("eos_token_id"), generation.get("eos_token_id")),
-        architecture=architecture,
+        architecture=spec.hf_name,
     )
+    return spec.update_arch_config(config, arch) if spec.update_arch_config else arch

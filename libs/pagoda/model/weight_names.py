@@ -1,42 +1,35 @@
-"""Loads HF-named weights into a model whose q/k/v and gate/up projections are fused.
+"""Loads HF-named weights into a model whose projections may be fused.
 
-The fused parameter `...self_attn.qkv_proj.weight` is the row-wise concatenation
-[q_proj; k_proj; v_proj] and `...mlp.gate_up_proj.weight` is [gate_proj; up_proj]
-(biases likewise), so each HF tensor lands in a row range of its fused parameter
-(`_shard_rows` gives the ranges of an unsharded model; a tensor-parallel layer
-takes only its rank's slice of each, see `pagoda.model.parallel_layers`).
+The model class says which HF tensors it fuses in its `packed_modules_mapping`
+(vLLM's name): fused parameter -> HF shard names in row order. Llama's
+`...self_attn.qkv_proj.weight` is the row-wise concatenation [q_proj; k_proj; v_proj]
+and `...mlp.gate_up_proj.weight` is [gate_proj; up_proj] (biases likewise), so each
+HF tensor lands in a row range of its fused parameter; the fused layer knows the
+ranges, and under tensor parallelism takes only its rank's slice of each
+(`pagoda.model.parallel_layers`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
 
-from pagoda.config import ModelArchConfig
-
-# fused name -> the HF names of its shards, in row order.
-FUSED_SHARDS = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
 # Buffers some checkpoints carry that we recompute instead.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-
-def _shard_rows(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
-    """HF shard name -> (first row, number of rows) inside its fused parameter."""
-    q = arch.num_attention_heads * arch.head_dim
-    kv = arch.num_key_value_heads * arch.head_dim
-    inter = arch.intermediate_size
-    return {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv),
-            "gate_proj": (0, inter), "up_proj": (inter, inter)}
+PackedModules = Mapping[str, tuple[str, ...]]
 
 
-def _split_name(name: str) -> tuple[str, str | None]:
+def packed_modules(model: nn.Module) -> PackedModules:
+    """The model class's fused parameter -> HF shards table (empty: nothing fused)."""
+    return getattr(model, "packed_modules_mapping", {})
+
+
+def split_packed_name(name: str, packed: PackedModules) -> tuple[str, str | None]:
     """HF name -> (our parameter name, shard name or None when not fused)."""
-    for fused, shards in FUSED_SHARDS.items():
+    for fused, shards in packed.items():
         for shard in shards:
             token = f".{shard}."
             if token in name:
@@ -47,8 +40,9 @@ def _split_name(name: str) -> tuple[str, str | None]:
 def expected_hf_names(model: nn.Module) -> set[str]:
     """The HF names a checkpoint must provide to fill every parameter of `model`."""
     names = set()
+    packed = packed_modules(model)
     for pname, _ in model.named_parameters():
-        for fused, shards in FUSED_SHARDS.items():
+        for fused, shards in packed.items():
             if f".{fused}." in pname:
                 names.update(pname.replace(f".{fused}.", f".{s}.") for s in shards)
                 break
@@ -71,11 +65,12 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     so is any name `held_elsewhere` claims (another pipeline stage's weights).
     """
     params = dict(model.named_parameters())
+    packed = packed_modules(model)
     loaded: set[str] = set()
     for name, tensor in weights:
         if name.endswith(IGNORED_SUFFIXES) or (skip_lm_head and name == "lm_head.weight"):
             continue
-        pname, shard = _split_name(name)
+        pname, shard = split_packed_name(name, packed)
         if pname not in params:
             if held_elsewhere is not None and held_elsewhere(pname):
                 continue

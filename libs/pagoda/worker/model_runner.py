@@ -98,7 +98,7 @@ class ModelRunner:
         stage's hidden states (no send/recv while profiling)."""
         if self.parallel.is_first_stage:
             return None
-        from pagoda.model.llama import IntermediateTensors
+        from pagoda.model.intermediate_tensors import IntermediateTensors
 
         zeros = torch.zeros(num_tokens, self.config.arch.hidden_size, dtype=self.dtype,
                             device=self.device)

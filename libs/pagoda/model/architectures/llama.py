@@ -1,123 +1,43 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+"""Llama over a paged KV cache; Mistral and SmolLM2 are the same network.
 
-q/k/v are one fused projection (`qkv_proj`) and gate/up another (`gate_up_proj`):
-two matmuls per block instead of five. `load_weights` takes HF names and fills
-the fused parameters shard by shard. Given a `ParallelContext`, the model is one
-rank's share: its slice of every matrix (tensor parallelism, `parallel_layers`)
-and its stage's layers (pipeline parallelism). Every non-matmul op goes through
-`pagoda.model.ops`, which runs the Triton kernels on CUDA and the torch path on CPU.
+The decoder stack and the causal-LM wrapper here are the Llama shape that most HF
+decoders share (`model.embed_tokens`, `model.layers.N`, `model.norm`, `lm_head`);
+other architectures subclass `LlamaForCausalLM` and change the decoder layer
+(`make_attention`, `make_decoder_layer`). Given a `ParallelContext`, the model is
+one rank's share: its slice of every matrix (tensor parallelism, `parallel_layers`)
+and its stage's layers (pipeline parallelism).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import NamedTuple
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from pagoda.config import ModelArchConfig
 from pagoda.distributed.parallel_state import SINGLE, ParallelContext, stage_layer_range
-from pagoda.model import ops
+from pagoda.model.arch_spec import GGUFLayout, ModelArchitecture
 from pagoda.model.attention_metadata import AttentionMetadata
+from pagoda.model.decoder_layer import (DecoderLayer, GatedMLP, KVCache, PagedSelfAttention,
+                                        PPMissingLayer, fused_add_norm)
+from pagoda.model.intermediate_tensors import IntermediateTensors
 from pagoda.model.layers import RMSNorm
-from pagoda.model.parallel_layers import (MergedColumnParallelLinear, ParallelLMHead,
-                                          QKVParallelLinear, RowParallelLinear,
-                                          VocabParallelEmbedding)
+from pagoda.model.parallel_layers import ParallelLMHead, VocabParallelEmbedding
 from pagoda.model.rotary import RotaryEmbedding
 from pagoda.model.weight_names import load_named_weights
-
-
-def _norm(norm: RMSNorm, x: torch.Tensor,
-          residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm (fused with the residual add) through the kernel switch."""
-    return ops.rms_norm(x, norm.weight, norm.eps, residual)
-
-
-class LlamaAttention(nn.Module):
-    """Self-attention over this TP rank's heads: H/T query heads and their KV heads."""
-
-    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype,
-                 parallel: ParallelContext = SINGLE) -> None:
-        super().__init__()
-        self.head_dim = arch.head_dim
-        self.scale = self.head_dim ** -0.5
-        self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_attention_heads,
-                                          arch.num_key_value_heads, arch.attention_bias, dtype,
-                                          parallel)
-        self.num_heads = self.qkv_proj.num_local_heads
-        self.num_kv_heads = self.qkv_proj.num_local_kv_heads
-        # Qwen2 biases q/k/v only; Llama's attention_bias also covers o_proj.
-        o_bias = arch.attention_bias and arch.architecture != "Qwen2ForCausalLM"
-        self.o_proj = RowParallelLinear(arch.num_attention_heads * arch.head_dim, arch.hidden_size,
-                                        o_bias, dtype, parallel)
-
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)
-        qk, value = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
-        # Rotate queries and keys in one go: they share positions.
-        qk = ops.rotary_embedding(qk, cos, sin)
-        query, key = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        key_cache, value_cache = kv_cache
-        ops.write_kv_cache(key, value, key_cache, value_cache, md.slot_mapping)
-        out = ops.paged_attention(query, key_cache, value_cache, md, self.scale)
-        return self.o_proj(out.view(num_tokens, -1))
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype,
-                 parallel: ParallelContext = SINGLE) -> None:
-        super().__init__()
-        inter = arch.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(
-            arch.hidden_size, {"gate_proj": inter, "up_proj": inter}, False, dtype, parallel)
-        self.down_proj = RowParallelLinear(inter, arch.hidden_size, False, dtype, parallel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
-
-
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype,
-                 parallel: ParallelContext = SINGLE) -> None:
-        super().__init__()
-        self.self_attn = LlamaAttention(arch, dtype, parallel)
-        self.mlp = LlamaMLP(arch, dtype, parallel)
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (mlp output, residual stream before it); the next norm adds them."""
-        hidden, residual = _norm(self.input_layernorm, hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, kv_cache, md)
-        hidden, residual = _norm(self.post_attention_layernorm, hidden, residual)
-        return self.mlp(hidden), residual
-
-
-class IntermediateTensors(NamedTuple):
-    """What a pipeline stage hands the next one: the residual stream, not yet summed."""
-
-    hidden: torch.Tensor  # [T, hidden_size]
-    residual: torch.Tensor  # [T, hidden_size]
-
-
-class PPMissingLayer(nn.Identity):
-    """Stands in for a module another pipeline stage holds (keeps layer indices global)."""
 
 
 class LlamaModel(nn.Module):
     """The decoder stack, or one pipeline stage's contiguous slice of it.
 
     Invariant: the first stage holds `embed_tokens`, the last holds `norm`; a stage
-    holds layers `[start_layer, end_layer)` and gets one KV cache per held layer.
+    holds layers `[start_layer, end_layer)` (built by `make_layer`) and gets one KV
+    cache per held layer.
     """
 
-    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype,
-                 parallel: ParallelContext = SINGLE) -> None:
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, parallel: ParallelContext,
+                 make_layer: Callable[[], nn.Module]) -> None:
         super().__init__()
         self.start_layer, self.end_layer = stage_layer_range(
             arch.num_hidden_layers, parallel.pp_size, parallel.pp_rank)
@@ -125,8 +45,8 @@ class LlamaModel(nn.Module):
             VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, dtype, parallel)
             if parallel.is_first_stage else None)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, dtype, parallel) if self.start_layer <= i < self.end_layer
-            else PPMissingLayer() for i in range(arch.num_hidden_layers))
+            make_layer() if self.start_layer <= i < self.end_layer else PPMissingLayer()
+            for i in range(arch.num_hidden_layers))
         # A plain list: slicing the ModuleList every forward would build a new module.
         self.stage_layers = list(self.layers)[self.start_layer:self.end_layer]
         self.norm = (RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
@@ -135,7 +55,7 @@ class LlamaModel(nn.Module):
                                           arch.max_position_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], md: AttentionMetadata,
+                kv_caches: list[KVCache], md: AttentionMetadata,
                 intermediate: IntermediateTensors | None = None
                 ) -> torch.Tensor | IntermediateTensors:
         """hidden [T, hidden] after the final norm on the last stage; the stage's
@@ -149,12 +69,12 @@ class LlamaModel(nn.Module):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, md)
         if self.norm is None:
             return IntermediateTensors(hidden, residual)
-        hidden, _ = _norm(self.norm, hidden, residual)
+        hidden, _ = fused_add_norm(self.norm, hidden, residual)
         return hidden
 
 
 class LlamaForCausalLM(nn.Module):
-    """A Llama-family causal LM whose attention reads and writes a paged KV cache.
+    """A Llama-shaped causal LM whose attention reads and writes a paged KV cache.
 
     Invariant: parameters are uninitialised until `load_weights` has filled every
     one of them (it raises otherwise). With tied embeddings the LM head is the
@@ -163,6 +83,10 @@ class LlamaForCausalLM(nn.Module):
     Under tensor parallelism every matrix is this rank's slice (`parallel_layers`).
     """
 
+    # Fused parameter -> the HF tensors it stacks, in row order (`weight_names`).
+    packed_modules_mapping = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                              "gate_up_proj": ("gate_proj", "up_proj")}
+
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype,
                  parallel: ParallelContext | None = None) -> None:
         super().__init__()
@@ -170,13 +94,23 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         self.dtype = dtype
         self.parallel = parallel
-        self.model = LlamaModel(arch, dtype, parallel)
+        self.model = LlamaModel(arch, dtype, parallel, self.make_decoder_layer)
         if parallel.is_last_stage and not (arch.tie_word_embeddings and parallel.is_first_stage):
             self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, dtype, parallel)
 
+    def make_attention(self) -> nn.Module:
+        # Llama's `attention_bias` covers q/k/v and o_proj alike.
+        bias = self.arch.attention_bias
+        return PagedSelfAttention(self.arch, self.dtype, bias, bias, self.parallel)
+
+    def make_decoder_layer(self) -> nn.Module:
+        """One decoder layer of this rank; subclasses change its attention or MLP."""
+        arch = self.arch
+        mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, self.dtype, self.parallel)
+        return DecoderLayer(self.make_attention(), mlp, arch, self.dtype)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                attn_metadata: AttentionMetadata,
+                kv_caches: list[KVCache], attn_metadata: AttentionMetadata,
                 intermediate: IntermediateTensors | None = None
                 ) -> torch.Tensor | IntermediateTensors:
         """input_ids, positions [T] (flattened as in AttentionMetadata) -> hidden [T, hidden]
@@ -224,3 +158,27 @@ def _embedding_as_lm_head(weights: Iterable[tuple[str, torch.Tensor]]
             yield "lm_head.weight", tensor
         elif name != "lm_head.weight":
             yield name, tensor
+
+
+# llama.cpp's names for this network. Its "llama" converter permutes Q/K rows (it
+# uses the interleaved rotary layout, HF the rotate-half one).
+LLAMA_GGUF_LAYOUT = GGUFLayout(
+    global_tensors={"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                    "output": "lm_head"},
+    layer_tensors={
+        "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    },
+    rotary_rows_permuted=True,
+)
+
+# SmolLM2 checkpoints say LlamaForCausalLM. Mistral's sliding window is not modelled
+# (hf_config warns); up to the window length it is the same network as Llama.
+ARCHITECTURES = (
+    ModelArchitecture("LlamaForCausalLM", LlamaForCausalLM,
+                      gguf_layouts={"llama": LLAMA_GGUF_LAYOUT}),
+    ModelArchitecture("MistralForCausalLM", LlamaForCausalLM,
+                      gguf_layouts={"llama": LLAMA_GGUF_LAYOUT}),
+)

@@ -1,0 +1,71 @@
+"""What an architecture file declares: `ModelArchitecture` (one per HF class name) and
+`GGUFLayout` (llama.cpp's tensor names for it).
+
+Kept apart from `registry` so dependencies point one way: architecture files import
+this module, the registry imports this module and (lazily) the architecture files.
+Importing it costs nothing: no torch, no gguf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagoda.config import ModelArchConfig
+
+
+@dataclass(frozen=True)
+class GGUFLayout:
+    """How llama.cpp names and stores one architecture's tensors.
+
+    `global_tensors` maps a GGUF base name to an HF prefix (`token_embd` ->
+    `model.embed_tokens`); `layer_tensors` maps the part after `blk.N.` to the part
+    after `model.layers.N.` (`attn_q` -> `self_attn.q_proj`). `rotary_rows_permuted`:
+    llama.cpp's converter permuted the rows of Q and K (its "llama" architecture does,
+    "qwen2" does not), so the loader undoes it.
+    """
+
+    global_tensors: Mapping[str, str]
+    layer_tensors: Mapping[str, str]
+    rotary_rows_permuted: bool = False
+
+    def hf_tensor_name(self, gguf_name: str) -> str:
+        """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`, etc."""
+        base, suffix = gguf_name.rsplit(".", 1)
+        if base in self.global_tensors:
+            return f"{self.global_tensors[base]}.{suffix}"
+        parts = base.split(".")
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in self.layer_tensors:
+            return f"model.layers.{parts[1]}.{self.layer_tensors[parts[2]]}.{suffix}"
+        raise ValueError(f"Unknown GGUF tensor {gguf_name!r}")
+
+
+# (config.json as a dict, the config parsed the common way) -> the config to run with.
+ConfigHook = Callable[[dict, "ModelArchConfig"], "ModelArchConfig"]
+
+
+@dataclass(frozen=True)
+class ModelArchitecture:
+    """How Pagoda runs one HF architecture class name (config.json `architectures`).
+
+    `model_cls(arch, dtype, parallel)` builds one rank's share of the model; it has
+    `forward`, `compute_logits`, `load_weights(HF-named tensors)` (its class attribute
+    `packed_modules_mapping` says which HF tensors it fuses) and
+    `needs_checkpoint_tensor`. `update_arch_config` adjusts what the common
+    config.json parser read (a field the HF config leaves implicit, say); GGUF files
+    carry no config.json and skip it. `gguf_layouts` maps each GGUF
+    `general.architecture` this class runs to that format's tensor names.
+    Invariant: `hf_name` is the registry key; several entries may share a `model_cls`.
+    """
+
+    hf_name: str
+    model_cls: type
+    update_arch_config: ConfigHook | None = None
+    gguf_layouts: Mapping[str, GGUFLayout] = field(default_factory=dict)
+
+    @property
+    def family(self) -> str:
+        """`MistralForCausalLM` -> "mistral": how GGUF `general.name` spells the family."""
+        return self.hf_name.removesuffix("ForCausalLM").lower()

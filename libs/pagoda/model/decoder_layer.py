@@ -1,0 +1,107 @@
+"""Building blocks of a pre-norm decoder over a paged KV cache, shared by architectures.
+
+    residual ──┬──────────────────────┬──(+)─► ...
+               └─ norm ─ attention ─(+)┴─ norm ─ MLP ─►
+
+The residual add is fused into the next norm (`ops.rms_norm(x, w, eps, residual)`),
+so a layer returns (MLP output, residual before it) and never sums them itself.
+q/k/v are one fused projection (`qkv_proj`) and gate/up another (`gate_up_proj`):
+two matmuls per block instead of five. Given a `ParallelContext`, every matrix is
+this tensor-parallel rank's slice (`parallel_layers`); with the default it is whole.
+Every non-matmul op goes through `pagoda.model.ops` (Triton on CUDA, torch on CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagoda.config import ModelArchConfig
+from pagoda.distributed.parallel_state import SINGLE, ParallelContext
+from pagoda.model import ops
+from pagoda.model.attention_metadata import AttentionMetadata
+from pagoda.model.layers import RMSNorm
+from pagoda.model.parallel_layers import (MergedColumnParallelLinear, QKVParallelLinear,
+                                          RowParallelLinear)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (key cache, value cache) of one layer
+
+
+def fused_add_norm(norm: RMSNorm, x: torch.Tensor,
+                   residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual) through the kernel switch; residual None: (norm(x), x)."""
+    return ops.rms_norm(x, norm.weight, norm.eps, residual)
+
+
+class PagedSelfAttention(nn.Module):
+    """Rotary self-attention over this TP rank's heads: H/T query heads and their KV heads.
+
+    Writes this step's keys and values into the layer's paged cache, then attends over
+    every cached token of each sequence (`AttentionMetadata` says which).
+    """
+
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, qkv_bias: bool,
+                 o_proj_bias: bool, parallel: ParallelContext = SINGLE) -> None:
+        super().__init__()
+        self.head_dim = arch.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_attention_heads,
+                                          arch.num_key_value_heads, qkv_bias, dtype, parallel)
+        self.num_heads = self.qkv_proj.num_local_heads
+        self.num_kv_heads = self.qkv_proj.num_local_kv_heads
+        self.o_proj = RowParallelLinear(arch.num_attention_heads * arch.head_dim, arch.hidden_size,
+                                        o_proj_bias, dtype, parallel)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, md: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)
+        qk, value = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
+        # Rotate queries and keys in one go: they share positions.
+        qk = ops.rotary_embedding(qk, cos, sin)
+        query, key = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        key_cache, value_cache = kv_cache
+        ops.write_kv_cache(key, value, key_cache, value_cache, md.slot_mapping)
+        out = ops.paged_attention(query, key_cache, value_cache, md, self.scale)
+        return self.o_proj(out.view(num_tokens, -1))
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused, no biases."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                 parallel: ParallelContext = SINGLE) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, False,
+            dtype, parallel)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, dtype, parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block around any attention and MLP module (HF parameter names:
+    `self_attn`, `mlp`, `input_layernorm`, `post_attention_layernorm`)."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, arch: ModelArchConfig,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, kv_cache: KVCache,
+                md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (mlp output, residual stream before it); the next norm adds them."""
+        hidden, residual = fused_add_norm(self.input_layernorm, hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, md)
+        hidden, residual = fused_add_norm(self.post_attention_layernorm, hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class PPMissingLayer(nn.Identity):
+    """Stands in for a module another pipeline stage holds (keeps layer indices global)."""
