@@ -1,4 +1,4 @@
-"""The boundaries ARCHITECTURE.md states, checked over the real import graph.
+"""The boundaries ../shared/ARCHITECTURE.md states, checked over the real import graph.
 
 * The engine library (`libs/pagoda`) imports no service code and none of the service
   stack's packages (gRPC, protobuf, FastAPI, uvicorn, Redis), not even lazily.
