@@ -58,7 +58,12 @@ def _leaf_commands(parser: argparse.ArgumentParser) -> list[PagodaArgumentParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()
+    except ValueError as exc:  # an environment variable that does not parse (pagoda.envs)
+        print(f"pagoda: error: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 
 

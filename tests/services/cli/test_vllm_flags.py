@@ -1,0 +1,78 @@
+"""vLLM command lines: unknown flags named as "not supported by Pagoda", no abbreviations,
+--trust-remote-code refused, and the unsupported-flag list kept honest."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from pagoda.engine.arg_utils import EngineArgs
+from pagoda.services.cli.main import build_parser, main
+from pagoda.services.cli.vllm_flags import UNSUPPORTED
+
+
+def leaf_parsers(parser: argparse.ArgumentParser):
+    groups = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not groups:
+        yield parser
+    for group in groups:
+        for child in group.choices.values():
+            yield from leaf_parsers(child)
+
+
+def test_a_vllm_flag_pagoda_lacks_is_named_with_the_reason():
+    # As a user would run it: the console script, its stderr and exit code.
+    out = subprocess.run([sys.executable, "-m", "pagoda.services.cli.main", "serve",
+                          "meta-llama/Llama-3.1-8B-Instruct", "--quantization", "awq",
+                          "--enable-lora", "--made-up-flag=3"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert lines[0].startswith("pagoda serve: error: --quantization (a vLLM flag) is not "
+                               "supported by Pagoda: quantized")
+    assert lines[1].startswith("pagoda serve: error: --enable-lora (a vLLM flag) is not "
+                               "supported by Pagoda: LoRA")
+    assert lines[2] == ("pagoda serve: error: --made-up-flag is not supported by Pagoda: "
+                        "pagoda serve has no such flag (see `pagoda serve --help`).")
+    assert "usage:" not in out.stderr
+
+
+def test_the_innermost_command_is_named(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "serve", "--speculative-config", "{}"])
+    assert "pagoda bench serve: error: --speculative-config (a vLLM flag)" in \
+        capsys.readouterr().err
+
+
+def test_no_abbreviations(capsys):
+    # `--max-log` must not silently mean `--max-logprobs` (nor `--max-log-len`).
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-log", "3"])
+    assert "--max-log is not supported by Pagoda" in capsys.readouterr().err
+
+
+def test_no_listed_flag_is_a_pagoda_flag():
+    """An entry Pagoda has since implemented would be a stale, wrong message."""
+    flags = {o.lstrip("-") for p in leaf_parsers(build_parser()) for a in p._actions
+             for o in a.option_strings}
+    assert not flags & set(UNSUPPORTED), flags & set(UNSUPPORTED)
+
+
+def test_trust_remote_code_is_refused_before_anything_starts(capsys):
+    assert main(["serve", "--trust-remote-code"]) == 2
+    assert "Pagoda runs no remote code" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="Pagoda runs no remote code"):
+        EngineArgs(trust_remote_code=True).create_engine_config()
+    # Saying no is fine.
+    assert build_parser().parse_args(["serve", "--no-trust-remote-code"]).trust_remote_code \
+        is False
+
+
+def test_bad_tls_and_chat_template_flags_are_refused_before_anything_starts(tmp_path, capsys):
+    assert main(["serve", "--ssl-keyfile", str(tmp_path / "k.pem")]) == 2
+    assert "--ssl-keyfile and --ssl-certfile go together" in capsys.readouterr().err
+    assert main(["serve", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
+    assert "looks like a file path" in capsys.readouterr().err
