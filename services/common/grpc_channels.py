@@ -68,6 +68,9 @@ def service_config(default_deadline_s: float = DEFAULT_DEADLINE_S) -> str:
 _KEEPALIVE = [
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    # gRPC core times out an unanswered ping after this one (default 60 s), whatever
+    # keepalive_timeout says.
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     # Keep pinging while a stream waits silently (e.g. a request queued in a replica).
     ("grpc.http2.max_pings_without_data", 0),
 ]
