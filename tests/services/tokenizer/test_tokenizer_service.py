@@ -1,8 +1,9 @@
-"""The tokenizer service: encode, chat template, and multiplexed streaming decode."""
+"""The tokenizer service: encode, chat template, and multiplexed streaming decode.
+
+The decoding itself is the library's StopAwareDecoder (tests/tokenizer); here: that the
+stream carries every option it needs and keeps completions apart."""
 
 from __future__ import annotations
-
-import random
 
 import grpc
 import pytest
@@ -10,62 +11,13 @@ import pytest
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as pb
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
 from pagoda.services.common.protocol.tokenizer import chat_input_to_proto
-from pagoda.services.tokenizer.decode_stream import CompletionDecoder
 from pagoda.services.tokenizer.servicer import TokenizerServicer
-
-TEXT = "The quick brown fox jumps over the lazy dog. Then it stops: END of story, héllo 🦊!"
-
 
 @pytest.fixture(scope="module")
 def stub(smollm2_tokenizer, grpc_server_factory_module):
     servicer = TokenizerServicer(smollm2_tokenizer, "smollm2", [2])
     served = grpc_server_factory_module(pb_grpc.add_TokenizerServiceServicer_to_server, servicer)
     return pb_grpc.TokenizerServiceStub(served.channel)
-
-
-def stream_decode(decoder: CompletionDecoder, token_ids: list[int], rng: random.Random):
-    """Feed tokens in random-sized batches; return (text, stop_string, tokens used)."""
-    parts, used, i = [], 0, 0
-    while i < len(token_ids):
-        batch = token_ids[i:i + rng.randint(1, 4)]
-        step = decoder.update(batch)
-        parts.append(step.text)
-        used += step.num_tokens_used
-        i += len(batch)
-        if step.complete:
-            return "".join(parts), step.stop_string, used
-    final = decoder.finish()
-    return "".join(parts) + final.text, final.stop_string, used
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_streamed_text_equals_one_shot_decode(smollm2_tokenizer, seed):
-    ids = smollm2_tokenizer.encode(TEXT, add_special_tokens=False)
-    decoder = CompletionDecoder(smollm2_tokenizer, [1, 2, 3], True, True, [], False)
-    text, stop, used = stream_decode(decoder, ids, random.Random(seed))
-    assert text == smollm2_tokenizer.decode(ids) and stop is None and used == len(ids)
-
-
-@pytest.mark.parametrize("include", [False, True])
-@pytest.mark.parametrize("seed", range(3))
-def test_stop_string_cuts_text_and_counts_tokens_to_the_match(smollm2_tokenizer, include, seed):
-    ids = smollm2_tokenizer.encode(TEXT, add_special_tokens=False)
-    decoder = CompletionDecoder(smollm2_tokenizer, [], True, True, ["END", "zzz"], include)
-    text, stop, used = stream_decode(decoder, ids, random.Random(seed))
-    cut = TEXT.index("END") + (3 if include else 0)
-    assert stop == "END" and text == TEXT[:cut]
-    # The token that completed "END" is the last one used.
-    assert "END" in smollm2_tokenizer.decode(ids[:used])
-    assert "END" not in smollm2_tokenizer.decode(ids[:used - 1])
-
-
-def test_partial_stop_string_is_held_back_until_it_cannot_match(smollm2_tokenizer):
-    decoder = CompletionDecoder(smollm2_tokenizer, [], True, True, ["fox!"], False)
-    seen = ""
-    for token_id in smollm2_tokenizer.encode("The fox jumps", add_special_tokens=False):
-        seen += decoder.update([token_id]).text
-        assert "fox" not in seen or "fox " in seen  # never a bare "fox" that may be a stop
-    assert seen + decoder.finish().text == "The fox jumps"
 
 
 def test_tokenize_prompt_and_chat(stub, smollm2_tokenizer):
@@ -88,34 +40,62 @@ def test_bad_chat_and_bad_ids_are_invalid_argument(stub):
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def decode_over_stream(stub, ids, opts, last=None):
+    """Stream each completion's tokens one per input, all completions in the same
+    messages, the last input marked `finished` plus the fields in `last[k]`. Returns
+    {id: (text, stop_string, num_tokens_used of the final result)}."""
+    last = last or {}
+
+    def requests():
+        for i in range(max(map(len, ids.values()))):
+            inputs = []
+            for k, toks in ids.items():
+                if i < len(toks):
+                    item = pb.DecodeInput(request_id=k, token_ids=toks[i:i + 1],
+                                          finished=i == len(toks) - 1)
+                    if i == 0:
+                        item.options.CopyFrom(opts[k])
+                    if item.finished:
+                        for field, value in last.get(k, {}).items():
+                            setattr(item, field, value)
+                    inputs.append(item)
+            yield pb.DecodeStreamRequest(inputs=inputs)
+
+    out = {k: ["", None, None] for k in ids}
+    for response in stub.DecodeStream(requests()):
+        for r in response.results:
+            kind = r.WhichOneof("result")
+            out[r.request_id][0] += getattr(r, kind).text
+            if kind == "complete":
+                out[r.request_id][1:] = [r.complete.stop_string, r.complete.num_tokens_used]
+    return {k: tuple(v) for k, v in out.items()}
+
+
 def test_decode_stream_multiplexes_completions(stub, smollm2_tokenizer):
     texts = {"a": "One two three four.", "b": "Alpha beta STOP gamma delta."}
     ids = {k: smollm2_tokenizer.encode(v, add_special_tokens=False) for k, v in texts.items()}
     opts = {"a": pb.DecodeOptions(skip_special_tokens=True),
             "b": pb.DecodeOptions(skip_special_tokens=True, stop=["STOP"])}
+    assert decode_over_stream(stub, ids, opts) == {"a": (texts["a"], "", 1),
+                                                    "b": ("Alpha beta ", "STOP", 1)}
 
-    def requests():
-        for i in range(max(map(len, ids.values())) + 1):
-            inputs = []
-            for k, toks in ids.items():
-                if i <= len(toks):
-                    item = pb.DecodeInput(request_id=k, token_ids=toks[i:i + 1],
-                                          finished=i == len(toks))
-                    if i == 0:
-                        item.options.CopyFrom(opts[k])
-                    inputs.append(item)
-            yield pb.DecodeStreamRequest(inputs=inputs)
 
-    out = {"a": "", "b": ""}
-    stops = {}
-    for response in stub.DecodeStream(requests()):
-        for r in response.results:
-            kind = r.WhichOneof("result")
-            out[r.request_id] += getattr(r, kind).text
-            if kind == "complete":
-                stops[r.request_id] = r.complete.stop_string
-    assert out == {"a": texts["a"], "b": "Alpha beta "}
-    assert stops == {"a": "", "b": "STOP"}
+def test_decode_stream_honours_min_tokens_and_the_stop_token(stub, smollm2_tokenizer):
+    """min_tokens and stop_terminated reach the decoder: a stop string inside the first
+    min_tokens tokens is ignored, and the text of the token that ended the completion is
+    left out unless include_stop_str_in_output."""
+    tok = smollm2_tokenizer
+    text = "Alpha STOP beta STOP gamma."
+    ids = tok.encode(text, add_special_tokens=False)
+    num_first = len(tok.encode("Alpha STOP", add_special_tokens=False))
+    opts = {"min": pb.DecodeOptions(skip_special_tokens=True, stop=["STOP"], min_tokens=num_first),
+            "eos": pb.DecodeOptions(skip_special_tokens=True),
+            "eos_kept": pb.DecodeOptions(skip_special_tokens=True, include_stop_str_in_output=True)}
+    out = decode_over_stream(stub, {k: ids for k in opts}, opts,
+                             last={"eos": {"stop_terminated": True},
+                                   "eos_kept": {"stop_terminated": True}})
+    assert out == {"min": ("Alpha STOP beta ", "STOP", 1), "eos": (text[:-1], "", 1),
+                   "eos_kept": (text, "", 1)}
 
 
 def test_tokenizer_info(stub):
