@@ -87,6 +87,9 @@ class EngineCoreRequest:
     arrival_time: float = field(default_factory=time.time)
     # Resumed requests (migration): tokens already generated elsewhere.
     output_token_ids: list[int] = field(default_factory=list)
+    # Hashed into every prefix-cache block (vLLM's `cache_salt`): equal prompts with
+    # different salts never share cached KV. None for no salt.
+    cache_salt: str | None = None
 
 
 @dataclass

@@ -1,8 +1,13 @@
-"""Sampling parameters, with vLLM's field names, defaults and validation."""
+"""Sampling parameters, with vLLM's field names, defaults and validation.
+
+Validated once, where a request enters the system: the constructor (the gateway's
+HTTP body, the offline `LLM`). A wire decoder rebuilds already-validated params
+with `from_validated`, which normalises but does not check again.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any
 
 # Below this temperature sampling is treated as greedy (as vLLM does), which avoids
@@ -14,8 +19,10 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 class SamplingParams:
     """How to sample the completion(s) of one prompt.
 
-    Invariant: an instance that exists has passed `validate()`; every invalid value
-    raises `ValueError` whose message names the field (e.g. ``temperature``).
+    Invariant: an instance has passed `validate()`, here (the constructor) or in the
+    process that sent it (`from_validated`); every invalid value raises `ValueError`
+    whose message names the field (e.g. ``temperature``). A new field needs no
+    converter code: the wire converters go by `dataclasses.fields` and field name.
     """
 
     n: int = 1
@@ -38,10 +45,26 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
-    # Extra keys that make two otherwise identical prompts distinct in the prefix cache.
-    extra_args: dict[str, Any] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        self._normalize()
+        self.validate()
+
+    @classmethod
+    def from_validated(cls, **values: Any) -> "SamplingParams":
+        """Rebuild params that were validated where they entered the system (a wire
+        decoder's constructor): missing fields take their defaults, values are
+        normalised as the constructor would, and nothing is checked again."""
+        params = cls.__new__(cls)
+        for f in fields(cls):
+            params.__dict__[f.name] = values.get(f.name, f.default) \
+                if f.default is not MISSING else values[f.name]
+        params._normalize()
+        return params
+
+    def _normalize(self) -> None:
+        """One representation per meaning: stop is a list, top_k -1 is 0, an empty
+        logit_bias is None."""
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
@@ -51,7 +74,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        self.validate()
+        self.logit_bias = self.logit_bias or None
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:

@@ -14,11 +14,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 import pagoda
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
-from pagoda.services.common.protocol.tokenizer import chat_input_to_proto
 from pagoda.services.gateway import openai_routes
 from pagoda.services.gateway.auth import APIKeyMiddleware
-from pagoda.services.gateway.errors import APIError, from_grpc_error, \
-    install_error_handlers
+from pagoda.services.gateway.errors import from_grpc_error, install_error_handlers
 from pagoda.services.gateway.openai_models import (DetokenizeRequest, TokenizeChatRequest,
                                                    TokenizeCompletionRequest)
 from pagoda.services.gateway.metrics import (ObservabilityMiddleware, PeerMetrics,
@@ -28,7 +26,6 @@ from pagoda.services.gateway.peers import Peers
 from pagoda.services.gateway.router import DEFAULT_POLICY
 from pagoda.services.gateway.router_context import RoutingHeaderMiddleware
 from pagoda.services.gateway.state import GatewayState
-from pagoda.tokenizer.chat import normalize_messages
 
 
 def build_app(state: GatewayState, make_peers: Callable[[], Peers],
@@ -90,13 +87,10 @@ def build_app(state: GatewayState, make_peers: Callable[[], Peers],
     async def tokenize(body: TokenizeChatRequest | TokenizeCompletionRequest) -> dict:
         state.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
-            try:
-                messages = normalize_messages(body.messages)
-            except ValueError as exc:
-                raise APIError(str(exc), param="messages") from None
-            request = tpb.TokenizeRequest(chat=chat_input_to_proto(
-                messages, body.add_generation_prompt, body.continue_final_message,
-                body.chat_template_kwargs), return_token_strs=body.return_token_strs)
+            _, chat = openai_routes.chat_input(body.messages, body.add_generation_prompt,
+                                               body.continue_final_message,
+                                               body.chat_template_kwargs)
+            request = tpb.TokenizeRequest(chat=chat, return_token_strs=body.return_token_strs)
         else:
             request = tpb.TokenizeRequest(prompt=body.prompt,
                                           add_special_tokens=body.add_special_tokens,

@@ -21,7 +21,7 @@ import grpc
 
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
 from pagoda.messages import EngineCoreOutput, EngineCoreRequest
-from pagoda.services.common.protocol.tokenizer import decode_options_to_proto
+from pagoda.services.common.protocol.sampling_params import decode_options_to_proto
 from pagoda.services.gateway.decode_mux import DecodeMux, DecodeStreamBroken
 from pagoda.services.gateway.errors import APIError, from_grpc_error
 from pagoda.services.gateway.logprobs import TokenLogprob, candidate_ids, token_logprobs

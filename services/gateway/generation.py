@@ -4,8 +4,11 @@ A request with P prompts and `n` choices becomes P x n scheduler requests (choic
 index = prompt index * n + i, as vLLM numbers them), all routed to one replica so
 that the choices of a prompt share its cached prefix.
 
-Usage is exact: prompt tokens count once per prompt (not per choice, as OpenAI and
-vLLM count them); completion tokens are the tokens each choice's text came from.
+Usage is exact and counted here, not by the scheduler: prompt tokens count once per
+prompt (not per choice, as OpenAI and vLLM count them), from the prompts this
+gateway sent; completion tokens are the tokens each choice's text came from, which
+only the gateway knows (a stop string found by the tokenizer drops the tokens
+generated after it). Cached tokens are the scheduler's, from the stream.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ class Prompt:
 
     token_ids: list[int]
     text: str | None = None
+    # Its prefix-cache block hashes, when routing asked the tokenizer for them along
+    # with the tokenization (None otherwise: the router hashes ids itself if it must).
+    block_hashes: list[bytes] | None = None
 
 
 def new_request_id(prefix: str, base: str | None = None) -> str:
@@ -61,8 +67,11 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
 class Generation:
     """The scheduler requests of one HTTP request, and their merged deltas.
 
-    Invariant: construction validates everything the gateway can (types, ranges,
-    vocabulary, context length) and raises APIError before anything is submitted.
+    Invariant: construction (after the route's `body.check_common()`) validates
+    everything the gateway can (types, ranges, vocabulary, context length) and
+    raises APIError before anything is submitted;
+    it builds each distinct `SamplingParams` once (one per max_tokens limit), and
+    no later hop validates them again.
     `echo_only` (completions' echo with max_tokens 0, to score a prompt) generates
     one token and shows none of it.
     """
@@ -71,7 +80,6 @@ class Generation:
                  body: SamplingFields, max_tokens: int | None,
                  prompt_param: str = "prompt", unique_id: bool = True,
                  echo_only: bool = False) -> None:
-        body.check_common()
         info = peers.model_info()
         tokenizer = peers.tokenizer_info()
         eos = list(tokenizer.eos_token_ids)
@@ -86,15 +94,18 @@ class Generation:
         # Ids in the scheduler must be unique; a client's X-Request-Id may not be.
         engine_id = request_id if unique_id else f"{request_id}-{uuid.uuid4().hex[:8]}"
         now = time.time()
+        params_by_limit = {}
         for p_idx, prompt in enumerate(prompts):
             check_prompt(prompt.token_ids, tokenizer.vocab_size, prompt_param)
             limit = resolve_max_tokens(1 if self.discard_output else max_tokens,
                                        len(prompt.token_ids), info.max_model_len, prompt_param)
-            params = body.to_sampling_params(limit, tokenizer.vocab_size)
+            if limit not in params_by_limit:
+                params_by_limit[limit] = body.to_sampling_params(limit, tokenizer.vocab_size)
             for i in range(body.n):
                 self.requests.append(EngineCoreRequest(
                     request_id=f"{engine_id}-{p_idx}-{i}", prompt_token_ids=prompt.token_ids,
-                    sampling_params=params, eos_token_ids=eos, arrival_time=now))
+                    sampling_params=params_by_limit[limit], eos_token_ids=eos, arrival_time=now,
+                    cache_salt=body.cache_salt))
 
     @property
     def num_choices(self) -> int:
@@ -110,7 +121,8 @@ class Generation:
                                   for index, req in enumerate(self.requests)])
 
         cached: dict[int, int] = {}
-        async for delta in routed_deltas(self.peers, self.requests, open_streams, self.user):
+        async for delta in routed_deltas(self.peers, self.requests, open_streams, self.user,
+                                         self.prompts[0].block_hashes):
             self.usage.completion_tokens += len(delta.token_ids)
             cached[delta.index] = delta.num_cached_tokens
             # Once per prompt, like prompt_tokens: its first choice's count.

@@ -4,11 +4,13 @@ Unknown fields are ignored, as vLLM does. Types are checked by pydantic (a wrong
 type is a 400, never a 422); integers that travel on the wire are bounded to
 their proto width here, so no value can fail later as a 500. Ranges of sampling
 fields are `SamplingParams`' to check: `to_sampling_params` is the one place that
-maps request fields onto it.
+maps request fields onto it, by name, so a new sampling parameter needs only its
+field here (and none if the API should not expose it).
 """
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -67,6 +69,9 @@ class SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's: salts the prompt's prefix-cache blocks, so only requests with the same
+    # salt share cached KV (e.g. one salt per tenant).
+    cache_salt: str | None = None
 
     # ------------------------------------------------------------ per-API answers
     def num_logprobs(self) -> int | None:
@@ -95,33 +100,24 @@ class SamplingFields(_Body):
                            param="prompt_logprobs")
         for text in ([self.stop] if isinstance(self.stop, str) else self.stop or []):
             _check_unicode(text, "stop")
+        if self.cache_salt is not None:
+            if not self.cache_salt:
+                raise APIError("cache_salt must be a non-empty string if given.",
+                               param="cache_salt")
+            _check_unicode(self.cache_salt, "cache_salt")
 
     def to_sampling_params(self, max_tokens: int, vocab_size: int) -> SamplingParams:
-        """Build (and validate) the engine's params for one completion (n = 1)."""
+        """Build the engine's params for one completion (n = 1): the request's one
+        validation (raises APIError). Every `SamplingParams` field this body has is
+        copied by name, None meaning the field's default; the fields whose API form
+        differs (n, max_tokens, logprobs, logit_bias) are mapped here."""
+        values = {f.name: getattr(self, f.name) for f in fields(SamplingParams)
+                  if getattr(self, f.name, None) is not None}
+        values.update(n=1, max_tokens=max_tokens, logprobs=self.num_logprobs(),
+                      prompt_logprobs=self.num_prompt_logprobs(),
+                      logit_bias=self._logit_bias(vocab_size))
         try:
-            return SamplingParams(
-                n=1,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=0 if self.top_k is None else self.top_k,
-                min_p=0.0 if self.min_p is None else self.min_p,
-                seed=self.seed,
-                presence_penalty=self.presence_penalty or 0.0,
-                frequency_penalty=self.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if self.repetition_penalty is None
-                else self.repetition_penalty,
-                stop=self.stop,
-                stop_token_ids=self.stop_token_ids,
-                ignore_eos=self.ignore_eos,
-                max_tokens=max_tokens,
-                min_tokens=self.min_tokens,
-                logprobs=self.num_logprobs(),
-                prompt_logprobs=self.num_prompt_logprobs(),
-                include_stop_str_in_output=self.include_stop_str_in_output,
-                skip_special_tokens=self.skip_special_tokens,
-                spaces_between_special_tokens=self.spaces_between_special_tokens,
-                logit_bias=self._logit_bias(vocab_size),
-            )
+            return SamplingParams(**values)
         except ValueError as exc:
             raise APIError(str(exc), param=_param_of(str(exc))) from None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncIterator
 
 import grpc
@@ -32,7 +33,8 @@ DISCONNECT_POLL_S = 0.5
 async def create_completion(body: CompletionRequest, request: Request):
     state: GatewayState = request.app.state.gateway
     model = state.check_model(body.model)
-    prompts = await tokenize_prompts(state, body.prompt)
+    body.check_common()
+    prompts = await tokenize_prompts(state, body.prompt, body.cache_salt)
     if body.echo:
         await fill_prompt_texts(state, prompts, body.skip_special_tokens)
     rid, unique = _request_id(request, "cmpl")
@@ -53,16 +55,16 @@ async def create_completion(body: CompletionRequest, request: Request):
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state: GatewayState = request.app.state.gateway
     model = state.check_model(body.model)
-    try:
-        messages = normalize_messages(body.messages)
-    except ValueError as exc:
-        raise APIError(str(exc), param="messages") from None
-    chat = chat_input_to_proto(messages, body.add_generation_prompt, body.continue_final_message,
-                               body.chat_template_kwargs, body.tools)
-    reply = await tokenize(state, tpb.TokenizeRequest(chat=chat))
+    body.check_common()
+    messages, chat = chat_input(body.messages, body.add_generation_prompt,
+                                body.continue_final_message, body.chat_template_kwargs,
+                                body.tools)
+    reply = await tokenize(state, tpb.TokenizeRequest(
+        chat=chat, block_size=state.peers.routing_block_size(), cache_salt=body.cache_salt or ""))
     rid, unique = _request_id(request, "chatcmpl")
-    gen = Generation(state.peers, rid, [Prompt(list(reply.token_ids), reply.prompt)], body,
-                     body.requested_max_tokens(), "messages", unique)
+    prompt = Prompt(list(reply.token_ids), reply.prompt, _hashes(reply))
+    gen = Generation(state.peers, rid, [prompt], body, body.requested_max_tokens(), "messages",
+                     unique)
     head = ResponseHeader(gen.request_id, model)
     fmt = LogprobsFormat(body.num_logprobs(), body.return_tokens_as_token_ids)
     echo = _chat_echo(messages) if body.echo else ""
@@ -87,6 +89,25 @@ def _renderer_args(head: ResponseHeader, fmt: LogprobsFormat, gen: Generation,
     return head, fmt, [len(p.token_ids) for p in gen.prompts], gen.n, continuous
 
 
+def chat_input(messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
+               chat_template_kwargs: dict | None = None, tools: list[dict] | None = None
+               ) -> tuple[list[dict], tpb.ChatInput]:
+    """(the normalized messages, the tokenizer's typed chat input); a 400 naming the
+    field (messages, tools, chat_template_kwargs) for invalid input."""
+    try:
+        messages = normalize_messages(messages)
+        return messages, chat_input_to_proto(messages, add_generation_prompt,
+                                             continue_final_message, chat_template_kwargs, tools)
+    except ValueError as exc:
+        param = re.match(r"\w+", str(exc))
+        raise APIError(str(exc), param=param.group(0) if param else "messages") from None
+
+
+def _hashes(reply: tpb.TokenizeResponse) -> list[bytes] | None:
+    """The prompt's block hashes, if the tokenization was asked for them."""
+    return list(reply.block_hashes) if reply.block_hashes else None
+
+
 def _chat_echo(messages: list[dict]) -> str:
     """vLLM's chat echo: the last message's content when it is the assistant's own."""
     last = messages[-1]
@@ -101,8 +122,11 @@ async def tokenize(state: GatewayState, request: tpb.TokenizeRequest) -> tpb.Tok
         raise from_grpc_error(exc, "tokenizer") from None
 
 
-async def tokenize_prompts(state: GatewayState, prompt) -> list[Prompt]:
-    """A string, a list of strings, token ids, or a list of token-id lists."""
+async def tokenize_prompts(state: GatewayState, prompt, cache_salt: str | None = None
+                           ) -> list[Prompt]:
+    """A string, a list of strings, token ids, or a list of token-id lists. The first
+    prompt (the one routing looks at) comes back with its block hashes when routing
+    wants them and it was text; a prompt given as ids is not sent anywhere here."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -110,13 +134,17 @@ async def tokenize_prompts(state: GatewayState, prompt) -> list[Prompt]:
     if all(isinstance(p, int) for p in prompt):
         return [Prompt(list(prompt))]
 
-    async def one(p) -> Prompt:
+    async def one(p, block_size: int) -> Prompt:
         if not isinstance(p, str):
             return Prompt(list(p))
-        reply = await tokenize(state, tpb.TokenizeRequest(prompt=p, add_special_tokens=True))
-        return Prompt(list(reply.token_ids), p)
+        reply = await tokenize(state, tpb.TokenizeRequest(
+            prompt=p, add_special_tokens=True, block_size=block_size,
+            cache_salt=cache_salt or ""))
+        return Prompt(list(reply.token_ids), p, _hashes(reply))
 
-    return list(await asyncio.gather(*(one(p) for p in prompt)))
+    block_size = state.peers.routing_block_size()
+    return list(await asyncio.gather(*(one(p, block_size if i == 0 else 0)
+                                       for i, p in enumerate(prompt))))
 
 
 async def fill_prompt_texts(state: GatewayState, prompts: list[Prompt],

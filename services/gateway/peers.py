@@ -195,6 +195,11 @@ class Peers:
             return replica.info
         raise APIError("The model is not loaded yet.", 503)
 
+    def routing_block_size(self) -> int:
+        """The block size to ask `Tokenize` for a prompt's block hashes with: the
+        replicas' when routing looks them up in the prefix index, else 0 (none)."""
+        return 0 if self.router.index is None else self.model_info().block_size
+
     def tokenizer_info(self) -> tpb.GetTokenizerInfoResponse:
         if self.tokenizer.info is None:
             raise APIError("The tokenizer is not available yet.", 503)
@@ -230,7 +235,7 @@ class Peers:
                 continue
             try:
                 problem = await check_block_hashes(self.tokenizer.stub, replica.stub,
-                                                   replica.info, self.tokenizer.info.vocab_size)
+                                                   replica.info, self.tokenizer.info)
             except grpc.RpcError:
                 continue  # a peer could not answer now: check again on the next poll
             replica.hashes_agree = problem is None

@@ -7,8 +7,9 @@ kv_aware (the default) picks the replica with the lowest cost, in tokens of work
             + REQUEST_COST_TOKENS x requests on r               # live load, requests
             + prompt tokens x excess_share(r) / IMBALANCE_TOLERANCE   # herding guard
 
-Cached tokens come from the cluster prefix index (router_prefix.py), bridged by
-the routes this gateway made in the last seconds. Requests on r are the larger of
+Cached tokens come from the cluster prefix index (router_prefix.py), looked up
+with the block hashes the tokenizer returned with the prompt's tokens, and bridged
+by the routes this gateway made in the last seconds. Requests on r are the larger of
 what this gateway has in flight there (counted the moment it routes, so a burst
 sees its own earlier picks) and what r last reported (GetLoad: every gateway's).
 Queued prefill counts below one (PENDING_WEIGHT): the scheduler batches queued
@@ -66,6 +67,9 @@ class RouteRequest:
     num_requests: int = 1
     cache_salt: str = ""
     session_key: str | None = None
+    # The first prompt's block hashes from its tokenization; None for a prompt sent
+    # as token ids (the index client then hashes it when it needs the hashes).
+    block_hashes: Sequence[bytes] | None = None
 
 
 @dataclass
@@ -171,7 +175,8 @@ class Router:
         prompt's block hashes (None when the index could not be asked)."""
         info = live[0].info  # one model and block size per cluster (the chart sets both once)
         found = await self.index.lookup(tokenizer_stub, request.prompt_token_ids,
-                                        request.cache_salt, info.model, info.block_size)
+                                        request.block_hashes, request.cache_salt, info.model,
+                                        info.block_size)
         if found is None:
             return {}, None
         hashes, blocks = found

@@ -1,19 +1,20 @@
 """The start-up self-check: the tokenizer and each scheduler hash blocks alike.
 
-KV-aware routing looks up the tokenizer's block hashes in an index the
-schedulers fill with their own. If the two disagree (another seed, another
+KV-aware routing looks up the block hashes the tokenizer returns with each
+tokenization in an index the schedulers fill with their own. If the two disagree (another seed, another
 block size, another version of the hashing code) every lookup silently misses
 and routing quietly degrades to load only: the failure users of other routers
 report most. So before a replica gets traffic, both hash the same probe prompt,
-with and without a cache salt, and must agree exactly.
+with and without a cache salt (the tokenizer through `Tokenize`, the path routing
+uses; the scheduler through `HashBlocks`), and must agree exactly.
 """
 
 from __future__ import annotations
 
 import grpc
 
-from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
+from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
 
 PROBE_BLOCKS = 3
 PROBE_SALT = "pagoda-hash-check"
@@ -26,23 +27,24 @@ def probe_token_ids(block_size: int, vocab_size: int) -> list[int]:
 
 
 async def check_block_hashes(tokenizer_stub, scheduler_stub, info: spb.GetModelInfoResponse,
-                             vocab_size: int) -> str | None:
+                             tokenizer_info: tpb.GetTokenizerInfoResponse) -> str | None:
     """None if they agree, else what differs. Raises grpc.RpcError when a peer could
-    not answer now (check again later); a peer without HashBlocks is a mismatch."""
-    token_ids = probe_token_ids(info.block_size, vocab_size)
+    not answer now (check again later); a scheduler without HashBlocks is a mismatch."""
+    token_ids = probe_token_ids(info.block_size, tokenizer_info.vocab_size)
     for salt in ("", PROBE_SALT):
-        request = cpb.HashBlocksRequest(token_ids=token_ids, block_size=info.block_size,
-                                        cache_salt=salt)
         try:
-            ours = await tokenizer_stub.HashBlocks(request, timeout=5.0)
-            theirs = await scheduler_stub.HashBlocks(request, timeout=5.0)
+            ours = await tokenizer_stub.Tokenize(tpb.TokenizeRequest(
+                token_ids=tpb.TokenIds(token_ids=token_ids), block_size=info.block_size,
+                cache_salt=salt), timeout=5.0)
+            theirs = await scheduler_stub.HashBlocks(spb.HashBlocksRequest(
+                token_ids=token_ids, block_size=info.block_size, cache_salt=salt), timeout=5.0)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                return "a peer does not implement HashBlocks (mixed Pagoda versions?)"
+                return "the scheduler does not implement HashBlocks (mixed Pagoda versions?)"
             raise
         if list(ours.block_hashes) != list(theirs.block_hashes):
             return (f"block hashes differ from the tokenizer's (salt {salt!r}; seeds: "
-                    f"tokenizer {ours.prefix_hash_seed!r}, scheduler "
+                    f"tokenizer {tokenizer_info.prefix_hash_seed!r}, scheduler "
                     f"{theirs.prefix_hash_seed!r}; block size {info.block_size}): "
                     f"KV-aware routing would never find a cached prefix. Give every "
                     f"service the same --prefix-cache-hash-seed and Pagoda version")

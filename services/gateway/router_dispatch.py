@@ -25,21 +25,23 @@ logger = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3
 
 
-def route_request(requests: Sequence[EngineCoreRequest], session_key: str | None) -> RouteRequest:
+def route_request(requests: Sequence[EngineCoreRequest], session_key: str | None,
+                  block_hashes: Sequence[bytes] | None = None) -> RouteRequest:
+    """`block_hashes`: the first prompt's, if its tokenization returned them."""
     first = requests[0]
-    salt = (first.sampling_params.extra_args or {}).get("cache_salt") or ""
     context = router_context.current()
     if context is not None and context.session_key:
         session_key = context.session_key  # the header wins over the body's `user`
     return RouteRequest(first.prompt_token_ids, sum(len(r.prompt_token_ids) for r in requests),
-                        len(requests), str(salt), session_key)
+                        len(requests), first.cache_salt or "", session_key, block_hashes)
 
 
 async def routed_deltas(peers: Peers, requests: Sequence[EngineCoreRequest],
                         open_streams: Callable[[SchedulerReplica], AsyncIterator],
-                        session_key: str | None = None) -> AsyncIterator:
+                        session_key: str | None = None,
+                        block_hashes: Sequence[bytes] | None = None) -> AsyncIterator:
     """The deltas of `open_streams(replica)` for the replica the router picks."""
-    request = route_request(requests, session_key)
+    request = route_request(requests, session_key, block_hashes)
     context = router_context.current()
     metrics = gateway_metrics()
     excluded: set[str] = set()

@@ -1,9 +1,11 @@
 """What the KV-aware router knows about cached prefixes.
 
-`PrefixIndexClient` asks the tokenizer for a prompt's block hashes (`HashBlocks`:
-the schedulers' function and seed, checked at start-up by router_check.py) and
-the kv-cache-manager for each instance's longest cached run of them
-(`LookupPrefix`). If either is unavailable it answers None and the router
+`PrefixIndexClient` asks the kv-cache-manager for each instance's longest cached
+run of a prompt's block hashes (`LookupPrefix`). The hashes come with the
+prompt's tokenization (`Tokenize` returns them: the schedulers' function and
+seed, checked at start-up by router_check.py), so a text or chat prompt costs no
+extra call; only a prompt the client sent as token ids is hashed here, through
+`Tokenize` too. If either is unavailable it answers None and the router
 weighs load alone; after an UNAVAILABLE it does not ask again for
 `BACKOFF_S`, so a Redis outage costs no latency per request.
 
@@ -23,9 +25,9 @@ from collections.abc import Sequence
 
 import grpc
 
-from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
 from pagoda.services._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2 as kpb
 from pagoda.services._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2_grpc as kpb_grpc
+from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
 from pagoda.services.common.grpc_server import CLIENT_OPTIONS
 from pagoda.services.common.tracing import aio_client_interceptors
 
@@ -47,18 +49,21 @@ class PrefixIndexClient:
         self._skip_until = 0.0
         self._last_log = 0.0
 
-    async def lookup(self, tokenizer_stub, token_ids: Sequence[int], cache_salt: str,
-                     model: str, block_size: int) -> tuple[list[bytes], dict[str, int]] | None:
+    async def lookup(self, tokenizer_stub, token_ids: Sequence[int],
+                     block_hashes: Sequence[bytes] | None, cache_salt: str, model: str,
+                     block_size: int) -> tuple[list[bytes], dict[str, int]] | None:
         """(the prompt's block hashes, instance id -> cached leading blocks), or None
-        when the index cannot answer now."""
+        when the index cannot answer now. `block_hashes` None: hash `token_ids` first."""
         now = time.monotonic()
         if now < self._skip_until:
             return None
         try:
-            hashed = await tokenizer_stub.HashBlocks(cpb.HashBlocksRequest(
-                token_ids=token_ids, block_size=block_size, cache_salt=cache_salt),
-                timeout=LOOKUP_TIMEOUT_S)
-            hashes = list(hashed.block_hashes)
+            if block_hashes is None:  # a prompt sent as ids: nothing has hashed it yet
+                hashed = await tokenizer_stub.Tokenize(tpb.TokenizeRequest(
+                    token_ids=tpb.TokenIds(token_ids=token_ids), block_size=block_size,
+                    cache_salt=cache_salt), timeout=LOOKUP_TIMEOUT_S)
+                block_hashes = hashed.block_hashes
+            hashes = list(block_hashes)
             if not hashes:
                 return [], {}
             reply = await self.stub.LookupPrefix(kpb.LookupPrefixRequest(

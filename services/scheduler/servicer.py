@@ -13,12 +13,11 @@ import logging
 
 import grpc
 
-from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as pb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from pagoda.messages import EngineCoreOutput
-from pagoda.services.common.protocol.kv_events import hash_blocks
-from pagoda.services.common.protocol.scheduler import outputs_to_responses, request_from_proto
+from pagoda.services.common.protocol.scheduler import (hash_blocks, outputs_to_responses,
+                                                       request_from_proto)
 from pagoda.services.scheduler.engine_loop import EngineLoop, QueueFull
 from pagoda.services.scheduler.tracing import REQUEST_SPANS
 
@@ -28,14 +27,12 @@ logger = logging.getLogger(__name__)
 class _RequestStream:
     """Outputs of one request not yet written to its stream."""
 
-    __slots__ = ("pending", "ready", "error", "num_prompt_tokens", "num_output_tokens")
+    __slots__ = ("pending", "ready", "error")
 
-    def __init__(self, num_prompt_tokens: int) -> None:
+    def __init__(self) -> None:
         self.pending: list[EngineCoreOutput] = []
         self.ready = asyncio.Event()
         self.error: str | None = None
-        self.num_prompt_tokens = num_prompt_tokens
-        self.num_output_tokens = 0
 
 
 class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
@@ -84,16 +81,13 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"replica failed: {self.engine.failure}")
         if self.draining:  # refused before acceptance: the gateway retries elsewhere
             await context.abort(grpc.StatusCode.UNAVAILABLE, "replica is draining")
-        try:
-            core_request = request_from_proto(request)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        core_request = request_from_proto(request)
         rid = core_request.request_id
         if rid in self._streams:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is in use")
         if not core_request.eos_token_ids:
             core_request.eos_token_ids = list(self.default_eos)
-        stream = _RequestStream(len(core_request.prompt_token_ids))
+        stream = _RequestStream()
         self._streams[rid] = stream
         REQUEST_SPANS.register_current(rid)  # its steps and phases join the caller's trace
         finished = False
@@ -114,10 +108,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                 batch, stream.pending = stream.pending, []
                 if not batch:
                     continue
-                stream.num_output_tokens += sum(len(o.new_token_ids) for o in batch)
                 finished = batch[-1].finished
-                for response in outputs_to_responses(batch, stream.num_prompt_tokens,
-                                                     stream.num_output_tokens):
+                for response in outputs_to_responses(batch):
                     yield response
         finally:
             self._streams.pop(rid, None)
@@ -157,7 +149,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                            ) -> pb.GetModelInfoResponse:
         return self.model_info
 
-    async def HashBlocks(self, request: cpb.HashBlocksRequest, context) -> cpb.HashBlocksResponse:
+    async def HashBlocks(self, request: pb.HashBlocksRequest, context) -> pb.HashBlocksResponse:
         try:
             return hash_blocks(request, self.model_info.prefix_hash_seed)
         except ValueError as exc:

@@ -21,7 +21,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="HF safetensors directory or GGUF file (default: SmolLM2-135M-Instruct).")
     parser.add_argument("--tokenizer", default=None, help="Tokenizer path (default: the model's).")
     parser.add_argument("--prefix-cache-hash-seed", default=DEFAULT_PREFIX_HASH_SEED,
-                        help="Seed of the prefix-cache block hashes (HashBlocks); must equal "
+                        help="Seed of the prefix-cache block hashes Tokenize returns; must equal "
                              "the schedulers'.")
 
 

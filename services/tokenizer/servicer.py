@@ -8,11 +8,10 @@ from typing import Any
 
 import grpc
 
-from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as pb
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
 from pagoda.config import DEFAULT_PREFIX_HASH_SEED
-from pagoda.services.common.protocol.kv_events import hash_blocks
+from pagoda.core.block_hash import hash_request_tokens, salt_keys
 from pagoda.services.common.protocol.tokenizer import chat_input_from_proto
 from pagoda.services.tokenizer.decode_stream import CompletionDecoder, DecodeStep
 from pagoda.services.tokenizer.metrics import timed, tokenizer_metrics
@@ -38,23 +37,40 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
     @timed("Tokenize")
     def Tokenize(self, request: pb.TokenizeRequest, context: grpc.ServicerContext
                  ) -> pb.TokenizeResponse:
+        """Encode the prompt (a prompt given as ids is taken as is), then hash its
+        blocks if asked: the same function, seed and salt keys as the schedulers'
+        (`pagoda.core.block_hash`), which the gateway checks at start-up."""
+        if request.block_size < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"block_size must not be negative, got {request.block_size}")
         try:
-            if request.WhichOneof("input") == "chat":
-                prompt = render_chat_template(self.tokenizer, **chat_input_from_proto(request.chat))
-                token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-            else:
-                prompt = request.prompt
-                token_ids = self.tokenizer.encode(prompt,
-                                                  add_special_tokens=request.add_special_tokens)
+            prompt, token_ids = self._encode(request)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:  # a template's own errors (jinja2) are the caller's input
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chat template error: {exc}")
         response = pb.TokenizeResponse(token_ids=token_ids, prompt=prompt)
-        tokenizer_metrics().tokens.labels("Tokenize").inc(len(token_ids))
+        if request.block_size > 0:
+            response.block_hashes.extend(hash_request_tokens(
+                token_ids, request.block_size, self.prefix_hash_seed,
+                salt_keys(request.cache_salt)))
         if request.return_token_strs:
             response.token_strs.extend(self.tokenizer.convert_ids_to_tokens(token_ids))
         return response
+
+    def _encode(self, request: pb.TokenizeRequest) -> tuple[str, list[int]]:
+        """(the text encoded, its token ids); ValueError for invalid chat input."""
+        kind = request.WhichOneof("input")
+        if kind == "token_ids":
+            return "", list(request.token_ids.token_ids)  # nothing to encode
+        if kind == "chat":
+            prompt = render_chat_template(self.tokenizer, **chat_input_from_proto(request.chat))
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            prompt = request.prompt
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
+        tokenizer_metrics().tokens.labels("Tokenize").inc(len(token_ids))
+        return prompt, token_ids
 
     @timed("Detokenize")
     def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.ServicerContext
@@ -85,14 +101,8 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
                          ) -> pb.GetTokenizerInfoResponse:
         return pb.GetTokenizerInfoResponse(
             model=self.model, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,
-            has_chat_template=getattr(self.tokenizer, "chat_template", None) is not None)
-
-    def HashBlocks(self, request: cpb.HashBlocksRequest, context: grpc.ServicerContext
-                   ) -> cpb.HashBlocksResponse:
-        try:
-            return hash_blocks(request, self.prefix_hash_seed)
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            has_chat_template=getattr(self.tokenizer, "chat_template", None) is not None,
+            prefix_hash_seed=self.prefix_hash_seed)
 
     def _decode_one(self, decoders: dict[str, CompletionDecoder], item: pb.DecodeInput
                     ) -> pb.DecodeResult | None:

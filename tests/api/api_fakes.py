@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
+from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
 from pagoda.services.common.redis_server import free_port
 from pagoda.services.gateway.app import create_app
@@ -85,8 +86,7 @@ class FakeScheduler(spb_grpc.SchedulerServiceServicer):
             time.sleep(self.delay_s)
         done.set()
         yield spb.GenerateResponse(complete=spb.GenerateComplete(
-            finish_reason=cpb.FINISH_REASON_LENGTH,
-            num_prompt_tokens=len(request.prompt_token_ids), num_output_tokens=params.max_tokens))
+            finish_reason=cpb.FINISH_REASON_LENGTH))
 
     @staticmethod
     def _prompt_logprobs(prompt: list[int], k: int) -> spb.GenerateResponse:
@@ -104,14 +104,29 @@ class FakeScheduler(spb_grpc.SchedulerServiceServicer):
         return spb.GetLoadResponse(serving=True)
 
 
+class RecordingTokenizer(TokenizerServicer):
+    """The real tokenizer servicer, recording the decode options each completion opens
+    with (what reaches the tokenizer of a request's sampling params)."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer, "smollm2", [2])
+        self.decode_options: list[tpb.DecodeOptions] = []
+
+    def _decode_one(self, decoders, item):
+        if item.HasField("options"):
+            self.decode_options.append(item.options)
+        return super()._decode_one(decoders, item)
+
+
 class Peers:
     """A real tokenizer servicer and the fake scheduler on in-process gRPC servers."""
 
     def __init__(self, tokenizer) -> None:
         self.scheduler = FakeScheduler(tokenizer)
+        self.tokenizer = RecordingTokenizer(tokenizer)
         self._servers = []
         self.tokenizer_addr = self._serve(tpb_grpc.add_TokenizerServiceServicer_to_server,
-                                          TokenizerServicer(tokenizer, "smollm2", [2]))
+                                          self.tokenizer)
         self.scheduler_addr = self._serve(spb_grpc.add_SchedulerServiceServicer_to_server,
                                           self.scheduler)
 

@@ -173,8 +173,46 @@ def test_any_body_gets_2xx_or_a_4xx_envelope_and_the_service_stays_up(cluster, r
             assert events[-1] == "[DONE]"
             assert all("error" not in json.loads(e) for e in events[:-1]), r.text
         else:
-            assert r.json()["choices"] and r.json()["usage"]["completion_tokens"] >= 0
+            assert r.json()["choices"]
+            assert_usage(path, body, r.json())
     assert httpx.get(f"{cluster.url[:-3]}/health", timeout=10).status_code == 200
+
+
+def assert_usage(path: str, body: dict, reply: dict) -> None:
+    """completion_tokens against what each choice shows: its logprob rows when it has
+    them (one per token: exact); else a choice that stopped for length made exactly
+    its limit, one that stopped early (EOS, a stop token id or string) between one
+    token and its limit. A scored-only echo (max_tokens 0) makes none."""
+    usage, choices = reply["usage"], reply["choices"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    chat = path == "/chat/completions"
+    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    requested = body.get(name, None if chat else 16)
+    if not chat and body.get("echo") is True and requested == 0:
+        assert usage["completion_tokens"] == 0
+        return
+    single_prompt = chat or isinstance(body["prompt"], str) or len(body["prompt"]) == 1 or \
+        all(isinstance(t, int) for t in body["prompt"])
+    # prompt_tokens counts the one prompt, so its room in the context is known.
+    room = MAX_MODEL_LEN - usage["prompt_tokens"] if single_prompt else MAX_MODEL_LEN
+    if type(requested) is int:  # noqa: E721 (not True, not 3.0, not "3": coerced junk)
+        limit = min(requested, room)
+    elif requested is None and single_prompt:
+        limit = room  # no max_tokens: up to the end of the context
+    else:
+        limit = None  # a value the gateway coerced: only its bounds are known
+    low = high = 0
+    for choice in choices:
+        rows = (choice.get("logprobs") or {}).get("content" if chat else "tokens")
+        if rows is not None and not body.get("echo"):
+            count = (len(rows),) * 2
+        elif limit is not None and choice["finish_reason"] == "length":
+            count = (limit, limit)
+        else:
+            count = (1, room if limit is None else limit)
+        low, high = low + count[0], high + count[1]
+    assert low <= usage["completion_tokens"] <= high, (usage, choices)
 
 
 def test_many_bad_requests_then_good_ones(cluster, client, load):

@@ -60,7 +60,7 @@ def test_context_overflow_is_400_with_the_numbers(gateway, smollm2_tokenizer):
     ("seed", 2**64), ("top_k", 2**40), ("stop", [""]), ("stop_token_ids", [-1]),
     ("logit_bias", {"abc": 1}), ("logit_bias", {"49152": 1}), ("stream_options",
                                                                {"include_usage": True}),
-    ("suffix", "tail"),
+    ("suffix", "tail"), ("cache_salt", ""), ("cache_salt", "\udfff"),
 ])
 def test_out_of_range_parameters_are_400_naming_the_field(gateway, field, value):
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, field: value}
@@ -99,10 +99,15 @@ def test_bad_completion_bodies_are_400(gateway, body, param):
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages"),
     ({"model": MODEL, "messages": HELLO, "continue_final_message": True}, None),
     ({"model": MODEL, "messages": HELLO, "chat_template_kwargs": {"tools": 1}}, None),
+    ({"model": MODEL, "messages": HELLO, "chat_template_kwargs": {"x": 10**400}},
+     "chat_template_kwargs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x", "name": 5}]}, "messages"),
+    ({"model": MODEL, "messages": HELLO, "tools": [{"type": "function", "function": {}}]},
+     "tools"),
     ({"model": MODEL, "messages": HELLO, "response_format": {"type": "json_object"}},
      "response_format"),
     ({"model": MODEL, "messages": HELLO, "max_completion_tokens": 0}, "max_tokens"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]}, None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
 ])
 def test_bad_chat_bodies_are_400(gateway, body, param):
     assert_envelope(post(gateway, CHAT, body), 400, param)

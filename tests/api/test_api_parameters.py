@@ -1,4 +1,5 @@
-"""Every request field reaches the engine; prompts, chat messages, n, usage (gateway + fakes)."""
+"""Every request field reaches the service that reads it; prompts, chat messages, n, usage
+(gateway + fakes)."""
 
 from __future__ import annotations
 
@@ -17,22 +18,24 @@ def script_text(tokenizer, n: int) -> str:
     return tokenizer.decode(tokenizer.encode(SCRIPT, add_special_tokens=False)[:n])
 
 
-def assert_params(sp, max_tokens: int) -> None:
-    assert sp.n == 1 and sp.max_tokens == max_tokens
+def assert_params(sp, options, max_tokens: int) -> None:
+    """`sp`: what the scheduler got (the engine fields); `options`: what the tokenizer
+    got (the text fields)."""
+    assert sp.max_tokens == max_tokens
     assert (sp.temperature, sp.top_p, sp.seed) == (0.7, 0.9, 1234)
     assert (sp.presence_penalty, sp.frequency_penalty) == (0.5, -0.5)
-    assert list(sp.stop) == ["zzz", "qqq"]
     assert (sp.top_k, sp.min_p, sp.repetition_penalty) == (7, 0.05, 1.2)
     assert list(sp.stop_token_ids) == [42, 43] and sp.ignore_eos and sp.min_tokens == 2
-    assert sp.include_stop_str_in_output and not sp.skip_special_tokens
-    assert not sp.spaces_between_special_tokens
     assert dict(sp.logit_bias) == {11: 100.0, 12: -3.0}  # clamped to OpenAI's [-100, 100]
+    assert list(options.stop) == ["zzz", "qqq"]
+    assert options.include_stop_str_in_output and not options.skip_special_tokens
+    assert not options.spaces_between_special_tokens
 
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("api", ["chat", "completions"])
-def test_every_sampling_field_reaches_the_scheduler(client, last_request, api, stream):
-    extra = dict(EXTRA, logit_bias={"11": 250, "12": -3})
+def test_every_sampling_field_reaches_its_reader(client, gateway, last_request, api, stream):
+    extra = dict(EXTRA, logit_bias={"11": 250, "12": -3}, cache_salt=f"tenant-{api}")
     if api == "chat":
         out = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=5,
@@ -42,7 +45,10 @@ def test_every_sampling_field_reaches_the_scheduler(client, last_request, api, s
                                         stream=stream, extra_body=extra, **SAMPLING)
     if stream:
         list(out)
-    assert_params(last_request().sampling_params, max_tokens=5)  # max_completion_tokens wins
+    # max_completion_tokens wins over max_tokens
+    assert_params(last_request().sampling_params, gateway.peers.tokenizer.decode_options[-1],
+                  max_tokens=5)
+    assert last_request().cache_salt == f"tenant-{api}"
 
 
 @pytest.mark.parametrize("prompt, expected", [

@@ -214,7 +214,7 @@ def _generate_directly(cluster: RoutingCluster, index: int, max_tokens: int):
     """A request sent straight to one scheduler, read to its end in a thread."""
     request = spb.GenerateRequest(
         request_id=f"drain-probe-{time.monotonic_ns()}", prompt_token_ids=prompt(),
-        sampling_params=cpb.SamplingParams(n=1, temperature=0.0, top_p=1.0, max_tokens=max_tokens,
+        sampling_params=cpb.SamplingParams(temperature=0.0, top_p=1.0, max_tokens=max_tokens,
                                            ignore_eos=True, repetition_penalty=1.0),
         eos_token_ids=[2])
 

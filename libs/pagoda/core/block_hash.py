@@ -36,6 +36,13 @@ def hash_block_tokens(
     return BlockHash(h.digest())
 
 
+def salt_keys(cache_salt: str | None) -> tuple[str] | None:
+    """The extra keys of a request's blocks: its cache salt, if it has one. Every
+    hasher (the scheduler's requests, the tokenizer's routing hashes) goes through
+    this, so a salt is keyed the same way everywhere."""
+    return (cache_salt,) if cache_salt else None
+
+
 def hash_request_tokens(
     token_ids: Sequence[int],
     block_size: int,

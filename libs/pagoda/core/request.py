@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from pagoda.core.block_hash import BlockHash, hash_request_tokens
+from pagoda.core.block_hash import BlockHash, hash_request_tokens, salt_keys
 from pagoda.messages import EngineCoreRequest, FinishReason
 from pagoda.sampling_params import SamplingParams
 
@@ -51,7 +51,7 @@ class Request:
         self.max_tokens = min(params.max_tokens, remaining) if params.max_tokens else remaining
         self._block_size = block_size
         self._hash_seed = hash_seed
-        self._extra_keys = _extra_keys(params)
+        self._extra_keys = salt_keys(core_request.cache_salt)
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()
 
@@ -101,10 +101,3 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, "
                 f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")
-
-
-def _extra_keys(params: SamplingParams) -> tuple | None:
-    """Keys that make equal token ids hash differently (e.g. a LoRA or a cache salt)."""
-    extra = params.extra_args or {}
-    salt = extra.get("cache_salt")
-    return (salt,) if salt else None

@@ -27,7 +27,8 @@ class LLMEngine:
         self._ids = itertools.count()
 
     def add_request(self, prompt: str | None, prompt_token_ids: list[int] | None,
-                    params: SamplingParams, request_id: str | None = None) -> str:
+                    params: SamplingParams, request_id: str | None = None,
+                    cache_salt: str | None = None) -> str:
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("Either a prompt or prompt_token_ids is required.")
@@ -42,7 +43,8 @@ class LLMEngine:
                 if params.n > 1 and params.seed is not None:
                     child_params = params.clone(seed=params.seed + index)
                 self.core.add_request(EngineCoreRequest(child_id, parent.prompt_token_ids,
-                                                        child_params, eos))
+                                                        child_params, eos,
+                                                        cache_salt=cache_salt))
         except ValueError:
             self.core.abort_requests(child_ids)
             for child_id in child_ids:

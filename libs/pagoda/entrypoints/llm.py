@@ -35,7 +35,8 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete each prompt: a string, a list of token ids, or a dict with
-        `prompt` or `prompt_token_ids`."""
+        `prompt` or `prompt_token_ids` (and optionally vLLM's `cache_salt`: prompts
+        with different salts never share prefix-cache blocks)."""
         items = [_normalize_prompt(p) for p in _as_prompt_list(prompts)]
         return self._run(items, sampling_params, use_tqdm)
 
@@ -54,18 +55,18 @@ class LLM:
             ids = apply_chat_template(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
                                       continue_final_message=continue_final_message,
                                       chat_template_kwargs=chat_template_kwargs)
-            items.append((tokenizer.decode(ids), ids))
+            items.append((tokenizer.decode(ids), ids, None))
         return self._run(items, sampling_params, use_tqdm)
 
-    def _run(self, items: list[tuple[str | None, list[int] | None]],
+    def _run(self, items: list[tuple[str | None, list[int] | None, str | None]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
              use_tqdm: bool) -> list[RequestOutput]:
         params_list = _params_per_prompt(sampling_params, len(items))
         engine = self.llm_engine
         order: dict[str, int] = {}
         try:
-            for i, ((prompt, ids), params) in enumerate(zip(items, params_list)):
-                order[engine.add_request(prompt, ids, params)] = i
+            for i, ((prompt, ids, salt), params) in enumerate(zip(items, params_list)):
+                order[engine.add_request(prompt, ids, params, cache_salt=salt)] = i
         except Exception:
             engine.abort_request(list(order))
             raise
@@ -87,17 +88,19 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return prompts
 
 
-def _normalize_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None]:
+def _normalize_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None, str | None]:
+    """(text, token ids, cache salt); text or ids may be None."""
     if isinstance(prompt, str):
-        return prompt, None
+        return prompt, None, None
     if isinstance(prompt, dict):
+        salt = prompt.get("cache_salt")
         if "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"]), salt
         if "prompt" in prompt:
-            return prompt["prompt"], None
+            return prompt["prompt"], None, salt
         raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
     if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-        return None, list(prompt)
+        return None, list(prompt), None
     raise ValueError(f"Unsupported prompt type: {type(prompt).__name__}")
 
 

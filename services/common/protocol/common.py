@@ -1,52 +1,15 @@
-"""Shared messages <-> engine dataclasses: sampling params, logprobs, finish reasons.
-
-Invariant: `sampling_params_from_proto(sampling_params_to_proto(p)) == p` for every
-valid `SamplingParams` (the proto uses doubles and `optional` where None matters).
-"""
+"""Shared messages <-> Python values: logprobs, finish reasons and free-form JSON
+(sampling params have their own module, `sampling_params`)."""
 
 from __future__ import annotations
 
-import json
+from collections.abc import Mapping
+from typing import Any
 
-from pagoda.services._proto.pagoda.common.v1 import common_pb2 as pb
 from pagoda.messages import FinishReason, LogprobsLists
-from pagoda.sampling_params import SamplingParams
+from pagoda.services._proto.pagoda.common.v1 import common_pb2 as pb
 
-# Fields copied verbatim (same name, scalar or repeated scalar, no None).
-_PLAIN_FIELDS = (
-    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
-    "top_p", "top_k", "min_p", "ignore_eos", "min_tokens", "include_stop_str_in_output",
-    "skip_special_tokens", "spaces_between_special_tokens",
-)
-_OPTIONAL_FIELDS = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
-
-
-def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
-    msg = pb.SamplingParams(**{name: getattr(params, name) for name in _PLAIN_FIELDS})
-    for name in _OPTIONAL_FIELDS:
-        value = getattr(params, name)
-        if value is not None:
-            setattr(msg, name, value)
-    msg.stop.extend(params.stop or [])
-    msg.stop_token_ids.extend(params.stop_token_ids or [])
-    if params.logit_bias:
-        for token_id, bias in params.logit_bias.items():
-            msg.logit_bias[int(token_id)] = float(bias)
-    if params.extra_args is not None:
-        msg.extra_args_json = json.dumps(params.extra_args)
-    return msg
-
-
-def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
-    """Rebuild (and so re-validate: raises ValueError) the engine's SamplingParams."""
-    kwargs = {name: getattr(msg, name) for name in _PLAIN_FIELDS}
-    for name in _OPTIONAL_FIELDS:
-        kwargs[name] = getattr(msg, name) if msg.HasField(name) else None
-    kwargs["stop"] = list(msg.stop)
-    kwargs["stop_token_ids"] = list(msg.stop_token_ids)
-    kwargs["logit_bias"] = dict(msg.logit_bias) or None
-    kwargs["extra_args"] = json.loads(msg.extra_args_json) if msg.extra_args_json else None
-    return SamplingParams(**kwargs)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def logprobs_to_proto(lists: LogprobsLists | None, out: pb.LogprobsLists | None = None
@@ -90,3 +53,53 @@ def finish_reason_to_proto(reason: FinishReason | None) -> int:
 
 def finish_reason_from_proto(value: int) -> FinishReason | None:
     return _FINISH_FROM_PROTO[value]
+
+
+def json_object_to_proto(value: Mapping[str, Any], out: pb.JsonObject | None = None
+                         ) -> pb.JsonObject:
+    """A JSON object (as `json.loads` gives it) -> JsonObject, key order kept. Fills
+    `out` (a message field) or a new message. Raises ValueError for a value JSON
+    cannot hold."""
+    msg = pb.JsonObject() if out is None else out
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise ValueError(f"JSON object keys must be strings, got {key!r}")
+        _json_value(item, msg.members.add(key=key).value)
+    return msg
+
+
+def json_object_from_proto(msg: pb.JsonObject) -> dict[str, Any]:
+    return {m.key: _json_from(m.value) for m in msg.members}
+
+
+def _json_value(value: Any, out: pb.JsonValue) -> None:
+    if value is None:
+        out.null_value = True
+    elif isinstance(value, bool):  # before int: a bool is an int in Python
+        out.bool_value = value
+    elif isinstance(value, int) and INT64_MIN <= value <= INT64_MAX:
+        out.integer_value = value
+    elif isinstance(value, (int, float)):
+        out.number_value = float(value)  # OverflowError past a double's range
+    elif isinstance(value, str):
+        out.string_value = value
+    elif isinstance(value, Mapping):
+        out.object_value.SetInParent()  # an empty object is still an object
+        json_object_to_proto(value, out.object_value)
+    elif isinstance(value, (list, tuple)):
+        out.array_value.SetInParent()  # an empty array is still an array
+        for item in value:
+            _json_value(item, out.array_value.values.add())
+    else:
+        raise ValueError(f"not a JSON value: {type(value).__name__}")
+
+
+def _json_from(msg: pb.JsonValue) -> Any:
+    kind = msg.WhichOneof("kind")
+    if kind == "object_value":
+        return json_object_from_proto(msg.object_value)
+    if kind == "array_value":
+        return [_json_from(v) for v in msg.array_value.values]
+    if kind == "null_value" or kind is None:
+        return None
+    return getattr(msg, kind)

@@ -1,11 +1,9 @@
-"""Scheduler -> kv-cache-manager messages (KV cache events), and the block hashes
-that routers look up in the index."""
+"""Scheduler -> kv-cache-manager messages (KV cache events)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
 from pagoda.services._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2 as pb
 from pagoda.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -53,20 +51,3 @@ def publish_request(instance_id: str, model: str, block_size: int, epoch: str,
         is_snapshot=snapshot is not None, snapshot_block_hashes=list(snapshot or ()),
     )
 
-
-def hash_blocks(request: cpb.HashBlocksRequest, prefix_hash_seed: str) -> cpb.HashBlocksResponse:
-    """A prompt's block hashes exactly as a scheduler's engine computes them (through
-    the engine's own `Request`, so the cache salt is keyed the same way). Raises
-    ValueError for a block size below 1."""
-    from pagoda.core.request import Request
-    from pagoda.messages import EngineCoreRequest
-    from pagoda.sampling_params import SamplingParams
-
-    if request.block_size < 1:
-        raise ValueError(f"block_size must be at least 1, got {request.block_size}")
-    salt = {"cache_salt": request.cache_salt} if request.cache_salt else None
-    core = EngineCoreRequest("hash-blocks", list(request.token_ids), SamplingParams(extra_args=salt))
-    engine_request = Request(core, request.block_size, prefix_hash_seed,
-                             max_model_len=len(request.token_ids) + 1)
-    return cpb.HashBlocksResponse(block_hashes=engine_request.block_hashes,
-                                  prefix_hash_seed=prefix_hash_seed)

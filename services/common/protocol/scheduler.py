@@ -10,14 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as pb
+from pagoda.core.block_hash import hash_request_tokens, salt_keys
 from pagoda.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as pb
 from pagoda.services.common.protocol.common import (
     extend_logprobs,
     finish_reason_from_proto,
     finish_reason_to_proto,
     logprobs_from_proto,
     logprobs_to_proto,
+)
+from pagoda.services.common.protocol.sampling_params import (
     sampling_params_from_proto,
     sampling_params_to_proto,
 )
@@ -31,11 +34,12 @@ def request_to_proto(req: EngineCoreRequest) -> pb.GenerateRequest:
         eos_token_ids=req.eos_token_ids,
         arrival_time=req.arrival_time,
         output_token_ids=req.output_token_ids,
+        cache_salt=req.cache_salt or "",
     )
 
 
 def request_from_proto(msg: pb.GenerateRequest) -> EngineCoreRequest:
-    """Raises ValueError if the sampling params are invalid."""
+    """The sampling params are not validated again (the gateway did)."""
     return EngineCoreRequest(
         request_id=msg.request_id,
         prompt_token_ids=list(msg.prompt_token_ids),
@@ -43,14 +47,13 @@ def request_from_proto(msg: pb.GenerateRequest) -> EngineCoreRequest:
         eos_token_ids=list(msg.eos_token_ids),
         arrival_time=msg.arrival_time,
         output_token_ids=list(msg.output_token_ids),
+        cache_salt=msg.cache_salt or None,
     )
 
 
-def outputs_to_responses(outputs: Sequence[EngineCoreOutput], num_prompt_tokens: int,
-                         num_output_tokens: int) -> list[pb.GenerateResponse]:
+def outputs_to_responses(outputs: Sequence[EngineCoreOutput]) -> list[pb.GenerateResponse]:
     """Coalesce one request's outputs (oldest first) into at most one chunk, plus
-    a `complete` if the last one finished. `num_output_tokens` counts every token
-    generated so far, these outputs included."""
+    a `complete` if the last one finished."""
     token_ids: list[int] = []
     logprobs: LogprobsLists | None = None
     prompt_logprobs: LogprobsLists | None = None
@@ -74,8 +77,6 @@ def outputs_to_responses(outputs: Sequence[EngineCoreOutput], num_prompt_tokens:
     if last.finished:
         complete = pb.GenerateComplete(
             finish_reason=finish_reason_to_proto(last.finish_reason),
-            num_prompt_tokens=num_prompt_tokens,
-            num_output_tokens=num_output_tokens,
             num_cached_tokens=last.num_cached_tokens,
         )
         if isinstance(last.stop_reason, int):
@@ -107,3 +108,14 @@ def response_to_output(request_id: str, msg: pb.GenerateResponse) -> EngineCoreO
         stop_reason=c.stop_token_id if c.HasField("stop_token_id") else None,
         num_cached_tokens=c.num_cached_tokens,
     )
+
+
+def hash_blocks(request: pb.HashBlocksRequest, prefix_hash_seed: str) -> pb.HashBlocksResponse:
+    """A prompt's block hashes exactly as the engine's `Request` computes them (the
+    same library function, the salt keyed by `salt_keys`). Raises ValueError for a
+    block size below 1."""
+    if request.block_size < 1:
+        raise ValueError(f"block_size must be at least 1, got {request.block_size}")
+    hashes = hash_request_tokens(list(request.token_ids), request.block_size, prefix_hash_seed,
+                                 salt_keys(request.cache_salt))
+    return pb.HashBlocksResponse(block_hashes=hashes, prefix_hash_seed=prefix_hash_seed)

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as pb
 from pagoda.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from pagoda.services.common.protocol.common import (
-    logprobs_from_proto,
-    logprobs_to_proto,
+from pagoda.services.common.protocol.common import logprobs_from_proto, logprobs_to_proto
+from pagoda.services.common.protocol.sampling_params import (
     sampling_params_from_proto,
     sampling_params_to_proto,
 )

@@ -46,8 +46,7 @@ class FakeScheduler(spb_grpc.SchedulerServiceServicer):
             time.sleep(0.002)
         done.set()
         yield spb.GenerateResponse(complete=spb.GenerateComplete(
-            finish_reason=cpb.FINISH_REASON_LENGTH, num_prompt_tokens=len(request.prompt_token_ids),
-            num_output_tokens=n))
+            finish_reason=cpb.FINISH_REASON_LENGTH))
 
     def GetModelInfo(self, request, context):
         return spb.GetModelInfoResponse(model="/models/fake", max_model_len=MAX_MODEL_LEN,

@@ -39,7 +39,7 @@ class ScriptedReplica(spb_grpc.SchedulerServiceServicer):
         self.num_served += 1
         yield spb.GenerateResponse(chunk=spb.GenerateChunk(token_ids=[504, 505, 506]))
         yield spb.GenerateResponse(complete=spb.GenerateComplete(
-            finish_reason=cpb.FINISH_REASON_LENGTH, num_prompt_tokens=2, num_output_tokens=3))
+            finish_reason=cpb.FINISH_REASON_LENGTH))
 
     def GetModelInfo(self, request, context):
         return spb.GetModelInfoResponse(model="m", max_model_len=256, block_size=16,

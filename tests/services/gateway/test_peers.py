@@ -15,7 +15,7 @@ import pytest
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
-from pagoda.services.common.protocol.kv_events import hash_blocks
+from pagoda.services.common.protocol.scheduler import hash_blocks
 from pagoda.services.common.redis_server import free_port
 from pagoda.services.gateway.peers import Peers
 from pagoda.services.gateway.router_discovery import (Discovery, Target,
@@ -24,7 +24,8 @@ from pagoda.services.tokenizer.servicer import TokenizerServicer
 
 
 class TinyTokenizer:
-    """Enough of an HF tokenizer for GetTokenizerInfo (HashBlocks needs none)."""
+    """Enough of an HF tokenizer for GetTokenizerInfo (hashing a prompt given as ids
+    needs none)."""
 
     chat_template = None
 

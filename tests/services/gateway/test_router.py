@@ -41,7 +41,8 @@ class FakeIndex:
         self.blocks = blocks
         self.calls = 0
 
-    async def lookup(self, tokenizer_stub, token_ids, cache_salt, model, block_size):
+    async def lookup(self, tokenizer_stub, token_ids, block_hashes, cache_salt, model,
+                     block_size):
         self.calls += 1
         if self.blocks is None:
             return None

@@ -1,40 +1,97 @@
-"""Proto <-> engine dataclass conversions survive the round trip unchanged."""
+"""Proto <-> engine dataclass conversions survive the round trip unchanged.
+
+The sampling-params test builds its values from `dataclasses.fields(SamplingParams)`,
+each different from the field's default, so a field the wire forgets fails here
+instead of silently arriving as its default.
+"""
 
 from __future__ import annotations
 
+import typing
+from dataclasses import MISSING, fields
+
 import pytest
 
+from pagoda.core.block_hash import hash_request_tokens, salt_keys
 from pagoda.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from pagoda.core.request import Request
 from pagoda.messages import (CachedRequestData, EngineCoreOutput, EngineCoreRequest, FinishReason,
                              LogprobsLists, ModelRunnerOutput, NewRequestData, SchedulerOutput)
-from pagoda.services.common.protocol.common import sampling_params_from_proto, sampling_params_to_proto
-from pagoda.services.common.protocol.kv_events import kv_event_from_proto, kv_event_to_proto
-from pagoda.services.common.protocol.scheduler import (outputs_to_responses, request_from_proto,
-                                       request_to_proto, response_to_output)
-from pagoda.services.common.protocol.worker import (model_runner_output_from_proto, model_runner_output_to_proto,
-                                    scheduler_output_from_proto, scheduler_output_to_proto)
 from pagoda.sampling_params import SamplingParams
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
+from pagoda.services.common.protocol.kv_events import kv_event_from_proto, kv_event_to_proto
+from pagoda.services.common.protocol.sampling_params import (ENGINE_FIELDS, GATEWAY_ONLY,
+                                                             TEXT_FIELDS, decode_options_to_proto,
+                                                             sampling_params_from_proto,
+                                                             sampling_params_to_proto)
+from pagoda.services.common.protocol.scheduler import (hash_blocks, outputs_to_responses,
+                                                       request_from_proto, request_to_proto,
+                                                       response_to_output)
+from pagoda.services.common.protocol.worker import (model_runner_output_from_proto,
+                                                    model_runner_output_to_proto,
+                                                    scheduler_output_from_proto,
+                                                    scheduler_output_to_proto)
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(),
-    SamplingParams(temperature=0.7, top_p=0.93, top_k=40, min_p=0.05, seed=1234567890123,
-                   stop=["\n\n", "END"], stop_token_ids=[2, 7], ignore_eos=True, max_tokens=None,
-                   min_tokens=3, logprobs=0, prompt_logprobs=5, presence_penalty=-1.5,
-                   frequency_penalty=0.3, repetition_penalty=1.1,
-                   include_stop_str_in_output=True, skip_special_tokens=False,
-                   spaces_between_special_tokens=False, logit_bias={5: -100.0, 9: 2.5},
-                   extra_args={"cache_salt": "abc", "k": [1, 2]}),
-])
-def test_sampling_params_round_trip(params):
-    assert sampling_params_from_proto(sampling_params_to_proto(params)) == params
+def _non_default(name: str, hint, default):
+    """A valid value of the field's type that differs from its default."""
+    args = set(typing.get_args(hint)) - {type(None)}
+    if hint is bool:
+        return not default
+    if hint is float:
+        return default / 2 if default else 0.25
+    if hint is int or args == {int}:
+        return (default or 0) + 3
+    if list[str] in args:
+        return ["\n\n", "END"]
+    if list[int] in args:
+        return [2, 7]
+    if dict[int, float] in args:
+        return {5: -100.0, 9: 2.5}
+    raise AssertionError(f"teach this test a non-default value for {name}: {hint}")
 
 
-def test_invalid_sampling_params_are_rejected_on_arrival():
+def every_field_set() -> SamplingParams:
+    hints = typing.get_type_hints(SamplingParams)
+    values = {}
+    for f in fields(SamplingParams):
+        assert f.default is not MISSING
+        values[f.name] = _non_default(f.name, hints[f.name], f.default)
+    params = SamplingParams(**values)
+    defaults = SamplingParams()
+    unchanged = [f.name for f in fields(params)
+                 if getattr(params, f.name) == getattr(defaults, f.name)]
+    assert not unchanged, f"fields left at their defaults: {unchanged}"
+    return params
+
+
+def test_every_sampling_field_travels_to_the_service_that_reads_it():
+    params = every_field_set()
+    engine = sampling_params_from_proto(sampling_params_to_proto(params))
+    for name in ENGINE_FIELDS:  # the scheduler's and the worker's
+        assert getattr(engine, name) == getattr(params, name), name
+    options = decode_options_to_proto([1, 2], params)  # the tokenizer's
+    for name in TEXT_FIELDS:
+        assert getattr(options, name) == getattr(params, name), name
+    everything = {f.name for f in fields(SamplingParams)}
+    assert set(ENGINE_FIELDS) | set(TEXT_FIELDS) | GATEWAY_ONLY == everything
+    # Nothing travels where it is not read: the scheduler never sees stop strings.
+    assert "stop" not in ENGINE_FIELDS and "n" not in set(ENGINE_FIELDS) | set(TEXT_FIELDS)
+
+
+def test_unset_optional_fields_stay_unset():
+    params = SamplingParams(max_tokens=None, seed=None, logprobs=None, logit_bias=None)
+    back = sampling_params_from_proto(sampling_params_to_proto(params))
+    assert back == params
+    assert (back.max_tokens, back.seed, back.logprobs, back.logit_bias) == (None, None, None, None)
+    zero = sampling_params_from_proto(sampling_params_to_proto(SamplingParams(seed=0, logprobs=0)))
+    assert (zero.seed, zero.logprobs) == (0, 0)  # zero is a value, not "unset"
+
+
+def test_the_wire_does_not_validate_again():
     msg = sampling_params_to_proto(SamplingParams())
-    msg.top_p = 0.0
-    with pytest.raises(ValueError, match="top_p"):
-        sampling_params_from_proto(msg)
+    msg.top_p = 0.0  # invalid, but the gateway is the one that checks
+    assert sampling_params_from_proto(msg).top_p == 0.0
 
 
 def test_scheduler_output_round_trip_keeps_order():
@@ -57,9 +114,15 @@ def test_model_runner_output_round_trip():
     assert model_runner_output_from_proto(model_runner_output_to_proto(out)) == out
 
 
-def test_request_round_trip():
-    req = EngineCoreRequest("r-1", [1, 2, 3], SamplingParams(max_tokens=5), [0], 123.5, [4])
-    assert request_from_proto(request_to_proto(req)) == req
+@pytest.mark.parametrize("salt", [None, "tenant-7"])
+def test_request_round_trip(salt):
+    req = EngineCoreRequest("r-1", [1, 2, 3], SamplingParams(max_tokens=5, stop=["x"]), [0], 123.5,
+                            [4], cache_salt=salt)
+    back = request_from_proto(request_to_proto(req))
+    assert back.cache_salt == salt
+    # Everything the engine reads arrives; the stop strings stay with the gateway.
+    assert back == EngineCoreRequest("r-1", [1, 2, 3], SamplingParams(max_tokens=5), [0], 123.5,
+                                     [4], cache_salt=salt)
 
 
 def test_outputs_coalesce_into_one_chunk_then_complete():
@@ -68,7 +131,7 @@ def test_outputs_coalesce_into_one_chunk_then_complete():
     outs = [EngineCoreOutput("r", [3], new_logprobs=lp1, num_cached_tokens=16),
             EngineCoreOutput("r", [4], new_logprobs=lp2, num_cached_tokens=16,
                              finish_reason=FinishReason.STOP, stop_reason=4)]
-    responses = outputs_to_responses(outs, num_prompt_tokens=20, num_output_tokens=2)
+    responses = outputs_to_responses(outs)
     assert [r.WhichOneof("response") for r in responses] == ["chunk", "complete"]
     chunk = response_to_output("r", responses[0])
     assert chunk.new_token_ids == [3, 4] and not chunk.finished
@@ -76,11 +139,30 @@ def test_outputs_coalesce_into_one_chunk_then_complete():
     done = response_to_output("r", responses[1])
     assert done.finish_reason == FinishReason.STOP and done.stop_reason == 4
     assert done.num_cached_tokens == 16 and done.new_token_ids == []
-    assert responses[1].complete.num_output_tokens == 2
 
 
 def test_empty_partial_prefill_output_sends_nothing():
-    assert outputs_to_responses([EngineCoreOutput("r", [])], 10, 0) == []
+    assert outputs_to_responses([EngineCoreOutput("r", [])]) == []
+
+
+@pytest.mark.parametrize("salt", ["", "tenant-7"])
+def test_hash_blocks_equals_the_engine_requests_hashes(salt):
+    ids = list(range(40))
+    engine = Request(EngineCoreRequest("r", ids, SamplingParams(), cache_salt=salt or None), 16,
+                     "seed", max_model_len=100)
+    reply = hash_blocks(spb.HashBlocksRequest(token_ids=ids, block_size=16, cache_salt=salt),
+                        "seed")
+    assert list(reply.block_hashes) == engine.block_hashes and len(engine.block_hashes) == 2
+    assert engine.block_hashes == hash_request_tokens(ids, 16, "seed", salt_keys(salt))
+    unsalted = hash_request_tokens(ids, 16, "seed")
+    assert (engine.block_hashes == unsalted) == (salt == "")
+    with pytest.raises(ValueError, match="block_size"):
+        hash_blocks(spb.HashBlocksRequest(token_ids=ids, block_size=0), "seed")
+
+
+def test_decode_options_carry_the_prompt_and_the_stop_strings():
+    options = decode_options_to_proto([7, 8], SamplingParams(stop="END", temperature=0.5))
+    assert list(options.prompt_token_ids) == [7, 8] and list(options.stop) == ["END"]
 
 
 @pytest.mark.parametrize("event", [

@@ -1,0 +1,105 @@
+"""`SamplingParams` on the wire: the one place that converts it, by field name.
+
+A request's params are validated once, at the gateway, then split by reader:
+
+    SamplingParams ─┬─ engine fields ─► common.v1.SamplingParams ─► scheduler ─► worker
+                    ├─ text fields ───► tokenizer.v1.DecodeOptions ─► tokenizer
+                    └─ n ─────────────► (the gateway's fan-out; never sent)
+
+Which field goes where is read from the proto messages themselves: a
+`SamplingParams` field travels in every message that has a field of the same
+name. So a new sampling parameter needs its dataclass field and a proto field,
+and no code here. Invariant (checked on import): every dataclass field is in the
+engine message, in `DecodeOptions`, or in `GATEWAY_ONLY`, so a field that no
+message carries fails loudly instead of silently staying at its default.
+
+Decoding does not validate again (`SamplingParams.from_validated`): the gateway
+did, and every later hop trusts it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import fields
+from typing import Any
+
+from google.protobuf.message import Message
+
+from pagoda.sampling_params import SamplingParams
+from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
+from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
+
+# Read by the gateway alone: it fans `n` out into n requests of n = 1.
+GATEWAY_ONLY = frozenset({"n"})
+
+
+def _carried_by(message: type[Message]) -> tuple[str, ...]:
+    names = message.DESCRIPTOR.fields_by_name
+    return tuple(f.name for f in fields(SamplingParams) if f.name in names)
+
+
+ENGINE_FIELDS = _carried_by(cpb.SamplingParams)  # the scheduler's and the worker's
+TEXT_FIELDS = _carried_by(tpb.DecodeOptions)  # the tokenizer's
+
+
+def _check_every_field_is_sent() -> None:
+    unsent = {f.name for f in fields(SamplingParams)} - set(ENGINE_FIELDS) - set(TEXT_FIELDS) \
+        - GATEWAY_ONLY
+    if unsent:
+        raise RuntimeError(f"SamplingParams fields no message carries: {sorted(unsent)}; add "
+                           f"them to common.v1.SamplingParams or tokenizer.v1.DecodeOptions")
+
+
+_check_every_field_is_sent()
+
+
+def _fill(msg: Message, params: SamplingParams, names: Sequence[str]) -> None:
+    """Copy the named fields into `msg`; None stays unset (an `optional` field's
+    "none", an empty list or map)."""
+    for name in names:
+        value = getattr(params, name)
+        if value is None:
+            continue
+        if isinstance(value, dict):
+            getattr(msg, name).update(value)
+        elif isinstance(value, list):
+            getattr(msg, name).extend(value)
+        else:
+            setattr(msg, name, value)
+
+
+def _read(msg: Message, names: Sequence[str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for name in names:
+        descriptor = msg.DESCRIPTOR.fields_by_name[name]
+        value = getattr(msg, name)
+        if descriptor.is_repeated:
+            is_map = descriptor.message_type is not None \
+                and descriptor.message_type.GetOptions().map_entry
+            values[name] = dict(value) if is_map else list(value)
+        elif descriptor.has_presence and not msg.HasField(name):
+            values[name] = None
+        else:
+            values[name] = value
+    return values
+
+
+def sampling_params_to_proto(params: SamplingParams) -> cpb.SamplingParams:
+    """The engine fields (what the scheduler and its worker read)."""
+    msg = cpb.SamplingParams()
+    _fill(msg, params, ENGINE_FIELDS)
+    return msg
+
+
+def sampling_params_from_proto(msg: cpb.SamplingParams) -> SamplingParams:
+    """The engine's params, not validated again; fields the engine never reads (the
+    text fields, n) keep their defaults."""
+    return SamplingParams.from_validated(**_read(msg, ENGINE_FIELDS))
+
+
+def decode_options_to_proto(prompt_token_ids: Sequence[int], params: SamplingParams
+                            ) -> tpb.DecodeOptions:
+    """The text fields (what the tokenizer's decoder reads), with the prompt."""
+    msg = tpb.DecodeOptions(prompt_token_ids=prompt_token_ids)
+    _fill(msg, params, TEXT_FIELDS)
+    return msg
