@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.services.common.redis_server import free_port
 
-URL_RE = re.compile(r"Pagoda is serving .* at (http://\S+/v1)")
+URL_RE = re.compile(r"Pagoda is serving .* at (https?://\S+/v1)")
 CLI_MODULE = "pagoda.services.cli.main"
 
 

@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagoda.services.gateway.errors import error_body
+from pagoda.services.gateway.serving_options import route_path
 
 GUARDED_PREFIX = "/v1/"
 
@@ -36,7 +37,7 @@ class APIKeyMiddleware:
 
     def _needs_key(self, scope: Scope) -> bool:
         return (bool(self.state.api_key) and scope["method"] != "OPTIONS"
-                and scope["path"].startswith(GUARDED_PREFIX))
+                and route_path(scope).startswith(GUARDED_PREFIX))
 
     def _authorized(self, scope: Scope) -> bool:
         header = None

@@ -31,6 +31,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 
 from pagoda import tracing
 from pagoda.metrics.aggregate import render
+from pagoda.services.gateway.serving_options import route_path
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
           "/health", "/metrics", "/version")
@@ -117,7 +118,7 @@ class ObservabilityMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        route, method = route_of(scope["path"]), scope["method"]
+        route, method = route_of(route_path(scope)), scope["method"]
         status, completed = 500, False
         span, token = self._start_span(scope, route, method)
 

@@ -150,7 +150,10 @@ def uvicorn_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The flags as `uvicorn.run` keyword arguments."""
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together")
-    kwargs: dict[str, Any] = {"log_level": args.uvicorn_log_level,
+    # log_config None: uvicorn's loggers (access lines too) go through the service's
+    # logging, to stderr in Pagoda's format (or the user's VLLM_LOGGING_CONFIG_PATH);
+    # uvicorn's own config would send access lines to stdout, which `pagoda serve` drops.
+    kwargs: dict[str, Any] = {"log_level": args.uvicorn_log_level, "log_config": None,
                               "access_log": not args.disable_uvicorn_access_log}
     if args.ssl_keyfile:
         kwargs.update(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
@@ -158,6 +161,15 @@ def uvicorn_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if args.root_path:
         kwargs["root_path"] = args.root_path
     return kwargs
+
+
+def route_path(scope: dict) -> str:
+    """The request's path as the app routes it. With --root-path, uvicorn puts the
+    prefix in front of `scope["path"]` (`/proxy/v1/models`); middleware that matches
+    paths (the API-key guard, metrics) must strip it as Starlette's router does, or
+    `/v1/...` would not match and the API key would not be asked for."""
+    path, root = scope["path"], scope.get("root_path") or ""
+    return path[len(root):] or "/" if root and path.startswith(root) else path
 
 
 def gateway_flags(args: argparse.Namespace) -> list[str]:
