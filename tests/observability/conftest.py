@@ -49,7 +49,8 @@ def cluster(tiny_llama_dir, collector):
     """All five services (and a private Redis) exporting traces to `collector` quickly."""
     serve = ServeProcess([tiny_llama_dir, "--served-model-name", "tiny", "--dtype", "float32",
                    "--max-model-len", "1024", "--otlp-traces-endpoint", collector.endpoint,
-                   "--log-stats-interval", "1"],
+                   "--log-stats-interval", "1",
+                   "--enable-prompt-tokens-details"],  # usage's cached tokens vs the metrics
                   env={"OTEL_BSP_SCHEDULE_DELAY": "100"})
     yield serve
     code = serve.stop()
