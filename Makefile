@@ -9,7 +9,7 @@ PORT      ?= 8000
 MODEL     ?=
 PYTEST_ARGS ?=
 
-.PHONY: install proto run test test-fast bench bench-routing dashboards clean
+.PHONY: install proto run test test-fast bench bench-routing bench-peers dashboards clean
 
 install: $(STAMP)
 
@@ -41,6 +41,10 @@ bench: install
 
 bench-routing: install
 	$(VENV)/bin/pagoda bench routing
+
+# Pagoda vs llama.cpp side by side (builds llama.cpp once, ~6 min); a benchmark, not a test.
+bench-peers: install
+	$(PY) benchmarks/peers.py
 
 dashboards: install
 	$(PY) tools/gen_dashboards.py

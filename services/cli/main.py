@@ -27,6 +27,7 @@ COMMAND_MODULES = [
 ]
 BENCH_MODULES = [
     "pagoda.bench.throughput",  # pagoda bench throughput
+    "pagoda.bench.latency",     # pagoda bench latency
     "pagoda.services.bench.serve",       # pagoda bench serve
     "pagoda.services.bench.routing",     # pagoda bench routing
 ]

@@ -127,12 +127,13 @@ def test_bench_serve_prints_one_json_line(tiny_cluster):
         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["completed"] == 6 and result["errors"] == 0
-    for key in ("output_tokens_per_s", "requests_per_s", "mean_ttft_ms", "p50_ttft_ms",
-                "p99_ttft_ms", "mean_tpot_ms", "p50_tpot_ms", "p99_tpot_ms"):
+    assert result["completed"] == 6 and result["failed"] == 0
+    for key in ("output_throughput", "request_throughput", "mean_ttft_ms", "median_ttft_ms",
+                "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms"):
         assert result[key] > 0
     # ignore_eos: every request produced exactly the asked number of tokens.
-    assert result["output_tokens_per_s"] == pytest.approx(6 * 8 / result["elapsed_s"], rel=0.01)
+    assert result["total_output_tokens"] == 6 * 8
+    assert result["base_url"] == tiny_cluster.url[:-3] and result["model_id"] == "tiny"
 
 
 def test_client_disconnect_aborts_the_request(tiny_cluster):
