@@ -12,15 +12,11 @@ from __future__ import annotations
 # flag (without "--") -> why Pagoda has no such thing (shown after the flag's name).
 UNSUPPORTED = {
     # models and weights
-    "quantization": "quantized checkpoints are not implemented; Pagoda loads bf16/fp16/fp32 "
-                    "safetensors and GGUF",
     "load-format": "Pagoda reads safetensors directories and GGUF files only",
-    "download-dir": "Pagoda loads local models only and never downloads",
-    "revision": "Pagoda loads local models only (no hub revisions)",
     "code-revision": "Pagoda runs no remote code",
-    "tokenizer-revision": "Pagoda loads local tokenizers only",
     "tokenizer-mode": "Pagoda always uses the model's fast (HF) tokenizer",
-    "hf-token": "Pagoda loads local models only and never contacts a hub",
+    "hf-token": "set the HF_TOKEN environment variable instead (a token on the command "
+                "line is visible to every user of the machine)",
     "hf-overrides": "config overrides are not implemented",
     "hf-config-path": "the model folder's config.json is always used",
     "config-format": "the model folder's config.json is always used",
@@ -33,8 +29,7 @@ UNSUPPORTED = {
     "max-seq-len-to-capture": "CUDA graphs cover Pagoda's own decode batch sizes",
     "cuda-graph-sizes": "CUDA graphs cover Pagoda's own decode batch sizes",
     "compilation-config": "Pagoda does not use torch.compile",
-    "kv-cache-dtype": "the KV cache uses the model dtype",
-    "calculate-kv-scales": "the KV cache uses the model dtype",
+    "calculate-kv-scales": "dynamic KV-cache scales are not implemented",
     "cpu-offload-gb": "weight offloading is not implemented",
     "swap-space": "preempted requests are recomputed, never swapped",
     "kv-transfer-config": "disaggregated prefill is not implemented",
@@ -58,7 +53,6 @@ UNSUPPORTED = {
     "chat-template-content-format": "message contents are always flattened to strings",
     "response-role": "the response role is always 'assistant'",
     # parallelism and platform
-    "enable-expert-parallel": "mixture-of-experts models are not implemented",
     "data-parallel-address": "data-parallel replicas of `pagoda serve` run on one machine "
                              "(use the Helm chart across machines)",
     "data-parallel-rpc-port": "data-parallel replicas of `pagoda serve` run on one machine",

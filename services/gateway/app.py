@@ -25,6 +25,7 @@ from pagoda.services.gateway.middleware import HttpOptions, install_http_middlew
 from pagoda.services.gateway.peers import Peers
 from pagoda.services.gateway.router import DEFAULT_POLICY
 from pagoda.services.gateway.router_context import RoutingHeaderMiddleware
+from pagoda.services.gateway.serving_options import ServingOptions
 from pagoda.services.gateway.state import GatewayState
 
 
@@ -122,10 +123,13 @@ def create_app(tokenizer_addr: str, scheduler_addrs: list[str],
                kv_cache_manager_addr: str | None = None,
                peer_metrics: list[PeerMetrics] | None = None,
                http_options: HttpOptions | None = None, router: str = DEFAULT_POLICY,
-               on_fatal: Callable[[str], None] | None = None) -> FastAPI:
+               on_fatal: Callable[[str], None] | None = None,
+               options: ServingOptions | None = None) -> FastAPI:
     """`router`: the routing policy; `on_fatal`: called if the cluster cannot be
-    served correctly (block hashes disagree at start-up)."""
-    state = GatewayState(None, list(served_model_names or []), api_key)
+    served correctly (block hashes disagree at start-up); `options`: vLLM's serving
+    flags (serving_options.py; default: vLLM's defaults)."""
+    state = GatewayState(None, list(served_model_names or []), api_key,
+                         options or ServingOptions())
     return build_app(state, lambda: Peers(tokenizer_addr, scheduler_addrs, router,
                                           on_fatal=on_fatal),
                      peer_metrics, kv_cache_manager_addr, http_options)

@@ -15,13 +15,14 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagoda.config import DEFAULT_MAX_LOGPROBS
 from pagoda.sampling_params import SamplingParams
 from pagoda.services.gateway.errors import APIError
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # vLLM's default --max-logprobs: the most top logprobs a request may ask for.
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = DEFAULT_MAX_LOGPROBS
 # OpenAI's limit on `n` (also keeps one request from flooding a scheduler).
 MAX_N = 128
 # OpenAI's (and vLLM's) bound on a logit bias.
@@ -83,8 +84,9 @@ class SamplingFields(_Body):
         return self.prompt_logprobs
 
     # ------------------------------------------------------------ validation
-    def check_common(self) -> None:
-        """What pydantic's types cannot say; raises APIError (400)."""
+    def check_common(self, max_logprobs: int = MAX_LOGPROBS) -> None:
+        """What pydantic's types cannot say; raises APIError (400). `max_logprobs`:
+        the gateway's --max-logprobs (-1: no limit)."""
         if not 1 <= self.n <= MAX_N:
             raise APIError(f"n must be between 1 and {MAX_N}, got {self.n}.", param="n")
         if self.stream_options is not None and not self.stream:
@@ -92,9 +94,9 @@ class SamplingFields(_Body):
                            param="stream_options")
         for name, value in (("logprobs", self.num_logprobs()),
                             ("prompt_logprobs", self.prompt_logprobs)):
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            if value is not None and (value < 0 or -1 < max_logprobs < value):
                 raise APIError(f"Requested {name} of {value}; it must be between 0 and the "
-                               f"maximum allowed, {MAX_LOGPROBS}.", param=name)
+                               f"maximum allowed, {max_logprobs}.", param=name)
         if self.prompt_logprobs is not None and self.stream:
             raise APIError("`prompt_logprobs` are not available when `stream=True`.",
                            param="prompt_logprobs")
@@ -154,8 +156,8 @@ class CompletionRequest(SamplingFields):
             return self.logprobs
         return self.prompt_logprobs
 
-    def check_common(self) -> None:
-        super().check_common()
+    def check_common(self, max_logprobs: int = MAX_LOGPROBS) -> None:
+        super().check_common(max_logprobs)
         if self.suffix is not None:
             raise APIError("suffix is not currently supported.", param="suffix")
         if self.max_tokens == 0 and not self.echo:
@@ -184,14 +186,14 @@ class ChatCompletionRequest(SamplingFields):
             return self.max_completion_tokens
         return self.max_tokens
 
-    def check_common(self) -> None:
+    def check_common(self, max_logprobs: int = MAX_LOGPROBS) -> None:
         if self.top_logprobs is not None:
             if self.top_logprobs < 0:
                 raise APIError("`top_logprobs` must be a positive value.", param="top_logprobs")
             if self.top_logprobs > 0 and not self.logprobs:
                 raise APIError("When using `top_logprobs`, `logprobs` must be set to true.",
                                param="top_logprobs")
-        super().check_common()
+        super().check_common(max_logprobs)
         if isinstance(self.tool_choice, dict) or self.tool_choice == "required":
             raise APIError("Only tool_choice 'none' and 'auto' are supported (no tool-call "
                            "parser or structured output yet).", param="tool_choice")

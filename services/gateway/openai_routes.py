@@ -33,13 +33,15 @@ DISCONNECT_POLL_S = 0.5
 async def create_completion(body: CompletionRequest, request: Request):
     state: GatewayState = request.app.state.gateway
     model = state.check_model(body.model)
-    body.check_common()
+    body.check_common(state.options.max_logprobs)
     prompts = await tokenize_prompts(state, body.prompt, body.cache_salt)
     if body.echo:
         await fill_prompt_texts(state, prompts, body.skip_special_tokens)
     rid, unique = _request_id(request, "cmpl")
-    gen = Generation(state.peers, rid, prompts, body, body.max_tokens, "prompt", unique,
+    max_tokens = state.fill_defaults(body, body.max_tokens, prompts)  # --generation-config
+    gen = Generation(state.peers, rid, prompts, body, max_tokens, "prompt", unique,
                      echo_only=body.echo and body.max_tokens == 0)
+    state.options.on_generation(gen)  # usage details, request log
     head = ResponseHeader(gen.request_id, model)
     fmt = LogprobsFormat(body.num_logprobs(), body.return_tokens_as_token_ids)
     echoes = [p.text or "" for p in prompts] if body.echo else None
@@ -55,7 +57,7 @@ async def create_completion(body: CompletionRequest, request: Request):
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state: GatewayState = request.app.state.gateway
     model = state.check_model(body.model)
-    body.check_common()
+    body.check_common(state.options.max_logprobs)
     messages, chat = chat_input(body.messages, body.add_generation_prompt,
                                 body.continue_final_message, body.chat_template_kwargs,
                                 body.tools)
@@ -63,8 +65,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         chat=chat, block_size=state.peers.routing_block_size(), cache_salt=body.cache_salt or ""))
     rid, unique = _request_id(request, "chatcmpl")
     prompt = Prompt(list(reply.token_ids), reply.prompt, _hashes(reply))
-    gen = Generation(state.peers, rid, [prompt], body, body.requested_max_tokens(), "messages",
-                     unique)
+    max_tokens = state.fill_defaults(body, body.requested_max_tokens(), [prompt])
+    gen = Generation(state.peers, rid, [prompt], body, max_tokens, "messages", unique)
+    state.options.on_generation(gen)
     head = ResponseHeader(gen.request_id, model)
     fmt = LogprobsFormat(body.num_logprobs(), body.return_tokens_as_token_ids)
     echo = _chat_echo(messages) if body.echo else ""
@@ -204,7 +207,8 @@ async def stream_response(gen: Generation, renderer: ChunkRenderer, body: Sampli
     """
     deltas = gen.deltas()
     first = await until_disconnected(anext(deltas), request)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage
+                         or request.app.state.gateway.options.enable_force_include_usage)
 
     async def events() -> AsyncIterator[bytes]:
         try:

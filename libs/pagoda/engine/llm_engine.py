@@ -33,6 +33,7 @@ class LLMEngine:
             if prompt is None:
                 raise ValueError("Either a prompt or prompt_token_ids is required.")
             prompt_token_ids = self.tokenizer.encode(prompt)
+        check_logprobs_limit(params, self.config.max_logprobs)
         request_id = request_id or str(next(self._ids))
         parent = ParentRequest(request_id, prompt, list(prompt_token_ids), params)
         child_ids = self.output_processor.add_request(parent)
@@ -66,3 +67,12 @@ class LLMEngine:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+
+def check_logprobs_limit(params: SamplingParams, max_logprobs: int) -> None:
+    """vLLM's `--max-logprobs`: ValueError naming the limit (-1: no limit)."""
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and max_logprobs != -1 and value > max_logprobs:
+            raise ValueError(f"Requested {name} of {value}, which is greater than the "
+                             f"maximum allowed, {max_logprobs} (--max-logprobs).")

@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.generation_config import load_generation_defaults, parse_override
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -27,6 +28,14 @@ class LLM:
         args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
                           enable_prefix_caching=enable_prefix_caching, seed=seed, **kwargs)
         self.llm_engine = LLMEngine(args)
+        self.generation_defaults = load_generation_defaults(
+            self.llm_engine.config.model, args.generation_config,
+            parse_override(args.override_generation_config))
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate`/`chat` use without sampling params: vLLM's defaults, with the
+        model's generation config laid over them (`generation_config="vllm"`: none)."""
+        return SamplingParams(**self.generation_defaults)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
@@ -61,6 +70,8 @@ class LLM:
     def _run(self, items: list[tuple[str | None, list[int] | None, str | None]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
              use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = _params_per_prompt(sampling_params, len(items))
         engine = self.llm_engine
         order: dict[str, int] = {}

@@ -98,8 +98,8 @@ def test_run_batch_gets_its_required_files_from_the_config(tmp_path):
 
 @pytest.mark.parametrize("text,expected", [
     ("max-modle-len: 10\n", "unknown key 'max-modle-len': pagoda serve has no --max-modle-len"),
-    ("quantization: awq\n", "key 'quantization' (vLLM's --quantization) is not supported by "
-                            "Pagoda: quantized checkpoints"),
+    ("enable_lora: true\n", "key 'enable_lora' (vLLM's --enable-lora) is not supported by "
+                            "Pagoda: LoRA adapters"),
     ("enforce-eager: maybe\n", "key 'enforce-eager' is a switch; give true or false"),
     ("port: eighty\n", "argument --port: invalid int value: 'eighty'"),
     ("dtype: int4\n", "argument --dtype: invalid choice: 'int4'"),
