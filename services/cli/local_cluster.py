@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -43,6 +44,8 @@ class ServiceProcess:
     argv: list[str]
     address: str  # host:port
     http_health: bool = False  # gateway: GET /health; others: gRPC health
+    # The gateway serves HTTPS (--ssl-certfile): the health check's TLS context.
+    http_ssl: ssl.SSLContext | None = None
     kind: str = ""  # the command (SERVICE_ORDER); defaults to the name
     replica: int | None = None  # which model replica a scheduler/gpu-worker belongs to
     process: subprocess.Popen | None = None
@@ -57,8 +60,10 @@ class ServiceProcess:
 
     def is_healthy(self) -> bool:
         if self.http_health:
+            scheme = "https" if self.http_ssl is not None else "http"
             try:
-                return httpx.get(f"http://{self.address}/health", timeout=2.0).status_code == 200
+                return httpx.get(f"{scheme}://{self.address}/health", timeout=2.0,
+                                 verify=self.http_ssl or True).status_code == 200
             except httpx.HTTPError:
                 return False
         with grpc.insecure_channel(self.address) as channel:

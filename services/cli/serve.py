@@ -13,14 +13,17 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import ssl
 import sys
 import threading
 
-from pagoda import tracing
+from pagoda import envs, tracing
 from pagoda.services.cli.local_cluster import LocalCluster, ServiceFailed, ServiceProcess
 from pagoda.metrics import stat_logger
 from pagoda.services.gateway.middleware import add_http_args, http_flags
 from pagoda.services.gateway.router import DEFAULT_POLICY, POLICIES
+from pagoda.services.gateway.serving_options import (add_serving_args, add_uvicorn_args,
+                                                     gateway_flags)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -37,10 +40,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="Names clients may use for the model.")
     parser.add_argument("--redis-url", default=None,
                         help="Redis for the prefix index (default: start a private one).")
-    parser.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"),
-                        help="Require `Authorization: Bearer KEY` (default: $PAGODA_API_KEY).")
-    parser.add_argument("--startup-timeout", type=float, default=900.0,
-                        help="Seconds to wait for every service to become healthy.")
+    parser.add_argument("--api-key", default=envs.get("PAGODA_API_KEY"),
+                        help="Require `Authorization: Bearer KEY` (default: $PAGODA_API_KEY, "
+                             "else $VLLM_API_KEY).")
+    parser.add_argument("--startup-timeout", type=float,
+                        default=envs.get("PAGODA_ENGINE_READY_TIMEOUT_S"),
+                        help="Seconds to wait for every service to become healthy (default: "
+                             "$PAGODA_ENGINE_READY_TIMEOUT_S, else $VLLM_ENGINE_READY_TIMEOUT_S, "
+                             "else 900).")
+    parser.add_argument("--chat-template", default=None,
+                        help="Chat template instead of the model's: a file or the template "
+                             "itself (passed to the tokenizer).")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="Model replicas: each is a scheduler and its gpu-worker, behind the "
                              "one gateway. With several, a replica that exits is reported and "
@@ -50,6 +60,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     group = parser.add_argument_group("engine (passed to the scheduler and the gpu-worker)")
     EngineArgs.add_cli_args(group)
     add_http_args(parser.add_argument_group("HTTP (passed to the gateway)"))
+    add_serving_args(parser, engine_shared=False)  # passed to the gateway
+    add_uvicorn_args(parser)  # passed to the gateway
     observability = parser.add_argument_group(
         "observability (the gateway's /metrics includes every service's)")
     stat_logger.add_cli_args(observability)
@@ -122,11 +134,12 @@ def build_services(args: argparse.Namespace, redis_url: str) -> list[ServiceProc
                               replica=replica)
 
     gateway_extra = ["--api-key", args.api_key] if args.api_key else []
-    gateway_extra += http_flags(args)
+    gateway_extra += http_flags(args) + gateway_flags(args)
     services = [
         grpc_service("kv-cache-manager", "kv-cache-manager", "--redis-url", redis_url),
         grpc_service("tokenizer", "tokenizer", *model_flags, *seed,
-                     *(["--tokenizer", args.tokenizer] if args.tokenizer else [])),
+                     *(["--tokenizer", args.tokenizer] if args.tokenizer else []),
+                     *(["--chat-template", args.chat_template] if args.chat_template else [])),
     ]
     for scheduler, worker, i in replicas:
         services += [
@@ -143,13 +156,18 @@ def build_services(args: argparse.Namespace, redis_url: str) -> list[ServiceProc
                        "--router", args.router,
                        "--peer-metrics", ",".join(f"{n}={a}" for n, a in metrics_addr.items()),
                        *observe, *names, *gateway_extra),
-        f"{_connect_host(args.host)}:{args.port}", http_health=True))
+        f"{_connect_host(args.host)}:{args.port}", http_health=True,
+        http_ssl=_health_check_ssl(args)))
     return services
 
 
 def run(args: argparse.Namespace) -> int:
     from pagoda.services.common.redis_server import PrivateRedis
 
+    problem = _flag_problem(args)
+    if problem:
+        _say(f"error: {problem}")
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -166,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
         cluster = LocalCluster(build_services(args, redis_url))
         cluster.start()
         cluster.wait_healthy(args.startup_timeout, stop)
-        print(f"Pagoda is serving the OpenAI API at http://{_connect_host(args.host)}:"
+        scheme = "https" if args.ssl_certfile else "http"
+        print(f"Pagoda is serving the OpenAI API at {scheme}://{_connect_host(args.host)}:"
               f"{args.port}/v1 (Ctrl-C to stop)", flush=True)
         failed = cluster.watch(stop)
         if failed is not None:
@@ -183,6 +202,35 @@ def run(args: argparse.Namespace) -> int:
             cluster.stop()
         if redis is not None:
             redis.stop()
+
+
+def _flag_problem(args: argparse.Namespace) -> str | None:
+    """What makes the flags unservable, found before anything starts."""
+    from pagoda.engine.arg_utils import TRUST_REMOTE_CODE_REFUSED
+    from pagoda.services.gateway.serving_options import uvicorn_kwargs
+    from pagoda.tokenizer.chat_template import load_chat_template
+
+    if args.trust_remote_code:
+        return TRUST_REMOTE_CODE_REFUSED
+    try:
+        uvicorn_kwargs(args)
+        load_chat_template(args.chat_template)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _health_check_ssl(args: argparse.Namespace) -> ssl.SSLContext | None:
+    """The supervisor's TLS for the gateway's /health: loopback, so the certificate is
+    not verified; it presents the gateway's own certificate if clients must have one."""
+    if not args.ssl_certfile:
+        return None
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    if args.ssl_cert_reqs == ssl.CERT_REQUIRED:
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+    return context
 
 
 def _connect_host(host: str) -> str:

@@ -7,9 +7,11 @@ import logging
 import os
 import signal
 
-from pagoda import tracing
+from pagoda import envs, tracing
 from pagoda.services.common.logs import setup_logging
 from pagoda.services.gateway.router import DEFAULT_POLICY, POLICIES
+from pagoda.services.gateway.serving_options import (ServingOptions, add_serving_args,
+                                                     add_uvicorn_args, uvicorn_kwargs)
 
 DEFAULT_PORT = 8000
 logger = logging.getLogger(__name__)
@@ -32,9 +34,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "and the prefix-index probe; '' = none).")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="Names clients may use for the model (default: the scheduler's).")
-    parser.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"),
+    parser.add_argument("--api-key", default=envs.get("PAGODA_API_KEY"),
                         help="Require `Authorization: Bearer KEY` on /v1/* "
-                             "(default: $PAGODA_API_KEY).")
+                             "(default: $PAGODA_API_KEY, else $VLLM_API_KEY).")
     parser.add_argument("--peer-metrics", default=None, metavar="SERVICE=HOST:PORT,...",
                         help="Other services' /metrics endpoints to include in this "
                              "gateway's /metrics (one scrape target for a local cluster; "
@@ -43,6 +45,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     from pagoda.services.gateway.middleware import add_http_args
 
     add_http_args(parser)  # CORS: --allowed-origins, --allowed-methods, ...
+    add_serving_args(parser)  # vLLM's: --max-logprobs, --enable-log-requests, ...
+    add_uvicorn_args(parser)  # vLLM's: --ssl-*, --root-path, --uvicorn-log-level
 
 
 def main(args: argparse.Namespace) -> int:
@@ -53,6 +57,8 @@ def main(args: argparse.Namespace) -> int:
     from pagoda.services.gateway.middleware import HttpOptions
 
     setup_logging("gateway")
+    options = ServingOptions.from_args(args)  # a bad --generation-config fails here
+    server_kwargs = uvicorn_kwargs(args)
     tracing.init_tracing("gateway", args.otlp_traces_endpoint)
     schedulers = [a.strip() for a in args.scheduler_addrs.split(",") if a.strip()]
     fatal: list[str] = []
@@ -65,16 +71,17 @@ def main(args: argparse.Namespace) -> int:
     app = create_app(args.tokenizer_addr, schedulers, args.served_model_name, args.api_key,
                      args.kv_cache_manager_addr or None, PeerMetrics.parse_list(args.peer_metrics),
                      http_options=HttpOptions.from_args(args), router=args.router,
-                     on_fatal=on_fatal)
-    logger.info("gateway on http://%s:%d (tokenizer %s, schedulers %s, router %s)", args.host,
-                args.port, args.tokenizer_addr, ", ".join(schedulers), args.router)
+                     on_fatal=on_fatal, options=options)
+    scheme = "https" if "ssl_certfile" in server_kwargs else "http"
+    logger.info("gateway on %s://%s:%d (tokenizer %s, schedulers %s, router %s)", scheme,
+                args.host, args.port, args.tokenizer_addr, ", ".join(schedulers), args.router)
     # uvicorn handles SIGTERM/SIGINT itself (stop accepting, finish in-flight requests,
     # run the lifespan exit), then re-raises the signal to the handler it found: make
     # that one a no-op so a clean shutdown exits 0 instead of dying by the signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=5, access_log=False)
+    uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=5,
+                **server_kwargs)
     tracing.shutdown_tracing()
     logger.info("gateway stopped")
     return 1 if fatal else 0

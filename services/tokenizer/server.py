@@ -23,16 +23,22 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-cache-hash-seed", default=DEFAULT_PREFIX_HASH_SEED,
                         help="Seed of the prefix-cache block hashes Tokenize returns; must equal "
                              "the schedulers'.")
+    parser.add_argument("--chat-template", default=None,
+                        help="The chat template to use instead of the model's: a file, or the "
+                             "template itself (vLLM's reading).")
 
 
 def build_servicer(model: str | None, tokenizer_path: str | None = None,
-                   prefix_hash_seed: str = DEFAULT_PREFIX_HASH_SEED):
+                   prefix_hash_seed: str = DEFAULT_PREFIX_HASH_SEED,
+                   chat_template: str | None = None):
     from pagoda.model.loader import load_arch_config, resolve_model_path
     from pagoda.services.tokenizer.servicer import TokenizerServicer
+    from pagoda.tokenizer.chat_template import use_chat_template
     from pagoda.tokenizer.loader import load_tokenizer
 
     model_path = resolve_model_path(model)
     tokenizer = load_tokenizer(tokenizer_path or model_path)
+    use_chat_template(tokenizer, chat_template)
     eos = load_arch_config(model_path).eos_token_ids
     if not eos and tokenizer.eos_token_id is not None:
         eos = [tokenizer.eos_token_id]
@@ -42,7 +48,8 @@ def build_servicer(model: str | None, tokenizer_path: str | None = None,
 
 def main(args: argparse.Namespace) -> int:
     setup_logging("tokenizer")
-    servicer = build_servicer(args.model, args.tokenizer, args.prefix_cache_hash_seed)
+    servicer = build_servicer(args.model, args.tokenizer, args.prefix_cache_hash_seed,
+                              args.chat_template)
     serve_sync("tokenizer", args,
                [(pb_grpc.add_TokenizerServiceServicer_to_server, servicer, SERVICE_NAME)],
                max_workers=16)
