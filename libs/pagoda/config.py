@@ -36,6 +36,14 @@ class ModelArchConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     architecture: str = "LlamaForCausalLM"
+    # Mixture of experts (0 experts: a dense MLP). `norm_topk_prob`: the top-k routing
+    # weights are renormalised to sum to 1 (Mixtral always; Qwen-MoE per its config).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = True
+    # config.json's `quantization_config` (or the one `--quantization` asks for),
+    # resolved by `pagoda.model.quantization.resolve_quantization`; None: unquantized.
+    quantization_config: dict | None = None
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -93,6 +101,10 @@ class EngineConfig:
     distributed_executor_backend: str | None = None
     enforce_eager: bool = False  # no CUDA graphs
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # -1: no limit
+    # vLLM's --enable-expert-parallel: MoE experts placed whole on the TP ranks.
+    enable_expert_parallel: bool = False
+    # "auto" (the model dtype) or "fp8" (float8_e4m3fn, CUDA only).
+    kv_cache_dtype: str = "auto"
 
     @property
     def world_size(self) -> int:

@@ -26,7 +26,9 @@ class ParallelContext:
     Invariant: `tp_group` is set exactly when `tp_size > 1` and `pp_group` exactly
     when `pp_size > 1`; with both sizes 1 no collective is ever issued, so the
     single-device path is the plain model. `pp_group` spans the whole world
-    (stage-to-stage sends address global ranks).
+    (stage-to-stage sends address global ranks). `enable_expert_parallel` (vLLM's
+    flag) places a mixture-of-experts layer's experts whole on the TP ranks instead
+    of splitting every expert across them (`expert_range`).
     """
 
     tp_size: int = 1
@@ -35,6 +37,7 @@ class ParallelContext:
     pp_rank: int = 0
     tp_group: Any = None  # torch.distributed ProcessGroup of this stage's TP ranks
     pp_group: Any = None  # world group for point-to-point sends between stages
+    enable_expert_parallel: bool = False
 
     @property
     def world_size(self) -> int:
@@ -71,6 +74,14 @@ class ParallelContext:
 SINGLE = ParallelContext()
 
 
+def expert_range(num_experts: int, parallel: ParallelContext) -> tuple[int, int]:
+    """[start, end) of the experts this rank holds whole (all of them without expert
+    parallelism). Split as evenly as possible, the first `E % T` ranks one more."""
+    if not parallel.enable_expert_parallel:
+        return 0, num_experts
+    return stage_layer_range(num_experts, parallel.tp_size, parallel.tp_rank)
+
+
 def rank_coordinates(rank: int, tp_size: int) -> tuple[int, int]:
     """Global rank -> (pp_rank, tp_rank)."""
     return rank // tp_size, rank % tp_size
@@ -102,7 +113,8 @@ def kv_head_start(num_kv_heads: int, tp_size: int, tp_rank: int) -> int:
     return tp_rank // (tp_size // num_kv)
 
 
-def validate_parallel_config(arch: ModelArchConfig, tp_size: int, pp_size: int) -> None:
+def validate_parallel_config(arch: ModelArchConfig, tp_size: int, pp_size: int,
+                             enable_expert_parallel: bool = False) -> None:
     """Reject a split the model cannot take, before any process starts (vLLM's wording)."""
     if tp_size < 1 or pp_size < 1:
         raise ValueError(f"tensor_parallel_size ({tp_size}) and pipeline_parallel_size "
@@ -119,6 +131,11 @@ def validate_parallel_config(arch: ModelArchConfig, tp_size: int, pp_size: int) 
                          f"number of key-value heads ({kv_heads}).")
     if arch.intermediate_size % tp_size:
         raise ValueError(f"Intermediate size ({arch.intermediate_size}) must be divisible by "
+                         f"tensor parallel size ({tp_size}).")
+    # With expert parallelism every rank needs an expert; on a dense model the flag
+    # does nothing (as in vLLM).
+    if enable_expert_parallel and 0 < arch.num_experts < tp_size:
+        raise ValueError(f"Number of experts ({arch.num_experts}) must be at least the "
                          f"tensor parallel size ({tp_size}).")
     if pp_size > arch.num_hidden_layers:
         raise ValueError(f"Pipeline parallel size ({pp_size}) must not exceed the number of "

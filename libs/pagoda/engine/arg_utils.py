@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass, fields
 
 from pagoda.config import (DEFAULT_MAX_LOGPROBS, DEFAULT_PREFIX_HASH_SEED, CacheConfig,
@@ -46,6 +47,9 @@ class EngineArgs:
     generation_config: str = "auto"
     override_generation_config: dict | str | None = None
     trust_remote_code: bool = False
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    enable_expert_parallel: bool = False
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, include_model: bool = True) -> argparse.ArgumentParser:
@@ -91,6 +95,17 @@ class EngineArgs:
                                  "generation_config.json), 'vllm' (none) or a folder.")
         parser.add_argument("--override-generation-config", default=None, metavar="JSON",
                             help='Laid over the generation config, e.g. \'{"temperature": 0.5}\'.')
+        parser.add_argument("--quantization", "-q", default=None,
+                            help="fp8, awq, gptq or compressed-tensors (default: what the "
+                                 "checkpoint's config.json says). fp8 on an unquantized model "
+                                 "quantizes its weights while loading.")
+        parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+                            choices=["auto", "fp8", "fp8_e4m3"],
+                            help="auto: the model dtype; fp8: float8_e4m3fn keys and values "
+                                 "(CUDA only).")
+        parser.add_argument("--enable-expert-parallel", action="store_true",
+                            help="Place mixture-of-experts experts whole on the tensor-parallel "
+                                 "ranks instead of splitting each expert across them.")
         parser.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction,
                             default=False, help="Refused: Pagoda runs no remote code.")
         return parser
@@ -108,12 +123,17 @@ class EngineArgs:
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (no limit) or non-negative, got "
                              f"{self.max_logprobs}")
+        from pagoda.model.kv_cache import resolve_kv_cache_dtype
         from pagoda.model.loader import load_arch_config, resolve_dtype, resolve_model_path
+        from pagoda.model.quantization import resolve_quantization
 
         model_path = resolve_model_path(self.model)
         arch = load_arch_config(model_path)
         device = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = resolve_dtype(self.dtype, device)
+        arch = dataclasses.replace(arch, quantization_config=resolve_quantization(
+            self.quantization, arch.quantization_config))
+        kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, device)
         max_model_len = self.max_model_len or arch.max_position_embeddings
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
@@ -146,7 +166,8 @@ class EngineArgs:
             seed=self.seed, device=device, tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
             distributed_executor_backend=self._resolve_backend(arch),
-            enforce_eager=self.enforce_eager, max_logprobs=self.max_logprobs)
+            enforce_eager=self.enforce_eager, max_logprobs=self.max_logprobs,
+            enable_expert_parallel=self.enable_expert_parallel, kv_cache_dtype=kv_cache_dtype)
 
     def _resolve_backend(self, arch) -> str | None:
         """Validate the parallel split against the model; pick the group's backend."""
@@ -154,7 +175,8 @@ class EngineArgs:
 
         from pagoda.distributed.parallel_state import validate_parallel_config
 
-        validate_parallel_config(arch, self.tensor_parallel_size, self.pipeline_parallel_size)
+        validate_parallel_config(arch, self.tensor_parallel_size, self.pipeline_parallel_size,
+                                 self.enable_expert_parallel)
         if self.tensor_parallel_size * self.pipeline_parallel_size == 1:
             return None
         has_ray = importlib.util.find_spec("ray") is not None

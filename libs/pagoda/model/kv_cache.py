@@ -8,6 +8,9 @@ Under parallelism a rank caches only its own share: the KV heads of its tensor-
 parallel slice (`num_kv_heads / T`, or one replicated head when there are fewer KV
 heads than ranks) for the layers of its pipeline stage. Block ids mean the same
 on every rank, so one block table serves the whole group.
+
+The cache dtype is the model's, or float8_e4m3fn with `--kv-cache-dtype fp8` (CUDA
+only; `fp8_kv_cache.py`), which halves a bf16 cache.
 """
 
 from __future__ import annotations
@@ -45,3 +48,22 @@ def allocate_kv_caches(arch: ModelArchConfig, num_blocks: int, block_size: int,
     return [(torch.zeros(shape, dtype=dtype, device=device),
              torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)]
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, device: str | torch.device) -> str:
+    """vLLM's --kv-cache-dtype -> "auto" or "fp8"; ValueError for fp8 off CUDA."""
+    name = kv_cache_dtype.lower()
+    if name == "auto":
+        return "auto"
+    if name not in ("fp8", "fp8_e4m3"):
+        raise ValueError(f"Unknown kv_cache_dtype {kv_cache_dtype!r}; expected auto, fp8 or "
+                         "fp8_e4m3")
+    if torch.device(device).type != "cuda":
+        raise ValueError("--kv-cache-dtype fp8 needs a CUDA device: on the CPU the KV cache "
+                         "keeps the model dtype (use --kv-cache-dtype auto)")
+    return "fp8"
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The element type of the cache tensors for a resolved --kv-cache-dtype."""
+    return torch.float8_e4m3fn if kv_cache_dtype == "fp8" else model_dtype

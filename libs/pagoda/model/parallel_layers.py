@@ -17,19 +17,55 @@ plain one: same parameter shapes and names, no collective.
 Weights load from the full checkpoint tensor: `checkpoint_shape(attr, shard)` is the
 shape it must have, `load_weight(attr, shard, full)` copies this rank's slice.
 `shard` is the HF name of one part of a fused parameter ("q_proj", "up_proj") or None.
+The linear layers keep their weights in whatever form their quantization method
+chooses (`LinearBase`); each parameter says which of its axes run along the output
+rows and input columns, and how many of them one element packs, so the same slicing
+serves a plain weight, packed int4 words and per-group scales.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from pagoda.distributed.communication import all_reduce, gather
 from pagoda.distributed.parallel_state import SINGLE, ParallelContext, kv_head_start
-from pagoda.model.layers import Embedding, Linear
+from pagoda.model.layers import Embedding, empty_parameter
+from pagoda.model.quantization import new_linear_method
+from pagoda.model.quantization.base import LinearMethodBase, Slice, shard_attrs
 
 
-class ColumnParallelLinear(Linear):
+class LinearBase(nn.Module):
+    """A linear layer whose weight storage and product belong to its `quant_method`
+    (vLLM's pattern): the unquantized method's `weight [out, in]`, or a quantized
+    form (`pagoda.model.quantization`: packed int4, fp8, with their scales).
+
+    The method is the one of the quantization being constructed
+    (`quantization.new_linear_method`), unquantized by default. Invariant: every
+    parameter but `bias` is the method's, tagged with how it shards (`shard_attrs`).
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
+                 full_input_size: int | None = None) -> None:
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.full_input_size = full_input_size or input_size
+        self.params_dtype = dtype
+        self.set_quant_method(new_linear_method())
+        self.bias = (shard_attrs(empty_parameter(output_size, dtype=dtype), 0, None)
+                     if bias else None)
+
+    def set_quant_method(self, method: LinearMethodBase) -> None:
+        """Store the weight the way `method` does (dropping any other method's tensors)."""
+        for name in [n for n in self._parameters if n != "bias"]:
+            delattr(self, name)
+        self.quant_method = method
+        method.create_weights(self, self.input_size, self.output_size, self.full_input_size,
+                              self.params_dtype)
+
+
+class ColumnParallelLinear(LinearBase):
     """Output rows split across TP ranks; `parts` fuses several checkpoint tensors.
 
     `parts`: shard name -> (rows of the checkpoint tensor, first row this rank takes,
@@ -55,13 +91,28 @@ class ColumnParallelLinear(Linear):
         return cls(in_features, {None: (out_features, parallel.tp_rank * rows, rows)}, bias,
                    dtype, parallel)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
     def checkpoint_shape(self, attr: str, shard: str | None) -> tuple[int, ...]:
-        full_rows = self._part(shard)[0]
-        return (full_rows, self.in_features) if attr == "weight" else (full_rows,)
+        param = getattr(self, attr)
+        shape = list(param.shape)
+        if param.output_dim is not None:
+            shape[param.output_dim] = -(-self._part(shard)[0] // param.output_pack)
+        return self.quant_method.checkpoint_shape(self, attr, tuple(shape))
 
     def load_weight(self, attr: str, shard: str | None, full: torch.Tensor) -> None:
         _, start, rows = self._part(shard)
-        getattr(self, attr).narrow(0, self.offsets[shard], rows).copy_(full.narrow(0, start, rows))
+        param = getattr(self, attr)
+        src: list[Slice] = []
+        dst: list[Slice] = []
+        if param.output_dim is not None:
+            dim, pack, offset = param.output_dim, param.output_pack, self.offsets[shard]
+            if start % pack or rows % pack or offset % pack:
+                raise ValueError(f"{attr} of {shard or 'the layer'}: rows {start}..{start + rows} "
+                                 f"do not fall on the packing of {pack} rows per element")
+            src, dst = [(dim, start // pack, rows // pack)], [(dim, offset // pack, rows // pack)]
+        self.quant_method.load_weight(self, attr, full, src, dst)
 
     def _part(self, shard: str | None) -> tuple[int, int, int]:
         if shard not in self.parts:
@@ -96,7 +147,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, parts, bias, dtype, parallel)
 
 
-class RowParallelLinear(Linear):
+class RowParallelLinear(LinearBase):
     """Input columns split across TP ranks; partial products summed by an all-reduce.
 
     The bias is added once, after the sum. Invariant: every TP rank returns the same,
@@ -105,26 +156,31 @@ class RowParallelLinear(Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  parallel: ParallelContext = SINGLE) -> None:
-        super().__init__(in_features // parallel.tp_size, out_features, bias, dtype)
+        super().__init__(in_features // parallel.tp_size, out_features, bias, dtype,
+                         full_input_size=in_features)
         self.full_in_features = in_features
         self.parallel = parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = all_reduce(F.linear(x, self.weight), self.parallel.tp_group)
+            return self.quant_method.apply(self, x, self.bias)
+        out = all_reduce(self.quant_method.apply(self, x), self.parallel.tp_group)
         return out if self.bias is None else out + self.bias
 
     def checkpoint_shape(self, attr: str, shard: str | None) -> tuple[int, ...]:
-        out = self.weight.shape[0]
-        return (out, self.full_in_features) if attr == "weight" else (out,)
+        param = getattr(self, attr)
+        shape = list(param.shape)
+        if attr != "bias" and param.input_dim is not None:
+            shape[param.input_dim] *= self.parallel.tp_size
+        return self.quant_method.checkpoint_shape(self, attr, tuple(shape))
 
     def load_weight(self, attr: str, shard: str | None, full: torch.Tensor) -> None:
-        if attr == "bias":
-            self.bias.copy_(full)
-            return
-        cols = self.weight.shape[1]
-        self.weight.copy_(full.narrow(1, self.parallel.tp_rank * cols, cols))
+        param = getattr(self, attr)
+        src: list[Slice] = []
+        if attr != "bias" and param.input_dim is not None:
+            cols = param.shape[param.input_dim]
+            src = [(param.input_dim, self.parallel.tp_rank * cols, cols)]
+        self.quant_method.load_weight(self, attr, full, src, [])
 
 
 class VocabParallelEmbedding(Embedding):

@@ -7,6 +7,14 @@ and `...mlp.gate_up_proj.weight` is [gate_proj; up_proj] (biases likewise), so e
 HF tensor lands in a row range of its fused parameter; the fused layer knows the
 ranges, and under tensor parallelism takes only its rank's slice of each
 (`pagoda.model.parallel_layers`).
+
+Two kinds of parameter are not named after checkpoint tensors:
+- a module with `checkpoint_tensors()` (the MoE experts: one stacked parameter fed by
+  one checkpoint tensor per expert) lists the names under its prefix it reads, with
+  their shapes (None: another rank's, skipped), and loads each itself
+  (`load_checkpoint_tensor`);
+- a parameter flagged `computed_at_load` (the scales of weights quantized while
+  loading) is filled from another tensor, so no checkpoint tensor is expected for it.
 """
 
 from __future__ import annotations
@@ -37,11 +45,27 @@ def split_packed_name(name: str, packed: PackedModules) -> tuple[str, str | None
     return name, None
 
 
+def checkpoint_routes(model: nn.Module) -> dict[str, tuple[nn.Module, str, tuple | None]]:
+    """HF name -> (module, name under its prefix, shape or None) for every module that
+    reads its own checkpoint tensors (`checkpoint_tensors`)."""
+    routes = {}
+    for prefix, module in model.named_modules():
+        if hasattr(module, "checkpoint_tensors"):
+            for suffix, shape in module.checkpoint_tensors().items():
+                routes[f"{prefix}.{suffix}"] = (module, suffix, shape)
+    return routes
+
+
 def expected_hf_names(model: nn.Module) -> set[str]:
     """The HF names a checkpoint must provide to fill every parameter of `model`."""
-    names = set()
+    routes = checkpoint_routes(model)
+    names = {name for name, (_, _, shape) in routes.items() if shape is not None}
+    routed = {prefix for prefix, module in model.named_modules()
+              if hasattr(module, "checkpoint_tensors")}
     packed = packed_modules(model)
-    for pname, _ in model.named_parameters():
+    for pname, param in model.named_parameters():
+        if getattr(param, "computed_at_load", False) or pname.rpartition(".")[0] in routed:
+            continue
         for fused, shards in packed.items():
             if f".{fused}." in pname:
                 names.update(pname.replace(f".{fused}.", f".{s}.") for s in shards)
@@ -66,9 +90,14 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     """
     params = dict(model.named_parameters())
     packed = packed_modules(model)
+    routes = checkpoint_routes(model)
     loaded: set[str] = set()
     for name, tensor in weights:
         if name.endswith(IGNORED_SUFFIXES) or (skip_lm_head and name == "lm_head.weight"):
+            continue
+        if name in routes:
+            _load_routed(name, tensor, *routes[name])
+            loaded.add(name)
             continue
         pname, shard = split_packed_name(name, packed)
         if pname not in params:
@@ -82,6 +111,16 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     if missing:
         shown = ", ".join(sorted(missing)[:5])
         raise ValueError(f"Checkpoint is missing {len(missing)} weight(s): {shown}")
+
+
+def _load_routed(name: str, tensor: torch.Tensor, module: nn.Module, suffix: str,
+                 shape: tuple | None) -> None:
+    if shape is None:  # another rank's share (an expert placed elsewhere)
+        return
+    if tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"Weight {name!r} has shape {tuple(tensor.shape)}, "
+                         f"expected {tuple(shape)}")
+    module.load_checkpoint_tensor(suffix, tensor)
 
 
 def _load_one(model: nn.Module, param: nn.Parameter, pname: str, shard: str | None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -26,9 +27,15 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None) -> None:
         self.config = config
-        self.parallel = parallel or SINGLE
+        # Expert placement is an engine setting, not a group coordinate: set it here so
+        # every rank's model sees it (`moe.FusedMoE`).
+        self.parallel = dataclasses.replace(parallel or SINGLE,
+                                            enable_expert_parallel=config.enable_expert_parallel)
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
+        from pagoda.model.kv_cache import kv_cache_torch_dtype
+
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.cache.block_size
         self.states: dict[str, CachedRequestState] = {}
         # Generators outlive preemption so a resumed seeded request continues its stream.
@@ -50,8 +57,8 @@ class ModelRunner:
     def determine_num_blocks(self) -> int:
         from pagoda.model.kv_cache import kv_cache_bytes_per_block
 
-        per_block = kv_cache_bytes_per_block(self.config.arch, self.block_size, self.dtype,
-                                             self.parallel)
+        per_block = kv_cache_bytes_per_block(self.config.arch, self.block_size,
+                                             self.kv_cache_dtype, self.parallel)
         if self.device.type == "cuda":
             # What the weights, the largest step's activations and everything else on the
             # card leave of the `gpu_memory_utilization` share goes to the KV cache.
@@ -74,8 +81,8 @@ class ModelRunner:
         sched = self.config.scheduler
         num_tokens = min(sched.max_num_batched_tokens, sched.max_model_len)
         num_blocks = -(-num_tokens // self.block_size)
-        caches = allocate_kv_caches(self.config.arch, num_blocks, self.block_size, self.dtype,
-                                    self.device, self.parallel)
+        caches = allocate_kv_caches(self.config.arch, num_blocks, self.block_size,
+                                    self.kv_cache_dtype, self.device, self.parallel)
         state = CachedRequestState.from_new(NewRequestData(
             "profile", [0] * num_tokens, [], SamplingParams(), list(range(num_blocks)), 0), None)
         inputs = build_model_inputs({"profile": state}, {"profile": num_tokens}, self.block_size,
@@ -108,7 +115,7 @@ class ModelRunner:
         from pagoda.model.kv_cache import allocate_kv_caches
 
         self.kv_caches = allocate_kv_caches(self.config.arch, num_blocks, self.block_size,
-                                            self.dtype, self.device, self.parallel)
+                                            self.kv_cache_dtype, self.device, self.parallel)
         # Graphs capture a whole-model decode; a group's ranks run eagerly for now.
         if (self.device.type == "cuda" and not self.config.enforce_eager
                 and self.parallel.world_size == 1):

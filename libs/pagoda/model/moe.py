@@ -1,0 +1,189 @@
+"""Mixture-of-experts feed-forward: a router picks k experts per token, the experts run
+batched per step (vLLM's `FusedMoE`, its names).
+
+    x [T, H] ── router logits [T, E] ── softmax (fp32) ── top-k ids, weights [T, k]
+                                                          (renormalised: norm_topk_prob)
+    (token, slot) pairs sorted by expert ── each expert this rank holds runs one
+    SwiGLU on its group of tokens ── weighted sum over the k slots ── all-reduce ── [T, H]
+
+Sharding over the T tensor-parallel ranks of a stage:
+
+    default (TP)   every expert, I/T of its intermediate rows, split like `GatedMLP`:
+                   gate/up by output rows, down by input columns
+    --enable-expert-parallel (EP)
+                   experts [e0, e1) whole (`expert_range`); a token's other experts
+                   contribute nothing on this rank
+
+Either way each rank's output is a partial sum, completed by one all-reduce: the cost
+of a dense MLP. Loops run over experts, never over tokens: on the CPU one matmul pair
+per expert that has tokens this step; on CUDA a grouped GEMM over the sorted pairs
+(`pagoda.kernels.fused_moe`), which needs no host sync and so runs inside CUDA graphs.
+
+Checkpoints store one tensor per expert and projection (HF's layout on disk):
+`<prefix>.<e>.<gate|up|down>.weight`; the module reads them itself
+(`checkpoint_tensors`, `load_checkpoint_tensor`, used by `weight_names`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.distributed.communication import all_reduce
+from pagoda.distributed.parallel_state import SINGLE, ParallelContext, expert_range
+from pagoda.model import ops
+from pagoda.model.layers import empty_parameter
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int,
+                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (weights [T, k] fp32, expert ids [T, k]).
+
+    Softmax over all experts in fp32, then the k largest (HF's order: descending);
+    `renormalize` rescales the k weights to sum to 1 (Mixtral, Qwen's norm_topk_prob).
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class FusedMoE(nn.Module):
+    """This rank's share of one layer's experts and their batched forward.
+
+    Parameters: `w13_weight [E_local, 2 I_local, H]` (each expert's gate rows, then
+    its up rows) and `w2_weight [E_local, H, I_local]`; `E_local = e1 - e0` experts
+    starting at global id `e0`. Invariant: `forward` returns the full, reduced output on
+    every TP rank; with T = 1 no collective is issued.
+    """
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool, dtype: torch.dtype, parallel: ParallelContext = SINGLE,
+                 checkpoint_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 ) -> None:
+        super().__init__()
+        from pagoda.model.quantization import current_quant_config
+
+        quant = current_quant_config()
+        if quant is not None:
+            raise ValueError(f"{quant.name} quantization of mixture-of-experts layers is not "
+                             "supported: Pagoda runs MoE experts unquantized only")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.parallel = parallel
+        self.expert_start, self.expert_end = expert_range(num_experts, parallel)
+        split = 1 if parallel.enable_expert_parallel else parallel.tp_size
+        if intermediate_size % split:
+            raise ValueError(f"MoE intermediate size ({intermediate_size}) must be divisible "
+                             f"by tensor parallel size ({split}) without expert parallelism")
+        self.intermediate_size = intermediate_size
+        self.local_intermediate = intermediate_size // split
+        self.intermediate_start = (0 if parallel.enable_expert_parallel
+                                   else parallel.tp_rank * self.local_intermediate)
+        local = self.expert_end - self.expert_start
+        self.hidden_size = hidden_size
+        self.w13_weight = empty_parameter(local, 2 * self.local_intermediate, hidden_size,
+                                          dtype=dtype)
+        self.w2_weight = empty_parameter(local, hidden_size, self.local_intermediate, dtype=dtype)
+        self.gate_name, self.up_name, self.down_name = checkpoint_names
+
+    # ------------------------------------------------------------------ weights
+    def holds_expert(self, expert_id: int) -> bool:
+        return self.expert_start <= expert_id < self.expert_end
+
+    def checkpoint_tensors(self) -> dict[str, tuple[int, ...] | None]:
+        """Checkpoint names under this module's prefix -> full shape; None for an expert
+        another rank holds (expert parallelism): the loader skips those."""
+        inter, hidden = self.intermediate_size, self.hidden_size
+        names: dict[str, tuple[int, ...] | None] = {}
+        for e in range(self.num_experts):
+            held = self.holds_expert(e)
+            names[f"{e}.{self.gate_name}.weight"] = (inter, hidden) if held else None
+            names[f"{e}.{self.up_name}.weight"] = (inter, hidden) if held else None
+            names[f"{e}.{self.down_name}.weight"] = (hidden, inter) if held else None
+        return names
+
+    @torch.no_grad()
+    def load_checkpoint_tensor(self, suffix: str, full: torch.Tensor) -> None:
+        """Copy this rank's slice of one expert's full projection (`checkpoint_tensors`)."""
+        expert, proj, _ = suffix.split(".")
+        local = int(expert) - self.expert_start
+        rows, start = self.local_intermediate, self.intermediate_start
+        if proj == self.down_name:
+            self.w2_weight[local].copy_(full.narrow(1, start, rows))
+            return
+        offset = 0 if proj == self.gate_name else rows
+        self.w13_weight[local].narrow(0, offset, rows).copy_(full.narrow(0, start, rows))
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """x [T, H], router_logits [T, E] -> [T, H], reduced over the TP group."""
+        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        if ops.use_triton(x):
+            from pagoda.kernels.fused_moe import fused_experts
+        else:
+            fused_experts = experts_by_group
+        pair_out = fused_experts(x, ids, self.w13_weight, self.w2_weight, self.expert_start)
+        num_tokens = x.shape[0]
+        # Weighted sum over the k slots in fp32 (HF weighs in fp32 too), then the model dtype.
+        out = (pair_out.float() * weights.reshape(-1, 1)).view(num_tokens, self.top_k, -1)
+        out = out.sum(dim=1).to(x.dtype)
+        if self.parallel.tp_size > 1:
+            out = all_reduce(out, self.parallel.tp_group)
+        return out
+
+
+def experts_by_group(x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
+                     w2: torch.Tensor, expert_start: int) -> torch.Tensor:
+    """The torch path: x [T, H], topk_ids [T, k] -> one output row per (token, slot)
+    pair, [T * k, H], zero for pairs whose expert this rank does not hold.
+
+    Pairs are sorted by expert once; each local expert with tokens then runs one
+    gate/up matmul, SwiGLU and down matmul on its contiguous group. The counts are
+    read on the host (a sync on CUDA), so this path is for the CPU.
+    """
+    num_local = w13.shape[0]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=expert_start + num_local)
+    starts = (torch.cumsum(counts, 0) - counts).tolist()
+    counts = counts.tolist()
+    out = x.new_zeros(flat.shape[0], x.shape[1])
+    for local in range(num_local):
+        expert = expert_start + local
+        if counts[expert] == 0:
+            continue
+        pairs = order[starts[expert]:starts[expert] + counts[expert]]
+        tokens = x[pairs // topk_ids.shape[1]]
+        hidden = ops.silu_and_mul(F.linear(tokens, w13[local]))
+        out[pairs] = F.linear(hidden, w2[local])
+    return out
+
+
+class SparseMoeBlock(nn.Module):
+    """The MLP of a MoE decoder layer: a replicated router (`gate`, kept unquantized as
+    in every MoE checkpoint) and the experts."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool, dtype: torch.dtype, parallel: ParallelContext = SINGLE,
+                 checkpoint_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 ) -> None:
+        super().__init__()
+        self.gate = Router(num_experts, hidden_size, dtype)
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize,
+                                dtype, parallel, checkpoint_names)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.gate(x))
+
+
+class Router(nn.Module):
+    """Router logits x W^T, W [E, H], the same on every rank (not sharded)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = empty_parameter(num_experts, hidden_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)

@@ -1,0 +1,103 @@
+"""Mixture of experts over tensor-parallel ranks: each expert split like a dense MLP
+(default), or experts placed whole per rank (`enable_expert_parallel`). Layer-level on
+threads of this process, then end to end through `pagoda.LLM` on real process groups
+(the `mp` backend), against transformers' greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moe_cases import hf_greedy, save_tiny_mixtral
+
+from pagoda import LLM, SamplingParams
+from pagoda.distributed.parallel_state import ParallelContext, expert_range
+from pagoda.model.moe import FusedMoE
+
+E, K, H, I = 5, 2, 16, 8  # experts, top-k, hidden, intermediate
+
+
+def _full_layer():
+    torch.manual_seed(0)
+    gate, up, down = torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I)
+    return gate, up, down
+
+
+def _load(layer: FusedMoE, gate, up, down) -> FusedMoE:
+    for name, shape in layer.checkpoint_tensors().items():
+        if shape is None:
+            continue
+        e, proj, _ = name.split(".")
+        full = {"gate_proj": gate, "up_proj": up, "down_proj": down}[proj][int(e)]
+        assert tuple(full.shape) == shape
+        layer.load_checkpoint_tensor(name, full)
+    return layer
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_each_rank_holds_its_share_and_the_sum_is_the_whole_layer(ranks, expert_parallel):
+    gate, up, down = _full_layer()
+    x, logits = torch.randn(7, H), torch.randn(7, E)
+    whole = _load(FusedMoE(E, K, H, I, True, torch.float32), gate, up, down)(x, logits)
+
+    def body(h, rank):
+        parallel = ParallelContext(h.parallel.tp_size, rank, tp_group=h.parallel.tp_group,
+                                   enable_expert_parallel=expert_parallel)
+        layer = _load(FusedMoE(E, K, H, I, True, torch.float32, parallel), gate, up, down)
+        held = (layer.w13_weight.shape, layer.expert_start, layer.expert_end)
+        return layer(x, logits), held
+
+    results = ranks(2, body)
+    for out, _ in results:
+        torch.testing.assert_close(out, whole, atol=1e-4, rtol=1e-5)
+    if expert_parallel:  # 5 experts: 3 whole on rank 0, 2 on rank 1
+        assert [held for _, held in results] == [((3, 2 * I, H), 0, 3), ((2, 2 * I, H), 3, 5)]
+    else:  # every expert, half of its intermediate rows
+        assert [held for _, held in results] == [((E, I, H), 0, E)] * 2
+
+
+def test_expert_range_splits_as_evenly_as_possible():
+    ranges = [expert_range(10, ParallelContext(4, r, enable_expert_parallel=True))
+              for r in range(4)]
+    assert ranges == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert expert_range(10, ParallelContext(4, 2)) == (0, 10)
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory, smollm2_tokenizer):
+    return save_tiny_mixtral(tmp_path_factory.mktemp("mixtral_tp"), smollm2_tokenizer)
+
+
+PROMPTS = [[5, 17, 300, 42, 7, 8, 9, 10, 11, 12], list(range(300, 318)), [9] * 5]
+
+
+@pytest.mark.parametrize("tp,expert_parallel", [(1, False), (2, False), (2, True)])
+def test_greedy_tokens_equal_transformers(mixtral_dir, tp, expert_parallel):
+    llm = LLM(model=mixtral_dir, dtype="float32", block_size=4, max_model_len=128,
+              num_gpu_blocks_override=64, max_num_batched_tokens=16,
+              tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else None,
+              enable_expert_parallel=expert_parallel)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                               SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                               use_tqdm=False)
+        if tp > 1:
+            report = llm.llm_engine.core.executor.memory_report()
+    finally:
+        llm.llm_engine.core.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(mixtral_dir, p, 8)
+                                                         for p in PROMPTS]
+    if tp > 1:  # each rank holds half the experts' weights, whichever way they are split
+        assert len({r["parameter_bytes"] for r in report}) == 1
+
+
+def test_expert_parallel_needs_an_expert_per_rank():
+    from pagoda.config import ModelArchConfig
+    from pagoda.distributed.parallel_state import validate_parallel_config
+
+    arch = ModelArchConfig(vocab_size=10, hidden_size=64, intermediate_size=32,
+                           num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
+                           head_dim=8, num_experts=2, num_experts_per_tok=1)
+    validate_parallel_config(arch, 4, 1)  # each expert split 4 ways: fine
+    with pytest.raises(ValueError, match=r"Number of experts \(2\) must be at least the "
+                                         r"tensor parallel size \(4\)"):
+        validate_parallel_config(arch, 4, 1, enable_expert_parallel=True)

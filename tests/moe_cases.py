@@ -1,0 +1,44 @@
+"""A tiny random Mixtral checkpoint (transformers' own config class and save_pretrained)
+for the MoE tests of tests/model and tests/distributed."""
+
+from __future__ import annotations
+
+import torch
+
+# 4 experts, 2 per token; intermediate 32 splits over 2 ranks, 4 experts place 2 a rank.
+TINY_MIXTRAL = dict(vocab_size=49152, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=512,
+                    initializer_range=0.2, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                    bos_token_id=1, eos_token_id=2)
+
+
+def save_tiny_mixtral(path, tokenizer=None, **overrides) -> str:
+    """Save a seeded random Mixtral (fp32) to `path`; returns the path."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(**{**TINY_MIXTRAL, **overrides})
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif name.endswith("gate.weight"):
+                param.normal_(0, 1.0)  # a router that spreads tokens over every expert
+    model.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def hf_greedy(path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of `prompt` (fp32): the reference tokens."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                          min_new_tokens=max_new_tokens, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
