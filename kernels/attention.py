@@ -47,10 +47,14 @@ def paged_attention(
     attn_metadata: AttentionMetadata,
     scale: float,
     num_splits: int | None = None,  # decode split-K override (tests, benchmarks)
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Attention of each request's query tokens over its cached context -> [T, H, D].
-
-    Rows past `query_start_loc[-1]` (token padding) are left zero."""
+    """Attention of each request's query tokens over its cached context -> [T, H, D],
+    within `sliding_window` keys and with soft-capped scores when given (same meaning
+    as the torch path). Rows past `query_start_loc[-1]` (token padding) are left zero."""
+    assert sliding_window is None or sliding_window > 0, f"sliding_window {sliding_window}"
+    assert logits_soft_cap is None or logits_soft_cap > 0, f"logits_soft_cap {logits_soft_cap}"
     _check_args(query, key_cache, value_cache, attn_metadata)
     md = attn_metadata
     out = torch.empty_like(query)
@@ -59,9 +63,10 @@ def paged_attention(
         out[num_tokens_used:].zero_()
     if md.num_decodes > 0:
         decode_attention(query[: md.num_decodes], key_cache, value_cache, md.block_tables,
-                         md.seq_lens, scale, out[: md.num_decodes], md.max_seq_len, num_splits)
+                         md.seq_lens, scale, out[: md.num_decodes], md.max_seq_len, num_splits,
+                         sliding_window, logits_soft_cap)
     if md.num_reqs > md.num_decodes:
         prefill_attention(query, key_cache, value_cache, md.block_tables, md.seq_lens,
                           md.query_start_loc, scale, out, md.num_decodes, md.num_reqs,
-                          md.max_query_len)
+                          md.max_query_len, sliding_window, logits_soft_cap)
     return out

@@ -15,6 +15,12 @@ each split writes its unnormalised accumulator with its running max `m` and sum 
     out = sum_s acc_s * 2^(m_s - M) / sum_s l_s * 2^(m_s - M),   M = max_s m_s
 
 A request with `seq_len == 0` (batch padding) gets zeros.
+
+With a sliding window W the query (at position `seq_len - 1`) sees keys
+`seq_len - W .. seq_len - 1` only: the tile range starts at the window's first tile,
+so a long context costs no more than W, and block-table entries before the window
+are never loaded (the KV cache manager may have released those blocks). With a
+soft cap c each score s becomes `c * tanh(s / c)` before the softmax (Gemma 2).
 """
 
 from __future__ import annotations
@@ -26,32 +32,38 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels._checks import dot_precision, next_power_of_2, num_sms
+from pagoda.kernels._math import tanh
 
 # A split shorter than this many tokens is not worth its partial write + reduce.
 _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 32
+_LOG2_E = 1.4426950408889634
 
 
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_acc_ptr, part_ml_ptr,
-    scale_log2,
+    scale_log2, window, soft_cap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    kv_lo = 0  # the first key the query sees
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(seq_len - window, 0)
+    first_tile = kv_lo // BLOCK_N
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
+    tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+    tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -70,13 +82,15 @@ def _decode_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < seq_len
+        n_mask = (offs_n < seq_len) & (offs_n >= kv_lo)
         blocks = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
         in_page = offs_n % PAGE_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + blocks[:, None] * stride_kb + in_page[:, None] * stride_ks
                     + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if HAS_SOFT_CAP:  # cap * tanh(score / cap), still in the base-2 domain
+            s = soft_cap * tanh(s / soft_cap)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -143,6 +157,8 @@ def decode_attention(
     out: torch.Tensor,  # [num_seqs, H, D], written
     max_seq_len: int,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """Launch the decode kernel (and the split reduce). Arguments are checked by
     `pagoda.kernels.attention.paged_attention`."""
@@ -150,7 +166,8 @@ def decode_attention(
     _, page_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
+        longest = min(max_seq_len, sliding_window or max_seq_len)  # keys actually read
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, longest, query.device)
     block_d = max(16, next_power_of_2(head_dim))
     part_acc = part_ml = out  # unused placeholders when there is one split
     if num_splits > 1:
@@ -161,7 +178,8 @@ def decode_attention(
     on_gpu = query.device.type == "cuda"
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens, out, part_acc, part_ml,
-        scale * 1.4426950408889634,  # log2(e): the kernel works in base 2
+        scale * _LOG2_E,  # the kernel works in base 2
+        sliding_window or 0, (logits_soft_cap or 1.0) * _LOG2_E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -169,7 +187,8 @@ def decode_attention(
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=page_size,
         BLOCK_N=64 if on_gpu else 16, NUM_SPLITS=num_splits,
-        DOT_PRECISION=dot_precision(query.dtype),
+        DOT_PRECISION=dot_precision(query.dtype), HAS_WINDOW=sliding_window is not None,
+        HAS_SOFT_CAP=logits_soft_cap is not None,
         num_warps=4,
     )
     if num_splits > 1:

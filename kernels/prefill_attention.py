@@ -11,7 +11,11 @@ keys `0 .. p` (causal across the cached prefix):
     query ctx+i               sees keys 0 .. ctx+i
 
 A program (request, head, query tile) stops its key loop at the last position its
-tile can see, so cost follows the causal triangle.
+tile can see, so cost follows the causal triangle. With a sliding window W, query
+`p` sees keys `p - W < k <= p` only, and the loop also starts at the first key the
+tile's first query sees: cost follows the band, and block-table entries before the
+window are never loaded (the KV cache manager may have released those blocks). With
+a soft cap c each score s becomes `c * tanh(s / c)` before the mask (Gemma 2).
 """
 
 from __future__ import annotations
@@ -21,18 +25,21 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels._checks import dot_precision, next_power_of_2
+from pagoda.kernels._math import tanh
+
+_LOG2_E = 1.4426950408889634
 
 
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    out_ptr, scale_log2, first_req,
+    out_ptr, scale_log2, first_req, window, soft_cap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
 ):
     req = first_req + tl.program_id(0)
     head = tl.program_id(1)
@@ -59,16 +66,23 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + req.to(tl.int64) * stride_bt
     kv_end = tl.minimum(seq_len, ctx_len + (m_tile + 1) * BLOCK_M)
-    for start in range(0, kv_end, BLOCK_N):
+    kv_lo = 0  # the first key the tile's first query sees
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(ctx_len + m_tile * BLOCK_M - window + 1, 0)
+    for start in range(kv_lo // BLOCK_N * BLOCK_N, kv_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_end
+        n_mask = (offs_n < kv_end) & (offs_n >= kv_lo)
         blocks = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
         in_page = offs_n % PAGE_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + blocks[:, None] * stride_kb + in_page[:, None] * stride_ks
                     + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if HAS_SOFT_CAP:  # cap * tanh(score / cap), still in the base-2 domain
+            s = soft_cap * tanh(s / soft_cap)
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible &= offs_n[None, :] > q_pos[:, None] - window
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -96,6 +110,8 @@ def prefill_attention(
     first_req: int,
     num_reqs: int,
     max_query_len: int,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """Launch for requests `first_req .. num_reqs - 1`. Arguments are checked by
     `pagoda.kernels.attention.paged_attention`."""
@@ -106,7 +122,7 @@ def prefill_attention(
     grid = (num_reqs - first_req, num_heads, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        out, scale * 1.4426950408889634, first_req,
+        out, scale * _LOG2_E, first_req, sliding_window or 0, (logits_soft_cap or 1.0) * _LOG2_E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -114,6 +130,7 @@ def prefill_attention(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_power_of_2(head_dim)), PAGE_SIZE=page_size,
         BLOCK_M=block_m, BLOCK_N=64 if on_gpu else 16,
-        DOT_PRECISION=dot_precision(query.dtype),
+        DOT_PRECISION=dot_precision(query.dtype), HAS_WINDOW=sliding_window is not None,
+        HAS_SOFT_CAP=logits_soft_cap is not None,
         num_warps=4,
     )

@@ -42,10 +42,14 @@ def paged_attention(
     value_cache: torch.Tensor,
     attn_metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's query tokens over its whole context in the
     cache (cached prefix + this step's tokens, already written). A request with
-    `seq_len == 0` (padding) yields zeros."""
+    `seq_len == 0` (padding) yields zeros. `sliding_window` W: query p sees keys
+    p - W < k <= p only (transformers' mask); `logits_soft_cap` c: each score s is
+    replaced by c * tanh(s / c) before masking (Gemma 2)."""
     out = torch.zeros_like(query)
     num_heads = query.shape[1]
     num_kv_heads = key_cache.shape[2]
@@ -63,9 +67,13 @@ def paged_attention(
         v = v.repeat_interleave(group, dim=1)
         q = query[start:end].float()  # [Q, H, D]
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if logits_soft_cap is not None:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)
         causal = k_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            causal &= k_pos[None, :] > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~causal[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
@@ -111,6 +119,29 @@ def rotary_embedding(
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
         out = torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(-2)
     return torch.cat([out.to(x.dtype), rest], dim=-1)
+
+
+def gemma_rms_norm(
+    x: torch.Tensor,  # [N, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """HF Gemma2RMSNorm: `norm(x) * (1 + weight)` all in fp32, one rounding at the end;
+    the residual add as in `rms_norm`."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = (h * (1.0 + weight.float())).to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[N, 2I] -> [N, I]: gelu_tanh(x[:, :I]) * x[:, I:], as HF's GeGLU MLP rounds."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -16,9 +16,21 @@ DEFAULT_PREFIX_HASH_SEED = "pagoda-prefix-cache-v1"
 DEFAULT_MAX_LOGPROBS = 20
 
 
+SLIDING_ATTENTION = "sliding_attention"  # HF `layer_types` value of a windowed layer
+FULL_ATTENTION = "full_attention"
+
+
 @dataclass
 class ModelArchConfig:
-    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2)."""
+    """Architecture of a Llama-shaped decoder, read from config.json (or a GGUF file).
+
+    The fields up to `architecture` are common to every architecture; the ones after it
+    default to "plain Llama" and are set by the architectures that differ (Gemma's
+    soft-capping and attention scale, Phi-3's partial rotary, per-layer sliding windows).
+    Invariant: `layer_types` is None or has one entry per layer, each
+    `SLIDING_ATTENTION` or `FULL_ATTENTION`; a sliding layer attends to its last
+    `sliding_window` tokens (itself included), as transformers' mask does.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -36,6 +48,20 @@ class ModelArchConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     architecture: str = "LlamaForCausalLM"
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None  # None: every layer full (or every layer
+    # sliding when `sliding_window` is set and the architecture names no pattern)
+    partial_rotary_factor: float = 1.0  # fraction of head_dim that rotates (Phi-4-mini 0.75)
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma)
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # the same on the logits (Gemma 2)
+    # RoPE of the sliding layers when it differs from the global one (Gemma 3's local base).
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict | None = None
+    # The engine's context length, when known: longrope picks its long or short factors
+    # by it once, for every position (vLLM's rule), so keys and queries always agree.
+    max_model_len: int | None = None
     # Mixture of experts (0 experts: a dense MLP). `norm_topk_prob`: the top-k routing
     # weights are renormalised to sum to 1 (Mixtral always; Qwen-MoE per its config).
     num_experts: int = 0
@@ -44,6 +70,24 @@ class ModelArchConfig:
     # config.json's `quantization_config` (or the one `--quantization` asks for),
     # resolved by `pagoda.model.quantization.resolve_quantization`; None: unquantized.
     quantization_config: dict | None = None
+
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """The window of layer `layer_idx`, or None when it attends to the whole context."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer_idx] == SLIDING_ATTENTION:
+            return self.sliding_window
+        return None
+
+    @property
+    def kv_cache_sliding_window(self) -> int | None:
+        """The window when *every* layer slides, else None.
+
+        Only then may the KV cache drop blocks that fall out of the window: a single
+        full-attention layer (Gemma 2/3 alternate them) still reads every block.
+        """
+        windows = {self.layer_sliding_window(i) for i in range(self.num_hidden_layers)}
+        return windows.pop() if len(windows) == 1 and None not in windows else None
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -67,6 +111,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     prefix_hash_seed: str = DEFAULT_PREFIX_HASH_SEED
     num_blocks: int = 0  # resolved at start-up
+    # The model's window when every layer slides (`ModelArchConfig.kv_cache_sliding_window`):
+    # blocks wholly before it are freed while a request runs. None keeps every block.
+    sliding_window: int | None = None
 
 
 @dataclass

@@ -112,3 +112,61 @@ def test_realistic_shapes_on_gpu(heads, kv_heads):
                                dtype=torch.bfloat16, device="cuda")
     out, expected = run_both(batch, scale=128**-0.5)
     assert relative_error(out, expected) < 2e-2
+
+
+def poison_blocks_out_of_window(batch, window: int) -> None:
+    """Point every block-table entry wholly before a request's window at a NaN block, as
+    the KV cache manager's released blocks may hold anything: a kernel that loaded one
+    (even masked) would turn its output into NaN."""
+    md = batch.attn_metadata
+    block_size = batch.key_cache.shape[1]
+    used = set(md.block_tables.flatten().tolist())
+    nan_block = next(b for b in range(batch.key_cache.shape[0]) if b not in used)
+    batch.key_cache[nan_block] = float("nan")
+    batch.value_cache[nan_block] = float("nan")
+    qsl = md.query_start_loc_cpu
+    for i, seq_len in enumerate(md.seq_lens_cpu):
+        first_query = seq_len - (qsl[i + 1] - qsl[i])
+        num_out = max(0, first_query - window + 1) // block_size
+        md.block_tables[i, :num_out] = nan_block
+
+
+# Decodes whose windows start mid-block and past several blocks, a prefill longer than
+# the window, a chunk behind a cached prefix longer than the window.
+WINDOW_REQUESTS = [(3, 1), (21, 1), (40, 1), (0, 19), (26, 9)]
+
+
+@pytest.mark.parametrize("window", [1, 6, 13])
+def test_sliding_window_matches_reference_and_never_reads_released_blocks(device, window):
+    batch = random_paged_batch(WINDOW_REQUESTS, 6, 2, head_dim=16, block_size=4, device=device,
+                               seed=window)
+    md = batch.attn_metadata
+    write_kv_cache(batch.key, batch.value, batch.key_cache, batch.value_cache, md.slot_mapping)
+    expected = ref.paged_attention(batch.query, batch.key_cache, batch.value_cache, md, 0.25,
+                                   sliding_window=window)
+    full = ref.paged_attention(batch.query, batch.key_cache, batch.value_cache, md, 0.25)
+    assert relative_error(full, expected) > 1e-2  # the window really cuts keys off
+    poison_blocks_out_of_window(batch, window)
+    for num_splits in (1, 3):
+        out = paged_attention(batch.query, batch.key_cache, batch.value_cache, md, 0.25,
+                              num_splits=num_splits, sliding_window=window)
+        assert relative_error(out, expected) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_capped_scores_match_reference(device, dtype):
+    # Large queries so that the cap (5) really bends the scores; with a window too.
+    batch = random_paged_batch([(9, 1), (0, 1), (5, 11)], 4, 2, head_dim=16, block_size=4,
+                               dtype=dtype, device=device, seed=5)
+    batch.query.mul_(4)
+    md = batch.attn_metadata
+    write_kv_cache(batch.key, batch.value, batch.key_cache, batch.value_cache, md.slot_mapping)
+    for window in (None, 5):
+        out = paged_attention(batch.query, batch.key_cache, batch.value_cache, md, 0.25,
+                              num_splits=2, sliding_window=window, logits_soft_cap=5.0)
+        expected = ref.paged_attention(batch.query, batch.key_cache, batch.value_cache, md,
+                                       0.25, sliding_window=window, logits_soft_cap=5.0)
+        uncapped = ref.paged_attention(batch.query, batch.key_cache, batch.value_cache, md,
+                                       0.25, sliding_window=window)
+        assert relative_error(uncapped, expected) > 1e-2
+        assert relative_error(out, expected) < TOL[dtype]

@@ -1,4 +1,5 @@
-"""RMSNorm (+ fused residual), rotary embedding and SiLU-and-mul against references.
+"""RMSNorm (Llama's and Gemma's, + fused residual), rotary embedding and the gated
+activations (SiLU, tanh-GELU) against references.
 
 With the interpreter patched to round like the GPU, bf16 results are bit-exact;
 on the GPU a reduction order may move the last bit, hence the 1-ulp tolerance there.
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from pagoda.kernels import reference as ref
-from pagoda.kernels.activation import silu_and_mul
+from pagoda.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from pagoda.kernels.rms_norm import rms_norm
 from pagoda.kernels.rotary import rotary_embedding
 
@@ -86,6 +87,33 @@ def test_silu_and_mul(device, dtype, inter):
     torch.manual_seed(3)
     x = torch.randn(6, 2 * inter, dtype=dtype, device=device) * 4
     assert_matches(silu_and_mul(x), ref.silu_and_mul(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_rms_norm_scales_by_one_plus_weight_in_fp32(device, dtype):
+    torch.manual_seed(4)
+    x = torch.randn(5, 48, dtype=dtype, device=device)
+    residual = torch.randn(5, 48, dtype=dtype, device=device)
+    weight = 0.3 * torch.randn(48, dtype=dtype, device=device)
+    assert_matches(rms_norm(x, weight, 1e-6, unit_offset=True), ref.gemma_rms_norm(x, weight, 1e-6))
+    out, new_residual = rms_norm(x, weight, 1e-6, residual, unit_offset=True)
+    expected_out, expected_residual = ref.gemma_rms_norm(x, weight, 1e-6, residual)
+    assert_matches(out, expected_out)
+    assert_matches(new_residual, expected_residual)
+    assert not torch.allclose(out, ref.rms_norm(x, weight, 1e-6, residual)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [37, 1500])
+def test_gelu_tanh_and_mul(device, dtype, inter):
+    torch.manual_seed(5)
+    x = torch.randn(6, 2 * inter, dtype=dtype, device=device) * 4
+    out, expected = gelu_tanh_and_mul(x), ref.gelu_tanh_and_mul(x)
+    assert out.dtype == dtype and out.shape == expected.shape
+    # tanh comes from exp in the kernel, from libm in torch: a few fp32 ulps apart, which
+    # may flip the last bf16 bit after rounding.
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(out, expected, **tol)
 
 
 def test_elementwise_launchers_reject_bad_arguments(device):

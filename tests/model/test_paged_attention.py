@@ -10,11 +10,12 @@ from pagoda.model.attention import paged_attention, write_kv_cache
 from pagoda.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 
 
-def dense_reference(q, keys, values, context_lens, scale):
+def dense_reference(q, keys, values, context_lens, scale, window=None, soft_cap=None):
     """Per request: causal attention of its queries over its full key sequence, fp64.
 
     keys/values[i] hold request i's whole sequence [S, Hkv, D]; its queries are the
     last rows. Built from the un-paged tensors, so it shares no code with the cache.
+    `window` W: query p sees keys p - W < k <= p; `soft_cap` c: scores c * tanh(s / c).
     """
     outs, row = [], 0
     for k, v, ctx in zip(keys, values, context_lens):
@@ -24,16 +25,24 @@ def dense_reference(q, keys, values, context_lens, scale):
         kk = k.double().repeat_interleave(group, dim=1)
         vv = v.double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[row:row + n].double(), kk) * scale
-        allowed = torch.arange(seq_len)[None, :] <= torch.arange(ctx, seq_len)[:, None]
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        k_pos, q_pos = torch.arange(seq_len)[None, :], torch.arange(ctx, seq_len)[:, None]
+        allowed = k_pos <= q_pos
+        if window is not None:
+            allowed &= k_pos > q_pos - window
         scores = scores.masked_fill(~allowed, float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv))
         row += n
     return torch.cat(outs)
 
 
-def run_paged(requests, heads, kv_heads, head_dim, block_size, dtype, paged_sequences, seed=0):
+def run_paged(requests, heads, kv_heads, head_dim, block_size, dtype, paged_sequences, seed=0,
+              window=None, soft_cap=None, poison_out_of_window=False):
     """requests: (context_len, query_len), decodes first. Writes every sequence's
-    context in earlier steps, then runs the batch; returns (ours, reference)."""
+    context in earlier steps, then runs the batch; returns (ours, reference).
+    `poison_out_of_window`: block-table entries wholly before each request's window
+    point at a NaN block (the KV cache manager may have released those blocks)."""
     g = torch.Generator().manual_seed(seed)
     seqs = paged_sequences(num_blocks=256, block_size=block_size, layout="shuffled", seed=seed)
     key_cache, value_cache = allocate_kv_caches(
@@ -53,8 +62,14 @@ def run_paged(requests, heads, kv_heads, head_dim, block_size, dtype, paged_sequ
     new_v = torch.cat([v[ctx:] for v, (ctx, _) in zip(values, requests)])
     write_kv_cache(new_k, new_v, key_cache, value_cache, md.slot_mapping)
     scale = head_dim ** -0.5
-    out = paged_attention(query, key_cache, value_cache, md, scale)
-    return out, dense_reference(query, keys, values, [c for c, _ in requests], scale)
+    if poison_out_of_window:
+        nan_block = seqs.free.pop()
+        key_cache[nan_block] = value_cache[nan_block] = float("nan")
+        for i, (ctx, _) in enumerate(requests):
+            md.block_tables[i, :max(0, ctx - window + 1) // block_size] = nan_block
+    out = paged_attention(query, key_cache, value_cache, md, scale, window, soft_cap)
+    return out, dense_reference(query, keys, values, [c for c, _ in requests], scale, window,
+                                soft_cap)
 
 
 MIXED = [(0, 1), (9, 1), (30, 1), (0, 12), (7, 5), (16, 1 + 16), (3, 40)]
@@ -75,6 +90,25 @@ def test_mixed_batch_equals_dense_reference(paged_sequences, heads, kv_heads, bl
 def test_single_kind_batches(paged_sequences, requests):
     out, ref = run_paged(requests, 6, 2, 32, 4, torch.float32, paged_sequences, seed=3)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 100])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_sliding_window_equals_dense_reference_without_reading_released_blocks(
+        paged_sequences, window, block_size):
+    out, ref = run_paged(MIXED, 6, 2, 16, block_size, torch.float32, paged_sequences,
+                         window=window, poison_out_of_window=True)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_soft_capped_scores_equal_dense_reference(paged_sequences, window):
+    out, ref = run_paged(MIXED, 4, 2, 16, 4, torch.float32, paged_sequences, seed=2,
+                         window=window, soft_cap=0.5)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    uncapped, _ = run_paged(MIXED, 4, 2, 16, 4, torch.float32, paged_sequences, seed=2,
+                            window=window)
+    assert not torch.allclose(out, uncapped, atol=1e-3)  # the cap changes the result
 
 
 def test_bfloat16_stays_close_to_exact(paged_sequences):

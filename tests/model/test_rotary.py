@@ -9,7 +9,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from pagoda.model.rotary import (RotaryEmbedding, apply_rotary, compute_inv_freq,
-                                 normalize_rope_scaling)
+                                 normalize_rope_scaling, rope_frequencies)
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -73,5 +73,48 @@ def test_normalize_rope_scaling():
     assert normalize_rope_scaling({"rope_type": "default", "rope_theta": 1e4}) is None
     assert normalize_rope_scaling({"type": "linear", "factor": 2.0}) == {"rope_type": "linear",
                                                                           "factor": 2.0}
-    with pytest.raises(ValueError, match="yarn"):
-        normalize_rope_scaling({"rope_type": "yarn", "factor": 4.0})
+    assert normalize_rope_scaling({"type": "su", "short_factor": [1.0]})["rope_type"] == "longrope"
+    with pytest.raises(ValueError, match="mrope"):
+        normalize_rope_scaling({"rope_type": "mrope", "mrope_section": [16, 24, 24]})
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+LONGROPE_FACTORS = {"short_factor": [1.0 + 0.05 * i for i in range(64)],
+                    "long_factor": [1.0 + 0.5 * i for i in range(64)]}
+
+
+@pytest.mark.parametrize("scaling,max_model_len,hf_seq_len", [
+    (YARN, None, None),
+    ({**YARN, "beta_fast": 16, "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.5}, None, None),
+    ({**YARN, "attention_factor": 1.25, "truncate": False}, None, None),
+    # longrope: short factors when the context fits the pretraining length, long beyond.
+    ({"rope_type": "longrope", "original_max_position_embeddings": 1024, **LONGROPE_FACTORS},
+     1024, None),
+    ({"rope_type": "longrope", "original_max_position_embeddings": 1024, **LONGROPE_FACTORS},
+     4096, 1025),
+], ids=["yarn", "yarn-mscale", "yarn-attention-factor", "longrope-short", "longrope-long"])
+def test_yarn_and_longrope_match_transformers(scaling, max_model_len, hf_seq_len):
+    config = hf_config(scaling, theta=10000.0, max_pos=4096)
+    init = ROPE_INIT_FUNCTIONS[scaling["rope_type"]]
+    expected, expected_factor = init(config, seq_len=hf_seq_len)
+    ours, factor = rope_frequencies(128, 10000.0, scaling, 4096, max_model_len)
+    torch.testing.assert_close(ours, expected, rtol=1e-6, atol=0)
+    assert factor == pytest.approx(expected_factor, rel=1e-12) and factor != 1.0
+    # The factor scales cos and sin, as transformers' rotary embedding does.
+    rope = RotaryEmbedding(128, 10000.0, scaling, 4096, max_model_len=max_model_len)
+    hf_rope = LlamaRotaryEmbedding(config)
+    positions = torch.tensor([0, 5, 1023] if hf_seq_len is None else [0, 5, 1024])
+    hf_cos, hf_sin = hf_rope(torch.zeros(1, dtype=torch.float32), positions[None])
+    cos, signed_sin = rope(positions, torch.float32)
+    torch.testing.assert_close(cos, hf_cos[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(signed_sin[:, 64:], hf_sin[0, :, 64:], rtol=1e-6, atol=1e-6)
+
+
+def test_partial_rotary_rotates_the_leading_dims_only():
+    rope = RotaryEmbedding(16, 10000.0, None, 64, rotary_dim=12)
+    cos, sin = rope(torch.tensor([3, 7]), torch.float32)
+    assert cos.shape == (2, 12)
+    x = torch.randn(2, 3, 16)
+    out = apply_rotary(x, cos, sin)
+    torch.testing.assert_close(out[..., :12], apply_rotary(x[..., :12], cos, sin))
+    assert torch.equal(out[..., 12:], x[..., 12:])

@@ -6,6 +6,19 @@ is ever half-allocated.
 
     request blocks:  [ hit | hit | new | new ]
                       <- computed ->|<- num_new_tokens ->|
+
+With a sliding window W (every layer windowed: `CacheConfig.sliding_window`) no query
+from position c on sees a key before c - W + 1, so the blocks wholly before that
+are released as the request advances and their places hold None:
+
+    request blocks:  [ None | None | blk | blk | new ]
+                       <- out of window ->|<- within W ->|
+
+KV memory per request then stays under `(W - 1 + chunk) / block_size + 2` blocks
+however long it generates. A released block keeps its hash in the pool until it is
+reused, so a later request with the same prefix can still hit it; a prefix hit
+always needs the whole chain of blocks from the first (`get_computed_blocks`), so a
+block that was reused (its hash evicted) ends the hit there and is never served.
 """
 
 from __future__ import annotations
@@ -15,6 +28,10 @@ from dataclasses import dataclass
 from pagoda.core.block_pool import BlockPool, KVCacheBlock
 from pagoda.core.kv_events import KVEvent
 from pagoda.core.request import Request
+
+# The block id sent to the worker for a position whose block was released because it
+# fell out of the sliding window. Attention never reads such positions.
+OUT_OF_WINDOW_BLOCK_ID = 0
 
 
 @dataclass
@@ -27,16 +44,18 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    """Invariant: `req_blocks[r]` covers at least the computed tokens of request r,
-    and every block in it holds one reference for r."""
+    """Invariant: `req_blocks[r]` covers at least the computed tokens of request r, and
+    every block in it holds one reference for r; an entry is None only for a block
+    wholly before the sliding window of r's next token (see the module doc)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
-                 max_model_len: int) -> None:
+                 max_model_len: int, sliding_window: int | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, block_size, enable_caching)
-        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_blocks: dict[str, list[KVCacheBlock | None]] = {}
         # Number of leading blocks of each request already registered in the cache map.
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
@@ -44,6 +63,12 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.pool.usage()
+
+    def num_blocks_out_of_window(self, num_computed_tokens: int) -> int:
+        """Leading blocks that no query from position `num_computed_tokens` on can see."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of `request` (whole blocks) and its token count.
@@ -70,7 +95,8 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None,
                        num_new_computed_tokens: int = 0) -> list[KVCacheBlock] | None:
-        """Make room for `num_new_tokens` more tokens after the computed ones.
+        """Make room for `num_new_tokens` more tokens after the computed ones, first
+        releasing the blocks that fell out of the sliding window.
 
         Returns the newly allocated blocks, or None (and changes nothing) when the
         pool cannot supply them.
@@ -80,21 +106,34 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_required = -(-(num_computed + num_new_tokens) // self.block_size)
         num_to_allocate = num_required - len(blocks) - len(new_computed_blocks)
-        # Hit blocks sitting in the free queue stop being allocatable once touched.
-        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if max(num_to_allocate, 0) > self.pool.num_free_blocks - num_free_hits:
+        # Out of the window: held blocks are released, hits are not taken at all.
+        num_out = self.num_blocks_out_of_window(num_computed)
+        released = [b for b in blocks[:num_out] if b is not None]
+        num_skipped_hits = min(max(num_out - len(blocks), 0), len(new_computed_blocks))
+        taken_hits = new_computed_blocks[num_skipped_hits:]
+        # Hit blocks sitting in the free queue stop being allocatable once touched;
+        # released blocks only this request holds become allocatable.
+        num_free = (self.pool.num_free_blocks - sum(1 for b in taken_hits if b.ref_cnt == 0)
+                    + sum(1 for b in released if b.ref_cnt == 1))
+        if max(num_to_allocate, 0) > num_free:
             return None
 
-        self.pool.touch(new_computed_blocks)
+        self.pool.free_blocks(released)  # oldest first: the first to be reused
         blocks = self.req_blocks.setdefault(request.request_id, [])
-        blocks.extend(new_computed_blocks)
+        num_cached = self._num_cached_blocks.get(request.request_id, 0)
+        if new_computed_blocks:  # hits are cached already, taken or not
+            num_cached = max(num_cached, len(blocks) + len(new_computed_blocks))
+        blocks[:num_out] = [None] * min(num_out, len(blocks))
+        self.pool.touch(taken_hits)
+        blocks.extend([None] * num_skipped_hits)
+        blocks.extend(taken_hits)
         new_blocks = self.pool.get_new_blocks(num_to_allocate) if num_to_allocate > 0 else []
         blocks.extend(new_blocks)
 
         # The KV of these tokens is written this step, so their full blocks can be
-        # offered to later requests now (hashes cover only known tokens).
+        # offered to later requests now (hashes cover only known tokens). Blocks
+        # released for the window were full, hence cached, before their release.
         num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
-        num_cached = self._num_cached_blocks.get(request.request_id, 0)
         self.pool.cache_full_blocks(blocks, request.block_hashes, request.all_token_ids,
                                     num_cached, num_full)
         self._num_cached_blocks[request.request_id] = max(num_cached, num_full)
@@ -105,10 +144,15 @@ class KVCacheManager:
         end of a sequence) is evicted before shared prefixes."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
-        self.pool.free_blocks(reversed(blocks))
+        self.pool.free_blocks(b for b in reversed(blocks) if b is not None)
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+        return [OUT_OF_WINDOW_BLOCK_ID if b is None else b.block_id
+                for b in self.req_blocks.get(request_id, [])]
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now (those released for the window not counted)."""
+        return sum(1 for b in self.req_blocks.get(request_id, []) if b is not None)
 
     def take_events(self) -> list[KVEvent]:
         return self.pool.take_events()

@@ -48,7 +48,8 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size,
                                                cache_config.enable_prefix_caching,
-                                               scheduler_config.max_model_len)
+                                               scheduler_config.max_model_len,
+                                               cache_config.sliding_window)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -89,6 +89,10 @@ def validate_request(request: EngineCoreRequest, config: EngineConfig, num_block
             f"text tokens plus one.")
     # A request that can never fit the KV cache would be preempted forever.
     max_total = min(num_prompt + (request.sampling_params.max_tokens or max_len), max_len)
+    window = config.cache.sliding_window
+    if window is not None:  # blocks before the window are released as it runs
+        max_total = min(max_total, window - 1 + config.scheduler.max_num_batched_tokens
+                        + 2 * config.cache.block_size)
     capacity = num_blocks * config.cache.block_size
     if max_total > capacity:
         raise ValueError(f"The request needs up to {max_total} tokens of KV cache, more than "

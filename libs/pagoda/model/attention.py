@@ -14,6 +14,13 @@ Prefills (full, chunked, or behind a cached prefix) run one SDPA per request,
 causal with the diagonal shifted by the cached length (query i sits at position
 context_len + i and sees keys 0..context_len + i).
 
+A sliding window W (Mistral, Gemma's local layers) narrows that to the keys
+`p - W < k <= p` of a query at position p (transformers' mask). Only the blocks
+holding such keys are gathered, so the work per token stays bounded, and entries of
+the block table before the window are never read: the KV cache manager may have
+freed those blocks. Soft-capping (Gemma 2) bounds each score as `cap * tanh(s / cap)`
+before the mask; SDPA cannot do that, so those layers take an explicit softmax.
+
 The cache must hold finite values everywhere (allocate it zeroed): padded block
 table entries are gathered and masked, and a masked NaN would still poison SDPA.
 """
@@ -42,55 +49,91 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
 class _PrefillPlan:
     query_start: int
     query_end: int
+    key_start: int  # position of the first gathered key (0, or the window's first block)
     seq_len: int
-    block_ids: torch.Tensor  # [num_blocks_of_request] int32
-    mask: torch.Tensor | None  # [q, seq_len] bool when there is a cached prefix; else causal
+    block_ids: torch.Tensor  # [num_gathered_blocks] int32
+    mask: torch.Tensor | None  # [q, seq_len - key_start] bool; None: plain causal
 
 
 @dataclass
 class _Plan:
-    """Index tensors derived from the metadata once per step and shared by all layers."""
+    """Index tensors derived from the metadata once per step and shared by all layers
+    with the same block size and window."""
 
-    block_size: int
     decode_block_ids: torch.Tensor | None  # [num_decodes * blocks_per_decode]
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, L] bool, L = blocks * block_size
     prefills: list[_PrefillPlan]
 
 
-def _make_plan(md: AttentionMetadata, block_size: int) -> _Plan:
+def _decode_plan(md: AttentionMetadata, block_size: int, window: int | None):
+    """Each decode's blocks from the first one its window touches (block 0 without a
+    window), the same count for all, with a mask of the keys it may see."""
     nd = md.num_decodes
-    device = md.block_tables.device
+    seq_lens = md.seq_lens[:nd].long()
+    num_blocks = -(-max(md.seq_lens_cpu[:nd]) // block_size)
+    first_block = torch.zeros_like(seq_lens)
+    if window is not None:
+        # Keys p - W < k <= p span at most ceil(W / block_size) + 1 blocks.
+        num_blocks = min(num_blocks, -(-window // block_size) + 1)
+        first_block = (seq_lens - window).clamp(min=0) // block_size
+    columns = first_block[:, None] + torch.arange(num_blocks, device=seq_lens.device)
+    # Columns past the table's width only hold positions >= seq_len: masked below.
+    table = md.block_tables[:nd]
+    block_ids = table.gather(1, columns.clamp(max=table.shape[1] - 1)).reshape(-1)
+    key_pos = (columns[:, :, None] * block_size
+               + torch.arange(block_size, device=seq_lens.device)).reshape(nd, -1)
+    visible = key_pos < seq_lens[:, None]
+    if window is not None:
+        visible &= key_pos > seq_lens[:, None] - 1 - window
+    return block_ids, visible[:, None, None, :]
+
+
+def _prefill_plan(md: AttentionMetadata, i: int, block_size: int,
+                  window: int | None) -> _PrefillPlan:
+    start, end = md.query_start_loc_cpu[i], md.query_start_loc_cpu[i + 1]
+    seq_len = md.seq_lens_cpu[i]
+    num_query = end - start
+    context_len = seq_len - num_query
+    key_start = 0
+    if window is not None:  # from the block of the first key the first query sees
+        key_start = max(0, context_len - window + 1) // block_size * block_size
+    mask = None
+    if seq_len != num_query or window is not None:
+        device = md.block_tables.device
+        q_pos = torch.arange(context_len, seq_len, device=device)[:, None]
+        k_pos = torch.arange(key_start, seq_len, device=device)[None, :]
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= k_pos > q_pos - window
+    first_block = key_start // block_size
+    block_ids = md.block_tables[i, first_block:-(-seq_len // block_size)]
+    return _PrefillPlan(start, end, key_start, seq_len, block_ids, mask)
+
+
+def _make_plan(md: AttentionMetadata, block_size: int, window: int | None) -> _Plan:
     decode_block_ids = decode_mask = None
-    if nd:
-        num_blocks = -(-max(md.seq_lens_cpu[:nd]) // block_size)
-        decode_block_ids = md.block_tables[:nd, :num_blocks].reshape(-1)
-        key_pos = torch.arange(num_blocks * block_size, device=device)
-        decode_mask = (key_pos[None, :] < md.seq_lens[:nd, None])[:, None, None, :]
-    prefills = []
-    for i in range(nd, md.num_reqs):
-        start, end = md.query_start_loc_cpu[i], md.query_start_loc_cpu[i + 1]
-        seq_len = md.seq_lens_cpu[i]
-        num_query = end - start
-        mask = None
-        if seq_len != num_query:
-            mask = torch.ones(num_query, seq_len, dtype=torch.bool, device=device)
-            mask = mask.tril(diagonal=seq_len - num_query)
-        block_ids = md.block_tables[i, :-(-seq_len // block_size)]
-        prefills.append(_PrefillPlan(start, end, seq_len, block_ids, mask))
-    return _Plan(block_size, decode_block_ids, decode_mask, prefills)
+    if md.num_decodes:
+        decode_block_ids, decode_mask = _decode_plan(md, block_size, window)
+    prefills = [_prefill_plan(md, i, block_size, window)
+                for i in range(md.num_decodes, md.num_reqs)]
+    return _Plan(decode_block_ids, decode_mask, prefills)
 
 
-def _get_plan(md: AttentionMetadata, block_size: int) -> _Plan:
+def _get_plan(md: AttentionMetadata, block_size: int, window: int | None) -> _Plan:
     # Memoised on the metadata object, which lives for exactly one step, so the
-    # 30-odd layers of a model do not rebuild the same index tensors.
-    plan = getattr(md, _PLAN_ATTR, None)
-    if plan is None or plan.block_size != block_size:
-        plan = _make_plan(md, block_size)
+    # 30-odd layers of a model do not rebuild the same index tensors. Keyed by the
+    # window: Gemma's local and global layers need different plans.
+    plans = getattr(md, _PLAN_ATTR, None)
+    if plans is None:
+        plans = {}
         try:
-            setattr(md, _PLAN_ATTR, plan)
+            setattr(md, _PLAN_ATTR, plans)
         except AttributeError:  # a slotted/frozen metadata: correct, just rebuilt per layer
             pass
-    return plan
+    key = (block_size, window)
+    if key not in plans:
+        plans[key] = _make_plan(md, block_size, window)
+    return plans[key]
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -100,51 +143,71 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return rows.view(-1, num_kv_heads, head_dim)
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scale: float, soft_cap: float | None) -> torch.Tensor:
+    """SDPA over [..., Lq, D] x [..., Lk, D]; `mask` None means causal. With a soft cap,
+    the explicit form transformers' eager attention uses (softmax in fp32)."""
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      plan: _Plan, scale: float) -> torch.Tensor:
+                      plan: _Plan, scale: float, soft_cap: float | None) -> torch.Tensor:
     num_decodes, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     # [nd, L, Hkv, D] -> [nd, Hkv, L, D] as a strided view; SDPA takes it as is.
     key = _gather(key_cache, plan.decode_block_ids).view(num_decodes, -1, num_kv_heads, head_dim)
     value = _gather(value_cache, plan.decode_block_ids).view(num_decodes, -1, num_kv_heads, head_dim)
     q = query.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(q, key.transpose(1, 2), value.transpose(1, 2),
-                                         attn_mask=plan.decode_mask, scale=scale)
+    out = _attend(q, key.transpose(1, 2), value.transpose(1, 2), plan.decode_mask, scale, soft_cap)
     return out.reshape(num_decodes, num_heads, head_dim)
 
 
 def _prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                       p: _PrefillPlan, scale: float) -> torch.Tensor:
+                       p: _PrefillPlan, scale: float, soft_cap: float | None) -> torch.Tensor:
     num_query, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    key = _gather(key_cache, p.block_ids)[:p.seq_len]
-    value = _gather(value_cache, p.block_ids)[:p.seq_len]
+    num_keys = p.seq_len - p.key_start
+    key = _gather(key_cache, p.block_ids)[:num_keys]
+    value = _gather(value_cache, p.block_ids)[:num_keys]
     # GQA without copying K/V: batch over KV heads, expand K/V over the group with
     # stride 0. 4-D inputs matter: CPU SDPA takes its fast flash path only for them.
     q = query.view(num_query, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    k = key.permute(1, 0, 2)[:, None].expand(num_kv_heads, group, p.seq_len, head_dim)
-    v = value.permute(1, 0, 2)[:, None].expand(num_kv_heads, group, p.seq_len, head_dim)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.mask is None,
-                                         scale=scale)
+    k = key.permute(1, 0, 2)[:, None].expand(num_kv_heads, group, num_keys, head_dim)
+    v = value.permute(1, 0, 2)[:, None].expand(num_kv_heads, group, num_keys, head_dim)
+    out = _attend(q, k, v, p.mask, scale, soft_cap)
     return out.permute(2, 0, 1, 3).reshape(num_query, num_heads, head_dim)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    attn_metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                    attn_metadata: AttentionMetadata, scale: float,
+                    sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:
     """Attention of query [T, H, D] over each request's cached context -> [T, H, D].
 
     The step's own keys/values must already be in the cache (`write_kv_cache`).
-    Query head h reads KV head h // (H // num_kv_heads), as HF's `repeat_kv`.
+    Query head h reads KV head h // (H // num_kv_heads), as HF's `repeat_kv`. With
+    `sliding_window` W a query at position p sees keys p - W < k <= p; with
+    `logits_soft_cap` c each score s becomes c * tanh(s / c) (see module doc).
     """
-    plan = _get_plan(attn_metadata, key_cache.shape[1])
+    plan = _get_plan(attn_metadata, key_cache.shape[1], sliding_window)
     nd = attn_metadata.num_decodes
     outputs = []
     if nd:
-        outputs.append(_decode_attention(query[:nd], key_cache, value_cache, plan, scale))
+        outputs.append(_decode_attention(query[:nd], key_cache, value_cache, plan, scale,
+                                         logits_soft_cap))
     for p in plan.prefills:
         outputs.append(_prefill_attention(query[p.query_start:p.query_end], key_cache,
-                                          value_cache, p, scale))
+                                          value_cache, p, scale, logits_soft_cap))
     if len(outputs) == 1:
         return outputs[0]
     return torch.cat(outputs) if outputs else torch.empty_like(query)

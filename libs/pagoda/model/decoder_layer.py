@@ -30,55 +30,83 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # (key cache, value cache) of one l
 def fused_add_norm(norm: RMSNorm, x: torch.Tensor,
                    residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual), x + residual) through the kernel switch; residual None: (norm(x), x)."""
-    return ops.rms_norm(x, norm.weight, norm.eps, residual)
+    return ops.rms_norm(x, norm.weight, norm.eps, residual, unit_offset=norm.unit_offset)
 
 
 class PagedSelfAttention(nn.Module):
     """Rotary self-attention over this TP rank's heads: H/T query heads and their KV heads.
 
     Writes this step's keys and values into the layer's paged cache, then attends over
-    every cached token of each sequence (`AttentionMetadata` says which).
+    the cached tokens of each sequence (`AttentionMetadata` says which): all of them,
+    or the last `sliding_window` with a window. The variants are constructor options:
+    `scale` (default head_dim ** -0.5), `logits_soft_cap` (Gemma 2), `qk_norm` (an
+    RMSNorm class normalising each query and key head before RoPE: Qwen3, Gemma 3).
     """
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, qkv_bias: bool,
-                 o_proj_bias: bool, parallel: ParallelContext = SINGLE) -> None:
+                 o_proj_bias: bool, parallel: ParallelContext = SINGLE, *,
+                 scale: float | None = None, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None,
+                 qk_norm: type[RMSNorm] | None = None) -> None:
         super().__init__()
         self.head_dim = arch.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim ** -0.5 if scale is None else scale
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
         self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_attention_heads,
                                           arch.num_key_value_heads, qkv_bias, dtype, parallel)
         self.num_heads = self.qkv_proj.num_local_heads
         self.num_kv_heads = self.qkv_proj.num_local_kv_heads
         self.o_proj = RowParallelLinear(arch.num_attention_heads * arch.head_dim, arch.hidden_size,
                                         o_proj_bias, dtype, parallel)
+        if qk_norm is not None:
+            self.q_norm = qk_norm(arch.head_dim, arch.rms_norm_eps, dtype)
+            self.k_norm = qk_norm(arch.head_dim, arch.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, md: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)
         qk, value = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
-        # Rotate queries and keys in one go: they share positions.
-        qk = ops.rotary_embedding(qk, cos, sin)
-        query, key = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        if self.q_norm is None:
+            # Rotate queries and keys in one go: they share positions.
+            qk = ops.rotary_embedding(qk, cos, sin)
+            query, key = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            query, key = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            query = ops.rotary_embedding(fused_add_norm(self.q_norm, query, None)[0], cos, sin)
+            key = ops.rotary_embedding(fused_add_norm(self.k_norm, key, None)[0], cos, sin)
         key_cache, value_cache = kv_cache
         ops.write_kv_cache(key, value, key_cache, value_cache, md.slot_mapping)
-        out = ops.paged_attention(query, key_cache, value_cache, md, self.scale)
+        out = ops.paged_attention(query, key_cache, value_cache, md, self.scale,
+                                  self.sliding_window, self.logits_soft_cap)
         return self.o_proj(out.view(num_tokens, -1))
 
 
+# HF `hidden_act` -> the fused "activation(gate) * up" op of `ops`.
+_GATED_ACTIVATIONS = {"silu": ops.silu_and_mul, "gelu_pytorch_tanh": ops.gelu_tanh_and_mul}
+
+
 class GatedMLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused, no biases."""
+    """Gated feed-forward: down(act(gate(x)) * up(x)), gate and up fused, no biases.
+    `act` is SiLU (SwiGLU: Llama, Qwen, Phi-3) or tanh-GELU (GeGLU: Gemma)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 parallel: ParallelContext = SINGLE) -> None:
+                 parallel: ParallelContext = SINGLE, hidden_act: str = "silu") -> None:
         super().__init__()
+        if hidden_act not in _GATED_ACTIVATIONS:
+            raise ValueError(f"Unsupported hidden_act {hidden_act!r}; supported: "
+                             f"{', '.join(_GATED_ACTIVATIONS)}")
+        self.act_and_mul = _GATED_ACTIVATIONS[hidden_act]
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, False,
             dtype, parallel)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, dtype, parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -8,14 +8,11 @@ what that architecture's config leaves implicit.
 from __future__ import annotations
 
 import json
-import logging
 import os
 
-from pagoda.config import ModelArchConfig
+from pagoda.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelArchConfig
 from pagoda.model.registry import MODEL_REGISTRY
 from pagoda.model.rotary import normalize_rope_scaling
-
-logger = logging.getLogger(__name__)
 
 
 def _read_json(path: str) -> dict:
@@ -44,18 +41,38 @@ def _rope(config: dict) -> tuple[float, dict | None]:
     # write `rope_theta` and `rope_scaling` at the top level.
     params = config.get("rope_parameters") or {}
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
-    return float(theta), normalize_rope_scaling(config.get("rope_scaling") or params)
+    scaling = normalize_rope_scaling(config.get("rope_scaling") or params)
+    # Phi-3 keeps the pretraining length beside, not inside, its scaling parameters.
+    if scaling and "original_max_position_embeddings" in config:
+        scaling.setdefault("original_max_position_embeddings",
+                           config["original_max_position_embeddings"])
+    return float(theta), scaling
 
 
-def _warn_sliding_window(config: dict) -> None:
-    # Mistral v0.1 attends to the last 4096 tokens only; we attend to all of them,
-    # which is the same model up to that length and differs beyond it.
+def _partial_rotary_factor(config: dict) -> float:
+    params = config.get("rope_parameters") or {}
+    return float(config.get("partial_rotary_factor") or params.get("partial_rotary_factor")
+                 or 1.0)
+
+
+def _sliding_window(config: dict) -> tuple[int | None, tuple[str, ...] | None]:
+    """(window, per-layer types) as transformers reads them; (None, None) without a window.
+
+    `layer_types` (transformers >= 4.53) names each layer; older configs leave it out:
+    then every layer slides (Mistral, Phi-3), except Qwen2's rule (layers from
+    `max_window_layers` on) and the patterns Gemma's `update_arch_config` sets.
+    """
     window = config.get("sliding_window")
-    if window and config.get("use_sliding_window", True) and window < config.get(
-            "max_position_embeddings", 0):
-        logger.warning("Model uses sliding-window attention (%d tokens); Pagoda attends to the "
-                       "whole context, so outputs past %d tokens differ from the original",
-                       window, window)
+    if not window or config.get("use_sliding_window") is False:
+        return None, None
+    layer_types = config.get("layer_types")
+    if layer_types is None and "max_window_layers" in config:
+        first = config["max_window_layers"]
+        layer_types = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION
+                       for i in range(config["num_hidden_layers"])]
+    if layer_types is not None and SLIDING_ATTENTION not in layer_types:
+        return None, None
+    return int(window), tuple(layer_types) if layer_types is not None else None
 
 
 def arch_config_from_hf_dir(model_dir: str) -> ModelArchConfig:
@@ -69,7 +86,7 @@ def arch_config_from_hf_dir(model_dir: str) -> ModelArchConfig:
     generation = _read_json(generation_path) if os.path.exists(generation_path) else {}
     num_heads = config["num_attention_heads"]
     rope_theta, rope_scaling = _rope(config)
-    _warn_sliding_window(config)
+    sliding_window, layer_types = _sliding_window(config)
     arch = ModelArchConfig(
         vocab_size=config["vocab_size"],
         hidden_size=config["hidden_size"],
@@ -87,5 +104,9 @@ def arch_config_from_hf_dir(model_dir: str) -> ModelArchConfig:
         bos_token_id=config.get("bos_token_id"),
         eos_token_id=_merge_eos(config.get("eos_token_id"), generation.get("eos_token_id")),
         architecture=spec.hf_name,
+        hidden_act=config.get("hidden_act") or config.get("hidden_activation") or "silu",
+        sliding_window=sliding_window,
+        layer_types=layer_types,
+        partial_rotary_factor=_partial_rotary_factor(config),
     )
     return spec.update_arch_config(config, arch) if spec.update_arch_config else arch

@@ -1,4 +1,4 @@
-"""Building blocks of a Llama-family decoder: linear, RMSNorm, SwiGLU.
+"""Building blocks of a Llama-family decoder: linear, RMSNorm (Llama and Gemma), SwiGLU, GeGLU.
 
 Parameters are allocated uninitialised (torch.empty) on the current default
 device and dtype: weights always come from a checkpoint via `load_weights`, so
@@ -48,6 +48,8 @@ class RMSNorm(nn.Module):
     bf16 rounding matches HF.
     """
 
+    unit_offset = False  # True for GemmaRMSNorm, which scales by 1 + weight
+
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = empty_parameter(hidden_size, dtype=dtype)
@@ -61,7 +63,27 @@ class RMSNorm(nn.Module):
         return self.weight * normed, x
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: scales by `1 + weight` (checkpoints store the offset from 1),
+    and, unlike Llama's, multiplies in fp32 before the one cast back."""
+
+    unit_offset = True
+
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype), x
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU on the fused projection: [T, 2I] -> silu(gate) * up, [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU on the fused projection: [T, 2I] -> gelu_tanh(gate) * up, [T, I] (Gemma)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

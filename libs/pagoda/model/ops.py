@@ -7,9 +7,11 @@ swaps `from pagoda.model.attention import paged_attention` for
     ops function       torch path (CPU, or CUDA with PAGODA_DISABLE_TRITON=1)
     write_kv_cache     pagoda.model.attention.write_kv_cache
     paged_attention    pagoda.model.attention.paged_attention
-    rms_norm           pagoda.model.layers.RMSNorm.forward's math
+    rms_norm           pagoda.model.layers.RMSNorm.forward's math (GemmaRMSNorm's with
+                       unit_offset)
     rotary_embedding   pagoda.model.rotary.apply_rotary
     silu_and_mul       pagoda.model.layers.silu_and_mul
+    gelu_tanh_and_mul  pagoda.model.layers.gelu_tanh_and_mul
 
 The decision depends only on the first tensor's device (and the environment, read
 once), never on data, so it is stable inside a captured CUDA graph. Kernel modules
@@ -48,32 +50,42 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    attn_metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Attention of query [T, H, D] over each request's cached context -> [T, H, D]."""
+                    attn_metadata: AttentionMetadata, scale: float,
+                    sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:
+    """Attention of query [T, H, D] over each request's cached context -> [T, H, D];
+    optionally within a sliding window and with soft-capped scores."""
     if use_triton(query):
         from pagoda.kernels.attention import paged_attention as kernel
 
-        return kernel(query, key_cache, value_cache, attn_metadata, scale)
-    return torch_attention.paged_attention(query, key_cache, value_cache, attn_metadata, scale)
+        return kernel(query, key_cache, value_cache, attn_metadata, scale,
+                      sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    return torch_attention.paged_attention(query, key_cache, value_cache, attn_metadata, scale,
+                                           sliding_window, logits_soft_cap)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             residual: torch.Tensor | None = None,
+             unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`(norm(x + residual) * weight, x + residual)`; without residual `(norm(x) * weight, x)`.
-    Same contract as `pagoda.model.layers.RMSNorm.forward`."""
+    Same contract as `pagoda.model.layers.RMSNorm.forward` (`GemmaRMSNorm.forward`, which
+    scales by `1 + weight` in fp32, with `unit_offset`)."""
     if use_triton(x):
         from pagoda.kernels.rms_norm import rms_norm as kernel
 
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if residual is None:
-            return kernel(x2, weight, eps).view(shape), x
-        out, new_residual = kernel(x2, weight, eps, residual.reshape(-1, shape[-1]))
+            return kernel(x2, weight, eps, unit_offset=unit_offset).view(shape), x
+        out, new_residual = kernel(x2, weight, eps, residual.reshape(-1, shape[-1]),
+                                   unit_offset=unit_offset)
         return out.view(shape), new_residual.view(shape)
     if residual is not None:
         x = x + residual
-    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-    return weight * normed, x
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    if unit_offset:
+        return (normed * (1.0 + weight.float())).to(x.dtype), x
+    return weight * normed.to(x.dtype), x
 
 
 def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -81,17 +93,16 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     `pagoda.model.rotary.RotaryEmbedding`; a new tensor. Same contract as
     `pagoda.model.rotary.apply_rotary`.
 
-    The kernel wants half tables `[T, D/2]` of cos and +sin. Full-width tables (HF's
-    `cat(cos, cos)` with `cat(-sin, sin)` or `cat(sin, sin)`) carry exactly those in
-    their first and second halves, so they are passed as strided views, not copied.
+    The kernel wants half tables `[T, R/2]` of cos and +sin; the full-width tables
+    `[T, R]` (HF's `cat(cos, cos)` with `cat(-sin, sin)`) carry exactly those in their
+    first and second halves, so they are passed as strided views, not copied. R is
+    the rotary dim: head_dim, or less under partial rotary (only those dims rotate).
     """
     if use_triton(x):
         from pagoda.kernels.rotary import rotary_embedding as kernel
 
-        half = x.shape[-1] // 2
-        if cos.shape[-1] == x.shape[-1]:
-            cos, sin = cos[:, :half], sin[:, half:]
-        return kernel(x, cos, sin)
+        half = cos.shape[-1] // 2  # narrower than head_dim / 2 under partial rotary
+        return kernel(x, cos[:, :half], sin[:, half:])
     return torch_rotary.apply_rotary(x, cos, sin)
 
 
@@ -103,3 +114,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         shape = gate_up.shape
         return kernel(gate_up.reshape(-1, shape[-1])).view(*shape[:-1], shape[-1] // 2)
     return torch_layers.silu_and_mul(gate_up)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> gelu_tanh(gate) * up, [T, I] (Gemma's `gelu_pytorch_tanh` MLP)."""
+    if use_triton(gate_up):
+        from pagoda.kernels.activation import gelu_tanh_and_mul as kernel
+
+        shape = gate_up.shape
+        return kernel(gate_up.reshape(-1, shape[-1])).view(*shape[:-1], shape[-1] // 2)
+    return torch_layers.gelu_tanh_and_mul(gate_up)

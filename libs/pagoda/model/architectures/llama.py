@@ -1,11 +1,12 @@
-"""Llama over a paged KV cache; Mistral and SmolLM2 are the same network.
+"""Llama over a paged KV cache; SmolLM2 is the same network (Mistral: `mistral.py`).
 
 The decoder stack and the causal-LM wrapper here are the Llama shape that most HF
 decoders share (`model.embed_tokens`, `model.layers.N`, `model.norm`, `lm_head`);
 other architectures subclass `LlamaForCausalLM` and change the decoder layer
-(`make_attention`, `make_decoder_layer`). Given a `ParallelContext`, the model is
-one rank's share: its slice of every matrix (tensor parallelism, `parallel_layers`)
-and its stage's layers (pipeline parallelism).
+(`make_attention`, `make_decoder_layer`, both given the layer's index) or the stack
+(`model_cls`). Given a `ParallelContext`, the model is one rank's share: its slice
+of every matrix (tensor parallelism, `parallel_layers`) and its stage's layers
+(pipeline parallelism).
 """
 
 from __future__ import annotations
@@ -32,12 +33,15 @@ class LlamaModel(nn.Module):
     """The decoder stack, or one pipeline stage's contiguous slice of it.
 
     Invariant: the first stage holds `embed_tokens`, the last holds `norm`; a stage
-    holds layers `[start_layer, end_layer)` (built by `make_layer`) and gets one KV
-    cache per held layer.
+    holds layers `[start_layer, end_layer)` (built by `make_layer(index)`) and gets one
+    KV cache per held layer. Sliding-window layers take their RoPE from
+    `local_rotary_emb` when the architecture gives them their own (Gemma 3).
     """
 
+    norm_cls: type[RMSNorm] = RMSNorm  # of the final norm
+
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, parallel: ParallelContext,
-                 make_layer: Callable[[], nn.Module]) -> None:
+                 make_layer: Callable[[int], nn.Module]) -> None:
         super().__init__()
         self.start_layer, self.end_layer = stage_layer_range(
             arch.num_hidden_layers, parallel.pp_size, parallel.pp_rank)
@@ -45,14 +49,28 @@ class LlamaModel(nn.Module):
             VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, dtype, parallel)
             if parallel.is_first_stage else None)
         self.layers = nn.ModuleList(
-            make_layer() if self.start_layer <= i < self.end_layer else PPMissingLayer()
+            make_layer(i) if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(arch.num_hidden_layers))
         # A plain list: slicing the ModuleList every forward would build a new module.
         self.stage_layers = list(self.layers)[self.start_layer:self.end_layer]
-        self.norm = (RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.norm = (self.norm_cls(arch.hidden_size, arch.rms_norm_eps, dtype)
                      if parallel.is_last_stage else None)
+        rotary_dim = int(arch.head_dim * arch.partial_rotary_factor)
         self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling,
-                                          arch.max_position_embeddings)
+                                          arch.max_position_embeddings, rotary_dim,
+                                          arch.max_model_len)
+        self.local_rotary_emb = None
+        if arch.local_rope_theta is not None:
+            self.local_rotary_emb = RotaryEmbedding(
+                arch.head_dim, arch.local_rope_theta, arch.local_rope_scaling,
+                arch.max_position_embeddings, rotary_dim, arch.max_model_len)
+        self.stage_uses_local_rope = [
+            self.local_rotary_emb is not None and arch.layer_sliding_window(i) is not None
+            for i in range(self.start_layer, self.end_layer)]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (first stage only); Gemma scales them."""
+        return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], md: AttentionMetadata,
@@ -61,11 +79,15 @@ class LlamaModel(nn.Module):
         """hidden [T, hidden] after the final norm on the last stage; the stage's
         IntermediateTensors elsewhere. Stages after the first take `intermediate`."""
         if self.embed_tokens is not None:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden, residual = self.embed(input_ids), None
         else:
             hidden, residual = intermediate
-        cos, sin = self.rotary_emb(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.stage_layers, kv_caches, strict=True):
+        rope = self.rotary_emb(positions, hidden.dtype)
+        local_rope = (self.local_rotary_emb(positions, hidden.dtype)
+                      if self.local_rotary_emb is not None else None)
+        for layer, kv_cache, local in zip(self.stage_layers, kv_caches,
+                                          self.stage_uses_local_rope, strict=True):
+            cos, sin = local_rope if local else rope
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, md)
         if self.norm is None:
             return IntermediateTensors(hidden, residual)
@@ -86,6 +108,7 @@ class LlamaForCausalLM(nn.Module):
     # Fused parameter -> the HF tensors it stacks, in row order (`weight_names`).
     packed_modules_mapping = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
                               "gate_up_proj": ("gate_proj", "up_proj")}
+    model_cls: type[LlamaModel] = LlamaModel
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype,
                  parallel: ParallelContext | None = None) -> None:
@@ -94,20 +117,22 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         self.dtype = dtype
         self.parallel = parallel
-        self.model = LlamaModel(arch, dtype, parallel, self.make_decoder_layer)
+        self.model = self.model_cls(arch, dtype, parallel, self.make_decoder_layer)
         if parallel.is_last_stage and not (arch.tie_word_embeddings and parallel.is_first_stage):
             self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, dtype, parallel)
 
-    def make_attention(self) -> nn.Module:
+    def make_attention(self, layer_idx: int) -> nn.Module:
         # Llama's `attention_bias` covers q/k/v and o_proj alike.
         bias = self.arch.attention_bias
-        return PagedSelfAttention(self.arch, self.dtype, bias, bias, self.parallel)
+        return PagedSelfAttention(self.arch, self.dtype, bias, bias, self.parallel,
+                                  sliding_window=self.arch.layer_sliding_window(layer_idx))
 
-    def make_decoder_layer(self) -> nn.Module:
-        """One decoder layer of this rank; subclasses change its attention or MLP."""
+    def make_decoder_layer(self, layer_idx: int) -> nn.Module:
+        """Decoder layer `layer_idx` of this rank; subclasses change its attention or MLP."""
         arch = self.arch
-        mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, self.dtype, self.parallel)
-        return DecoderLayer(self.make_attention(), mlp, arch, self.dtype)
+        mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, self.dtype, self.parallel,
+                       arch.hidden_act)
+        return DecoderLayer(self.make_attention(layer_idx), mlp, arch, self.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], attn_metadata: AttentionMetadata,
@@ -174,11 +199,8 @@ LLAMA_GGUF_LAYOUT = GGUFLayout(
     rotary_rows_permuted=True,
 )
 
-# SmolLM2 checkpoints say LlamaForCausalLM. Mistral's sliding window is not modelled
-# (hf_config warns); up to the window length it is the same network as Llama.
+# SmolLM2 checkpoints say LlamaForCausalLM.
 ARCHITECTURES = (
     ModelArchitecture("LlamaForCausalLM", LlamaForCausalLM,
-                      gguf_layouts={"llama": LLAMA_GGUF_LAYOUT}),
-    ModelArchitecture("MistralForCausalLM", LlamaForCausalLM,
                       gguf_layouts={"llama": LLAMA_GGUF_LAYOUT}),
 )

@@ -19,9 +19,10 @@ from pagoda.model.decoder_layer import PagedSelfAttention
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """Llama's stack with Qwen2's attention biases (q/k/v yes, o_proj no)."""
 
-    def make_attention(self) -> nn.Module:
+    def make_attention(self, layer_idx: int) -> nn.Module:
         return PagedSelfAttention(self.arch, self.dtype, qkv_bias=True, o_proj_bias=False,
-                                  parallel=self.parallel)
+                                  parallel=self.parallel,
+                                  sliding_window=self.arch.layer_sliding_window(layer_idx))
 
 
 def qwen2_arch_config(hf_config: dict, arch: ModelArchConfig) -> ModelArchConfig:
