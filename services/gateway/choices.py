@@ -6,6 +6,11 @@ aborted in the scheduler (closing the stream cancels the call) and the tokens
 after the one that completed the match are dropped, so usage counts only the
 tokens the client's text came from (and so do their logprobs).
 
+The text of the token that ended the request (EOS or a stop token id) is left out
+unless include_stop_str_in_output, as offline (vLLM's rule), so the decoder must
+learn that a token ended the request together with that token; see
+`_finish_with_last_tokens`.
+
 Logprob candidates ride the same decode round trip: each input names the ids
 whose text the logprobs need (`decode_token_ids`), so asking for logprobs costs
 no extra call.
@@ -15,12 +20,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
-from pagoda.messages import EngineCoreOutput, EngineCoreRequest
+from pagoda.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagoda.services.common.protocol.sampling_params import decode_options_to_proto
 from pagoda.services.gateway.decode_mux import DecodeMux, DecodeStreamBroken
 from pagoda.services.gateway.errors import APIError, from_grpc_error
@@ -100,12 +105,13 @@ async def stream_choice(replica: SchedulerReplica, mux: DecodeMux, request: Engi
     rid = request.request_id
     options = decode_options_to_proto(request.prompt_token_ids, request.sampling_params)
     rows = _LogprobRows(request, discard_output)
-    outputs = replica.generate(request)
+    outputs = _finish_with_last_tokens(replica.generate(request), request)
     first, complete = True, False
     try:
         async for out in outputs:
             token_ids = [] if discard_output else out.new_token_ids
             item = tpb.DecodeInput(request_id=rid, token_ids=token_ids, finished=out.finished,
+                                   stop_terminated=out.finish_reason == FinishReason.STOP,
                                    decode_token_ids=rows.ids_to_decode(out, first))
             if first:
                 item.options.CopyFrom(options)
@@ -120,7 +126,7 @@ async def stream_choice(replica: SchedulerReplica, mux: DecodeMux, request: Engi
                 continue
             complete = True
             done = result.complete
-            used = done.num_tokens_used if done.stop_string else len(token_ids)
+            used = done.num_tokens_used
             finish = ("stop", done.stop_string) if done.stop_string else \
                 (str(out.finish_reason), out.stop_reason)
             yield ChoiceDelta(index, done.text, token_ids[:used], *finish, out.num_cached_tokens,
@@ -136,6 +142,46 @@ async def stream_choice(replica: SchedulerReplica, mux: DecodeMux, request: Engi
         await outputs.aclose()  # cancels the call: the scheduler aborts the request
         if not complete and not first:
             mux.release(rid)
+
+
+async def _finish_with_last_tokens(outputs: AsyncIterator[EngineCoreOutput],
+                                   request: EngineCoreRequest
+                                   ) -> AsyncIterator[EngineCoreOutput]:
+    """`outputs`, with a finishing step's tokens and its finish reason in one output.
+
+    The scheduler sends them as two messages, a chunk and then a tokenless
+    `complete`. A chunk whose last token can end the request (a stop token id, or
+    EOS unless ignore_eos) is held until the next message and merged with it if
+    that is the `complete`. Such a token is only sampled when it does end the
+    request (the sampler masks them before min_tokens), and the `complete` is sent
+    right behind its chunk, so holding it delays nothing in practice; if it did
+    not end the request, the chunk goes out unchanged with the next message.
+    """
+    params = request.sampling_params
+    enders = set(params.stop_token_ids or ())
+    if not params.ignore_eos:
+        enders.update(request.eos_token_ids)
+    held: EngineCoreOutput | None = None
+    try:
+        async for out in outputs:
+            if held is not None:
+                if out.finished and not out.new_token_ids and out.new_logprobs is None \
+                        and out.new_prompt_logprobs is None:
+                    yield replace(held, finish_reason=out.finish_reason,
+                                  stop_reason=out.stop_reason,
+                                  num_cached_tokens=out.num_cached_tokens)
+                    held = None
+                    continue
+                yield held
+                held = None
+            if out.new_token_ids and not out.finished and out.new_token_ids[-1] in enders:
+                held = out
+            else:
+                yield out
+        if held is not None:
+            yield held
+    finally:
+        await outputs.aclose()
 
 
 async def merge_choices(streams: Sequence[AsyncIterator[ChoiceDelta]]

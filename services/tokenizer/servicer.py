@@ -12,10 +12,11 @@ from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as pb
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
 from pagoda.config import DEFAULT_PREFIX_HASH_SEED
 from pagoda.core.block_hash import hash_request_tokens, salt_keys
+from pagoda.services.common.protocol.sampling_params import decode_options_from_proto
 from pagoda.services.common.protocol.tokenizer import chat_input_from_proto
-from pagoda.services.tokenizer.decode_stream import CompletionDecoder, DecodeStep
 from pagoda.services.tokenizer.metrics import timed, tokenizer_metrics
 from pagoda.tokenizer.chat import render_chat_template
+from pagoda.tokenizer.stop_aware_decoder import StopAwareDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
 
     def DecodeStream(self, request_iterator: Iterator[pb.DecodeStreamRequest],
                      context: grpc.ServicerContext) -> Iterator[pb.DecodeStreamResponse]:
-        decoders: dict[str, CompletionDecoder] = {}
+        decoders: dict[str, StopAwareDecoder] = {}
         metrics = tokenizer_metrics()
         for request in request_iterator:
             response = pb.DecodeStreamResponse()
@@ -104,8 +105,10 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
             has_chat_template=getattr(self.tokenizer, "chat_template", None) is not None,
             prefix_hash_seed=self.prefix_hash_seed)
 
-    def _decode_one(self, decoders: dict[str, CompletionDecoder], item: pb.DecodeInput
+    def _decode_one(self, decoders: dict[str, StopAwareDecoder], item: pb.DecodeInput
                     ) -> pb.DecodeResult | None:
+        """One completion's input -> its result, through the library's `StopAwareDecoder`
+        (the one the offline engine uses): the stream only keeps them by request id."""
         if item.release:
             decoders.pop(item.request_id, None)
             return None
@@ -113,25 +116,21 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         if decoder is None:
             if not item.HasField("options"):  # a completion already complete: ignore
                 return None
-            opts = item.options
-            decoder = CompletionDecoder(
-                self.tokenizer, list(opts.prompt_token_ids), opts.skip_special_tokens,
-                opts.spaces_between_special_tokens, list(opts.stop),
-                opts.include_stop_str_in_output)
-            decoders[item.request_id] = decoder
-        step = decoder.update(list(item.token_ids)) if item.token_ids else DecodeStep("", None, 0)
-        if item.finished and not step.complete:
-            final = decoder.finish()
-            step = DecodeStep(step.text + final.text, final.stop_string,
-                              step.num_tokens_used, complete=True)
+            decoder = decoders[item.request_id] = self._new_decoder(item.options)
+        step = decoder.update(item.token_ids, finished=item.finished,
+                              stop_terminated=item.stop_terminated)
         decoded = self.decode_tokens(item.decode_token_ids)
-        if step.complete:
+        if step.finished:
             del decoders[item.request_id]
             return pb.DecodeResult(request_id=item.request_id, complete=pb.DecodeComplete(
-                text=step.text, stop_string=step.stop_string or "",
+                text=step.text, stop_string=step.stop_str or "",
                 num_tokens_used=step.num_tokens_used), decoded_tokens=decoded)
         return pb.DecodeResult(request_id=item.request_id, chunk=pb.DecodeChunk(text=step.text),
                                decoded_tokens=decoded)
+
+    def _new_decoder(self, options: pb.DecodeOptions) -> StopAwareDecoder:
+        prompt_token_ids, params = decode_options_from_proto(options)
+        return StopAwareDecoder.from_sampling_params(self.tokenizer, prompt_token_ids, params)
 
     def decode_tokens(self, token_ids) -> list[str]:
         """Each id decoded on its own, special tokens kept (vLLM's logprob token text)."""

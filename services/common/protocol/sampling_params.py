@@ -103,3 +103,9 @@ def decode_options_to_proto(prompt_token_ids: Sequence[int], params: SamplingPar
     msg = tpb.DecodeOptions(prompt_token_ids=prompt_token_ids)
     _fill(msg, params, TEXT_FIELDS)
     return msg
+
+
+def decode_options_from_proto(msg: tpb.DecodeOptions) -> tuple[list[int], SamplingParams]:
+    """(the prompt's token ids, params holding the text fields; the others keep their
+    defaults), for `StopAwareDecoder.from_sampling_params`."""
+    return list(msg.prompt_token_ids), SamplingParams.from_validated(**_read(msg, TEXT_FIELDS))

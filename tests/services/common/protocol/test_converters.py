@@ -21,7 +21,8 @@ from pagoda.sampling_params import SamplingParams
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
 from pagoda.services.common.protocol.kv_events import kv_event_from_proto, kv_event_to_proto
 from pagoda.services.common.protocol.sampling_params import (ENGINE_FIELDS, GATEWAY_ONLY,
-                                                             TEXT_FIELDS, decode_options_to_proto,
+                                                             TEXT_FIELDS, decode_options_from_proto,
+                                                             decode_options_to_proto,
                                                              sampling_params_from_proto,
                                                              sampling_params_to_proto)
 from pagoda.services.common.protocol.scheduler import (hash_blocks, outputs_to_responses,
@@ -70,9 +71,10 @@ def test_every_sampling_field_travels_to_the_service_that_reads_it():
     engine = sampling_params_from_proto(sampling_params_to_proto(params))
     for name in ENGINE_FIELDS:  # the scheduler's and the worker's
         assert getattr(engine, name) == getattr(params, name), name
-    options = decode_options_to_proto([1, 2], params)  # the tokenizer's
-    for name in TEXT_FIELDS:
-        assert getattr(options, name) == getattr(params, name), name
+    prompt, text = decode_options_from_proto(decode_options_to_proto([1, 2], params))
+    assert prompt == [1, 2]
+    for name in TEXT_FIELDS:  # the tokenizer's
+        assert getattr(text, name) == getattr(params, name), name
     everything = {f.name for f in fields(SamplingParams)}
     assert set(ENGINE_FIELDS) | set(TEXT_FIELDS) | GATEWAY_ONLY == everything
     # Nothing travels where it is not read: the scheduler never sees stop strings.
