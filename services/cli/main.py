@@ -24,6 +24,7 @@ COMMAND_MODULES = [
     "pagoda.services.cli.complete",   # pagoda complete
     "pagoda.services.cli.run_batch",  # pagoda run-batch
     "pagoda.services.cli.collect_env",  # pagoda collect-env
+    "pagoda.services.cli.download",   # pagoda download
 ]
 BENCH_MODULES = [
     "pagoda.bench.throughput",  # pagoda bench throughput

@@ -7,6 +7,7 @@ import logging
 
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
 from pagoda.config import DEFAULT_PREFIX_HASH_SEED
+from pagoda.engine.arg_utils import add_hub_args
 from pagoda.services.common.grpc_server import add_server_args, serve_sync
 from pagoda.services.common.logs import setup_logging
 
@@ -18,8 +19,9 @@ logger = logging.getLogger(__name__)
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_server_args(parser, DEFAULT_PORT)
     parser.add_argument("--model", default=None,
-                        help="HF safetensors directory or GGUF file (default: SmolLM2-135M-Instruct).")
-    parser.add_argument("--tokenizer", default=None, help="Tokenizer path (default: the model's).")
+                        help="HF safetensors directory, GGUF file or Hugging Face model id "
+                             "(default: SmolLM2-135M-Instruct).")
+    add_hub_args(parser)  # --tokenizer, --revision, --tokenizer-revision, --download-dir
     parser.add_argument("--prefix-cache-hash-seed", default=DEFAULT_PREFIX_HASH_SEED,
                         help="Seed of the prefix-cache block hashes Tokenize returns; must equal "
                              "the schedulers'.")
@@ -30,13 +32,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def build_servicer(model: str | None, tokenizer_path: str | None = None,
                    prefix_hash_seed: str = DEFAULT_PREFIX_HASH_SEED,
-                   chat_template: str | None = None):
+                   chat_template: str | None = None, revision: str | None = None,
+                   tokenizer_revision: str | None = None, download_dir: str | None = None):
     from pagoda.model.loader import load_arch_config, resolve_model_path
     from pagoda.services.tokenizer.servicer import TokenizerServicer
     from pagoda.tokenizer.chat_template import use_chat_template
-    from pagoda.tokenizer.loader import load_tokenizer
+    from pagoda.tokenizer.loader import load_tokenizer, resolve_tokenizer_path
 
-    model_path = resolve_model_path(model)
+    # A hub id: only its config and tokenizer files, never the weights.
+    model_path = resolve_model_path(model, revision, download_dir, weights=False)
+    if tokenizer_path:
+        tokenizer_path = resolve_tokenizer_path(tokenizer_path, tokenizer_revision or revision,
+                                                download_dir)
     tokenizer = load_tokenizer(tokenizer_path or model_path)
     use_chat_template(tokenizer, chat_template)
     eos = load_arch_config(model_path).eos_token_ids
@@ -49,7 +56,8 @@ def build_servicer(model: str | None, tokenizer_path: str | None = None,
 def main(args: argparse.Namespace) -> int:
     setup_logging("tokenizer")
     servicer = build_servicer(args.model, args.tokenizer, args.prefix_cache_hash_seed,
-                              args.chat_template)
+                              args.chat_template, args.revision, args.tokenizer_revision,
+                              args.download_dir)
     serve_sync("tokenizer", args,
                [(pb_grpc.add_TokenizerServiceServicer_to_server, servicer, SERVICE_NAME)],
                max_workers=16)

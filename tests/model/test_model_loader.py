@@ -51,9 +51,17 @@ def test_resolves_hf_dirs_gguf_files_and_dirs_with_one_gguf(tiny_llama_dir, smol
     assert resolve_model_path(str(one)) == str(one / "m.gguf")
 
 
-def test_unusable_paths_raise_clear_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="never downloads"):
+def test_unusable_paths_raise_clear_errors(tmp_path, monkeypatch):
+    from pagoda.services.common.redis_server import free_port
+
+    # A hub id with no hub to reach (nothing listens there) and an empty cache.
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(FileNotFoundError,
+                       match="'HuggingFaceTB/SmolLM2-135M-Instruct'.*cannot be reached"):
         resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_model_path(str(tmp_path / "no" / "such" / "dir"))
     (tmp_path / "a.gguf").touch()
     (tmp_path / "b.gguf").touch()
     with pytest.raises(ValueError, match="several GGUF files"):

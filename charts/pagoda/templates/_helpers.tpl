@@ -92,8 +92,8 @@ imagePullSecrets:
 
 {{/*
 Environment of every Pagoda container: HOME on the writable /tmp volume (the root
-filesystem is read-only), the model cache as HF_HOME, the HF token when given, then the
-component's extraEnv. Call with (list $ extraEnv).
+filesystem is read-only), the model cache as HF_HOME, then the component's extraEnv.
+Call with (list $ extraEnv).
 */}}
 {{- define "pagoda.env" -}}
 {{- $ := index . 0 -}}
@@ -103,18 +103,69 @@ component's extraEnv. Call with (list $ extraEnv).
   value: "1"
 - name: HF_HOME
   value: {{ printf "%s/huggingface" $.Values.global.modelCache.mountPath | quote }}
-{{- with $.Values.global.hfTokenSecret }}
-{{- if .name }}
-- name: HF_TOKEN
-  valueFrom:
-    secretKeyRef:
-      name: {{ .name }}
-      key: {{ .key }}
-{{- end }}
-{{- end }}
 {{- range index . 1 }}
 - name: {{ .name }}
   value: {{ .value | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* "true" when global.model is a Hugging Face id (anything but an absolute path). */}}
+{{- define "pagoda.modelFromHub" -}}
+{{- if not (hasPrefix "/" .Values.global.model) }}true{{ end -}}
+{{- end -}}
+
+{{/*
+The init container of a pod that loads the model (engine pod, tokenizer pod) when
+global.model is a Hugging Face id: `pagoda download` into the model cache. It is the only
+container that gets the token (HF_TOKEN from global.hfTokenSecret); the pod's containers
+start after it, offline (`pagoda.modelEnv`). Call with (list $ tokenizerOnly resources).
+*/}}
+{{- define "pagoda.downloadInitContainer" -}}
+{{- $ := index . 0 -}}
+{{- $g := $.Values.global -}}
+{{- if include "pagoda.modelFromHub" $ }}
+initContainers:
+  - name: download-model
+    image: {{ include "pagoda.image" $ }}
+    imagePullPolicy: {{ $g.image.pullPolicy }}
+    args:
+      - download
+      - {{ $g.model | quote }}
+      {{- with $g.revision }}
+      - {{ printf "--revision=%s" . | quote }}
+      {{- end }}
+      {{- if index . 1 }}
+      - --tokenizer-only
+      {{- end }}
+    env:
+      {{- include "pagoda.env" (list $ (list)) | nindent 6 }}
+      {{- with $g.hfTokenSecret }}
+      {{- if .name }}
+      - name: HF_TOKEN
+        valueFrom:
+          secretKeyRef:
+            name: {{ .name }}
+            key: {{ .key }}
+      {{- end }}
+      {{- end }}
+    resources:
+      {{- toYaml (index . 2) | nindent 6 }}
+    securityContext:
+      {{- include "pagoda.containerSecurityContext" $ | nindent 6 }}
+    volumeMounts:
+      {{- include "pagoda.volumeMounts" (list $ true) | nindent 6 }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Environment of a container that loads the model, after its pod's download init container:
+HF_HUB_OFFLINE=1, so it reads the cache and never downloads (nor races its pod's other
+container writing the same files).
+*/}}
+{{- define "pagoda.modelEnv" -}}
+{{- if include "pagoda.modelFromHub" . }}
+- name: HF_HUB_OFFLINE
+  value: "1"
 {{- end }}
 {{- end -}}
 
@@ -200,6 +251,9 @@ size, KV-cache sizing or parallel layout.
 {{- $s := .Values.scheduler -}}
 {{- $w := .Values.gpuWorker -}}
 - {{ printf "--model=%s" $g.model | quote }}
+{{- with $g.revision }}
+- {{ printf "--revision=%s" . | quote }}
+{{- end }}
 - --device={{ $g.device }}
 - --dtype={{ $w.dtype }}
 - --block-size={{ $g.blockSize }}

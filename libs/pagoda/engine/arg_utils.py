@@ -23,6 +23,9 @@ class EngineArgs:
 
     model: str | None = None
     tokenizer: str | None = None
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
     block_size: int = 16
@@ -56,8 +59,9 @@ class EngineArgs:
         d = EngineArgs
         if include_model:
             parser.add_argument("--model", default=None,
-                                help="HF safetensors directory or GGUF file (default: SmolLM2-135M-Instruct).")
-        parser.add_argument("--tokenizer", default=None, help="Tokenizer path (default: the model's).")
+                                help="HF safetensors directory, GGUF file or Hugging Face model "
+                                     "id ORG/NAME (default: SmolLM2-135M-Instruct).")
+        add_hub_args(parser)
         parser.add_argument("--dtype", default=d.dtype,
                             choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
         parser.add_argument("--max-model-len", type=int, default=None,
@@ -127,7 +131,7 @@ class EngineArgs:
         from pagoda.model.loader import load_arch_config, resolve_dtype, resolve_model_path
         from pagoda.model.quantization import resolve_quantization
 
-        model_path = resolve_model_path(self.model)
+        model_path = resolve_model_path(self.model, self.revision, self.download_dir)
         arch = load_arch_config(model_path)
         device = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = resolve_dtype(self.dtype, device)
@@ -160,7 +164,7 @@ class EngineArgs:
         if isinstance(names, str):
             names = [names]
         return EngineConfig(
-            model=model_path, tokenizer=self.tokenizer, dtype=str(dtype).removeprefix("torch."),
+            model=model_path, tokenizer=self._resolve_tokenizer(), dtype=str(dtype).removeprefix("torch."),
             arch=arch, cache=cache, scheduler=scheduler,
             served_model_name=list(names or [default_served_name(self.model, model_path)]),
             seed=self.seed, device=device, tensor_parallel_size=self.tensor_parallel_size,
@@ -168,6 +172,16 @@ class EngineArgs:
             distributed_executor_backend=self._resolve_backend(arch),
             enforce_eager=self.enforce_eager, max_logprobs=self.max_logprobs,
             enable_expert_parallel=self.enable_expert_parallel, kv_cache_dtype=kv_cache_dtype)
+
+    def _resolve_tokenizer(self) -> str | None:
+        """A local path for `--tokenizer` (a hub id is fetched at --tokenizer-revision,
+        else --revision, as vLLM does); None: the model's own."""
+        if self.tokenizer is None:
+            return None
+        from pagoda.tokenizer.loader import resolve_tokenizer_path
+
+        return resolve_tokenizer_path(self.tokenizer, self.tokenizer_revision or self.revision,
+                                      self.download_dir)
 
     def _resolve_backend(self, arch) -> str | None:
         """Validate the parallel split against the model; pick the group's backend."""
@@ -187,6 +201,22 @@ class EngineArgs:
         if backend == "ray" and not has_ray:
             raise ValueError("distributed_executor_backend='ray' needs Ray: pip install ray")
         return backend
+
+
+def add_hub_args(parser) -> None:
+    """--tokenizer and the Hugging Face hub flags, shared by every command that loads a
+    model or tokenizer (the engine, the tokenizer service, `pagoda download`)."""
+    parser.add_argument("--tokenizer", default=None,
+                        help="Tokenizer directory, GGUF file or Hugging Face id (default: the "
+                             "model's).")
+    parser.add_argument("--revision", default=None,
+                        help="Branch, tag or commit of a Hugging Face model id (default: main).")
+    parser.add_argument("--tokenizer-revision", default=None,
+                        help="Revision of a Hugging Face --tokenizer id (default: --revision).")
+    parser.add_argument("--download-dir", default=None,
+                        help="Cache folder for Hugging Face downloads (default: $HF_HUB_CACHE, "
+                             "else $HF_HOME/hub). $HF_TOKEN authenticates; HF_HUB_OFFLINE=1 "
+                             "reads the cache only.")
 
 
 def default_served_name(model_arg: str | None, model_path: str) -> str:

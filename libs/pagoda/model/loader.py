@@ -1,9 +1,10 @@
 """Find a model on disk, read its architecture, pick a dtype, and load its weights.
 
-A model is either an HF directory (config.json + *.safetensors) or a GGUF file
-(or a directory holding exactly one). Pagoda never downloads: every path is local.
-The architecture's registry entry (`pagoda.model.registry`) gives the model class;
-both formats feed its `load_weights` with HF-named tensors.
+A model is an HF directory (config.json + weights: *.safetensors, or *.bin/*.pt when it
+has no safetensors), a GGUF file (or a directory holding exactly one), or a Hugging Face
+model id (`ORG/NAME`, not a local path), which `pagoda.model.hub` downloads into the HF
+cache first. The architecture's registry entry (`pagoda.model.registry`) gives the model
+class; every format feeds its `load_weights` with HF-named tensors.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ from pagoda.distributed.parallel_state import ParallelContext
 from pagoda.model import quantization as quantization_methods
 from pagoda.model.gguf_loader import arch_config_from_gguf, iter_gguf_weights
 from pagoda.model.hf_config import arch_config_from_hf_dir
+from pagoda.model.hub import download, is_hub_id
+from pagoda.model.pt_loader import iter_pt_weights
 from pagoda.model.registry import MODEL_REGISTRY
-from pagoda.model.safetensors_loader import iter_safetensors_weights, safetensors_files
+from pagoda.model.safetensors_loader import iter_safetensors_weights
+from pagoda.model.weight_files import local_weight_files
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +57,20 @@ def default_model_path() -> str:
     return path
 
 
-def resolve_model_path(model: str | None) -> str:
-    """None, an HF directory, a .gguf file or a directory with one .gguf -> absolute path.
+def resolve_model_path(model: str | None, revision: str | None = None,
+                       download_dir: str | None = None, *, weights: bool = True) -> str:
+    """None, an HF directory, a .gguf file, a directory with one .gguf, or a hub id ->
+    absolute path.
 
-    Returns the directory for HF checkpoints and the file for GGUF.
+    Returns the directory for HF checkpoints and the file for GGUF. A hub id is
+    downloaded at `revision` into `download_dir` (default: the HF cache), or found in the
+    cache; `weights=False` fetches only its config and tokenizer files (for a process
+    that never loads the weights). `revision` applies to hub ids only.
     """
     if model is None:
         return default_model_path()
+    if is_hub_id(model):
+        return download(model, revision, download_dir, "model" if weights else "tokenizer")
     path = os.path.abspath(os.path.expanduser(model))
     if os.path.isfile(path):
         if path.endswith(".gguf"):
@@ -67,9 +78,9 @@ def resolve_model_path(model: str | None) -> str:
         raise ValueError(f"Model file {model!r} is not a .gguf file; pass a GGUF file or "
                          "an HF directory with config.json and *.safetensors")
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"Model path {model!r} does not exist (Pagoda loads local "
-                                "models only; it never downloads from a hub)")
-    if os.path.isfile(os.path.join(path, "config.json")) and safetensors_files(path):
+        raise FileNotFoundError(f"Model path {model!r} does not exist (and is not a Hugging "
+                                "Face model id, ORG/NAME)")
+    if os.path.isfile(os.path.join(path, "config.json")) and local_weight_files(path):
         return path
     ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
     if len(ggufs) == 1:
@@ -79,7 +90,7 @@ def resolve_model_path(model: str | None) -> str:
         raise ValueError(f"Model directory {model!r} holds several GGUF files ({names}); "
                          "pass the one to load")
     raise ValueError(f"Model directory {model!r} has neither config.json with *.safetensors "
-                     "nor a .gguf file")
+                     "(or *.bin/*.pt) nor a .gguf file")
 
 
 def is_gguf(model_path: str) -> bool:
@@ -114,6 +125,8 @@ def load_model(model_path: str, arch: ModelArchConfig, dtype: torch.dtype,
     include = model.needs_checkpoint_tensor if parallel and parallel.world_size > 1 else None
     if is_gguf(model_path):
         weights = iter_gguf_weights(model_path, arch, include)
+    elif local_weight_files(model_path).format == "pt":
+        weights = iter_pt_weights(model_path, include)
     else:
         weights = iter_safetensors_weights(model_path, include)
     if quant is not None:

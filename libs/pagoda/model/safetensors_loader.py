@@ -2,31 +2,22 @@
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 from collections.abc import Callable, Iterator
 
 import torch
 from safetensors import safe_open
 
-INDEX_FILE = "model.safetensors.index.json"
+from pagoda.model.weight_files import local_weight_files
 
 
 def safetensors_files(model_dir: str) -> list[str]:
-    """The weight files of `model_dir`, sorted.
-
-    With a sharded checkpoint only the files its index names count: some repos
-    also ship a `consolidated.safetensors` with the same weights under other names.
-    """
-    index_path = os.path.join(model_dir, INDEX_FILE)
-    if os.path.exists(index_path):
-        with open(index_path, encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
-        return sorted(os.path.join(model_dir, name) for name in set(weight_map.values()))
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    hf_files = [f for f in files if not os.path.basename(f).startswith("consolidated")]
-    return hf_files or files
+    """The safetensors weight files of `model_dir`, sorted (`pagoda.model.weight_files`
+    decides: with a sharded checkpoint only the files its index names count)."""
+    files = local_weight_files(model_dir)
+    if files is None or files.format != "safetensors":
+        return []
+    return [os.path.join(model_dir, name) for name in files.shards]
 
 
 def iter_safetensors_weights(model_dir: str, include: Callable[[str], bool] | None = None

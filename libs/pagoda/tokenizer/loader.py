@@ -11,15 +11,20 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
-def resolve_tokenizer_path(source: str | None) -> str:
-    """A tokenizer directory, a .gguf file, or a directory with exactly one .gguf -> path.
+def resolve_tokenizer_path(source: str | None, revision: str | None = None,
+                           download_dir: str | None = None) -> str:
+    """A tokenizer directory, a .gguf file, a directory with exactly one .gguf, or a
+    Hugging Face id (its tokenizer files fetched at `revision`, `pagoda.model.hub`) -> path.
 
     None means the default model. Directories with tokenizer files win over GGUFs.
     """
+    from pagoda.model.hub import download, is_hub_id
     from pagoda.model.loader import default_model_path
 
     if source is None:
         return default_model_path()
+    if is_hub_id(source):
+        return download(source, revision, download_dir, kind="tokenizer")
     path = os.path.abspath(os.path.expanduser(source))
     if os.path.isfile(path) and path.endswith(".gguf"):
         return path
