@@ -1,12 +1,13 @@
 """Processes for benchmarks/peers.py: commands that print JSON, servers, llama.cpp's tables.
 
 Every process is started here with a time limit, in its own session, and stopped
-(its whole process group, by id) before the function that started it returns.
+(it and every descendant, by id) before the function that started it returns.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shlex
@@ -63,6 +64,19 @@ def batched_bench_row(stdout: str, batch: int) -> dict[str, float]:
     raise CommandFailed(f"no B={batch} row in llama-batched-bench's output:\n{stdout[-LOG_TAIL:]}")
 
 
+def group_cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds of every live process in group `pgid` (a server and
+    the services it started), from /proc: a noise check on what a load run used."""
+    total = 0.0
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def wait_until_serving(url: str, process: subprocess.Popen, timeout: float) -> str:
     """Poll `url`/v1/models until it answers 200 (then its first model id); fail early if
     the server exits first."""
@@ -92,17 +106,34 @@ def server(argv: list[str], url: str, log_path: str, timeout: float) -> Iterator
             stop(process)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (by parent id, from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(stat) as f:
+                head, tail = f.read().rsplit(")", 1)
+            children.setdefault(int(tail.split()[1]), []).append(int(head.split()[0]))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def stop(process: subprocess.Popen, grace: float = 30.0) -> None:
-    """SIGTERM the process's group (it leads its own session), SIGKILL what is left."""
+    """SIGTERM the server (it stops what it started), then SIGKILL, by pid, whatever of it
+    and its descendants is left: `pagoda serve` starts each service in its own session,
+    so a process group does not reach them."""
+    below = descendants(process.pid)
     if process.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(grace)
-        except subprocess.TimeoutExpired:
-            pass
-    # Children outlive a leader that exited: the group id stays the leader's pid.
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
+    for pid in [process.pid, *below]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(5)
