@@ -31,11 +31,11 @@ VOCAB_SIZE = 512
 
 def random_prompts(lengths: list[int], vocab_size: int = VOCAB_SIZE,
                    seed: int = 0) -> list[list[int]]:
-    """Random token prompts; the last one repeats the first one's opening so the batch
-    itself has a shared prefix."""
+    """Random token prompts, plus one that extends the first by 5 tokens so the batch
+    itself shares a prefix."""
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in lengths]
-    prompts.append(prompts[0][:lengths[0] // 2] + prompts[-1][:5])
+    prompts.append(prompts[0] + prompts[-1][:5])
     return prompts
 
 
