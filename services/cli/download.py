@@ -51,8 +51,8 @@ def fetch(model: str | None, revision: str | None = None, tokenizer: str | None 
 
 
 def prefetch_for_serve(args: argparse.Namespace) -> dict[str, str]:
-    """`pagoda serve`: download once, before any service starts; the environment for the
-    services that load the model (offline once something was fetched, else nothing)."""
+    """`pagoda serve`: download once, before any service starts; the environment the
+    services must then run with (offline once something was fetched, else nothing)."""
     fetched = fetch(args.model_tag or args.model, args.revision, args.tokenizer,
                     args.tokenizer_revision, args.download_dir)
     return dict(OFFLINE_ENV) if fetched else {}

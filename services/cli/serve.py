@@ -18,6 +18,7 @@ import sys
 import threading
 
 from pagoda import envs, tracing
+from pagoda.services.cli.download import hub_flags, prefetch_for_serve
 from pagoda.services.cli.local_cluster import LocalCluster, ServiceFailed, ServiceProcess
 from pagoda.metrics import stat_logger
 from pagoda.services.gateway.middleware import add_http_args, http_flags
@@ -33,7 +34,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "serve", help="Run every service locally and serve the OpenAI API.",
         description=__doc__.split("\n\n")[0])
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="HF safetensors directory or GGUF file (default: SmolLM2-135M-Instruct).")
+                        help="HF safetensors directory, GGUF file or Hugging Face model id "
+                             "ORG/NAME, downloaded once before the services start (default: "
+                             "SmolLM2-135M-Instruct).")
     parser.add_argument("--host", default="127.0.0.1", help="The gateway's listen address.")
     parser.add_argument("--port", type=int, default=8000, help="The gateway's HTTP port.")
     parser.add_argument("--served-model-name", nargs="+", default=None,
@@ -137,7 +140,7 @@ def build_services(args: argparse.Namespace, redis_url: str) -> list[ServiceProc
     gateway_extra += http_flags(args) + gateway_flags(args)
     services = [
         grpc_service("kv-cache-manager", "kv-cache-manager", "--redis-url", redis_url),
-        grpc_service("tokenizer", "tokenizer", *model_flags, *seed,
+        grpc_service("tokenizer", "tokenizer", *model_flags, *seed, *hub_flags(args),
                      *(["--tokenizer", args.tokenizer] if args.tokenizer else []),
                      *(["--chat-template", args.chat_template] if args.chat_template else [])),
     ]
@@ -168,6 +171,12 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         _say(f"error: {problem}")
         return 2
+    try:  # a hub model: downloaded once here, not by each service at once
+        # Every service started below inherits HF_HUB_OFFLINE=1: they read this cache.
+        os.environ.update(prefetch_for_serve(args))
+    except (OSError, ValueError) as exc:
+        _say(f"error: {exc}")
+        return 1
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
