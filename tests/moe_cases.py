@@ -1,9 +1,12 @@
 """A tiny random Mixtral checkpoint (transformers' own config class and save_pretrained)
-for the MoE tests of tests/model and tests/distributed."""
+for the MoE tests of tests/model and tests/distributed, and the metadata of a one-request
+prefill for calling a model directly."""
 
 from __future__ import annotations
 
 import torch
+
+from pagoda.model.attention_metadata import AttentionMetadata
 
 # 4 experts, 2 per token; intermediate 32 splits over 2 ranks, 4 experts place 2 a rank.
 TINY_MIXTRAL = dict(vocab_size=49152, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
@@ -42,3 +45,12 @@ def hf_greedy(path, prompt: list[int], max_new_tokens: int) -> list[int]:
         out = hf.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
                           min_new_tokens=max_new_tokens, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def prefill_metadata(n: int, block_size: int = 4) -> AttentionMetadata:
+    blocks = -(-n // block_size)
+    return AttentionMetadata(slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n]),
+                             seq_lens=torch.tensor([n]),
+                             block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+                             num_decodes=0, max_query_len=n, max_seq_len=n,
+                             query_start_loc_cpu=[0, n], seq_lens_cpu=[n])

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_cases import hf_greedy, save_tiny_mixtral
+from moe_cases import hf_greedy, prefill_metadata, save_tiny_mixtral
 
 from pagoda import LLM, SamplingParams
-from pagoda.model.attention_metadata import AttentionMetadata
 from pagoda.model.kv_cache import allocate_kv_caches
 from pagoda.model.loader import load_arch_config, load_model
 from pagoda.model.moe import experts_by_group, select_experts
@@ -17,15 +16,6 @@ from pagoda.model.moe import experts_by_group, select_experts
 @pytest.fixture(scope="module")
 def mixtral_dir(tmp_path_factory, smollm2_tokenizer):
     return save_tiny_mixtral(tmp_path_factory.mktemp("mixtral"), smollm2_tokenizer)
-
-
-def prefill_metadata(n: int, block_size: int = 4) -> AttentionMetadata:
-    blocks = -(-n // block_size)
-    return AttentionMetadata(slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n]),
-                             seq_lens=torch.tensor([n]),
-                             block_tables=torch.arange(blocks, dtype=torch.int32)[None],
-                             num_decodes=0, max_query_len=n, max_seq_len=n,
-                             query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
 
 
 def test_config_and_parameters(mixtral_dir):

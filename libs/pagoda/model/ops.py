@@ -13,6 +13,9 @@ swaps `from pagoda.model.attention import paged_attention` for
     silu_and_mul       pagoda.model.layers.silu_and_mul
     gelu_tanh_and_mul  pagoda.model.layers.gelu_tanh_and_mul
 
+An FP8 KV cache (`--kv-cache-dtype fp8`) goes through `fp8_kv_cache` first, on any
+device: writes quantize, attention reads the step's blocks dequantized.
+
 The decision depends only on the first tensor's device (and the environment, read
 once), never on data, so it is stable inside a captured CUDA graph. Kernel modules
 are imported on first CUDA use: CPU-only processes never import triton.
@@ -26,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.model import attention as torch_attention
+from pagoda.model import fp8_kv_cache
 from pagoda.model import layers as torch_layers
 from pagoda.model import rotary as torch_rotary
 from pagoda.model.attention_metadata import AttentionMetadata
@@ -42,6 +46,8 @@ def use_triton(t: torch.Tensor) -> bool:
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store key/value [T, Hkv, D] at flat slots `slot_mapping` [T] of the caches."""
+    if fp8_kv_cache.is_fp8(key_cache):  # --kv-cache-dtype fp8: quantized on the way in
+        return fp8_kv_cache.write_kv_cache_fp8(key, value, key_cache, value_cache, slot_mapping)
     if use_triton(key):
         from pagoda.kernels.kv_cache import write_kv_cache as kernel
 
@@ -55,6 +61,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     logits_soft_cap: float | None = None) -> torch.Tensor:
     """Attention of query [T, H, D] over each request's cached context -> [T, H, D];
     optionally within a sliding window and with soft-capped scores."""
+    if fp8_kv_cache.is_fp8(key_cache):  # this step's blocks, dequantized; then as usual
+        key_cache, value_cache, attn_metadata = fp8_kv_cache.dense_step_cache(
+            key_cache, value_cache, attn_metadata, query.dtype)
     if use_triton(query):
         from pagoda.kernels.attention import paged_attention as kernel
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from pagoda.model.quantization.base import (LinearMethodBase, QuantizationConfig,
-                                            new_parameter, shard_attrs)
+                                            narrow_all, new_parameter, shard_attrs)
 from pagoda.model.quantization.int4 import (SEQUENTIAL_ORDER, apply_int4, groups_of_rows,
                                             new_int32, set_int4_weights, unpack_columns)
 
@@ -77,6 +77,19 @@ class GPTQLinearMethod(LinearMethodBase):
                                    1, group_dim, input_pack=group)
         layer.g_idx = shard_attrs(new_int32(input_size), None, 0)
         layer.gptq_group = group
+
+    @torch.no_grad()
+    def load_weight(self, layer, attr, full, src, dst):
+        if attr != "g_idx":
+            return super().load_weight(layer, attr, full, src, dst)
+        # Fused projections (q/k/v, gate/up) share one g_idx: GPTQ's act-order comes from
+        # the layer input's statistics, which they share. Check rather than assume.
+        rows = narrow_all(full, src).to(torch.int32)
+        if getattr(layer, "g_idx_loaded", False) and not torch.equal(layer.g_idx, rows):
+            raise ValueError("GPTQ act-order: the g_idx of fused projections differ; they "
+                             "cannot share one layer")
+        layer.g_idx.copy_(rows)
+        layer.g_idx_loaded = True
 
     def process_weights_after_loading(self, layer):
         zeros = unpack_columns(layer.qzeros.data, SEQUENTIAL_ORDER) + self.config.zero_offset
