@@ -16,7 +16,7 @@ import torch
 from pagoda.config import ModelArchConfig
 from pagoda.kernels.testing import random_paged_batch, relative_error
 from pagoda.model import attention, layers, ops, rotary
-from pagoda.model.architectures import llama
+from pagoda.model.architectures import gemma2, gemma3, llama
 from pagoda.model.attention_metadata import AttentionMetadata
 
 
@@ -73,13 +73,24 @@ def test_attention_ops_agree_between_paths(triton_device):
     assert relative_error(got, want) < 1e-5
 
 
-def _tiny_llama(device: str) -> llama.LlamaForCausalLM:
+# Gemma 2: a 3-token window on alternate layers, soft-capped scores and logits, Gemma
+# norms, GeGLU; Gemma 3: windows, per-head q/k norms, a local RoPE base.
+GEMMA2 = dict(hidden_act="gelu_pytorch_tanh", sliding_window=3,
+              layer_types=("sliding_attention", "full_attention"), query_pre_attn_scalar=12.0,
+              attn_logit_softcapping=1.5, final_logit_softcapping=4.0)
+GEMMA3 = dict(GEMMA2, attn_logit_softcapping=None, local_rope_theta=100.0)
+MODELS = {"llama": (llama.LlamaForCausalLM, {}), "gemma2": (gemma2.Gemma2ForCausalLM, GEMMA2),
+          "gemma3": (gemma3.Gemma3ForCausalLM, GEMMA3)}
+
+
+def _tiny_llama(device: str, name: str = "llama") -> llama.LlamaForCausalLM:
+    model_cls, variant = MODELS[name]
     arch = ModelArchConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                            num_attention_heads=6, num_key_value_heads=2, head_dim=8,
-                           tie_word_embeddings=True)
+                           tie_word_embeddings=True, **variant)
     torch.manual_seed(0)
     with torch.device(device):
-        model = llama.LlamaForCausalLM(arch, torch.float32)
+        model = model_cls(arch, torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1.0 + 0.2 * torch.randn_like(p) if name.endswith("norm.weight")
@@ -121,8 +132,9 @@ def _prefill_then_decode(model, device: str, block_size: int = 4) -> list[torch.
     return logits
 
 
-def test_tiny_llama_through_triton_kernels_matches_torch_path(device, monkeypatch):
-    model = _tiny_llama(device)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tiny_model_through_triton_kernels_matches_torch_path(device, monkeypatch, name):
+    model = _tiny_llama(device, name)
     with torch.no_grad():
         monkeypatch.setattr(ops, "use_triton", lambda t: False)
         expected = _prefill_then_decode(model, device)

@@ -20,7 +20,8 @@ from pagoda.model.kv_cache import allocate_kv_caches
 from pagoda.model.loader import load_arch_config, load_model
 from pagoda.model.registry import MODEL_REGISTRY, ModelRegistry
 
-SUPPORTED = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"]
+SUPPORTED = ["Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+             "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 
 
 def write_model_dir(path, tiny_llama_dir: str, **config_changes) -> str:
