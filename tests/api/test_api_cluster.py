@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import uuid
 
 import grpc
 import httpx
@@ -24,6 +25,7 @@ from pagoda.services.common.redis_server import PrivateRedis
 
 pytestmark = pytest.mark.slow
 MAX_MODEL_LEN = 512
+BLOCK_SIZE = 16  # the engine's default --block-size
 LONG = {"max_tokens": 400, "ignore_eos": True}
 
 
@@ -116,6 +118,26 @@ def test_streamed_logprobs_equal_non_streamed(client):
            for t in c.choices[0].logprobs.token_logprobs]
     assert tokens == whole.logprobs.tokens
     assert lps == pytest.approx(whole.logprobs.token_logprobs, abs=1e-5)
+
+
+def test_cache_salt_shares_cached_prefixes_only_within_one_salt(cluster, client, load):
+    """vLLM's cache_salt: the same prompt hits the prefix cache only under the salt it
+    was cached with (the scheduler's prefix-cache hit counter tells each request's)."""
+    prompt = f"{uuid.uuid4().hex} " + "a salted prefix that fills blocks " * 12
+    count = httpx.post(f"{cluster.url[:-3]}/tokenize", json={"prompt": prompt}).json()["count"]
+
+    def cached_tokens(**extra) -> int:
+        before = load().prefix_cache_hits
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=1, extra_body=extra)
+        return load().prefix_cache_hits - before
+
+    hit = (count - 1) // BLOCK_SIZE * BLOCK_SIZE  # whole blocks, never the last token
+    assert hit > 0
+    assert cached_tokens(cache_salt="tenant-a") == 0
+    assert cached_tokens(cache_salt="tenant-a") == hit
+    assert cached_tokens(cache_salt="tenant-b") == 0
+    assert cached_tokens() == 0
+    assert cached_tokens() == hit
 
 
 def test_stream_disconnect_frees_every_kv_block(cluster, load):
