@@ -6,7 +6,8 @@ until the tokenizer and at least one routable scheduler serve. Replicas come
 from `--scheduler-addrs` (router_discovery.py: fixed addresses, or DNS names
 re-resolved every few seconds); one that joins is routable after its first
 successful poll (<= HEALTH_POLL_S), one that leaves DNS or stops serving gets no
-new request, and its channel closes once its last request has ended.
+new request, and its channel closes once its last request has ended. With
+`k8s://` discovery a change in the Service's endpoints wakes the poll at once.
 
 When routing uses the prefix index, each replica must first prove that its block
 hashes equal the tokenizer's (router_check.py); a mismatch before the gateway
@@ -29,8 +30,8 @@ from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
 from pagoda.messages import EngineCoreOutput, EngineCoreRequest
 from pagoda.services.common.protocol.scheduler import request_to_proto, response_to_output
-from pagoda.services.common.grpc_server import CLIENT_OPTIONS, STREAM_READER_OPTIONS
-from pagoda.services.common.tracing import aio_client_interceptors
+from pagoda.services.common import grpc_channels
+from pagoda.services.common.grpc_channels import CLIENT_OPTIONS, STREAM_READER_OPTIONS
 from pagoda.services.gateway.decode_mux import DecodeMux
 from pagoda.services.gateway.errors import APIError, from_grpc_error
 from pagoda.services.gateway.router import DEFAULT_POLICY, Router
@@ -51,8 +52,7 @@ class Peer:
     def __init__(self, name: str, address: str, options=CLIENT_OPTIONS) -> None:
         self.name = name
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=options,
-                                                 interceptors=aio_client_interceptors())
+        self.channel = grpc_channels.aio_channel(address, options)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.serving = False
 
@@ -88,7 +88,7 @@ class SchedulerReplica(Peer):
         self.info: spb.GetModelInfoResponse | None = None
         self.load: spb.GetLoadResponse | None = None
         self.hashes_agree: bool | None = None  # None: not checked yet
-        self.removed = False  # left DNS: no new requests, close when idle
+        self.removed = False  # left discovery: no new requests, close when idle
         self.num_in_flight = 0
         self.num_pending_tokens = 0
 
@@ -130,7 +130,9 @@ class SchedulerReplica(Peer):
         call = self.stub.Generate(request_to_proto(request))
         received = False
         try:
-            async for message in call:
+            while (message := await grpc_channels.read_within(
+                    call, grpc_channels.GENERATE_READ_TIMEOUT_S, "the scheduler")
+                   ) is not grpc.aio.EOF:
                 received = True
                 yield response_to_output(request.request_id, message)
         except grpc.RpcError as exc:
@@ -206,7 +208,7 @@ class Peers:
         return self.tokenizer.info
 
     async def _discover(self) -> None:
-        if not self.discovery.has_dns:
+        if not self.discovery.is_dynamic:
             return
         addresses = await self.discovery.addresses(time.monotonic())
         known = {s.address: s for s in self.schedulers}
@@ -253,11 +255,12 @@ class Peers:
                 await self.refresh()
             except Exception:  # keep polling whatever a peer does
                 logger.exception("peer refresh failed")
-            await asyncio.sleep(HEALTH_POLL_S if self.ready.is_set() else 0.2)
+            await self.discovery.wait_changed(HEALTH_POLL_S if self.ready.is_set() else 0.2)
 
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        self.discovery.close()
         await self.tokenizer.mux.close()
         await self.router.close()
         for peer in [self.tokenizer, *self.schedulers]:

@@ -28,8 +28,7 @@ import grpc
 from pagoda.services._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2 as kpb
 from pagoda.services._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2_grpc as kpb_grpc
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
-from pagoda.services.common.grpc_server import CLIENT_OPTIONS
-from pagoda.services.common.tracing import aio_client_interceptors
+from pagoda.services.common import grpc_channels
 
 logger = logging.getLogger(__name__)
 LOOKUP_TIMEOUT_S = 0.5
@@ -43,8 +42,7 @@ class PrefixIndexClient:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS,
-                                                 interceptors=aio_client_interceptors())
+        self.channel = grpc_channels.aio_channel(address)
         self.stub = kpb_grpc.KvCacheManagerServiceStub(self.channel)
         self._skip_until = 0.0
         self._last_log = 0.0

@@ -8,6 +8,7 @@ import os
 import signal
 
 from pagoda import envs, tracing
+from pagoda.services.common import grpc_channels
 from pagoda.services.common.logs import setup_logging
 from pagoda.services.gateway.router import DEFAULT_POLICY, POLICIES
 from pagoda.services.gateway.serving_options import (ServingOptions, add_serving_args,
@@ -23,9 +24,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer-addr", default="127.0.0.1:50051",
                         help="host:port of the tokenizer service.")
     parser.add_argument("--scheduler-addrs", default="127.0.0.1:50052",
-                        help="Comma-separated scheduler replicas: host:port, or "
+                        help="Comma-separated scheduler replicas: host:port; "
                              "dns:///NAME:PORT for every address NAME resolves to (re-resolved "
-                             "every few seconds, e.g. a Kubernetes headless Service).")
+                             "every few seconds, e.g. a Kubernetes headless Service); or "
+                             "k8s://NAMESPACE/SERVICE:PORT for the Service's ready endpoints, "
+                             "watched through the Kubernetes API (DNS is the fallback).")
     parser.add_argument("--router", default=DEFAULT_POLICY, choices=POLICIES,
                         help="How requests are spread over the replicas (kv_aware: cached "
                              "prefix against load; session: sticky by X-Session-Id or `user`).")
@@ -41,6 +44,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="Other services' /metrics endpoints to include in this "
                              "gateway's /metrics (one scrape target for a local cluster; "
                              "their series get instance=HOST:PORT).")
+    grpc_channels.add_tls_args(parser)  # to the tokenizer, schedulers, kv-cache-manager
     tracing.add_cli_args(parser)
     from pagoda.services.gateway.middleware import add_http_args
 
@@ -59,6 +63,7 @@ def main(args: argparse.Namespace) -> int:
     setup_logging("gateway")
     options = ServingOptions.from_args(args)  # a bad --generation-config fails here
     server_kwargs = uvicorn_kwargs(args)
+    grpc_channels.configure_from_args(args)
     tracing.init_tracing("gateway", args.otlp_traces_endpoint)
     schedulers = [a.strip() for a in args.scheduler_addrs.split(",") if a.strip()]
     fatal: list[str] = []

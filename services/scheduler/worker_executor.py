@@ -16,7 +16,7 @@ from pagoda.services._proto.pagoda.worker.v1 import worker_pb2_grpc as pb_grpc
 from pagoda.messages import ModelRunnerOutput, SchedulerOutput
 from pagoda.executor.base import Executor
 from pagoda.services.common.protocol.worker import model_runner_output_from_proto, scheduler_output_to_proto
-from pagoda.services.common.grpc_server import CLIENT_OPTIONS
+from pagoda.services.common import grpc_channels
 from pagoda.services.common.tracing import intercept
 from pagoda.services.scheduler.tracing import step_span
 
@@ -35,7 +35,7 @@ class GrpcWorkerExecutor(Executor):
                  step_timeout: float | None = 600.0) -> None:
         self.address = address
         self.step_timeout = step_timeout
-        self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+        self._channel = grpc_channels.channel(address)
         self._stub = pb_grpc.WorkerServiceStub(intercept(self._channel))
         self._step_id = 0
         self._wait_until_ready(connect_timeout)
