@@ -30,6 +30,7 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagoda.parent_death import dying_with_this_process
+from pagoda.services.common import grpc_channels
 
 # Start order; shutdown goes the other way (the gateway stops taking requests first).
 SERVICE_ORDER = ["kv-cache-manager", "tokenizer", "gpu-worker", "scheduler", "gateway"]
@@ -48,6 +49,7 @@ class ServiceProcess:
     http_ssl: ssl.SSLContext | None = None
     kind: str = ""  # the command (SERVICE_ORDER); defaults to the name
     replica: int | None = None  # which model replica a scheduler/gpu-worker belongs to
+    env: dict[str, str] = field(default_factory=dict)  # secrets go here, never in argv
     process: subprocess.Popen | None = None
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=LOG_TAIL_LINES))
 
@@ -66,7 +68,7 @@ class ServiceProcess:
                                  verify=self.http_ssl or True).status_code == 200
             except httpx.HTTPError:
                 return False
-        with grpc.insecure_channel(self.address) as channel:
+        with grpc_channels.channel(self.address) as channel:
             try:
                 reply = health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(), timeout=2.0)
@@ -109,7 +111,7 @@ class LocalCluster:
         self._spawn(self.services[name])
 
     def _spawn(self, service: ServiceProcess) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **service.env)
         service.process = subprocess.Popen(
             dying_with_this_process(service.argv, signal.SIGTERM), stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)

