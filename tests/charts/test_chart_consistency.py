@@ -72,6 +72,9 @@ def test_network_policies_admit_callers_on_declared_ports(chart, values):
             for port in rule["ports"]:
                 assert all(port["port"] in p.port_numbers() for p in targets), port
             for peer in rule.get("from", []):
+                if "namespaceSelector" in peer:  # any pod of the cluster (metrics)
+                    assert peer == {"namespaceSelector": {}}, peer
+                    continue
                 assert selected_pods(rendered, peer["podSelector"]["matchLabels"]), peer
 
 
@@ -98,11 +101,17 @@ def test_peer_addresses_reach_the_right_services(chart, values):
     host, port = g["kv-cache-manager-addr"].rsplit(":", 1)
     _backend_running(rendered, host, int(port), "kv-cache-manager")
 
+    # k8s://<namespace>/<headless service>:<port> (its EndpointSlices) or
     # dns:///<headless service>.<namespace>.svc.<domain>:<port>: all Ready engine pods.
-    match = re.fullmatch(r"dns:///([a-z0-9-]+)\.([a-z0-9-]+)\.svc\.[a-z.]+:(\d+)",
-                         g["scheduler-addrs"])
+    match = (re.fullmatch(r"dns:///([a-z0-9-]+)\.([a-z0-9-]+)\.svc\.[a-z.]+:(\d+)",
+                          g["scheduler-addrs"])
+             or re.fullmatch(r"k8s://(?P<ns>[a-z0-9-]+)/([a-z0-9-]+):(\d+)",
+                             g["scheduler-addrs"]))
     assert match, g["scheduler-addrs"]
-    name, namespace, port = match.groups()
+    if g["scheduler-addrs"].startswith("k8s://"):
+        namespace, name, port = match.groups()
+    else:
+        name, namespace, port = match.groups()
     assert namespace == NAMESPACE
     headless = rendered.named("Service", name)
     assert headless["spec"]["clusterIP"] == "None"
@@ -117,7 +126,11 @@ def test_engine_pod_wires_scheduler_to_its_worker_and_index(chart, values):
     host, port = s["worker-addr"].rsplit(":", 1)
     assert host == "127.0.0.1"  # same pod: the two containers share the network namespace
     worker = engine.container("gpu-worker")
-    assert {p["name"]: p["containerPort"] for p in worker["ports"]}["worker-grpc"] == int(port)
+    w = flags(worker)
+    # The worker listens on loopback only: nothing outside its pod can call it, so no
+    # container port is declared for it.
+    assert (w["host"], w["port"]) == ("127.0.0.1", port)
+    assert int(port) not in {p["containerPort"] for c in engine.containers for p in c["ports"]}
     host, port = s["kv-cache-manager-addr"].rsplit(":", 1)
     _backend_running(rendered, host, int(port), "kv-cache-manager")
     # Two containers in one pod must not bind the same port.
@@ -129,8 +142,8 @@ def test_redis_url_reaches_redis(chart, values):
     rendered = chart.template(values=(values,))
     (manager,) = [p for p in pods(rendered) if p.deployment == "pagoda-kv-cache-manager"]
     container = manager.container("kv-cache-manager")
-    url = flags(container)["redis-url"]
-    if url == "$(PAGODA_REDIS_URL)":
+    url = flags(container).get("redis-url")
+    if url is None:  # from the environment: --redis-url's default is $PAGODA_REDIS_URL
         env = {e["name"]: e for e in container["env"]}
         assert "secretKeyRef" in env["PAGODA_REDIS_URL"]["valueFrom"]
         # An external Redis: the chart must not also run its own.

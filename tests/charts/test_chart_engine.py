@@ -141,7 +141,7 @@ def test_api_key_reaches_the_gateway_from_a_secret(chart):
     assert "s3cret" not in str(gateway.container("gateway")["args"])
 
     rendered = chart.template(sets=("gateway.apiKey.existingSecret=mine",))
-    assert not rendered.of_kind("Secret")
+    assert "pagoda-gateway-api-key" not in {s["metadata"]["name"] for s in rendered.of_kind("Secret")}
     (gateway,) = [p for p in pods(rendered) if p.deployment == "pagoda-gateway"]
     env = {e["name"]: e for e in gateway.container("gateway")["env"]}
     assert env["PAGODA_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "mine"
@@ -149,8 +149,12 @@ def test_api_key_reaches_the_gateway_from_a_secret(chart):
 
 def test_plain_external_redis_url_is_passed_through(chart):
     url = "redis://redis.data.svc:6379/2"
-    rendered = chart.template(sets=("redis.enabled=false", f"redis.externalUrl={url}"))
+    rendered = chart.template(sets=("redis.enabled=false", f"redis.externalUrl={url}",
+                                    "redis.auth.existingSecret=redis-auth"))
     (manager,) = [p for p in pods(rendered) if p.deployment == "pagoda-kv-cache-manager"]
     assert flags(manager.container("kv-cache-manager"))["redis-url"] == url
+    env = {e["name"]: e for e in manager.container("kv-cache-manager")["env"]}
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": "redis-auth", "key": "redis-password"}
     components = {d["metadata"]["labels"]["app.kubernetes.io/component"] for d in rendered.docs}
     assert "redis" not in components  # the chart's own Redis is off

@@ -47,13 +47,17 @@ helm.sh/chart: {{ printf "%s-%s" (index . 0).Chart.Name (index . 0).Chart.Versio
 {{- printf "%s:%v" (include "pagoda.componentName" (list . "kv-cache-manager")) .Values.kvCacheManager.port -}}
 {{- end -}}
 
-{{/* Every A record of the headless Service is one Ready engine pod; the gateway resolves all. */}}
+{{/* The engine pods' headless Service: its EndpointSlices (or its A records) are the replicas. */}}
 {{- define "pagoda.schedulerHeadless" -}}
 {{- printf "%s-headless" (include "pagoda.componentName" (list . "scheduler")) -}}
 {{- end -}}
 
 {{- define "pagoda.schedulerAddrs" -}}
+{{- if eq .Values.gateway.schedulerDiscovery "k8s" -}}
+{{- printf "k8s://%s/%s:%v" .Release.Namespace (include "pagoda.schedulerHeadless" .) .Values.scheduler.port -}}
+{{- else -}}
 {{- printf "dns:///%s.%s.svc.%s:%v" (include "pagoda.schedulerHeadless" .) .Release.Namespace .Values.global.clusterDomain .Values.scheduler.port -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "pagoda.redisUrl" -}}
@@ -169,10 +173,17 @@ container writing the same files).
 {{- end }}
 {{- end -}}
 
-{{/* Volumes: writable /tmp for every Pagoda pod; the model cache for those that load it. */}}
+{{/* Volumes: writable /tmp for every Pagoda pod; the model cache for those that load it;
+the gRPC TLS Secret when global.grpcTls is on. */}}
 {{- define "pagoda.volumes" -}}
 - name: tmp
   emptyDir: {}
+{{- with (index . 0).Values.global.grpcTls.secretName }}
+- name: grpc-tls
+  secret:
+    secretName: {{ . }}
+    defaultMode: 0440
+{{- end }}
 {{- if index . 1 }}
 {{- with (index . 0).Values.global.modelCache }}
 - name: model-cache
@@ -200,20 +211,24 @@ container writing the same files).
 Probes of a gRPC service: startup and readiness use the standard gRPC health protocol on
 its port (readiness decides whether it receives traffic); liveness asks HTTP /health on the
 metrics port. The startup probe allows probes.startupTimeoutSeconds for loading the model.
-Call with (list grpcPort metricsPort probes).
+With `overHttp` (gRPC port under mutual TLS, which the kubelet's gRPC probe cannot speak,
+or bound to 127.0.0.1) startup and readiness ask HTTP /health too.
+Call with (list grpcPort metricsPort probes overHttp).
 */}}
 {{- define "pagoda.grpcProbes" -}}
 {{- $grpc := index . 0 -}}
 {{- $metrics := index . 1 -}}
 {{- $p := index . 2 -}}
+{{- $check := dict "grpc" (dict "port" $grpc) -}}
+{{- if index . 3 -}}
+{{- $check = dict "httpGet" (dict "path" "/health" "port" $metrics) -}}
+{{- end }}
 startupProbe:
-  grpc:
-    port: {{ $grpc }}
+  {{- toYaml $check | nindent 2 }}
   periodSeconds: {{ $p.periodSeconds }}
   failureThreshold: {{ include "pagoda.startupFailures" $p }}
 readinessProbe:
-  grpc:
-    port: {{ $grpc }}
+  {{- toYaml $check | nindent 2 }}
   periodSeconds: {{ $p.periodSeconds }}
   failureThreshold: 2
 livenessProbe:
@@ -261,6 +276,7 @@ size, KV-cache sizing or parallel layout.
 - --max-model-len={{ $s.maxModelLen }}
 {{- end }}
 - --max-num-seqs={{ $s.maxNumSeqs }}
+- --max-waiting-requests={{ $s.maxWaitingRequests }}
 - --max-num-batched-tokens={{ $s.maxNumBatchedTokens }}
 - {{ ternary "--enable-prefix-caching" "--no-enable-prefix-caching" $s.enablePrefixCaching }}
 {{- if $s.numGpuBlocksOverride }}
@@ -269,4 +285,47 @@ size, KV-cache sizing or parallel layout.
 - --gpu-memory-utilization={{ $w.gpuMemoryUtilization }}
 - --tensor-parallel-size={{ $g.tensorParallelSize }}
 - --pipeline-parallel-size={{ $g.pipelineParallelSize }}
+{{- end -}}
+
+{{/*
+Mutual TLS on the gRPC ports (global.grpcTls): the flags every Pagoda service gets, and the
+read-only mount of the Secret they name. "pagoda.grpcTlsOn" is "true" when it is on.
+*/}}
+{{- define "pagoda.grpcTlsOn" -}}
+{{- if .Values.global.grpcTls.secretName }}true{{ end -}}
+{{- end -}}
+
+{{- define "pagoda.grpcTlsArgs" -}}
+{{- if include "pagoda.grpcTlsOn" . -}}
+- --grpc-tls-cert=/etc/pagoda/grpc-tls/tls.crt
+- --grpc-tls-key=/etc/pagoda/grpc-tls/tls.key
+- --grpc-tls-ca=/etc/pagoda/grpc-tls/ca.crt
+- --grpc-tls-server-name={{ .Values.global.grpcTls.serverName }}
+{{- end }}
+{{- end -}}
+
+{{- define "pagoda.grpcTlsMount" -}}
+{{- if include "pagoda.grpcTlsOn" . -}}
+- name: grpc-tls
+  mountPath: /etc/pagoda/grpc-tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/*
+The Redis password's Secret (redis.auth): an existing one, or the chart's own
+(redis-secret.yaml). REDIS_PASSWORD from it, for the containers that need it.
+*/}}
+{{- define "pagoda.redisPasswordSecret" -}}
+{{- .Values.redis.auth.existingSecret | default (include "pagoda.componentName" (list . "redis")) -}}
+{{- end -}}
+
+{{- define "pagoda.redisPasswordEnv" -}}
+{{- if .Values.redis.auth.enabled -}}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pagoda.redisPasswordSecret" . }}
+      key: {{ .Values.redis.auth.secretKey }}
+{{- end }}
 {{- end -}}

@@ -87,7 +87,8 @@ spec:
 
 {{/*
 dict: ctx, component, restricted (list of dict port, from: list of components allowed),
-open (list of ports reachable from anywhere).
+inCluster (ports any pod of any namespace may reach, e.g. metrics for Prometheus),
+public (ports open to everyone, outside the cluster too: only the gateway's).
 */}}
 {{- define "pagoda.networkPolicy" -}}
 {{- if .ctx.Values.global.networkPolicy.enabled }}
@@ -115,7 +116,16 @@ spec:
               {{- include "pagoda.selectorLabels" (list $ctx .) | nindent 14 }}
         {{- end }}
     {{- end }}
-    {{- with .open }}
+    {{- with .inCluster }}
+    - ports:
+        {{- range . }}
+        - port: {{ . }}
+          protocol: TCP
+        {{- end }}
+      from:
+        - namespaceSelector: {}
+    {{- end }}
+    {{- with .public }}
     - ports:
         {{- range . }}
         - port: {{ . }}

@@ -18,6 +18,10 @@ with a message naming the values, so no combination of values silently disagrees
 {{- end -}}
 {{- end -}}
 
+{{- if and (not $v.redis.enabled) $v.redis.auth.enabled (not $v.redis.auth.existingSecret) -}}
+{{- fail "redis.auth: with an external Redis set redis.auth.existingSecret (a Secret holding its password), or redis.auth.enabled=false when the URL in redis.externalUrlSecret carries the password" -}}
+{{- end -}}
+
 {{- if and $v.gateway.apiKey.value $v.gateway.apiKey.existingSecret -}}
 {{- fail "gateway.apiKey: set only one of value and existingSecret" -}}
 {{- end -}}
