@@ -181,7 +181,8 @@ def test_a_draining_replica_fails_no_request_and_a_new_one_joins(cluster):
         thread.join(60)
     finish = long_request.result(timeout=30)
     assert failures == [], failures[:3]
-    assert finish.num_output_tokens == LONG_TOKENS  # it ran to its end during the drain
+    complete, num_tokens = finish  # it ran to its end during the drain:
+    assert complete.finish_reason == cpb.FINISH_REASON_LENGTH and num_tokens == LONG_TOKENS
     assert served_after and set(served_after) == {cluster.instance_id(0)}
     assert gone not in cluster.live_instances() and cluster.indexed_blocks(1) == set()
     assert re.search(r"\[scheduler-1\].*draining: [1-9]\d* requests in flight", cluster.log_text())
@@ -211,17 +212,20 @@ def test_a_killed_replica_leaves_the_index_and_gets_no_new_request(cluster):
 
 # ---------------------------------------------------------------- helpers
 def _generate_directly(cluster: RoutingCluster, index: int, max_tokens: int):
-    """A request sent straight to one scheduler, read to its end in a thread."""
+    """A request sent straight to one scheduler, read to its end in a thread: a future
+    of (its complete message, the tokens its chunks carried)."""
     request = spb.GenerateRequest(
         request_id=f"drain-probe-{time.monotonic_ns()}", prompt_token_ids=prompt(),
         sampling_params=cpb.SamplingParams(temperature=0.0, top_p=1.0, max_tokens=max_tokens,
                                            ignore_eos=True, repetition_penalty=1.0),
         eos_token_ids=[2])
 
-    def read() -> spb.GenerateComplete:
+    def read() -> tuple[spb.GenerateComplete, int]:
+        num_tokens = 0
         for message in cluster.stub(index).Generate(request, timeout=60):
+            num_tokens += len(message.chunk.token_ids)
             if message.HasField("complete"):
-                return message.complete
+                return message.complete, num_tokens
         raise AssertionError("the stream ended without a complete message")
 
     pool = ThreadPoolExecutor(1)
