@@ -1,6 +1,6 @@
-"""A tiny random Mixtral checkpoint (transformers' own config class and save_pretrained)
-for the MoE tests of tests/model and tests/distributed, and the metadata of a one-request
-prefill for calling a model directly."""
+"""Tiny random Mixtral and Qwen3-MoE checkpoints (transformers' own config classes and
+save_pretrained) for the MoE tests of tests/model and tests/distributed, and the
+metadata of a one-request prefill for calling a model directly."""
 
 from __future__ import annotations
 
@@ -20,16 +20,36 @@ def save_tiny_mixtral(path, tokenizer=None, **overrides) -> str:
     """Save a seeded random Mixtral (fp32) to `path`; returns the path."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    config = MixtralConfig(**{**TINY_MIXTRAL, **overrides})
     torch.manual_seed(0)
-    model = MixtralForCausalLM(config).eval()
+    return _save(MixtralForCausalLM(MixtralConfig(**{**TINY_MIXTRAL, **overrides})), path,
+                 tokenizer)
+
+
+TINY_QWEN3_MOE = dict(vocab_size=49152, hidden_size=64, intermediate_size=96,
+                      moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                      mlp_only_layers=[1], max_position_embeddings=512, initializer_range=0.2,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1,
+                      eos_token_id=2)
+
+
+def save_tiny_qwen3_moe(path, tokenizer=None, **overrides) -> str:
+    """A seeded random Qwen3-MoE (layer 1 dense) in `path`; returns the path."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    return _save(Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**TINY_QWEN3_MOE, **overrides})),
+                 path, tokenizer)
+
+
+def _save(model, path, tokenizer) -> str:
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            elif name.endswith("gate.weight"):
+            elif name.endswith("mlp.gate.weight"):
                 param.normal_(0, 1.0)  # a router that spreads tokens over every expert
-    model.save_pretrained(path)
+    model.eval().save_pretrained(path)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     return str(path)

@@ -67,6 +67,8 @@ class ModelArchConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     norm_topk_prob: bool = True
+    moe_intermediate_size: int = 0  # each expert's; 0: intermediate_size (Mixtral)
+    dense_mlp_layers: tuple[int, ...] = ()  # layers with a dense MLP in a MoE model
     # config.json's `quantization_config` (or the one `--quantization` asks for),
     # resolved by `pagoda.model.quantization.resolve_quantization`; None: unquantized.
     quantization_config: dict | None = None

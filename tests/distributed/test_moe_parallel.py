@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_cases import hf_greedy, save_tiny_mixtral
+from moe_cases import hf_greedy, save_tiny_mixtral, save_tiny_qwen3_moe
 
 from pagoda import LLM, SamplingParams
 from pagoda.distributed.parallel_state import ParallelContext, expert_range
@@ -63,16 +63,20 @@ def test_expert_range_splits_as_evenly_as_possible():
 
 
 @pytest.fixture(scope="module")
-def mixtral_dir(tmp_path_factory, smollm2_tokenizer):
-    return save_tiny_mixtral(tmp_path_factory.mktemp("mixtral_tp"), smollm2_tokenizer)
+def moe_dirs(tmp_path_factory, smollm2_tokenizer):
+    root = tmp_path_factory.mktemp("moe_tp")
+    return {"mixtral": save_tiny_mixtral(root / "mixtral", smollm2_tokenizer),
+            "qwen3_moe": save_tiny_qwen3_moe(root / "qwen3_moe", smollm2_tokenizer)}
 
 
 PROMPTS = [[5, 17, 300, 42, 7, 8, 9, 10, 11, 12], list(range(300, 318)), [9] * 5]
 
 
-@pytest.mark.parametrize("tp,expert_parallel", [(1, False), (2, False), (2, True)])
-def test_greedy_tokens_equal_transformers(mixtral_dir, tp, expert_parallel):
-    llm = LLM(model=mixtral_dir, dtype="float32", block_size=4, max_model_len=128,
+@pytest.mark.parametrize("model,tp,expert_parallel", [
+    ("mixtral", 1, False), ("mixtral", 2, False), ("mixtral", 2, True), ("qwen3_moe", 2, True)])
+def test_greedy_tokens_equal_transformers(moe_dirs, model, tp, expert_parallel):
+    path = moe_dirs[model]
+    llm = LLM(model=path, dtype="float32", block_size=4, max_model_len=128,
               num_gpu_blocks_override=64, max_num_batched_tokens=16,
               tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else None,
               enable_expert_parallel=expert_parallel)
@@ -84,8 +88,7 @@ def test_greedy_tokens_equal_transformers(mixtral_dir, tp, expert_parallel):
             report = llm.llm_engine.core.executor.memory_report()
     finally:
         llm.llm_engine.core.shutdown()
-    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(mixtral_dir, p, 8)
-                                                         for p in PROMPTS]
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 8) for p in PROMPTS]
     if tp > 1:  # each rank holds half the experts' weights, whichever way they are split
         assert len({r["parameter_bytes"] for r in report}) == 1
 

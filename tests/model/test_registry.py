@@ -21,7 +21,8 @@ from pagoda.model.loader import load_arch_config, load_model
 from pagoda.model.registry import MODEL_REGISTRY, ModelRegistry
 
 SUPPORTED = ["Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
-             "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+             "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+             "Qwen3MoeForCausalLM"]
 
 
 def write_model_dir(path, tiny_llama_dir: str, **config_changes) -> str:

@@ -132,6 +132,10 @@ def validate_parallel_config(arch: ModelArchConfig, tp_size: int, pp_size: int,
     if arch.intermediate_size % tp_size:
         raise ValueError(f"Intermediate size ({arch.intermediate_size}) must be divisible by "
                          f"tensor parallel size ({tp_size}).")
+    moe_inter = arch.moe_intermediate_size
+    if moe_inter and not enable_expert_parallel and moe_inter % tp_size:
+        raise ValueError(f"MoE intermediate size ({moe_inter}) must be divisible by tensor "
+                         f"parallel size ({tp_size}) without expert parallelism.")
     # With expert parallelism every rank needs an expert; on a dense model the flag
     # does nothing (as in vLLM).
     if enable_expert_parallel and 0 < arch.num_experts < tp_size:

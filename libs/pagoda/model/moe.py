@@ -26,6 +26,8 @@ Checkpoints store one tensor per expert and projection (HF's layout on disk):
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -56,13 +58,15 @@ class FusedMoE(nn.Module):
     Parameters: `w13_weight [E_local, 2 I_local, H]` (each expert's gate rows, then
     its up rows) and `w2_weight [E_local, H, I_local]`; `E_local = e1 - e0` experts
     starting at global id `e0`. Invariant: `forward` returns the full, reduced output on
-    every TP rank; with T = 1 no collective is issued.
+    every TP rank; with T = 1 no collective is issued. `round_weights`: the routing
+    weights are rounded to the model dtype before weighing (Qwen-MoE's HF code does,
+    Mixtral's keeps them fp32).
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, dtype: torch.dtype, parallel: ParallelContext = SINGLE,
                  checkpoint_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-                 ) -> None:
+                 round_weights: bool = False) -> None:
         super().__init__()
         from pagoda.model.quantization import current_quant_config
 
@@ -71,6 +75,7 @@ class FusedMoE(nn.Module):
             raise ValueError(f"{quant.name} quantization of mixture-of-experts layers is not "
                              "supported: Pagoda runs MoE experts unquantized only")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.round_weights = round_weights
         self.parallel = parallel
         self.expert_start, self.expert_end = expert_range(num_experts, parallel)
         split = 1 if parallel.enable_expert_parallel else parallel.tp_size
@@ -120,6 +125,8 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router_logits [T, E] -> [T, H], reduced over the TP group."""
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        if self.round_weights:
+            weights = weights.to(x.dtype)
         if ops.use_triton(x):
             from pagoda.kernels.fused_moe import fused_experts
         else:
@@ -163,16 +170,15 @@ def experts_by_group(x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
 
 class SparseMoeBlock(nn.Module):
     """The MLP of a MoE decoder layer: a replicated router (`gate`, kept unquantized as
-    in every MoE checkpoint) and the experts."""
+    in every MoE checkpoint) and the experts (`FusedMoE`'s arguments)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, dtype: torch.dtype, parallel: ParallelContext = SINGLE,
-                 checkpoint_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-                 ) -> None:
+                 **experts_options) -> None:
         super().__init__()
         self.gate = Router(num_experts, hidden_size, dtype)
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize,
-                                dtype, parallel, checkpoint_names)
+                                dtype, parallel, **experts_options)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate(x))
@@ -187,3 +193,18 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
+
+
+# `model.layers.3.mlp.experts.5.gate_proj.weight` -> layer 3, expert 5.
+_EXPERT_NAME = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.")
+
+
+def expert_held_elsewhere(model: nn.Module, name: str) -> bool:
+    """True for the checkpoint tensor of an expert that another expert-parallel rank holds
+    (so this rank never reads it). `model.model.layers` holds the decoder layers."""
+    match = _EXPERT_NAME.match(name)
+    if match is None:
+        return False
+    mlp = getattr(model.model.layers[int(match.group(1))], "mlp", None)
+    experts = getattr(mlp, "experts", None)
+    return isinstance(experts, FusedMoE) and not experts.holds_expert(int(match.group(2)))

@@ -12,7 +12,6 @@ the ranks with `enable_expert_parallel` (see `moe.py`).
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -22,10 +21,7 @@ from pagoda.config import ModelArchConfig
 from pagoda.model.arch_spec import ModelArchitecture
 from pagoda.model.architectures.llama import LlamaForCausalLM
 from pagoda.model.decoder_layer import DecoderLayer
-from pagoda.model.moe import SparseMoeBlock
-
-# `model.layers.3.block_sparse_moe.experts.5.w1.weight` -> layer 3, expert 5.
-_EXPERT_NAME = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.")
+from pagoda.model.moe import SparseMoeBlock, expert_held_elsewhere
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
@@ -43,11 +39,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
         return DecoderLayer(self.make_attention(layer_idx), mlp, arch, self.dtype)
 
     def held_elsewhere(self, name: str) -> bool:
-        match = _EXPERT_NAME.match(name)
-        if match and not super().held_elsewhere(name):
-            experts = self.model.layers[int(match.group(1))].mlp.experts
-            return not experts.holds_expert(int(match.group(2)))
-        return super().held_elsewhere(name)
+        return super().held_elsewhere(name) or expert_held_elsewhere(self, name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_moe_block_as_mlp(weights))
