@@ -108,7 +108,7 @@ def test_generation_config_eos_ids_are_added(tmp_path):
 
 @pytest.mark.parametrize("overrides,match", [
     ({"architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ({"rope_scaling": {"rope_type": "mrope", "mrope_section": [16, 24, 24]}}, "mrope"),
 ])
 def test_unsupported_models_are_rejected_by_name(tmp_path, overrides, match):
     with pytest.raises(ValueError, match=match):
