@@ -72,7 +72,8 @@ def rope_frequencies(rotary_dim: int, rope_theta: float, rope_scaling: dict | No
         # vLLM's choice, not transformers': fix the base for the longest supported
         # length, so keys cached early and queries computed later agree on frequencies.
         factor = scaling["factor"]
-        rope_theta = rope_theta * (factor * factor - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
+        exponent = rotary_dim / (rotary_dim - 2)
+        rope_theta = rope_theta * (factor * factor - (factor - 1)) ** exponent
     inv_freq = 1.0 / (rope_theta ** exponents)
     if rope_type == "linear":
         inv_freq = inv_freq / scaling["factor"]
@@ -112,7 +113,8 @@ def _yarn(dim: int, base: float, scaling: dict, max_pos: int) -> tuple[torch.Ten
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     extrapolation = 1 - ramp  # share of the original (unscaled) frequency
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    inv_freq = ((1.0 / (factor * pos_freqs)) * (1 - extrapolation)
+                + (1.0 / pos_freqs) * extrapolation)
     return inv_freq, float(attention_factor)
 
 
