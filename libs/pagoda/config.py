@@ -132,6 +132,50 @@ class SchedulerConfig:
 
 
 @dataclass
+class StructuredOutputsConfig:
+    """vLLM's `--structured-outputs-config` (plus its `--reasoning-parser`).
+
+    `backend`: the grammar engine ("auto" = xgrammar); `reasoning_parser`: the grammar
+    applies only after this parser's reasoning-end token, unless `enable_in_reasoning`.
+    """
+
+    backend: str = "auto"
+    reasoning_parser: str = ""
+    enable_in_reasoning: bool = False
+
+    @classmethod
+    def parse(cls, value: dict | str | None, reasoning_parser: str | None = None
+              ) -> "StructuredOutputsConfig":
+        """From the flag's JSON (or a dict); ValueError naming an unknown key, backend or
+        reasoning parser."""
+        import json
+
+        from pagoda.reasoning import get_reasoning_parser
+        from pagoda.structured_output.backend import resolve_backend_name
+
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"--structured-outputs-config is not valid JSON: {exc}") from None
+        if not isinstance(value or {}, dict):
+            raise ValueError("--structured-outputs-config must be a JSON object")
+        value = dict(value or {})
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"--structured-outputs-config: unknown key(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        if reasoning_parser:
+            value["reasoning_parser"] = reasoning_parser
+        config = cls(**value)
+        resolve_backend_name(config.backend)
+        if config.reasoning_parser:
+            get_reasoning_parser(config.reasoning_parser)
+        return config
+
+
+@dataclass
 class EngineConfig:
     """Everything one replica needs; built by `pagoda.engine.arg_utils.EngineArgs`."""
 
@@ -154,6 +198,7 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     # "auto" (the model dtype) or "fp8" (float8_e4m3fn, CUDA only).
     kv_cache_dtype: str = "auto"
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     @property
     def world_size(self) -> int:

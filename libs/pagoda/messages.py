@@ -25,8 +25,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagoda.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 # ---------------------------------------------------------------- worker -> scheduler
@@ -146,7 +150,12 @@ class SchedulerOutput:
 
     Invariant: `num_scheduled_tokens` has one entry for every request in
     `scheduled_new_reqs` and `scheduled_cached_reqs`, and their sum is
-    `total_num_scheduled_tokens` (<= max_num_batched_tokens).
+    `total_num_scheduled_tokens` (<= max_num_batched_tokens). Structured outputs
+    (vLLM's `GrammarOutput`): row i of `grammar_bitmask` (packed int32,
+    [len(structured_output_request_ids), ceil(vocab_size / 32)], bit t % 32 of word
+    t // 32 set = token t allowed) constrains the token that request
+    `structured_output_request_ids[i]` samples this step (each of them samples this
+    step); None when no row is constrained.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -155,6 +164,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: "np.ndarray | None" = None
 
     @classmethod
     def empty(cls) -> "SchedulerOutput":

@@ -7,12 +7,101 @@ with `from_validated`, which normalises but does not check again.
 
 from __future__ import annotations
 
+import json as _json
 from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any
 
 # Below this temperature sampling is treated as greedy (as vLLM does), which avoids
 # dividing logits by a number that would overflow them.
 GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+# The constraint fields of `StructuredOutputsParams`, in vLLM's order; exactly one is set.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on a completion's text, with vLLM's names (`vllm.sampling_params`).
+
+    `json`: a JSON schema (a dict, a JSON string or a pydantic model class); `regex`: a
+    regular expression the whole text matches; `choice`: the text is one of these strings;
+    `grammar`: an EBNF (GBNF) grammar whose `root` rule the text derives; `json_object`:
+    any JSON object; `structural_tag`: xgrammar's structural tag (a dict or a JSON string).
+    `disable_any_whitespace`: JSON without free whitespace between tokens.
+
+    Invariants after construction: exactly one constraint field is set (`kind` names it);
+    `json` and `structural_tag` hold parsed JSON (so the wire and the grammar cache see
+    one representation); `json_object` is True or None. Invalid values raise ValueError
+    naming the field (``structured_outputs.regex``). Whether the backend can compile the
+    constraint is the engine's check (`pagoda.structured_output`), not this class's.
+    """
+
+    json: str | dict | bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        self._normalize()
+        self.validate()
+
+    def _normalize(self) -> None:
+        if hasattr(self.json, "model_json_schema"):  # a pydantic model class
+            self.json = self.json.model_json_schema()
+        for name in ("json", "structural_tag"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    setattr(self, name, _json.loads(value))
+                except ValueError as exc:
+                    raise ValueError(f"structured_outputs.{name} is not valid JSON: {exc}") from None
+        if self.json_object is False:
+            self.json_object = None  # "not JSON mode" is no constraint
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+
+    def validate(self) -> None:
+        given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) is not None]
+        _check(len(given) <= 1, "structured_outputs",
+               f"structured_outputs: only one kind of constraint may be given, got "
+               f"{' and '.join(given)}.")
+        _check(len(given) == 1, "structured_outputs",
+               "structured_outputs: one of " + ", ".join(STRUCTURED_OUTPUT_KINDS) + " is required.")
+        _check(self.json is None or isinstance(self.json, (dict, bool)), "structured_outputs.json",
+               "structured_outputs.json must be a JSON schema (an object).")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value != ""),
+                   f"structured_outputs.{name}", f"structured_outputs.{name} must be a non-empty string.")
+        if self.choice is not None:
+            _check(isinstance(self.choice, list) and self.choice
+                   and all(isinstance(c, str) and c for c in self.choice), "structured_outputs.choice",
+                   "structured_outputs.choice must be a non-empty list of non-empty strings.")
+        _check(self.structural_tag is None or isinstance(self.structural_tag, dict),
+               "structured_outputs.structural_tag",
+               "structured_outputs.structural_tag must be a JSON object.")
+
+    @classmethod
+    def from_validated(cls, **values: Any) -> "StructuredOutputsParams":
+        """Rebuild params validated where they entered the system (a wire decoder)."""
+        params = cls.__new__(cls)
+        for f in fields(cls):
+            params.__dict__[f.name] = values.get(f.name, f.default)
+        return params
+
+    @property
+    def kind(self) -> str:
+        """The name of the one constraint field that is set."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) is not None)
+
+    @property
+    def spec(self) -> Any:
+        """The constraint itself (the value of `kind`)."""
+        return getattr(self, self.kind)
 
 
 @dataclass
@@ -45,6 +134,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    # Constrained decoding (JSON schema, regex, choice, grammar); None: free text.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -75,6 +166,8 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self.logit_bias = self.logit_bias or None
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
@@ -109,6 +202,9 @@ class SamplingParams:
                "stop must be a non-empty string or a list of non-empty strings.")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "stop_token_ids must be non-negative integers.")
+        _check(self.structured_outputs is None
+               or isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
+               "structured_outputs must be a StructuredOutputsParams.")
 
     # ------------------------------------------------------------------ helpers
     @property

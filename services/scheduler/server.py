@@ -60,6 +60,9 @@ def main(args: argparse.Namespace) -> int:
     config = EngineArgs.from_cli_args(args).create_engine_config()
     executor = GrpcWorkerExecutor(args.worker_addr)
     core = EngineCore(config, executor)
+    # The grammar backend (the tokenizer's vocabulary tables) loads in the background now,
+    # so the first structured-output request does not wait for it.
+    core.structured_output_manager.warm_up()
     instance_id = args.instance_id or f"{args.host}:{args.port}"
     info = pb.GetModelInfoResponse(
         model=config.model, max_model_len=config.scheduler.max_model_len,

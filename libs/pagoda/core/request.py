@@ -12,6 +12,8 @@ from pagoda.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
+    # Queued, but its structured-output grammar is still compiling (vLLM's WAITING_FOR_FSM).
+    WAITING_FOR_GRAMMAR = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED = enum.auto()
@@ -46,6 +48,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        # Set by the scheduler's StructuredOutputManager for a constrained request.
+        self.structured_output_request = None
         params = self.sampling_params
         remaining = max_model_len - len(self.prompt_token_ids)
         self.max_tokens = min(params.max_tokens, remaining) if params.max_tokens else remaining

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 
 from pagoda.config import (DEFAULT_MAX_LOGPROBS, DEFAULT_PREFIX_HASH_SEED, CacheConfig,
-                           EngineConfig, SchedulerConfig)
+                           EngineConfig, SchedulerConfig, StructuredOutputsConfig)
 
 # Why --trust-remote-code is refused rather than ignored: a user who passes it expects
 # the model's own Python code to run, and Pagoda never runs it.
@@ -53,6 +53,10 @@ class EngineArgs:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     enable_expert_parallel: bool = False
+    # vLLM's --structured-outputs-config ({"backend": "auto" | "xgrammar", ...}) and
+    # --reasoning-parser (the grammar starts after the reasoning ends).
+    structured_outputs_config: dict | str | None = None
+    reasoning_parser: str | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, include_model: bool = True) -> argparse.ArgumentParser:
@@ -110,6 +114,13 @@ class EngineArgs:
         parser.add_argument("--enable-expert-parallel", action="store_true",
                             help="Place mixture-of-experts experts whole on the tensor-parallel "
                                  "ranks instead of splitting each expert across them.")
+        parser.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                            help='Structured outputs, e.g. \'{"backend": "xgrammar"}\' '
+                                 '(backends: auto, xgrammar).')
+        parser.add_argument("--reasoning-parser", default=None,
+                            help="deepseek_r1 or qwen3: a structured-output grammar applies "
+                                 "after the reasoning ends (the gateway splits "
+                                 "reasoning_content from content).")
         parser.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction,
                             default=False, help="Refused: Pagoda runs no remote code.")
         return parser
@@ -171,7 +182,9 @@ class EngineArgs:
             pipeline_parallel_size=self.pipeline_parallel_size,
             distributed_executor_backend=self._resolve_backend(arch),
             enforce_eager=self.enforce_eager, max_logprobs=self.max_logprobs,
-            enable_expert_parallel=self.enable_expert_parallel, kv_cache_dtype=kv_cache_dtype)
+            enable_expert_parallel=self.enable_expert_parallel, kv_cache_dtype=kv_cache_dtype,
+            structured_outputs=StructuredOutputsConfig.parse(self.structured_outputs_config,
+                                                             self.reasoning_parser))
 
     def _resolve_tokenizer(self) -> str | None:
         """A local path for `--tokenizer` (a hub id is fetched at --tokenizer-revision,

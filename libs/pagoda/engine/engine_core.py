@@ -11,8 +11,12 @@ from pagoda.messages import (EngineCoreOutput, EngineCoreRequest, FinishReason, 
                              SchedulerOutput)
 from pagoda.core.scheduler import Scheduler, SchedulerStats
 from pagoda.executor.base import Executor
+from pagoda.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+# How long a step that ran nothing waits for a compiling grammar before looking again
+# (new requests and aborts are applied between steps, so keep it short).
+GRAMMAR_WAIT_S = 0.01
 
 
 class EngineCore:
@@ -28,7 +32,9 @@ class EngineCore:
         num_blocks = config.cache.num_gpu_blocks_override or executor.determine_num_blocks()
         executor.initialize_kv_cache(num_blocks)
         config.cache.num_blocks = num_blocks
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        self.structured_output_manager = make_structured_output_manager(config)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks,
+                                   self.structured_output_manager)
         # The plan of the latest `step` (None if it scheduled nothing), for metrics
         # and tracing: which requests ran, how many tokens, which were preempted.
         self.last_scheduler_output: SchedulerOutput | None = None
@@ -49,8 +55,11 @@ class EngineCore:
             return self.scheduler.take_pending_outputs()
         scheduler_output = self.scheduler.schedule()
         self.last_scheduler_output = scheduler_output
-        runner_output = (self.executor.execute_model(scheduler_output)
-                         if scheduler_output.total_num_scheduled_tokens else ModelRunnerOutput.empty())
+        if scheduler_output.total_num_scheduled_tokens:
+            runner_output = self.executor.execute_model(scheduler_output)
+        else:
+            runner_output = ModelRunnerOutput.empty()
+            self.scheduler.wait_for_grammars(GRAMMAR_WAIT_S)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def has_unfinished_requests(self) -> bool:
@@ -69,7 +78,21 @@ class EngineCore:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         self.executor.shutdown()
+
+
+def make_structured_output_manager(config: EngineConfig) -> StructuredOutputManager:
+    """The manager of this replica's grammars. The tokenizer it needs (for the backend's
+    vocabulary tables) is loaded only when a constraint or a reasoning parser needs it."""
+
+    def load_tokenizer():
+        from pagoda.tokenizer.loader import load_tokenizer as load
+
+        return load(config.model, config.tokenizer)
+
+    return StructuredOutputManager(config.structured_outputs, config.arch.vocab_size,
+                                   load_tokenizer, config.arch.eos_token_ids)
 
 
 def validate_request(request: EngineCoreRequest, config: EngineConfig, num_blocks: int) -> None:

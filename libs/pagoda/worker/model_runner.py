@@ -41,6 +41,8 @@ class ModelRunner:
         # Generators outlive preemption so a resumed seeded request continues its stream.
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # This step's structured-output rows (request ids, packed bitmask), from the plan.
+        self._grammar: tuple[list[str], object] | None = None
         self.model = None
         self.cuda_graphs = None  # DecodeCUDAGraphs on CUDA unless enforce_eager
 
@@ -158,6 +160,8 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, md)
 
     def _update_states(self, so: SchedulerOutput) -> None:
+        self._grammar = ((so.structured_output_request_ids, so.grammar_bitmask)
+                         if so.grammar_bitmask is not None else None)
         for req_id in so.finished_req_ids:
             self.states.pop(req_id, None)
             self.generators.pop(req_id, None)
@@ -191,6 +195,8 @@ class ModelRunner:
             return sampled, {}
         states = [self.states[inputs.req_ids[i]] for i in rows]
         logits = self.model.compute_logits(hidden[[inputs.last_token_indices[i] for i in rows]])
+        if self._grammar is not None:
+            self._apply_grammar(logits, states)
         generators = {j: s.generator for j, s in enumerate(states) if s.generator is not None}
         eos = self.config.arch.eos_token_ids
         metadata = build_sampling_metadata(
@@ -209,6 +215,16 @@ class ModelRunner:
                 logprobs[state.req_id] = LogprobsLists(
                     [lists.token_ids[j][:k + 1]], [lists.logprobs[j][:k + 1]], [lists.ranks[j][:k + 1]])
         return sampled, logprobs
+
+    def _apply_grammar(self, logits: torch.Tensor, states: list[CachedRequestState]) -> None:
+        """Mask the rows of constrained requests (a pipeline micro-batch holds some of them)."""
+        from pagoda.sample.grammar import apply_grammar_bitmask
+
+        req_ids, bitmask = self._grammar
+        position = {s.req_id: j for j, s in enumerate(states)}
+        pairs = [(i, position[r]) for i, r in enumerate(req_ids) if r in position]
+        if pairs:
+            apply_grammar_bitmask(logits, bitmask[[i for i, _ in pairs]], [j for _, j in pairs])
 
     def _prompt_logprobs(self, inputs: ModelInputs, hidden: torch.Tensor,
                          num_scheduled: dict[str, int]) -> dict[str, LogprobsLists]:

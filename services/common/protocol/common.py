@@ -72,6 +72,15 @@ def json_object_from_proto(msg: pb.JsonObject) -> dict[str, Any]:
     return {m.key: _json_from(m.value) for m in msg.members}
 
 
+def json_value_to_proto(value: Any, out: pb.JsonValue) -> None:
+    """Any JSON value (a JSON schema may be `true`) into `out`; ValueError as above."""
+    _json_value(value, out)
+
+
+def json_value_from_proto(msg: pb.JsonValue) -> Any:
+    return _json_from(msg)
+
+
 def _json_value(value: Any, out: pb.JsonValue) -> None:
     if value is None:
         out.null_value = True

@@ -3,6 +3,7 @@
 A request's params are validated once, at the gateway, then split by reader:
 
     SamplingParams ─┬─ engine fields ─► common.v1.SamplingParams ─► scheduler ─► worker
+                    │   (structured_outputs stops at the scheduler: the worker gets bitmasks)
                     ├─ text fields ───► tokenizer.v1.DecodeOptions ─► tokenizer
                     └─ n ─────────────► (the gateway's fan-out; never sent)
 
@@ -25,12 +26,15 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import STRUCTURED_OUTPUT_KINDS, SamplingParams, StructuredOutputsParams
 from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
+from pagoda.services.common.protocol.common import json_value_from_proto, json_value_to_proto
 
 # Read by the gateway alone: it fans `n` out into n requests of n = 1.
 GATEWAY_ONLY = frozenset({"n"})
+# Read by the scheduler alone (it compiles the grammar; its worker gets bitmasks).
+SCHEDULER_ONLY = frozenset({"structured_outputs"})
 
 
 def _carried_by(message: type[Message]) -> tuple[str, ...]:
@@ -60,7 +64,9 @@ def _fill(msg: Message, params: SamplingParams, names: Sequence[str]) -> None:
         value = getattr(params, name)
         if value is None:
             continue
-        if isinstance(value, dict):
+        if isinstance(value, StructuredOutputsParams):
+            structured_outputs_to_proto(value, getattr(msg, name))
+        elif isinstance(value, dict):
             getattr(msg, name).update(value)
         elif isinstance(value, list):
             getattr(msg, name).extend(value)
@@ -79,16 +85,53 @@ def _read(msg: Message, names: Sequence[str]) -> dict[str, Any]:
             values[name] = dict(value) if is_map else list(value)
         elif descriptor.has_presence and not msg.HasField(name):
             values[name] = None
+        elif isinstance(value, cpb.StructuredOutputsParams):
+            values[name] = structured_outputs_from_proto(value)
         else:
             values[name] = value
     return values
 
 
-def sampling_params_to_proto(params: SamplingParams) -> cpb.SamplingParams:
-    """The engine fields (what the scheduler and its worker read)."""
+def sampling_params_to_proto(params: SamplingParams, for_worker: bool = False
+                             ) -> cpb.SamplingParams:
+    """The engine fields (what the scheduler and its worker read); `for_worker` leaves
+    out the scheduler's own (SCHEDULER_ONLY)."""
     msg = cpb.SamplingParams()
-    _fill(msg, params, ENGINE_FIELDS)
+    _fill(msg, params, _WORKER_FIELDS if for_worker else ENGINE_FIELDS)
     return msg
+
+
+_WORKER_FIELDS = tuple(n for n in ENGINE_FIELDS if n not in SCHEDULER_ONLY)
+
+
+def structured_outputs_to_proto(params: StructuredOutputsParams,
+                                out: cpb.StructuredOutputsParams) -> None:
+    kind, spec = params.kind, params.spec
+    if kind in ("json", "structural_tag"):
+        try:
+            json_value_to_proto(spec, getattr(out, kind))
+        except (ValueError, OverflowError) as exc:
+            raise ValueError(f"structured_outputs.{kind} must be JSON: {exc}") from None
+    elif kind == "choice":
+        out.choice.values.extend(spec)
+    else:  # regex, grammar, json_object
+        setattr(out, kind, spec)
+    out.disable_any_whitespace = params.disable_any_whitespace
+
+
+def structured_outputs_from_proto(msg: cpb.StructuredOutputsParams
+                                  ) -> StructuredOutputsParams | None:
+    kind = msg.WhichOneof("constraint")
+    if kind is None:
+        return None
+    assert kind in STRUCTURED_OUTPUT_KINDS
+    value = getattr(msg, kind)
+    if kind in ("json", "structural_tag"):
+        value = json_value_from_proto(value)
+    elif kind == "choice":
+        value = list(value.values)
+    return StructuredOutputsParams.from_validated(
+        **{kind: value, "disable_any_whitespace": msg.disable_any_whitespace})
 
 
 def sampling_params_from_proto(msg: cpb.SamplingParams) -> SamplingParams:

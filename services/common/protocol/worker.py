@@ -2,10 +2,14 @@
 
 The plan keeps its order on the wire (`num_scheduled_tokens` travels as two
 parallel lists, since a proto map would not keep the dict's order), so the worker
-sees exactly the `SchedulerOutput` the scheduler built.
+sees exactly the `SchedulerOutput` the scheduler built. The structured-output
+bitmask travels as raw little-endian int32 bytes (`grammar_bitmask_to_bytes`), its
+row count given by its request ids.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as pb
 from pagoda.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -23,13 +27,15 @@ def scheduler_output_to_proto(out: SchedulerOutput) -> pb.SchedulerOutput:
         total_num_scheduled_tokens=out.total_num_scheduled_tokens,
         finished_req_ids=sorted(out.finished_req_ids),
         preempted_req_ids=sorted(out.preempted_req_ids),
+        structured_output_request_ids=out.structured_output_request_ids,
+        grammar_bitmask=grammar_bitmask_to_bytes(out.grammar_bitmask),
     )
     for new in out.scheduled_new_reqs:
         msg.scheduled_new_reqs.add(
             req_id=new.req_id,
             prompt_token_ids=new.prompt_token_ids,
             output_token_ids=new.output_token_ids,
-            sampling_params=sampling_params_to_proto(new.sampling_params),
+            sampling_params=sampling_params_to_proto(new.sampling_params, for_worker=True),
             block_ids=new.block_ids,
             num_computed_tokens=new.num_computed_tokens,
         )
@@ -66,7 +72,27 @@ def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
         total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
         finished_req_ids=set(msg.finished_req_ids),
         preempted_req_ids=set(msg.preempted_req_ids),
+        structured_output_request_ids=list(msg.structured_output_request_ids),
+        grammar_bitmask=grammar_bitmask_from_bytes(msg.grammar_bitmask,
+                                                   len(msg.structured_output_request_ids)),
     )
+
+
+def grammar_bitmask_to_bytes(bitmask: np.ndarray | None) -> bytes:
+    """The packed bitmask as little-endian int32 bytes; b"" for none."""
+    if bitmask is None:
+        return b""
+    return np.ascontiguousarray(bitmask, dtype="<i4").tobytes()
+
+
+def grammar_bitmask_from_bytes(data: bytes, num_rows: int) -> np.ndarray | None:
+    """The inverse of `grammar_bitmask_to_bytes`; ValueError if the bytes do not split
+    into `num_rows` whole rows."""
+    if not data and not num_rows:
+        return None
+    if num_rows == 0 or len(data) % (4 * num_rows):
+        raise ValueError(f"grammar_bitmask of {len(data)} bytes does not hold {num_rows} rows")
+    return np.frombuffer(data, dtype="<i4").astype(np.int32).reshape(num_rows, -1)
 
 
 def model_runner_output_to_proto(out: ModelRunnerOutput) -> pb.ModelRunnerOutput:

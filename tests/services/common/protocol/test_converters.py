@@ -17,7 +17,9 @@ from pagoda.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from pagoda.core.request import Request
 from pagoda.messages import (CachedRequestData, EngineCoreOutput, EngineCoreRequest, FinishReason,
                              LogprobsLists, ModelRunnerOutput, NewRequestData, SchedulerOutput)
-from pagoda.sampling_params import SamplingParams
+import numpy as np
+
+from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
 from pagoda.services.common.protocol.kv_events import kv_event_from_proto, kv_event_to_proto
 from pagoda.services.common.protocol.sampling_params import (ENGINE_FIELDS, GATEWAY_ONLY,
@@ -49,6 +51,8 @@ def _non_default(name: str, hint, default):
         return [2, 7]
     if dict[int, float] in args:
         return {5: -100.0, 9: 2.5}
+    if StructuredOutputsParams in args:
+        return StructuredOutputsParams(regex=r"[a-z]+\d")
     raise AssertionError(f"teach this test a non-default value for {name}: {hint}")
 
 
@@ -108,6 +112,37 @@ def test_scheduler_output_round_trip_keeps_order():
     back = scheduler_output_from_proto(scheduler_output_to_proto(out))
     assert back == out
     assert list(back.num_scheduled_tokens) == ["z", "b", "a"]
+
+
+@pytest.mark.parametrize("constraint", [
+    StructuredOutputsParams(json={"type": "object", "properties": {"z": {"type": "integer",
+                                  "maximum": 9}, "a": {"type": "number", "minimum": 1.5}}}),
+    StructuredOutputsParams(json=True),
+    StructuredOutputsParams(regex=r"\d{3}"),
+    StructuredOutputsParams(choice=["yes", "no"]),
+    StructuredOutputsParams(grammar='root ::= "a"+'),
+    StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
+    StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": {}}),
+])
+def test_structured_outputs_reach_the_scheduler_but_not_the_worker(constraint):
+    params = SamplingParams(structured_outputs=constraint)
+    back = sampling_params_from_proto(sampling_params_to_proto(params)).structured_outputs
+    assert back == constraint
+    if constraint.json not in (None, True):  # schema key order is kept (it orders the grammar)
+        assert list(back.json["properties"]) == ["z", "a"]
+    worker = sampling_params_from_proto(sampling_params_to_proto(params, for_worker=True))
+    assert worker.structured_outputs is None
+
+
+def test_grammar_bitmask_round_trip():
+    bitmask = np.array([[-1, 0, 5], [7, -(2**31), 2**31 - 1]], dtype=np.int32)
+    out = SchedulerOutput([], CachedRequestData(["a", "b"], [[], []], [3, 4]), {"a": 1, "b": 1},
+                          2, structured_output_request_ids=["b", "a"], grammar_bitmask=bitmask)
+    back = scheduler_output_from_proto(scheduler_output_to_proto(out))
+    assert back.structured_output_request_ids == ["b", "a"]
+    assert back.grammar_bitmask.dtype == np.int32 and np.array_equal(back.grammar_bitmask, bitmask)
+    plain = scheduler_output_from_proto(scheduler_output_to_proto(SchedulerOutput.empty()))
+    assert plain.grammar_bitmask is None and plain.structured_output_request_ids == []
 
 
 def test_model_runner_output_round_trip():

@@ -1,0 +1,34 @@
+"""Reasoning parsers (`--reasoning-parser NAME`): where a reasoning model's thinking ends.
+
+Two readers use one parser: the gateway splits a chat answer's text into
+`reasoning_content` and `content` (`ReasoningParser.split`, or a `ReasoningStream` for
+SSE deltas), and the scheduler's grammar state enables a structured-output constraint
+only once the reasoning ended (`start_token`/`end_token` looked up in the vocabulary),
+as vLLM does. Pure Python, so the gateway may import it.
+
+One more parser is one module with a `ReasoningParser` subclass, listed in `PARSERS`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from pagoda.reasoning.base import ReasoningParser, ReasoningStream
+
+# Name (vLLM's) -> "module:class".
+PARSERS = {
+    "deepseek_r1": "pagoda.reasoning.deepseek_r1:DeepSeekR1ReasoningParser",
+    "qwen3": "pagoda.reasoning.qwen3:Qwen3ReasoningParser",
+}
+
+
+def get_reasoning_parser(name: str) -> ReasoningParser:
+    """The parser called `name`; ValueError listing the known names otherwise."""
+    if name not in PARSERS:
+        raise ValueError(f"Unknown reasoning parser {name!r}; Pagoda has "
+                         f"{', '.join(sorted(PARSERS))}.")
+    module, cls = PARSERS[name].split(":")
+    return getattr(importlib.import_module(module), cls)()
+
+
+__all__ = ["PARSERS", "ReasoningParser", "ReasoningStream", "get_reasoning_parser"]

@@ -1,0 +1,100 @@
+"""The reasoning-parser contract, and the one splitter both the streamed and the
+non-streamed answer go through (so the two can never disagree)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class ReasoningParser:
+    """A model family's thinking markers.
+
+    `starts_in_reasoning`: the answer begins inside the thinking block (the chat
+    template opened it, DeepSeek-R1) rather than only when the answer opens with
+    `start_token` (Qwen3, whose hybrid models may answer without thinking).
+    Invariant: `split(text)` equals the concatenated output of a `ReasoningStream`
+    fed `text` in any pieces.
+    """
+
+    name: ClassVar[str] = ""
+    start_token: ClassVar[str] = "<think>"
+    end_token: ClassVar[str] = "</think>"
+    starts_in_reasoning: ClassVar[bool] = True
+
+    def stream(self) -> "ReasoningStream":
+        return ReasoningStream(self)
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning_content, content) of a whole answer; None for an empty part."""
+        stream = self.stream()
+        reasoning, content = stream.feed(text)
+        more_reasoning, more_content = stream.finish()
+        return (reasoning + more_reasoning) or None, (content + more_content) or None
+
+
+class ReasoningStream:
+    """Splits an answer's text deltas into (reasoning, content) deltas.
+
+    States: UNDECIDED (Qwen3: nothing seen yet; the answer may open with start_token),
+    REASONING (until end_token), CONTENT. Text that might be the beginning of a marker
+    is held back until the next delta decides it, so a marker split across deltas
+    never leaks into either part.
+    """
+
+    UNDECIDED, REASONING, CONTENT = range(3)
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        self.parser = parser
+        self.state = self.REASONING if parser.starts_in_reasoning else self.UNDECIDED
+        self._opening = True  # a leading start_token is dropped (the model wrote it)
+        self._held = ""
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        text, self._held = self._held + delta, ""
+        reasoning, content = [], []
+        while text:
+            if self.state == self.CONTENT:
+                content.append(text)
+                break
+            if self._opening:
+                stripped = text.lstrip()
+                start = self.parser.start_token
+                if stripped.startswith(start):
+                    text = stripped[len(start):]
+                    self._opening, self.state = False, self.REASONING
+                    continue
+                if start.startswith(stripped):  # maybe the start marker: wait
+                    self._held = text
+                    break
+                self._opening = False
+                if self.state == self.UNDECIDED:  # an answer without thinking
+                    self.state = self.CONTENT
+                    continue
+            end = self.parser.end_token
+            before, marker, after = text.partition(end)
+            if marker:
+                reasoning.append(before)
+                self.state, text = self.CONTENT, after
+                continue
+            keep = _partial_suffix(text, end)
+            reasoning.append(text[:len(text) - keep])
+            self._held = text[len(text) - keep:]
+            break
+        return "".join(reasoning), "".join(content)
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back, at the end of the answer."""
+        held, self._held = self._held, ""
+        if self.state == self.REASONING:
+            return held, ""
+        if self.state == self.UNDECIDED:  # only whitespace or a partial marker came
+            self.state = self.CONTENT
+        return "", held
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
