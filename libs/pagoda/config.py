@@ -129,6 +129,8 @@ class SchedulerConfig:
     # Above this many prompt tokens a prefill is split so decodes keep flowing.
     long_prefill_token_threshold: int = 0
     max_waiting_requests: int | None = None
+    # The waiting queue's order: "fcfs" or "priority" (`pagoda.core.request_queue`).
+    policy: str = "fcfs"
 
 
 @dataclass

@@ -94,6 +94,9 @@ class EngineCoreRequest:
     # Hashed into every prefix-cache block (vLLM's `cache_salt`): equal prompts with
     # different salts never share cached KV. None for no salt.
     cache_salt: str | None = None
+    # vLLM's `priority`: under --scheduling-policy priority, lower values are admitted
+    # first (ties by arrival) and higher ones are preempted first; must be 0 under fcfs.
+    priority: int = 0
 
 
 @dataclass

@@ -42,6 +42,7 @@ class Request:
         self.arrival_time = core_request.arrival_time
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        self.priority = core_request.priority  # lower first (--scheduling-policy priority)
         self.num_cached_tokens = -1  # prefix-cache hit of the first schedule; -1 until then
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None

@@ -35,6 +35,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     max_waiting_requests: int | None = None
+    scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy: fcfs | priority
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -81,6 +82,11 @@ class EngineArgs:
         parser.add_argument("--max-waiting-requests", type=int, default=None,
                             help="Bound of the scheduler's waiting queue; beyond it new requests "
                                  "are refused (HTTP 503 with Retry-After). Default: unbounded.")
+        parser.add_argument("--scheduling-policy", default=d.scheduling_policy,
+                            choices=["fcfs", "priority"],
+                            help="fcfs: first come, first served; priority: requests with a "
+                                 "lower `priority` value first (ties by arrival), and the "
+                                 "highest value is preempted first.")
         parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
         parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
         parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
@@ -170,7 +176,7 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
             max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
-            max_waiting_requests=self.max_waiting_requests)
+            max_waiting_requests=self.max_waiting_requests, policy=self.scheduling_policy)
         names = self.served_model_name
         if isinstance(names, str):
             names = [names]

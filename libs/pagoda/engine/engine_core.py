@@ -101,6 +101,9 @@ def validate_request(request: EngineCoreRequest, config: EngineConfig, num_block
     max_len = config.scheduler.max_model_len
     if num_prompt == 0:
         raise ValueError("The prompt cannot be empty.")
+    if request.priority != 0 and config.scheduler.policy != "priority":
+        raise ValueError(f"Got priority {request.priority} but Priority scheduling is not "
+                         f"enabled.")
     vocab = config.arch.vocab_size
     bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
     if bad:

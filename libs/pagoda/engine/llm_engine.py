@@ -28,7 +28,7 @@ class LLMEngine:
 
     def add_request(self, prompt: str | None, prompt_token_ids: list[int] | None,
                     params: SamplingParams, request_id: str | None = None,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None, priority: int = 0) -> str:
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("Either a prompt or prompt_token_ids is required.")
@@ -45,7 +45,8 @@ class LLMEngine:
                     child_params = params.clone(seed=params.seed + index)
                 self.core.add_request(EngineCoreRequest(child_id, parent.prompt_token_ids,
                                                         child_params, eos,
-                                                        cache_salt=cache_salt))
+                                                        cache_salt=cache_salt,
+                                                        priority=priority))
         except ValueError:
             self.core.abort_requests(child_ids)
             for child_id in child_ids:

@@ -42,12 +42,13 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
         """Complete each prompt: a string, a list of token ids, or a dict with
         `prompt` or `prompt_token_ids` (and optionally vLLM's `cache_salt`: prompts
-        with different salts never share prefix-cache blocks)."""
+        with different salts never share prefix-cache blocks). `priority`: one value per
+        prompt, lower first (needs `scheduling_policy="priority"`)."""
         items = [_normalize_prompt(p) for p in _as_prompt_list(prompts)]
-        return self._run(items, sampling_params, use_tqdm)
+        return self._run(items, sampling_params, use_tqdm, priority)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -69,15 +70,19 @@ class LLM:
 
     def _run(self, items: list[tuple[str | None, list[int] | None, str | None]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, priority: list[int] | None = None) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _params_per_prompt(sampling_params, len(items))
+        if priority is not None and len(priority) != len(items):
+            raise ValueError(f"Got {len(priority)} priorities for {len(items)} prompts.")
+        priorities = priority or [0] * len(items)
         engine = self.llm_engine
         order: dict[str, int] = {}
         try:
             for i, ((prompt, ids, salt), params) in enumerate(zip(items, params_list)):
-                order[engine.add_request(prompt, ids, params, cache_salt=salt)] = i
+                order[engine.add_request(prompt, ids, params, cache_salt=salt,
+                                         priority=priorities[i])] = i
         except Exception:
             engine.abort_request(list(order))
             raise
