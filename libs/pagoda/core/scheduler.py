@@ -10,13 +10,19 @@ queue's order (fcfs: arrival; priority: lowest value, then arrival), and under m
 pressure the running request that comes last in that order is preempted (fcfs: the
 latest admitted; priority: highest value, latest arrival), even one already planned
 this step, whose tokens then go back to the budget (vLLM's rule).
+
+Structured outputs: a constrained request waits (WAITING_FOR_GRAMMAR) until its grammar
+compiled, skipped over so the requests behind it are admitted meanwhile; each step's
+plan carries the bitmask rows of the constrained requests that sample, and each
+accepted token advances the request's matcher (`pagoda.structured_output`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
@@ -24,6 +30,11 @@ from pagoda.core.request import Request, RequestStatus
 from pagoda.core.request_queue import SchedulingPolicy, create_request_queue
 from pagoda.messages import (CachedRequestData, EngineCoreOutput, EngineCoreRequest, FinishReason,
                              ModelRunnerOutput, NewRequestData, SchedulerOutput)
+
+if TYPE_CHECKING:
+    from pagoda.structured_output import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,7 +59,8 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_blocks: int) -> None:
+                 num_blocks: int,
+                 structured_output_manager: StructuredOutputManager | None = None) -> None:
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -64,6 +76,7 @@ class Scheduler:
         # Requests that ended since the last step: the worker drops their state.
         self._finished_req_ids: set[str] = set()
         self._pending_outputs: list[EngineCoreOutput] = []
+        self.structured_output_manager = structured_output_manager
 
     # ------------------------------------------------------------------ intake
     def add_request(self, core_request: EngineCoreRequest) -> Request:
@@ -71,6 +84,8 @@ class Scheduler:
             raise ValueError(f"request id {core_request.request_id!r} is already in use")
         request = Request(core_request, self.block_size, self.cache_config.prefix_hash_seed,
                           self.config.max_model_len)
+        if request.sampling_params.structured_outputs is not None:
+            self._init_grammar(request)  # ValueError: an invalid constraint, never queued
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
         return request
@@ -118,9 +133,16 @@ class Scheduler:
             cached.num_computed_tokens.append(request.num_computed_tokens)
 
         # Only admit waiting requests when nothing had to be preempted this step.
+        skipped: list[Request] = []  # grammars still compiling: the rest go ahead
         while self.waiting and budget > 0 and not preempted \
                 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek_request()
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR \
+                    and not self._grammar_ready(request):
+                self.waiting.pop_request()
+                if not request.is_finished:
+                    skipped.append(request)
+                continue
             hit_blocks, num_hit = [], 0
             if request.num_computed_tokens == 0:
                 hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
@@ -145,12 +167,14 @@ class Scheduler:
                 request.request_id, request.prompt_token_ids, list(request.output_token_ids),
                 request.sampling_params, self.kv_cache_manager.get_block_ids(request.request_id),
                 request.num_computed_tokens))
+        self.waiting.prepend_requests(skipped)
 
         output = SchedulerOutput(new_reqs, cached, num_scheduled, sum(num_scheduled.values()),
                                  self._finished_req_ids, preempted)
         self._finished_req_ids = set()
         for request_id, num in num_scheduled.items():
             self.requests[request_id].num_computed_tokens += num
+        self._add_grammar_bitmask(output)
         return output
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
@@ -212,7 +236,7 @@ class Scheduler:
             for token_id in token_ids:
                 request.append_output_token(token_id)
                 new_token_ids.append(token_id)
-                if request.check_stop():
+                if request.check_stop() or not self._advance_grammar(request):
                     break
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             if not new_token_ids and prompt_logprobs is None:
@@ -226,6 +250,65 @@ class Scheduler:
                 self.running.remove(request)
                 self._free_request(request)
         return outputs
+
+    # ------------------------------------------------------------------ grammars
+    def _init_grammar(self, request: Request) -> None:
+        if self.structured_output_manager is None:
+            raise ValueError("structured_outputs: this engine has no structured-output backend.")
+        request.structured_output_request = self.structured_output_manager.init_request(
+            request.sampling_params.structured_outputs, request.prompt_token_ids)
+        request.status = RequestStatus.WAITING_FOR_GRAMMAR
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Give the request its matcher once the compile finished. A grammar that failed
+        to compile ends the request (abort) instead of blocking the queue."""
+        error = self.structured_output_manager.check_ready(
+            request.structured_output_request, request.eos_token_ids, request.output_token_ids)
+        if error is not None:
+            logger.warning("request %s: %s", request.request_id, error)
+            request.finish_reason = FinishReason.ABORT
+            self._free_request(request)
+            self._pending_outputs.append(EngineCoreOutput(request.request_id, [],
+                                                          finish_reason=FinishReason.ABORT))
+            return False
+        if request.structured_output_request.grammar is None:
+            return False
+        request.status = RequestStatus.WAITING
+        return True
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Nothing ran this step: block (at most `timeout` s) until a waiting request's
+        grammar compiles, instead of spinning the step loop against the compile threads."""
+        so_requests = [r.structured_output_request for r in self.waiting
+                       if r.status == RequestStatus.WAITING_FOR_GRAMMAR]
+        if so_requests:
+            self.structured_output_manager.wait_for_any(so_requests, timeout)
+
+    def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:
+        """The bitmask rows of the constrained requests that sample this step (their
+        computed tokens caught up with their known tokens)."""
+        rows = [r for r in map(self.requests.get, output.num_scheduled_tokens)
+                if r.structured_output_request is not None and r.num_computed_tokens >= r.num_tokens
+                and r.structured_output_request.constrains_next_token]
+        if rows:
+            output.structured_output_request_ids = [r.request_id for r in rows]
+            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
+                [r.structured_output_request for r in rows])
+
+    def _advance_grammar(self, request: Request) -> bool:
+        """Feed the request's new token to its matcher; False (and the request stops)
+        once the grammar is complete or, which the bitmask prevents, refused it."""
+        so_request = request.structured_output_request
+        if so_request is None or so_request.grammar is None:
+            return True
+        if so_request.advance(request.output_token_ids):
+            if not so_request.is_terminated:
+                return True
+        else:
+            logger.warning("request %s: token %d is outside its grammar", request.request_id,
+                           request.output_token_ids[-1])
+        request.finish_reason, request.stop_reason = FinishReason.STOP, None
+        return False
 
     def _free_request(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED
