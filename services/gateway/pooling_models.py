@@ -1,0 +1,80 @@
+"""Request bodies of the pooling endpoints (vLLM's field names), validated by pydantic.
+
+    /v1/embeddings   EmbeddingRequest       OpenAI's, plus vLLM's extras
+    /pooling         PoolingRequest         the model's own task, raw vector out
+    /classify        ClassificationRequest
+    /score           ScoreRequest           text_1 x text_2: 1 -> 1, 1 -> N, N -> N
+    /rerank          RerankRequest          Jina / Cohere shape (also /v1 and /v2)
+
+A wrong type or value (an `encoding_format` that is not "float" or "base64") is a 400
+through the app's validation handler, never a 422. What depends on the served model
+(dimensions on a non-matryoshka model, the context length) is checked by the engine
+(`PoolingParams.verify`, `validate_request`), the one place both paths share.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagoda.pooling_params import PoolingParams
+
+INT32_MAX = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+# An input: text, a list of texts, token ids, or a list of token-id lists (OpenAI's forms).
+Input = str | list[str] | list[TokenId] | list[list[TokenId]]
+Truncation = Annotated[int, Field(ge=-1, le=INT32_MAX)] | None
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str | None = None
+    user: str | None = None
+    # vLLM's: keep at most this many tokens of each input (-1: the context length),
+    # truncated as the tokenizer truncates (special tokens kept).
+    truncate_prompt_tokens: Truncation = None
+
+
+class EmbeddingRequest(_Body):
+    input: Input
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    normalize: bool | None = None  # vLLM's: default the model's (normalised)
+    add_special_tokens: bool = True
+
+    def pooling_params(self) -> PoolingParams:
+        return PoolingParams(task="embed", dimensions=self.dimensions, normalize=self.normalize)
+
+
+class PoolingRequest(_Body):
+    input: Input
+    encoding_format: Literal["float", "base64"] = "float"
+    add_special_tokens: bool = True
+
+    def pooling_params(self) -> PoolingParams:
+        return PoolingParams()  # the model's own task and defaults
+
+
+class ClassificationRequest(_Body):
+    input: Input
+    add_special_tokens: bool = True
+    use_activation: bool | None = None
+
+    def pooling_params(self) -> PoolingParams:
+        return PoolingParams(task="classify", use_activation=self.use_activation)
+
+
+class ScoreRequest(_Body):
+    text_1: str | list[str]
+    text_2: str | list[str]
+    use_activation: bool | None = None
+
+
+class RerankRequest(_Body):
+    query: str
+    documents: list[str]
+    top_n: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None  # 0 or unset: all
+    return_documents: bool = True  # Cohere's; vLLM always returns them
+    use_activation: bool | None = None
