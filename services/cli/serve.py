@@ -20,6 +20,8 @@ import threading
 
 from pagoda import envs, tracing
 from pagoda.services.cli.download import hub_flags, prefetch_for_serve
+from pagoda.services.cli.serve_roles import (add_role_args, plan_replicas, role_problem,
+                                             scheduler_kv_flags)
 from pagoda.services.cli.local_cluster import LocalCluster, ServiceFailed, ServiceProcess
 from pagoda.metrics import stat_logger
 from pagoda.services.common.grpc_channels import GrpcTLS, add_tls_args
@@ -66,6 +68,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              "the rest keep serving.")
     parser.add_argument("--router", default=DEFAULT_POLICY, choices=POLICIES,
                         help="How the gateway spreads requests over the replicas.")
+    add_role_args(parser)
     group = parser.add_argument_group("engine (passed to the scheduler and the gpu-worker)")
     EngineArgs.add_cli_args(group)
     add_http_args(parser.add_argument_group("HTTP (passed to the gateway)"))
@@ -118,9 +121,8 @@ def build_services(args: argparse.Namespace, redis_url: str,
     from pagoda.services.common.redis_server import free_port
 
     loopback = "127.0.0.1"
-    num_replicas = args.data_parallel_size
-    replicas = [(replica_name("scheduler", i, num_replicas),
-                 replica_name("gpu-worker", i, num_replicas), i) for i in range(num_replicas)]
+    plans = plan_replicas(args)  # serve_roles.py: colocated, or prefill + decode
+    replicas = [(p.scheduler, p.worker, p.index) for p in plans]
     ports = {name: free_port() for name in ("tokenizer", "kv-cache-manager",
                                             *(n for r in replicas for n in r[:2]))}
     addr = {name: f"{loopback}:{port}" for name, port in ports.items()}
@@ -159,12 +161,15 @@ def build_services(args: argparse.Namespace, redis_url: str,
                      *(["--tokenizer", args.tokenizer] if args.tokenizer else []),
                      *(["--chat-template", args.chat_template] if args.chat_template else [])),
     ]
-    for scheduler, worker, i in replicas:
+    for plan in plans:
+        scheduler, worker, i = plan.scheduler, plan.worker, plan.index
         services += [
-            grpc_service("gpu-worker", worker, *model_flags, *engine, replica=i),
+            grpc_service("gpu-worker", worker, *model_flags, *engine, *plan.kv_flags,
+                         replica=i),
             grpc_service("scheduler", scheduler, *model_flags, *engine, *names, *stats,
                          "--worker-addr", addr[worker],
-                         "--kv-cache-manager-addr", addr["kv-cache-manager"], replica=i),
+                         "--kv-cache-manager-addr", addr["kv-cache-manager"],
+                         *plan.kv_flags, *scheduler_kv_flags(args), replica=i),
         ]
     services.append(ServiceProcess(
         "gateway", cmd("gateway", "--host", args.host, "--port", str(args.port),
@@ -198,6 +203,9 @@ def run(args: argparse.Namespace) -> int:
     redis, cluster = None, None
     if args.data_parallel_size < 1:
         _say(f"error: --data-parallel-size must be at least 1, got {args.data_parallel_size}")
+        return 2
+    if role_problem(args):
+        _say(f"error: {role_problem(args)}")
         return 2
     try:
         configure_grpc_tls(args)  # the supervisor's health checks speak it too

@@ -14,6 +14,8 @@ import contextvars
 from dataclasses import dataclass
 
 INSTANCE_HEADER = "x-pagoda-instance"
+# The prefill replica of a disaggregated request (disagg.py); absent when colocated.
+PREFILL_INSTANCE_HEADER = "x-pagoda-prefill-instance"
 SESSION_HEADER = "x-session-id"
 
 
@@ -21,6 +23,7 @@ SESSION_HEADER = "x-session-id"
 class RoutingContext:
     session_key: str | None = None
     instance_id: str | None = None
+    prefill_instance_id: str | None = None
 
 
 _current: contextvars.ContextVar[RoutingContext | None] = contextvars.ContextVar(
@@ -50,6 +53,9 @@ class RoutingHeaderMiddleware:
             if message["type"] == "http.response.start" and context.instance_id:
                 headers = list(message.get("headers", []))
                 headers.append((INSTANCE_HEADER.encode(), context.instance_id.encode("latin-1")))
+                if context.prefill_instance_id:
+                    headers.append((PREFILL_INSTANCE_HEADER.encode(),
+                                    context.prefill_instance_id.encode("latin-1")))
                 message = {**message, "headers": headers}
             await send(message)
 

@@ -11,6 +11,7 @@ import logging
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2_grpc as pb_grpc
 from pagoda.services.common.grpc_server import add_server_args, serve_sync
 from pagoda.services.common.logs import setup_logging
+from pagoda.services.common.kv_transfer_args import add_kv_transfer_args, kv_transfer_config
 
 DEFAULT_PORT = 50053
 SERVICE_NAME = "pagoda.worker.v1.WorkerService"
@@ -22,6 +23,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
     add_server_args(parser, DEFAULT_PORT)
     EngineArgs.add_cli_args(parser)
+    add_kv_transfer_args(parser)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -36,8 +38,25 @@ def main(args: argparse.Namespace) -> int:
     executor = make_executor(config)
     logger.info("loaded %s (%s on %s)", config.model, config.dtype, config.device)
     servicer = WorkerServicer(executor, config.model, config.dtype, config.device)
-    # Steps are sequential; a second thread answers GetWorkerInfo/health meanwhile.
+    kv_transfer = kv_transfer_servicer(args, config, executor)
+    # Steps are sequential; a second thread answers GetWorkerInfo/health meanwhile
+    # (and KV pulls: they never wait for a step).
     serve_sync("gpu-worker", args,
-               [(pb_grpc.add_WorkerServiceServicer_to_server, servicer, SERVICE_NAME)],
-               max_workers=4, on_stop=executor.shutdown)
+               [(pb_grpc.add_WorkerServiceServicer_to_server, servicer, SERVICE_NAME),
+                kv_transfer],
+               max_workers=8, on_stop=executor.shutdown)
     return 0
+
+
+def kv_transfer_servicer(args: argparse.Namespace, config, executor):
+    """The KV transport this worker serves (every role: a kv_both replica may also
+    decode remotely prefilled requests), as serve_sync's triple."""
+    from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc
+    from pagoda.services.gpu_worker.kv_transfer import SERVICE_NAME as KV_SERVICE
+    from pagoda.services.gpu_worker.kv_transfer import KvTransferServicer
+
+    role = kv_transfer_config(args)
+    logger.info("KV role %s (%s)", role.kv_role, role.kv_connector)
+    servicer = KvTransferServicer(executor, config.model, config.world_size,
+                                  config.cache.prefix_hash_seed)
+    return (kv_transfer_pb2_grpc.add_KvTransferServiceServicer_to_server, servicer, KV_SERVICE)

@@ -15,9 +15,10 @@ import grpc
 
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as pb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from pagoda.engine.request_checks import check_request
 from pagoda.messages import EngineCoreOutput
-from pagoda.services.common.protocol.scheduler import (hash_blocks, outputs_to_responses,
-                                                       request_from_proto)
+from pagoda.services.common.protocol.scheduler import (MIGRATION_REASON_KEY, hash_blocks,
+                                                       outputs_to_responses, request_from_proto)
 from pagoda.services.scheduler.engine_loop import EngineLoop, QueueFull
 from pagoda.services.scheduler.tracing import REQUEST_SPANS
 
@@ -25,19 +26,23 @@ logger = logging.getLogger(__name__)
 
 
 class _RequestStream:
-    """Outputs of one request not yet written to its stream."""
+    """Outputs of one request not yet written to its stream; `error` (message, reason,
+    whether the engine still holds the request) once the stream must end UNAVAILABLE
+    with a migration reason (the request may continue on another replica)."""
 
     __slots__ = ("pending", "ready", "error")
 
     def __init__(self) -> None:
         self.pending: list[EngineCoreOutput] = []
         self.ready = asyncio.Event()
-        self.error: str | None = None
+        self.error: tuple[str, str, bool] | None = None
 
 
 class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     """Invariant: a request is in `_streams` from its acceptance until its handler
-    exits; a handler that exits before the request finished aborts it."""
+    exits; a handler that exits before the request finished aborts it. Every request
+    is checked (`check_request`) before the engine sees it: a bad one is refused
+    INVALID_ARGUMENT and the replica serves on."""
 
     def __init__(self, engine: EngineLoop, model_info: pb.GetModelInfoResponse,
                  default_eos_token_ids: list[int]) -> None:
@@ -47,6 +52,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         self._streams: dict[str, _RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.draining = False  # set by drain.py: refuse new requests, finish the rest
+        # Disaggregation (kv_role.py): consumes a request's kv_transfer_params.
+        self.kv_transfer = None
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -61,7 +68,10 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         self._loop.call_soon_threadsafe(self._dispatch, outputs)
 
     def on_failure(self, exc: Exception) -> None:
-        self._loop.call_soon_threadsafe(self._fail_all, f"replica failed: {exc}")
+        logger.error("replica failed: %s; its %d streams end for migration", exc,
+                     len(self._streams))
+        self._loop.call_soon_threadsafe(self._end_all, "The replica failed.", "replica_failed",
+                                        False)
 
     def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
         for out in outputs:
@@ -70,28 +80,34 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                 stream.pending.append(out)
                 stream.ready.set()
 
-    def _fail_all(self, message: str) -> None:
+    def _end_all(self, message: str, reason: str, engine_alive: bool) -> None:
         for stream in self._streams.values():
-            stream.error = message
+            stream.error = (message, reason, engine_alive)
             stream.ready.set()
 
     # ------------------------------------------------------------ RPCs
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         if self.engine.failure is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"replica failed: {self.engine.failure}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "The replica failed.")
         if self.draining:  # refused before acceptance: the gateway retries elsewhere
             await context.abort(grpc.StatusCode.UNAVAILABLE, "replica is draining")
-        core_request = request_from_proto(request)
+        try:  # trusted because it came from inside? No: checked like outside input
+            core_request = request_from_proto(request)
+            if not core_request.eos_token_ids:
+                core_request.eos_token_ids = list(self.default_eos)
+            check_request(core_request, self.engine.core.config)
+        except (ValueError, TypeError, AssertionError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         rid = core_request.request_id
         if rid in self._streams:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is in use")
-        if not core_request.eos_token_ids:
-            core_request.eos_token_ids = list(self.default_eos)
         stream = _RequestStream()
         self._streams[rid] = stream
         REQUEST_SPANS.register_current(rid)  # its steps and phases join the caller's trace
         finished = False
         try:
+            if self.kv_transfer is not None:
+                await self.kv_transfer.before_submit(core_request)
             error = await self._submit(core_request)
             if error is not None:
                 finished = True  # rejected: nothing to abort
@@ -103,8 +119,10 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                 await stream.ready.wait()
                 stream.ready.clear()
                 if stream.error is not None:
-                    finished = True  # the engine is gone: nothing left to abort
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, stream.error)
+                    message, reason, engine_alive = stream.error
+                    finished = not engine_alive  # a live engine frees its blocks (finally)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, message,
+                                        trailing_metadata=((MIGRATION_REASON_KEY, reason),))
                 batch, stream.pending = stream.pending, []
                 if not batch:
                     continue
@@ -114,6 +132,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         finally:
             self._streams.pop(rid, None)
             REQUEST_SPANS.unregister(rid)
+            if self.kv_transfer is not None:
+                self.kv_transfer.after_stream(rid)
             if not finished:  # cancelled by the client (disconnect, stop string)
                 self.engine.abort([rid])
 
@@ -126,11 +146,12 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         self.engine.submit(core_request, on_accept)
         return await accepted
 
-    def abort_all(self) -> int:
-        """Abort every request in flight (a drain that ran out of time)."""
-        ids = list(self._streams)
-        self.engine.abort(ids)
-        return len(ids)
+    def migrate_all(self) -> int:
+        """End every stream in flight UNAVAILABLE with reason drain_timeout (a drain that
+        ran out of time): the gateways continue the requests on other replicas, and each
+        handler aborts its request here as it exits, freeing its blocks."""
+        self._end_all("The replica is shutting down.", "drain_timeout", True)
+        return len(self._streams)
 
     async def AbortRequests(self, request: pb.AbortRequestsRequest, context
                             ) -> pb.AbortRequestsResponse:
@@ -158,7 +179,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     async def GetCachedBlocks(self, request: pb.GetCachedBlocksRequest, context
                               ) -> pb.GetCachedBlocksResponse:
         if self.engine.failure is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"replica failed: {self.engine.failure}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "The replica failed.")
         done = self._loop.create_future()
         core = self.engine.core
         self.engine.call_soon(lambda: self._loop.call_soon_threadsafe(

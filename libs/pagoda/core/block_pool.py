@@ -120,6 +120,20 @@ class BlockPool:
                 self._record_stored(block_hashes, all_token_ids, run_start, i)
                 run_start = None
 
+    def cache_block(self, block: KVCacheBlock, block_hashes: Sequence[BlockHash],
+                    token_ids: Sequence[int], index: int) -> bool:
+        """Register one block as block `index` of the chain `block_hashes` (its KV was
+        written from elsewhere: a disaggregated prefill's pull); False if that hash is
+        served already. Recorded as stored, so the prefix index learns of it."""
+        if not self.enable_caching or not self._cache_block(block, block_hashes[index],
+                                                            token_ids):
+            return False
+        if self.enable_kv_events:
+            parent = block_hashes[index - 1] if index > 0 else None
+            self._events.append(BlockStored([block_hashes[index]], parent, list(token_ids),
+                                            self.block_size))
+        return True
+
     def _cache_block(self, block: KVCacheBlock, block_hash: BlockHash,
                      token_ids: Sequence[int]) -> bool:
         if block.block_hash is not None or block_hash in self._cached:

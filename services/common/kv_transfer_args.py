@@ -1,0 +1,33 @@
+"""The disaggregation flags every model-replica service takes (scheduler, gpu-worker)
+and `pagoda serve` passes on: vLLM's `--kv-transfer-config`, and the scheduler's
+lease and transfer timeouts."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagoda.kv_transfer.config import (DEFAULT_KV_LEASE_TIMEOUT_S, DEFAULT_KV_TRANSFER_TIMEOUT_S,
+                                       KVTransferConfig)
+
+
+def add_kv_transfer_args(parser: argparse.ArgumentParser, timeouts: bool = False) -> None:
+    parser.add_argument(
+        "--kv-transfer-config", default=None,
+        help='vLLM\'s JSON: {"kv_connector": "PagodaConnector", "kv_role": '
+             '"kv_producer|kv_consumer|kv_both"} (default kv_both: prefill and decode here).')
+    if timeouts:
+        parser.add_argument("--kv-lease-timeout", type=float, default=DEFAULT_KV_LEASE_TIMEOUT_S,
+                            help="Seconds a prefill replica keeps a prompt's blocks for a decode "
+                                 "replica to pull; unclaimed ones are freed after that.")
+        parser.add_argument("--kv-transfer-timeout", type=float,
+                            default=DEFAULT_KV_TRANSFER_TIMEOUT_S,
+                            help="Seconds a decode replica waits for a pull; past that it "
+                                 "computes the prompt itself.")
+
+
+def kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig:
+    """The parsed flag; SystemExit naming the problem if it is invalid."""
+    try:
+        return KVTransferConfig.from_json(getattr(args, "kv_transfer_config", None))
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None

@@ -1,0 +1,50 @@
+"""Prefill/decode transfer metrics, shared by the gpu-worker (what moved) and the
+scheduler (leases, failures, fallbacks); the gateway's /metrics merges every
+service's, so one scrape shows both sides.
+
+* `pagoda_kv_transfer_blocks_total`, `_bytes_total`, `_seconds`: pulls that
+  completed, counted by the worker that pulled (the decode side).
+* `pagoda_kv_transfer_failures_total{reason}`: pulls that did not complete
+  (timeout, unavailable, checksum, stale_epoch, lease_expired, no_room, error).
+* `pagoda_kv_transfer_fallbacks_total{kind}`: what the request did instead
+  (recompute: the decode replica prefilled locally).
+* `pagoda_kv_leased_blocks`: blocks a prefill replica holds for decode replicas now.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+TRANSFER_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                    5.0, 10.0, 30.0]
+
+
+class KvTransferMetrics:
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.blocks = Counter("pagoda_kv_transfer_blocks_total",
+                              "KV blocks pulled from a prefill replica.", registry=registry)
+        self.bytes = Counter("pagoda_kv_transfer_bytes_total",
+                             "KV bytes pulled from a prefill replica.", registry=registry)
+        self.seconds = Histogram("pagoda_kv_transfer_seconds",
+                                 "Seconds one request's KV pull took.",
+                                 buckets=TRANSFER_BUCKETS, registry=registry)
+        self.failures = Counter("pagoda_kv_transfer_failures_total",
+                                "KV pulls that did not complete, by reason.", ["reason"],
+                                registry=registry)
+        self.fallbacks = Counter("pagoda_kv_transfer_fallbacks_total",
+                                 "Disaggregated requests served another way, by kind.",
+                                 ["kind"], registry=registry)
+        self.leased_blocks = Gauge("pagoda_kv_leased_blocks",
+                                   "KV blocks held under leases for decode replicas.",
+                                   registry=registry)
+
+
+_metrics: KvTransferMetrics | None = None
+
+
+def kv_transfer_metrics() -> KvTransferMetrics:
+    """The process's KvTransferMetrics, in the default registry (created on first use)."""
+    global _metrics
+    if _metrics is None:
+        _metrics = KvTransferMetrics()
+    return _metrics

@@ -1,0 +1,146 @@
+"""The decode side of disaggregation: before a remotely prefilled request enters the
+engine, get the prompt's blocks here, then let it find them as a prefix-cache hit.
+
+    Generate(do_remote_prefill, blocks, lease) ─► plan (engine thread): held blocks
+        referenced, the rest allocated ─► own gpu-worker FetchBlocks(prefill worker)
+        ─► ReleaseLease at the prefill scheduler (valid?) ─► commit (engine thread):
+        pulled blocks cached under their hashes ─► request submitted: prefix hit
+
+Whatever fails (the pull times out or breaks, the checksum, the lease expired, the
+prefill replica restarted: another epoch), the pulled blocks are discarded and the
+request is submitted anyway: the engine computes what it does not find, so the
+client sees no error; the failure is counted by reason and the fallback by kind.
+The plan's references are dropped when the request's stream ends (by then the
+request holds its own), so no step can evict the blocks before it is admitted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from pagoda.core.block_hash import hash_request_tokens, salt_keys
+from pagoda.kv_transfer.imports import ImportPlan, commit_import, plan_import, release_import
+from pagoda.messages import EngineCoreRequest
+from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2 as pb
+from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc as pb_grpc
+from pagoda.services.common import grpc_channels
+from pagoda.services.common.kv_transfer_metrics import kv_transfer_metrics
+
+logger = logging.getLogger(__name__)
+# Extra seconds the scheduler waits on its worker beyond the worker's own pull
+# deadline: the worker's answer (after its last write) normally comes first.
+FETCH_GRACE_S = 5.0
+_REASONS = {grpc.StatusCode.DEADLINE_EXCEEDED: "timeout", grpc.StatusCode.DATA_LOSS: "checksum",
+            grpc.StatusCode.FAILED_PRECONDITION: "stale_epoch",
+            grpc.StatusCode.UNAVAILABLE: "unavailable"}
+
+
+class KvConsumer:
+    """Invariant: every plan made by `prepare` is committed or discarded before the
+    request is submitted, and released exactly once (`finish`)."""
+
+    def __init__(self, producer_like_engine, pool, info, worker_address: str,
+                 transfer_timeout_s: float) -> None:
+        self.engine = producer_like_engine  # EngineLoop
+        self.pool = pool
+        self.info = info
+        self.transfer_timeout_s = transfer_timeout_s
+        self.worker = pb_grpc.KvTransferServiceStub(grpc_channels.aio_channel(worker_address))
+        self._lease_stubs: dict[str, pb_grpc.KvLeaseServiceStub] = {}
+        self._plans: dict[str, ImportPlan] = {}
+
+    async def on_engine(self, fn):
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def call() -> None:
+            try:
+                result = fn()
+            except Exception as exc:  # noqa: BLE001 (handed to the awaiting handler)
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(exc))
+                return
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+
+        self.engine.call_soon(call)
+        return await asyncio.shield(done)
+
+    async def prepare(self, request: EngineCoreRequest) -> None:
+        """Pull what the request's prefill left on the remote replica (if anything)."""
+        params = request.kv_transfer_params
+        request.kv_transfer_params = None
+        if params is None or not params.do_remote_prefill or not params.block_hashes:
+            return
+        metrics = kv_transfer_metrics()
+        hashes = hash_request_tokens(request.prompt_token_ids, self.info.block_size,
+                                     self.info.prefix_hash_seed, salt_keys(request.cache_salt))
+        if list(params.block_hashes) != hashes[:len(params.block_hashes)]:
+            metrics.failures.labels("hash_mismatch").inc()
+            metrics.fallbacks.labels("recompute").inc()
+            await self._release_lease(params)
+            return
+        prompt = list(request.prompt_token_ids)
+        plan = await self.on_engine(lambda: plan_import(self.pool, params.block_hashes, prompt))
+        self._plans[request.request_id] = plan
+        reason = None if plan.block_hashes else "no_room"
+        fetch = None
+        completed = False
+        try:
+            if plan.targets:
+                if time.time() >= params.lease_expiry:
+                    reason = "lease_expired"
+                else:
+                    fetch = asyncio.ensure_future(self._fetch(params, plan))
+                    reason = await asyncio.shield(fetch)
+            valid = await self._release_lease(params)
+            if plan.targets and reason is None and not valid:
+                reason = "lease_expired"
+            completed = True
+        finally:
+            if fetch is not None and not fetch.done():  # cancelled (client gone): let the
+                await asyncio.wait([fetch])              # worker stop writing first
+            ok = completed and reason is None
+            await self.on_engine(lambda: commit_import(self.pool, plan, ok))
+        if reason is not None:
+            logger.warning("request %s: KV pull from %s failed (%s); computing the prompt here",
+                           request.request_id, params.remote_instance_id, reason)
+            metrics.failures.labels(reason).inc()
+            metrics.fallbacks.labels("recompute").inc()
+
+    async def _fetch(self, params, plan: ImportPlan) -> str | None:
+        """None when every planned block arrived, else the failure's reason."""
+        remote_ids = [params.remote_block_ids[i] for i in plan.remote_indices]
+        try:
+            await self.worker.FetchBlocks(pb.FetchBlocksRequest(
+                source_address=params.remote_worker_address,
+                source_epoch=params.remote_worker_epoch, remote_block_ids=remote_ids,
+                local_block_ids=[b.block_id for b in plan.targets],
+                timeout_s=self.transfer_timeout_s, lease_id=params.lease_id),
+                timeout=self.transfer_timeout_s + FETCH_GRACE_S)
+        except grpc.RpcError as exc:
+            logger.info("FetchBlocks: %s %s", exc.code().name, exc.details())
+            return _REASONS.get(exc.code(), "error")
+        return None
+
+    async def _release_lease(self, params) -> bool:
+        """Tell the prefill replica it may free the blocks; whether its lease was live."""
+        address = params.remote_scheduler_address
+        stub = self._lease_stubs.get(address)
+        if stub is None:
+            stub = pb_grpc.KvLeaseServiceStub(grpc_channels.aio_channel(address))
+            self._lease_stubs[address] = stub
+        try:
+            reply = await stub.ReleaseLease(pb.ReleaseLeaseRequest(
+                lease_id=params.lease_id, epoch=params.remote_epoch), timeout=5.0)
+        except grpc.RpcError:
+            return False  # the prefill replica is gone: its blocks may be anything now
+        return reply.valid
+
+    def finish(self, request_id: str) -> None:
+        """The request's stream ended: drop the plan's references."""
+        plan = self._plans.pop(request_id, None)
+        if plan is not None:
+            self.engine.call_soon(lambda: release_import(self.pool, plan))

@@ -1,0 +1,132 @@
+"""The prefill side of disaggregation: lease a finished prompt's blocks, answer with
+where they are, free them when the decode side is done or nobody came.
+
+    Generate(do_remote_decode) ─► prefill, first token ─► finish ─► pin blocks (lease)
+        ─► complete{kv_transfer_params: blocks, lease, expiry, worker address, epochs}
+    ReleaseLease(lease, epoch) ─► blocks back to the pool (valid: they were held)
+    reaper, every second       ─► leases past --kv-lease-timeout freed
+
+The pin happens on the engine thread in the same step that freed the request's
+blocks (the outputs callback runs before the next step), so they are still cached:
+nothing can reuse them between the request's end and its lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import grpc
+
+from pagoda.core.block_hash import hash_request_tokens, salt_keys
+from pagoda.kv_transfer.leases import LeaseTable
+from pagoda.kv_transfer.params import KVTransferParams
+from pagoda.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2 as pb
+from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc as pb_grpc
+from pagoda.services.common.kv_transfer_metrics import kv_transfer_metrics
+
+logger = logging.getLogger(__name__)
+REAP_INTERVAL_S = 1.0
+
+
+class KvProducer:
+    """Invariant: a request registered by `expect` either gets a lease on its
+    finished output (when it ended by length after its prompt, with at least one
+    full cached block) or none; every lease ends by `release` or by the reaper."""
+
+    def __init__(self, engine, pool, info, scheduler_address: str, worker_address: str,
+                 worker_epoch: str, lease_timeout_s: float) -> None:
+        self.engine = engine
+        self.table = LeaseTable(pool, lease_timeout_s)
+        self.info = info  # GetModelInfoResponse: instance id, epoch, block size, seed
+        self.scheduler_address = scheduler_address
+        self.worker_address = worker_address
+        self.worker_epoch = worker_epoch
+        self._lock = threading.Lock()
+        self._expected: dict[str, tuple[list[bytes], list[int]]] = {}
+
+    def expect(self, request: EngineCoreRequest) -> None:
+        """Called before the request is submitted: lease its blocks when it finishes."""
+        hashes = hash_request_tokens(request.prompt_token_ids, self.info.block_size,
+                                     self.info.prefix_hash_seed, salt_keys(request.cache_salt))
+        with self._lock:
+            self._expected[request.request_id] = (hashes, list(request.prompt_token_ids))
+
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            self._expected.pop(request_id, None)
+
+    def on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        """Engine thread, right after the step that finished these requests."""
+        for out in outputs:
+            if not out.finished:
+                continue
+            with self._lock:
+                expected = self._expected.pop(out.request_id, None)
+            if expected is None or out.finish_reason == FinishReason.ABORT:
+                continue
+            lease = self.table.pin(out.request_id, *expected)
+            if lease is None:
+                continue
+            out.kv_transfer_params = KVTransferParams(
+                remote_instance_id=self.info.instance_id,
+                remote_scheduler_address=self.scheduler_address,
+                remote_worker_address=self.worker_address, remote_epoch=self.info.epoch,
+                remote_worker_epoch=self.worker_epoch, lease_id=lease.lease_id,
+                lease_expiry=lease.expiry, block_hashes=list(lease.block_hashes),
+                remote_block_ids=lease.block_ids, num_cached_tokens=out.num_cached_tokens)
+        kv_transfer_metrics().leased_blocks.set(self.table.num_leased_blocks)
+
+    async def on_engine(self, fn):
+        """Run `fn` on the engine thread; its result."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def call() -> None:
+            result = fn()
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+
+        self.engine.call_soon(call)
+        return await asyncio.wait_for(done, timeout=30.0)
+
+    def _release(self, lease_id: str) -> bool:
+        valid = self.table.release(lease_id)
+        kv_transfer_metrics().leased_blocks.set(self.table.num_leased_blocks)
+        return valid
+
+    def _reap(self) -> None:
+        for lease in self.table.reap():
+            logger.warning("lease %s of request %s expired unclaimed: %d blocks freed",
+                           lease.lease_id, lease.request_id, len(lease.blocks))
+            kv_transfer_metrics().failures.labels("lease_expired").inc()
+        kv_transfer_metrics().leased_blocks.set(self.table.num_leased_blocks)
+
+    async def reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(min(REAP_INTERVAL_S, self.table.timeout_s / 4))
+            if self.table.leases:
+                self.engine.call_soon(self._reap)
+
+
+class KvLeaseServicer(pb_grpc.KvLeaseServiceServicer):
+    def __init__(self, producer: KvProducer) -> None:
+        self.producer = producer
+
+    async def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context
+                           ) -> pb.ReleaseLeaseResponse:
+        if request.epoch != self.producer.info.epoch:
+            return pb.ReleaseLeaseResponse(valid=False)  # a previous incarnation's lease
+        lease_id = request.lease_id
+        try:
+            valid = await self.producer.on_engine(lambda: self.producer._release(lease_id))
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine did not answer")
+        return pb.ReleaseLeaseResponse(valid=valid)
+
+    async def ListLeases(self, request, context) -> pb.ListLeasesResponse:
+        table = self.producer.table
+        ids, num = await self.producer.on_engine(
+            lambda: (list(table.leases), table.num_leased_blocks))
+        return pb.ListLeasesResponse(lease_ids=ids, num_leased_blocks=num)

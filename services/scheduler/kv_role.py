@@ -1,0 +1,93 @@
+"""How a scheduler takes part in prefill/decode disaggregation, by its KV role
+(`--kv-transfer-config`): a producer leases finished prompts' blocks (kv_producer.py),
+a consumer pulls remotely prefilled prompts' blocks before admitting them
+(kv_consumer.py), kv_both does both. The engine never sees `kv_transfer_params`:
+they are handled here, before submit and when the outputs leave the engine thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+
+from pagoda.kv_transfer.config import KVTransferConfig
+from pagoda.messages import EngineCoreOutput, EngineCoreRequest
+from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2 as kpb
+from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc as kpb_grpc
+from pagoda.services.common import grpc_channels
+from pagoda.services.scheduler.kv_consumer import KvConsumer
+from pagoda.services.scheduler.kv_producer import KvLeaseServicer, KvProducer
+
+
+class KvTransferHooks:
+    """Invariant: a request's `kv_transfer_params` are consumed by `before_submit`
+    (the engine gets the request without them) and `after_stream` is called once per
+    request whose handler ran, whatever happened."""
+
+    def __init__(self, role: KVTransferConfig, producer: KvProducer | None,
+                 consumer: KvConsumer | None) -> None:
+        self.role = role
+        self.producer = producer
+        self.consumer = consumer
+
+    async def before_submit(self, request: EngineCoreRequest) -> None:
+        params = request.kv_transfer_params
+        if params is None:
+            return
+        if params.do_remote_decode and self.producer is not None:
+            self.producer.expect(request)
+        elif params.do_remote_prefill and self.consumer is not None:
+            await self.consumer.prepare(request)
+        request.kv_transfer_params = None
+
+    def on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        """Engine thread, before the outputs are dispatched to their streams."""
+        if self.producer is not None:
+            self.producer.on_outputs(outputs)
+
+    def after_stream(self, request_id: str) -> None:
+        if self.producer is not None:
+            self.producer.forget(request_id)
+        if self.consumer is not None:
+            self.consumer.finish(request_id)
+
+
+def fetch_worker_layout(worker_addr: str) -> kpb.KvLayout:
+    """The gpu-worker's KV layout and epoch (its KV cache is allocated by then)."""
+    with grpc_channels.channel(worker_addr) as channel:
+        return kpb_grpc.KvTransferServiceStub(channel).GetKvLayout(kpb.GetKvLayoutRequest(),
+                                                                   timeout=30.0)
+
+
+def describe_role(info, role: KVTransferConfig, layout: kpb.KvLayout) -> None:
+    """Fill the handshake's fields of GetModelInfo: role, connector, layout."""
+    info.kv_role = role.kv_role
+    info.kv_connector = role.kv_connector
+    info.kv_layout.CopyFrom(layout)
+
+
+def advertised_address(host: str, port: int) -> str:
+    """An address peers can dial: a wildcard bind is advertised as this host's IP."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = socket.gethostbyname(socket.gethostname())
+    return f"{host}:{port}"
+
+
+def build_hooks(args: argparse.Namespace, role: KVTransferConfig, engine, info,
+                layout: kpb.KvLayout, port: int) -> KvTransferHooks:
+    pool = engine.core.scheduler.kv_cache_manager.pool
+    producer = consumer = None
+    if role.is_kv_producer:
+        producer = KvProducer(engine, pool, info, advertised_address(args.host, port),
+                              args.worker_addr, layout.epoch, args.kv_lease_timeout)
+    if role.is_kv_consumer:
+        consumer = KvConsumer(engine, pool, info, args.worker_addr, args.kv_transfer_timeout)
+    return KvTransferHooks(role, producer, consumer)
+
+
+def add_lease_service(server, hooks: KvTransferHooks) -> KvLeaseServicer | None:
+    if hooks.producer is None:
+        return None
+    servicer = KvLeaseServicer(hooks.producer)
+    kpb_grpc.add_KvLeaseServiceServicer_to_server(servicer, server)
+    return servicer
