@@ -136,6 +136,16 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # Constrained decoding (JSON schema, regex, choice, grammar); None: free text.
     structured_outputs: StructuredOutputsParams | None = None
+    # The only token ids the completion may use; None: any (vLLM's allowed_token_ids).
+    allowed_token_ids: list[int] | None = None
+    # Words the completion never contains (vLLM's bad_words). They are encoded where the
+    # prompt is tokenized (`pagoda.tokenizer.bad_words`) into `bad_words_token_ids`,
+    # the token sequences the sampler bans.
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    # Keep only the prompt's last N tokens (-1: the context length); applied where the
+    # prompt is tokenized (`pagoda.tokenizer.truncation`), so it never travels further.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -168,6 +178,13 @@ class SamplingParams:
         self.logit_bias = self.logit_bias or None
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)  # [] stays: it is invalid
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words) if self.bad_words else None
+        self.bad_words_token_ids = ([list(w) for w in self.bad_words_token_ids]
+                                    if self.bad_words_token_ids else None)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
@@ -205,6 +222,24 @@ class SamplingParams:
         _check(self.structured_outputs is None
                or isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
                "structured_outputs must be a StructuredOutputsParams.")
+        self._validate_token_fields()
+
+    def _validate_token_fields(self) -> None:
+        """allowed_token_ids, bad_words and truncate_prompt_tokens, with vLLM's messages
+        where vLLM has one (the vocabulary is checked where it is known)."""
+        if self.allowed_token_ids is not None:
+            _check(len(self.allowed_token_ids) > 0, "allowed_token_ids",
+                   "allowed_token_ids is not None and empty!")
+            _check(all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
+                   "allowed_token_ids", "allowed_token_ids contains out-of-vocab token id!")
+        _check(all(isinstance(w, str) and w for w in self.bad_words or ()), "bad_words",
+               "bad_words must be a list of non-empty strings.")
+        _check(all(isinstance(w, list) and w and all(isinstance(t, int) and t >= 0 for t in w)
+                   for w in self.bad_words_token_ids or ()), "bad_words_token_ids",
+               "bad_words_token_ids must be non-empty lists of token ids.")
+        t = self.truncate_prompt_tokens
+        _check(t is None or (isinstance(t, int) and (t >= 1 or t == -1)), "truncate_prompt_tokens",
+               f"truncate_prompt_tokens must be an integer >= 1 or -1, got {t}")
 
     # ------------------------------------------------------------------ helpers
     @property

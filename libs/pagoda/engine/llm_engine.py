@@ -34,6 +34,9 @@ class LLMEngine:
                 raise ValueError("Either a prompt or prompt_token_ids is required.")
             prompt_token_ids = self.tokenizer.encode(prompt)
         check_logprobs_limit(params, self.config.max_logprobs)
+        prompt_token_ids, params = apply_prompt_fields(prompt_token_ids, params, self.tokenizer,
+                                                       self.config.scheduler.max_model_len,
+                                                       self.config.arch.vocab_size)
         request_id = request_id or str(next(self._ids))
         parent = ParentRequest(request_id, prompt, list(prompt_token_ids), params)
         child_ids = self.output_processor.add_request(parent)
@@ -68,6 +71,25 @@ class LLMEngine:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+
+def apply_prompt_fields(prompt_token_ids: list[int], params: SamplingParams, tokenizer,
+                        max_model_len: int, vocab_size: int) -> tuple[list[int], SamplingParams]:
+    """What the gateway does where it tokenizes, done here for offline requests:
+    `truncate_prompt_tokens` keeps the prompt's last tokens, `bad_words` become
+    `bad_words_token_ids`, and `allowed_token_ids` must lie in the vocabulary."""
+    from pagoda.tokenizer.bad_words import bad_words_token_ids
+    from pagoda.tokenizer.truncation import truncate_prompt
+
+    prompt_token_ids = truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens,
+                                       max_model_len)
+    if params.bad_words and params.bad_words_token_ids is None:
+        params = params.clone(bad_words_token_ids=bad_words_token_ids(
+            params.bad_words, lambda text: tokenizer.encode(text, add_special_tokens=False),
+            vocab_size) or None)
+    if params.allowed_token_ids and not all(t < vocab_size for t in params.allowed_token_ids):
+        raise ValueError("allowed_token_ids contains out-of-vocab token id!")
+    return prompt_token_ids, params
 
 
 def check_logprobs_limit(params: SamplingParams, max_logprobs: int) -> None:

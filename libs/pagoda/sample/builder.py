@@ -38,8 +38,9 @@ def build_sampling_metadata(
     `generators` maps row index -> that row's request generator (seeded requests only).
     Greedy rows are stored with temperature 0 and neutral top-k/top-p/min-p, so a
     truncation tensor exists only when some *random* row uses it. Token ids outside
-    [0, vocab_size) in stop ids or logit_bias are dropped: such a token can never be
-    sampled, so suppressing or biasing it changes nothing.
+    [0, vocab_size) in stop ids, logit_bias or bad words are dropped: such a token can
+    never be sampled, so suppressing or biasing it changes nothing (an allowed id outside
+    the vocabulary is dropped too: it could never be sampled either).
     """
     num_rows = len(params)
     if not (len(prompt_token_ids) == len(output_token_ids) == len(eos_token_ids) == num_rows):
@@ -75,6 +76,9 @@ def build_sampling_metadata(
         output_token_ids=output_token_ids,
         min_tokens=_min_tokens(params, output_token_ids, eos_token_ids, vocab_size),
         logit_bias=_logit_bias(params, vocab_size),
+        allowed_token_ids=_allowed_token_ids(params, vocab_size),
+        bad_words_token_ids={row: words for row, p in enumerate(params)
+                             if (words := _in_vocab_words(p.bad_words_token_ids, vocab_size))},
         max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
     )
 
@@ -120,3 +124,15 @@ def _logit_bias(params, vocab_size):
         if bias:
             result[row] = bias
     return result
+
+
+def _allowed_token_ids(params, vocab_size):
+    result: dict[int, list[int]] = {}
+    for row, p in enumerate(params):
+        if p.allowed_token_ids:
+            result[row] = [t for t in p.allowed_token_ids if 0 <= t < vocab_size]
+    return result
+
+
+def _in_vocab_words(words, vocab_size) -> list[list[int]]:
+    return [w for w in words or () if w and all(0 <= t < vocab_size for t in w)]

@@ -34,5 +34,9 @@ class SamplingMetadata:
     min_tokens: dict[int, tuple[int, set[int]]] = field(default_factory=dict)
     # Row -> {token id: bias}.
     logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)
+    # Row -> the only token ids it may sample (vLLM's allowed_token_ids).
+    allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # Row -> its bad words as token sequences (vLLM's bad_words).
+    bad_words_token_ids: dict[int, list[list[int]]] = field(default_factory=dict)
     # Largest top-logprobs count requested by any row (None = no row wants logprobs).
     max_num_logprobs: int | None = None

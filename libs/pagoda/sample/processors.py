@@ -1,8 +1,10 @@
-"""Logits processors that can change the argmax: logit_bias and min_tokens.
+"""Logits processors that can change the argmax: allowed_token_ids, bad_words,
+logit_bias and min_tokens.
 
-Both edit a handful of (row, token) entries, so they index those entries directly
-instead of building [B, V] masks. They modify `logits` in place; the sampler hands
-them its own copy, never the model's output.
+Most edit a handful of (row, token) entries, so they index those entries directly
+instead of building [B, V] masks (allowed_token_ids masks its rows: it forbids almost
+everything). They modify `logits` in place; the sampler hands them its own copy, never
+the model's output.
 """
 
 from __future__ import annotations
@@ -10,6 +12,38 @@ from __future__ import annotations
 import torch
 
 from pagoda.sample.metadata import SamplingMetadata
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """-inf for every token outside a row's `allowed_token_ids` (vLLM's rule)."""
+    if not metadata.allowed_token_ids:
+        return logits
+    rows = list(metadata.allowed_token_ids)
+    allowed = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool, device=logits.device)
+    for i, row in enumerate(rows):
+        allowed[i, torch.tensor(metadata.allowed_token_ids[row], device=logits.device)] = True
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return logits
+
+
+def apply_bad_words(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """-inf for the last token of each bad word whose other tokens end the row's output
+    so far (vLLM's bad_words: a one-token word is always banned; a longer one only
+    where it would complete). Only the output is matched, not the prompt, as in vLLM."""
+    outputs = metadata.output_token_ids
+    rows: list[int] = []
+    token_ids: list[int] = []
+    for row, words in metadata.bad_words_token_ids.items():
+        past = outputs[row] if row < len(outputs) else []
+        for word in words:
+            prefix = word[:-1]
+            if len(prefix) <= len(past) and (not prefix or past[-len(prefix):] == prefix):
+                rows.append(row)
+                token_ids.append(word[-1])
+    if rows:
+        logits[_index(rows, token_ids, logits.device)] = -float("inf")
+    return logits
 
 
 def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Order of operations (vLLM v1's, with its default `raw_logprobs` mode):
 
   1. logprobs, when requested, from the raw logits (before anything below);
-  2. logit_bias, then min_tokens suppression of stop/EOS ids;
+  2. allowed_token_ids, bad_words, logit_bias, then min_tokens suppression of
+     stop/EOS ids;
   3. repetition, frequency and presence penalties;
   4. greedy rows: argmax of the logits so far;
   5. random rows: temperature, top-k, top-p, min-p, then the exponential race
@@ -23,7 +24,8 @@ import torch
 from pagoda.sample.logprobs import LogprobsTensors, compute_topk_logprobs
 from pagoda.sample.metadata import SamplingMetadata
 from pagoda.sample.penalties import apply_penalties
-from pagoda.sample.processors import apply_logit_bias, apply_min_tokens
+from pagoda.sample.processors import (apply_allowed_token_ids, apply_bad_words, apply_logit_bias,
+                                      apply_min_tokens)
 from pagoda.sample.truncation import apply_min_p, apply_temperature, apply_top_k, apply_top_p
 from pagoda.sampling_params import GREEDY_TEMPERATURE_EPS
 
@@ -56,6 +58,8 @@ class Sampler:
     def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Steps 2-3 on a private contiguous copy: the logits greedy rows argmax over."""
         logits = logits.clone(memory_format=torch.contiguous_format)
+        apply_allowed_token_ids(logits, metadata)
+        apply_bad_words(logits, metadata)
         apply_logit_bias(logits, metadata)
         apply_min_tokens(logits, metadata)
         return apply_penalties(logits, metadata)
@@ -76,8 +80,10 @@ class Sampler:
 
 
 def needs_processing(metadata: SamplingMetadata) -> bool:
-    """Whether any row has logit_bias, min_tokens or a penalty to apply."""
-    return bool(metadata.logit_bias) or bool(metadata.min_tokens) or not metadata.no_penalties
+    """Whether any row has allowed_token_ids, bad words, logit_bias, min_tokens or a
+    penalty to apply."""
+    return (bool(metadata.allowed_token_ids) or bool(metadata.bad_words_token_ids)
+            or bool(metadata.logit_bias) or bool(metadata.min_tokens) or not metadata.no_penalties)
 
 
 def random_sample(logits: torch.Tensor, metadata: SamplingMetadata,

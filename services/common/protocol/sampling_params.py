@@ -5,7 +5,9 @@ A request's params are validated once, at the gateway, then split by reader:
     SamplingParams ─┬─ engine fields ─► common.v1.SamplingParams ─► scheduler ─► worker
                     │   (structured_outputs stops at the scheduler: the worker gets bitmasks)
                     ├─ text fields ───► tokenizer.v1.DecodeOptions ─► tokenizer
-                    └─ n ─────────────► (the gateway's fan-out; never sent)
+                    ├─ n ─────────────► (the gateway's fan-out; never sent)
+                    └─ bad_words, truncate_prompt_tokens ─► (applied where the prompt is
+                       tokenized: bad_words_token_ids, a shorter prompt; never sent)
 
 Which field goes where is read from the proto messages themselves: a
 `SamplingParams` field travels in every message that has a field of the same
@@ -33,6 +35,11 @@ from pagoda.services.common.protocol.common import json_value_from_proto, json_v
 
 # Read by the gateway alone: it fans `n` out into n requests of n = 1.
 GATEWAY_ONLY = frozenset({"n"})
+# Applied where the prompt is tokenized (the gateway, the offline engine): the bad words
+# travel as `bad_words_token_ids`, a truncation as the shorter prompt itself.
+EDGE_ONLY = frozenset({"bad_words", "truncate_prompt_tokens"})
+# Field defaults: an empty repeated field reads back as None where None is the default.
+_DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
 # Read by the scheduler alone (it compiles the grammar; its worker gets bitmasks).
 SCHEDULER_ONLY = frozenset({"structured_outputs"})
 
@@ -48,7 +55,7 @@ TEXT_FIELDS = _carried_by(tpb.DecodeOptions)  # the tokenizer's
 
 def _check_every_field_is_sent() -> None:
     unsent = {f.name for f in fields(SamplingParams)} - set(ENGINE_FIELDS) - set(TEXT_FIELDS) \
-        - GATEWAY_ONLY
+        - GATEWAY_ONLY - EDGE_ONLY
     if unsent:
         raise RuntimeError(f"SamplingParams fields no message carries: {sorted(unsent)}; add "
                            f"them to common.v1.SamplingParams or tokenizer.v1.DecodeOptions")
@@ -68,6 +75,9 @@ def _fill(msg: Message, params: SamplingParams, names: Sequence[str]) -> None:
             structured_outputs_to_proto(value, getattr(msg, name))
         elif isinstance(value, dict):
             getattr(msg, name).update(value)
+        elif isinstance(value, list) and value and isinstance(value[0], list):
+            for token_ids in value:  # list[list[int]]: repeated TokenIdList
+                getattr(msg, name).add(token_ids=token_ids)
         elif isinstance(value, list):
             getattr(msg, name).extend(value)
         else:
@@ -82,7 +92,14 @@ def _read(msg: Message, names: Sequence[str]) -> dict[str, Any]:
         if descriptor.is_repeated:
             is_map = descriptor.message_type is not None \
                 and descriptor.message_type.GetOptions().map_entry
-            values[name] = dict(value) if is_map else list(value)
+            if not value and _DEFAULTS.get(name, ...) is None:
+                values[name] = None
+            elif is_map:
+                values[name] = dict(value)
+            elif descriptor.message_type is cpb.TokenIdList.DESCRIPTOR:
+                values[name] = [list(item.token_ids) for item in value]
+            else:
+                values[name] = list(value)
         elif descriptor.has_presence and not msg.HasField(name):
             values[name] = None
         elif isinstance(value, cpb.StructuredOutputsParams):

@@ -22,7 +22,8 @@ import numpy as np
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
 from pagoda.services.common.protocol.kv_events import kv_event_from_proto, kv_event_to_proto
-from pagoda.services.common.protocol.sampling_params import (ENGINE_FIELDS, GATEWAY_ONLY,
+from pagoda.services.common.protocol.sampling_params import (EDGE_ONLY, ENGINE_FIELDS,
+                                                             GATEWAY_ONLY,
                                                              TEXT_FIELDS, decode_options_from_proto,
                                                              decode_options_to_proto,
                                                              sampling_params_from_proto,
@@ -49,6 +50,8 @@ def _non_default(name: str, hint, default):
         return ["\n\n", "END"]
     if list[int] in args:
         return [2, 7]
+    if list[list[int]] in args:
+        return [[3, 4], [5]]
     if dict[int, float] in args:
         return {5: -100.0, 9: 2.5}
     if StructuredOutputsParams in args:
@@ -80,7 +83,9 @@ def test_every_sampling_field_travels_to_the_service_that_reads_it():
     for name in TEXT_FIELDS:  # the tokenizer's
         assert getattr(text, name) == getattr(params, name), name
     everything = {f.name for f in fields(SamplingParams)}
-    assert set(ENGINE_FIELDS) | set(TEXT_FIELDS) | GATEWAY_ONLY == everything
+    assert set(ENGINE_FIELDS) | set(TEXT_FIELDS) | GATEWAY_ONLY | EDGE_ONLY == everything
+    # The bad words travel encoded; the words and the truncation stay at the edge.
+    assert "bad_words_token_ids" in ENGINE_FIELDS and not EDGE_ONLY & set(ENGINE_FIELDS)
     # Nothing travels where it is not read: the scheduler never sees stop strings.
     assert "stop" not in ENGINE_FIELDS and "n" not in set(ENGINE_FIELDS) | set(TEXT_FIELDS)
 
