@@ -4,7 +4,10 @@
                arrives is refused UNAVAILABLE before acceptance, and the gateway
                retries it on another replica)
             -> in-flight requests run to the end, for up to --drain-timeout seconds;
-               whatever is left then is aborted
+               the streams of whatever is left then end UNAVAILABLE with the migration
+               reason drain_timeout: the gateways continue those requests on other
+               replicas from the tokens they already streamed (never a finish_reason
+               "abort" answered with HTTP 200), and the requests are aborted here
             -> the KV publisher flushes and deregisters from the prefix index
                (server.py), the gRPC server stops, the process exits.
 
@@ -20,7 +23,7 @@ import logging
 
 logger = logging.getLogger(__name__)
 POLL_S = 0.05
-ABORT_GRACE_S = 5.0  # for aborted streams to report their end
+ABORT_GRACE_S = 5.0  # for the streams that were ended to close
 
 
 async def drain(servicer, health_servicer, timeout: float, force: asyncio.Event) -> bool:
@@ -37,8 +40,8 @@ async def drain(servicer, health_servicer, timeout: float, force: asyncio.Event)
     if not servicer.num_in_flight:
         logger.info("drained: no request in flight")
         return True
-    logger.warning("drain %s: aborting %d requests still in flight",
-                   "cut short" if force.is_set() else "timed out", servicer.abort_all())
+    logger.warning("drain %s: %d requests still in flight move to other replicas",
+                   "cut short" if force.is_set() else "timed out", servicer.migrate_all())
     deadline = loop.time() + ABORT_GRACE_S
     while servicer.num_in_flight and loop.time() < deadline:
         await asyncio.sleep(POLL_S)

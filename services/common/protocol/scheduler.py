@@ -34,6 +34,12 @@ def request_to_proto(req: EngineCoreRequest) -> pb.GenerateRequest:
         eos_token_ids=req.eos_token_ids,
         arrival_time=req.arrival_time,
         output_token_ids=req.output_token_ids,
+# Trailing metadata of a `Generate` stream the scheduler ends UNAVAILABLE although the
+# request could go on: why (drain_timeout, replica_failed). The gateway migrates the
+# request and counts the reason (pagoda_gateway_migrations_total{reason}).
+MIGRATION_REASON_KEY = "pagoda-migration-reason"
+
+
         cache_salt=req.cache_salt or "",
     )
 
