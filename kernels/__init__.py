@@ -9,6 +9,8 @@ is in use; `import pagoda.kernels`, `reference` and `testing` stay free of trito
 - `rms_norm.rms_norm`              RMSNorm, optionally fused with the residual add
 - `rotary.rotary_embedding`        rotary position embedding (NeoX or GPT-J layout)
 - `activation.silu_and_mul`        SiLU(gate) * up
+- `quant_matmul.int4_matmul`, `fp8_matmul`  GEMMs that dequantize int4 / fp8 weight tiles
+- `fused_moe.fused_experts`        MoE experts as grouped GEMMs over pairs sorted by expert
 - `reference`                      the torch oracles the tests compare against
 - `testing`                        random paged batches and interpreter fixes for the
                                    tests and benchmarks/gpu_check.py

@@ -9,7 +9,8 @@ to x's dtype first (the CPU path, `pagoda.model.quantization`), without ever wri
   8r + j), scales fp32 [G, N], zeros uint8 [G, N], optional g_idx int32 [K] (act-order);
   W^T[k, n] = (q - zeros[g(k), n]) * scales[g(k), n], g(k) = g_idx[k] or k // group.
 - `fp8_matmul`: weight float8_e4m3fn [N, K], scale fp32 [N, ceil(K / block_k)];
-  W[n, k] = weight[n, k] * scale[n, k // block_k].
+  W[n, k] = weight[n, k] * scale[n, k // block_k]. The fp8 bytes are decoded with
+  integer ops, so the kernel runs on GPUs without an fp8 type too.
 
 Grid `(ceil(M / BLOCK_M), ceil(N / BLOCK_N))`; each program walks K. Decode (M = 1)
 pays for a 16-row tile (tl.dot's minimum) but reads each weight tile once.
@@ -56,6 +57,18 @@ def _int4_matmul_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, ou
 
 
 @triton.jit
+def _e4m3_to_float(byte):
+    """float8_e4m3fn bits (as uint8) -> fp32, exactly, with integer ops only: no native fp8
+    type needed (GPUs before sm_89 have none). NaN (0x7f/0xff) is never stored here."""
+    b = byte.to(tl.int32)
+    sign, exponent, mantissa = (b >> 7) & 1, (b >> 3) & 0xF, b & 0x7
+    normal = ((sign << 31) | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32,
+                                                                             bitcast=True)
+    subnormal = mantissa.to(tl.float32) * 0.001953125 * (1 - 2 * sign).to(tl.float32)
+    return tl.where(exponent == 0, subnormal, normal)
+
+
+@triton.jit
 def _fp8_matmul_kernel(x_ptr, weight_ptr, scale_ptr, out_ptr, M, N, K, block_k,
                        stride_xm, stride_wn, stride_sn, stride_om,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -74,7 +87,7 @@ def _fp8_matmul_kernel(x_ptr, weight_ptr, scale_ptr, out_ptr, M, N, K, block_k,
                     mask=kn_mask, other=0.0)
         scale = tl.load(scale_ptr + offs_n[None, :].to(tl.int64) * stride_sn
                         + (offs_k // block_k)[:, None], mask=kn_mask, other=0.0)
-        wt = (w.to(tl.float32) * scale).to(a.dtype)
+        wt = (_e4m3_to_float(w) * scale).to(a.dtype)
         acc += tl.dot(a, wt, input_precision=DOT_PRECISION)
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
@@ -126,7 +139,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         return out
     bm, bn, bk = _blocks(num_rows)
     _fp8_matmul_kernel[(triton.cdiv(num_rows, bm), triton.cdiv(n, bn))](
-        x, weight, scale, out, num_rows, n, k, block_k,
+        x, weight.view(torch.uint8), scale, out, num_rows, n, k, block_k,
         x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION=dot_precision(x.dtype))
     return out
