@@ -26,6 +26,11 @@ from pagoda.services.common.protocol.sampling_params import (
 )
 
 
+# Trailing metadata of a `Generate` stream the scheduler ends UNAVAILABLE although the
+# request could go on: why (drain_timeout, replica_failed). The gateway migrates the
+# request and counts the reason (pagoda_gateway_migrations_total{reason}).
+MIGRATION_REASON_KEY = "pagoda-migration-reason"
+
 def request_to_proto(req: EngineCoreRequest) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         request_id=req.request_id,
@@ -34,12 +39,6 @@ def request_to_proto(req: EngineCoreRequest) -> pb.GenerateRequest:
         eos_token_ids=req.eos_token_ids,
         arrival_time=req.arrival_time,
         output_token_ids=req.output_token_ids,
-# Trailing metadata of a `Generate` stream the scheduler ends UNAVAILABLE although the
-# request could go on: why (drain_timeout, replica_failed). The gateway migrates the
-# request and counts the reason (pagoda_gateway_migrations_total{reason}).
-MIGRATION_REASON_KEY = "pagoda-migration-reason"
-
-
         cache_salt=req.cache_salt or "",
     )
 
