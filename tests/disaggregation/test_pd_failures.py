@@ -1,0 +1,66 @@
+"""Failure semantics with real processes: a transfer that cannot finish in
+--kv-transfer-timeout is recomputed by the decode replica (counted by reason), and a
+dead prefill replica makes the decode replica prefill locally; the client sees no
+error and the same greedy text, and no block stays leased or in use."""
+
+from __future__ import annotations
+
+import grpc
+import openai
+import pytest
+from conftest import role_address, role_process, start_pd
+from serve_cluster import wait_until
+
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
+
+pytestmark = pytest.mark.slow
+PROMPT = " ".join(f"token{i}" for i in range(60))
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_llama_dir, redis_server):
+    serve = start_pd(tiny_llama_dir, redis_server.url, "--kv-transfer-timeout", "0.000001",
+                     "--kv-lease-timeout", "3")
+    yield serve
+    serve.stop()
+
+
+def complete(serve, prompt=PROMPT) -> str:
+    client = openai.OpenAI(base_url=serve.url, api_key="x", max_retries=0, timeout=120)
+    return client.completions.create(model="tiny", prompt=prompt, max_tokens=6,
+                                     temperature=0.0).choices[0].text
+
+
+def metric(serve, name: str, **labels) -> float:
+    return sum(v for (n, ls), v in serve.scrape().items()
+               if n == name and all((k, val) in ls for k, val in labels.items()))
+
+
+def usage(address: str) -> float:
+    with grpc.insecure_channel(address) as channel:
+        return spb_grpc.SchedulerServiceStub(channel).GetLoad(spb.GetLoadRequest(),
+                                                              timeout=10).kv_cache_usage
+
+
+def test_stalled_transfer_is_recomputed_and_counted(pd):
+    first = complete(pd)
+    assert complete(pd, "another " + PROMPT) and complete(pd, "third " + PROMPT)
+    assert metric(pd, "pagoda_kv_transfer_failures_total", reason="timeout") == 3
+    assert metric(pd, "pagoda_kv_transfer_fallbacks_total", kind="recompute") == 3
+    # The decode replica computed and cached the first prompt itself: nothing to pull.
+    assert complete(pd) == first
+    assert metric(pd, "pagoda_kv_transfer_failures_total", reason="timeout") == 3
+    assert metric(pd, "pagoda_kv_transfer_blocks_total") == 0
+    decode = role_address(pd, "scheduler", "kv_consumer")
+    prefill = role_address(pd, "scheduler", "kv_producer")
+    # Every block back in the pools (cached blocks count as free), no lease left.
+    assert wait_until(lambda: usage(decode) == 0 and usage(prefill) == 0, 10)
+
+
+def test_dead_prefill_replica_means_local_prefill(pd):
+    want = complete(pd)
+    for kind in ("scheduler", "gpu-worker"):
+        role_process(pd, kind, "kv_producer").kill()
+    assert complete(pd) == want
+    assert complete(pd, "a prompt never seen before") != ""
