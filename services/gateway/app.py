@@ -16,6 +16,7 @@ import pagoda
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
 from pagoda.services.gateway import openai_routes
 from pagoda.services.gateway.auth import APIKeyMiddleware
+from pagoda.services.gateway.body_limit import BodySizeLimitMiddleware
 from pagoda.services.gateway.errors import from_grpc_error, install_error_handlers
 from pagoda.services.gateway.openai_models import (DetokenizeRequest, TokenizeChatRequest,
                                                    TokenizeCompletionRequest)
@@ -55,6 +56,10 @@ def build_app(state: GatewayState, make_peers: Callable[[], Peers],
     install_error_handlers(app)
     app.include_router(openai_routes.router)
 
+    # Inside the API-key check (a caller without the key is refused before its body is
+    # read); outside everything that parses the body.
+    app.add_middleware(BodySizeLimitMiddleware,
+                       max_bytes=state.options.limits.max_request_body_bytes)
     app.add_middleware(APIKeyMiddleware, state=state)
     app.add_middleware(RoutingHeaderMiddleware)  # X-Session-Id in, X-Pagoda-Instance out
     # Added after the API-key check, so it wraps it: it counts (and traces) 401s too.
@@ -88,6 +93,7 @@ def build_app(state: GatewayState, make_peers: Callable[[], Peers],
     async def tokenize(body: TokenizeChatRequest | TokenizeCompletionRequest) -> dict:
         state.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
+            openai_routes.check_chat_request(state, body)
             _, chat = openai_routes.chat_input(body.messages, body.add_generation_prompt,
                                                body.continue_final_message,
                                                body.chat_template_kwargs)

@@ -1,9 +1,10 @@
-"""API-key authentication (vLLM's `--api-key`): `Authorization: Bearer KEY` on /v1/*.
+"""API-key authentication (vLLM's `--api-key`): `Authorization: Bearer KEY`.
 
-A pure ASGI middleware (streamed responses pass through untouched). Only the
-OpenAI routes are guarded: `/health`, `/metrics`, `/version` stay open for probes
-and scrapers, and CORS preflights (OPTIONS) pass so a browser can learn that it
-must send the header. The key is compared in constant time
+A pure ASGI middleware (streamed responses pass through untouched). Every route
+needs the key (/v1/*, /tokenize, /detokenize, and any route added later) except
+`/health` and `/version`, which probes read, and `/metrics`, which scrapers read
+unless `--metrics-require-key`. CORS preflights (OPTIONS) pass so a browser can
+learn that it must send the header. The key is compared in constant time
 (`GatewayState.is_authorized`, hmac.compare_digest).
 """
 
@@ -15,7 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagoda.services.gateway.errors import error_body
 from pagoda.services.gateway.serving_options import route_path
 
-GUARDED_PREFIX = "/v1/"
+OPEN_PATHS = frozenset({"/health", "/version"})
 
 
 class APIKeyMiddleware:
@@ -36,8 +37,12 @@ class APIKeyMiddleware:
         await response(scope, receive, send)
 
     def _needs_key(self, scope: Scope) -> bool:
-        return (bool(self.state.api_key) and scope["method"] != "OPTIONS"
-                and route_path(scope).startswith(GUARDED_PREFIX))
+        if not self.state.api_key or scope["method"] == "OPTIONS":
+            return False
+        path = route_path(scope)
+        if path == "/metrics":
+            return self.state.options.metrics_require_key
+        return path not in OPEN_PATHS
 
     def _authorized(self, scope: Scope) -> bool:
         header = None

@@ -14,6 +14,10 @@ learn that a token ended the request together with that token; see
 Logprob candidates ride the same decode round trip: each input names the ids
 whose text the logprobs need (`decode_token_ids`), so asking for logprobs costs
 no extra call.
+
+A replica that goes away mid-stream does not end the choice: its outputs continue
+from another replica (`_migrating_outputs`, migration.py) while the decoder stays
+the same, so the client's stream, stop strings and text carry on unbroken.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from pagoda.services.common.protocol.sampling_params import decode_options_to_pr
 from pagoda.services.gateway.decode_mux import DecodeMux, DecodeStreamBroken
 from pagoda.services.gateway.errors import APIError, from_grpc_error
 from pagoda.services.gateway.logprobs import TokenLogprob, candidate_ids, token_logprobs
-from pagoda.services.gateway.peers import SchedulerReplica
+from pagoda.services.gateway.migration import ChoiceRoute, Migration, enders
+from pagoda.services.gateway.peers import ReplicaLost, ReplicaRefused, SchedulerReplica
 
 
 @dataclass
@@ -96,16 +101,19 @@ class _LogprobRows:
 
 
 async def stream_choice(replica: SchedulerReplica, mux: DecodeMux, request: EngineCoreRequest,
-                        index: int, discard_output: bool = False) -> AsyncIterator[ChoiceDelta]:
+                        index: int, discard_output: bool = False,
+                        migration: Migration | None = None) -> AsyncIterator[ChoiceDelta]:
     """Yield the choice's deltas; the last one has a finish_reason. Raises APIError.
 
     `discard_output`: the caller wants only the prompt's logprobs (completions'
     echo with max_tokens 0): the generated token is neither decoded nor shown.
+    `migration`: the request's (migration.py); None: a lost replica ends the choice.
     """
     rid = request.request_id
     options = decode_options_to_proto(request.prompt_token_ids, request.sampling_params)
     rows = _LogprobRows(request, discard_output)
-    outputs = _finish_with_last_tokens(replica.generate(request), request)
+    outputs = _finish_with_last_tokens(
+        _migrating_outputs(replica, ChoiceRoute(request), migration), request)
     first, complete = True, False
     try:
         async for out in outputs:
@@ -118,6 +126,8 @@ async def stream_choice(replica: SchedulerReplica, mux: DecodeMux, request: Engi
             was_first, first = first, False
             result = await mux.decode(item)
             logprobs = rows.read(out, was_first, result.decoded_tokens)
+            if migration is not None:
+                migration.started = True
             if result.HasField("chunk"):
                 if token_ids or result.chunk.text:  # not a prompt-logprobs-only message
                     yield ChoiceDelta(index, result.chunk.text, token_ids,
@@ -135,13 +145,55 @@ async def stream_choice(replica: SchedulerReplica, mux: DecodeMux, request: Engi
             return
         raise APIError("The scheduler ended the request without finishing it.", 500)
     except grpc.RpcError as exc:
-        raise from_grpc_error(exc, f"scheduler {replica.address}") from None
+        raise from_grpc_error(exc, "scheduler") from None
     except DecodeStreamBroken as exc:
         raise APIError(f"tokenizer failed: {exc}", 503) from None
     finally:
         await outputs.aclose()  # cancels the call: the scheduler aborts the request
         if not complete and not first:
             mux.release(rid)
+
+
+async def _migrating_outputs(replica: SchedulerReplica, choice: ChoiceRoute,
+                             migration: Migration | None) -> AsyncIterator[EngineCoreOutput]:
+    """The choice's outputs from `replica` and, when a replica goes away before the
+    choice finished, from the next one (migration.py). Each output is yielded once;
+    `choice.generated` holds every token id yielded so far."""
+    route = None
+    try:
+        while True:
+            stream = replica.generate(choice.next_request())
+            try:
+                async for out in stream:
+                    choice.generated.extend(out.new_token_ids)
+                    yield out
+                    if out.finished:
+                        return
+                error = ReplicaLost("The model replica ended the request without finishing "
+                                    "it.", replica.address)
+            except ReplicaRefused as error_:
+                if migration is None or not (choice.generated or migration.started):
+                    raise  # nothing streamed yet: router_dispatch.py retries the whole request
+                error = error_
+            except ReplicaLost as error_:
+                if migration is None:
+                    raise
+                error = error_
+            finally:
+                await stream.aclose()
+            end = choice.finish_without_replica()
+            if end is not None:
+                yield end
+                return
+            if migration is None:
+                raise error
+            next_route = await migration.reroute(choice, replica, error)
+            if route is not None:
+                route.release()
+            route, replica = next_route, next_route.replica
+    finally:
+        if route is not None:
+            route.release()
 
 
 async def _finish_with_last_tokens(outputs: AsyncIterator[EngineCoreOutput],
@@ -157,10 +209,7 @@ async def _finish_with_last_tokens(outputs: AsyncIterator[EngineCoreOutput],
     right behind its chunk, so holding it delays nothing in practice; if it did
     not end the request, the chunk goes out unchanged with the next message.
     """
-    params = request.sampling_params
-    enders = set(params.stop_token_ids or ())
-    if not params.ignore_eos:
-        enders.update(request.eos_token_ids)
+    ending_ids = enders(request)
     held: EngineCoreOutput | None = None
     try:
         async for out in outputs:
@@ -174,7 +223,7 @@ async def _finish_with_last_tokens(outputs: AsyncIterator[EngineCoreOutput],
                     continue
                 yield held
                 held = None
-            if out.new_token_ids and not out.finished and out.new_token_ids[-1] in enders:
+            if out.new_token_ids and not out.finished and out.new_token_ids[-1] in ending_ids:
                 held = out
             else:
                 yield out

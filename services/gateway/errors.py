@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 
 import grpc
@@ -10,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+logger = logging.getLogger(__name__)
 # Seconds a client should wait before retrying a request refused for load.
 RETRY_AFTER_S = 1
 # gRPC status from a peer -> HTTP status the client sees.
@@ -56,16 +58,31 @@ def error_body(message: str, status: int, param: str | None = None,
 
 
 def from_grpc_error(exc: grpc.RpcError, peer: str) -> APIError:
-    """A peer's gRPC failure as the client should see it."""
+    """A peer's gRPC failure as the client should see it: in words, without the peer's
+    address or its own error text (those go to the log), except a peer's INVALID_ARGUMENT,
+    whose text is its verdict on the request. `peer`: "tokenizer", "scheduler", ...
+
+    RESOURCE_EXHAUSTED is back-pressure (503, retry later) unless gRPC says a message
+    was over its size limit: then the request is too large (413), and retrying it
+    changes nothing."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    details = exc.details() if hasattr(exc, "details") else str(exc)
+    details = (exc.details() if hasattr(exc, "details") else str(exc)) or ""
     status = _GRPC_TO_HTTP.get(code, HTTPStatus.INTERNAL_SERVER_ERROR)
     if status == HTTPStatus.BAD_REQUEST:
         return APIError(details or "invalid request", status)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # back-pressure, not a failure
-        return APIError(f"The server is overloaded: {details}", status,
+    kind = peer.split()[0] if peer.strip() else "service"
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        if "larger than max" in details:  # gRPC's words for a message over the size limit
+            return APIError(f"The request is too large for the {kind} to accept.", 413)
+        return APIError(f"The server is overloaded: {details}", status,  # our own words
                         headers={"Retry-After": str(RETRY_AFTER_S)})
-    return APIError(f"{peer} failed: {code.name}: {details}", status)
+    logger.warning("%s failed: %s: %s", peer, code.name, details)
+    if status == HTTPStatus.SERVICE_UNAVAILABLE:
+        return APIError(f"The {kind} is not available right now; retry later.", status,
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return APIError(f"The {kind} did not answer in time.", 504)
+    return APIError(f"The {kind} failed while handling the request ({code.name}).", status)
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
@@ -109,6 +126,19 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(str(exc.detail), exc.status_code),
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
+    @app.exception_handler(RecursionError)
+    async def _too_deep(_: Request, exc: RecursionError) -> JSONResponse:
+        return JSONResponse(error_body("The request body is nested too deeply.", 400),
+                            status_code=400)
+
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_body(f"internal error: {exc}", 500), status_code=500)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return JSONResponse(error_body(internal_error_message(exc), 500), status_code=500)
+
+
+def internal_error_message(exc: BaseException) -> str:
+    """A 500's message: what failed, in words (the exception's own text, which may name
+    files, addresses or values, goes to the log only)."""
+    return (f"The gateway failed while handling the request (an internal error of type "
+            f"{type(exc).__name__}); the details are in its log.")

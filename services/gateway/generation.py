@@ -21,10 +21,11 @@ from dataclasses import dataclass
 from pagoda.messages import EngineCoreRequest
 from pagoda.services.gateway.choices import ChoiceDelta, merge_choices, stream_choice
 from pagoda.services.gateway.errors import APIError
+from pagoda.services.gateway.migration import DEFAULT_MIGRATION_LIMIT, Migration
 from pagoda.services.gateway.openai_models import SamplingFields
 from pagoda.services.gateway.peers import Peers
 from pagoda.services.gateway.responses import Usage
-from pagoda.services.gateway.router_dispatch import routed_deltas
+from pagoda.services.gateway.router_dispatch import route_request, routed_deltas
 
 
 @dataclass
@@ -89,6 +90,10 @@ class Generation:
         self.n = body.n
         self.prompts = prompts
         self.discard_output = echo_only
+        self.cache_salt = body.cache_salt
+        # How often one choice may move to another replica (--migration-limit; set by
+        # ServingOptions.on_generation).
+        self.migration_limit = DEFAULT_MIGRATION_LIMIT
         self.usage = Usage(prompt_tokens=sum(len(p.token_ids) for p in prompts))
         self.requests: list[EngineCoreRequest] = []
         # Ids in the scheduler must be unique; a client's X-Request-Id may not be.
@@ -113,11 +118,15 @@ class Generation:
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """Every choice's deltas as they come; counts completion tokens into usage.
-        The router picks the replica (router_dispatch.py: another one if it refuses)."""
+        The router picks the replica (router_dispatch.py: another one if it refuses);
+        a choice whose replica goes away mid-stream migrates (migration.py)."""
         mux = self.peers.tokenizer.mux
+        session_key = route_request(self.requests, self.user).session_key  # the header's too
+        migration = Migration(self.peers, self.migration_limit, session_key, self.cache_salt)
 
         def open_streams(replica):
-            return merge_choices([stream_choice(replica, mux, req, index, self.discard_output)
+            return merge_choices([stream_choice(replica, mux, req, index, self.discard_output,
+                                                migration)
                                   for index, req in enumerate(self.requests)])
 
         cached: dict[int, int] = {}

@@ -1,7 +1,8 @@
 """The gateway's metrics and request spans, and `/metrics` for the whole local cluster.
 
 `pagoda_gateway_*`: HTTP requests by route, method and status, their duration,
-in-flight requests, requests rejected (by reason) and aborted by the client;
+in-flight requests, requests rejected (by reason) and aborted by the client,
+choices migrated to another replica mid-stream (by reason, migration.py);
 `pagoda_router_*`: routing decisions by policy and replica (the label is `replica`,
 not `instance`, which Prometheus reserves for the scrape target), and the cached
 prompt tokens the prefix index predicted for the chosen replica against those the
@@ -38,6 +39,7 @@ ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", 
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
 REJECT_REASONS = {400: "invalid_request", 404: "invalid_request", 422: "invalid_request",
                   401: "unauthorized", 429: "overloaded", 503: "unavailable"}
+MIGRATION_REASONS = ("replica_lost", "replica_failed", "drain_timeout")
 CLIENT_CLOSED = 499  # the status the gateway reports when the client went away
 DURATION_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
                     300.0]
@@ -69,6 +71,12 @@ class GatewayMetrics:
             "Prompt tokens of probed requests found in the chosen replica's prefix cache: "
             "kind=predicted (by the cluster prefix index) or kind=actual (by the replica).",
             ["kind"], registry=registry)
+        self.migrations = Counter(
+            "pagoda_gateway_migrations",
+            "Choices moved to another replica mid-stream, by why their replica stopped: "
+            "replica_lost (connection lost or silent), replica_failed (its engine failed), "
+            "drain_timeout (it shut down before they finished).", ["reason"],
+            registry=registry)
         self.peer_up = Gauge("pagoda_metrics_peer_up",
                              "1 if the last scrape of a peer's /metrics through the gateway "
                              "worked.", ["service", "peer"], registry=registry)
@@ -80,6 +88,8 @@ class GatewayMetrics:
             self.in_flight.labels(route)
         for kind in ("predicted", "actual"):
             self.cached_tokens.labels(kind)
+        for reason in MIGRATION_REASONS:
+            self.migrations.labels(reason)
 
     def observe_response(self, route: str, method: str, status: int, seconds: float,
                          completed: bool) -> None:

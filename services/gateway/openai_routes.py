@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
 from pagoda.services.common.protocol.tokenizer import chat_input_to_proto
 from pagoda.services.gateway.chunks import ChatChunks, ChunkRenderer, CompletionChunks
-from pagoda.services.gateway.errors import APIError, from_grpc_error
+from pagoda.services.gateway.errors import APIError, from_grpc_error, internal_error_message
 from pagoda.services.gateway.generation import Generation, Prompt, new_request_id
 from pagoda.services.gateway.openai_models import (ChatCompletionRequest, CompletionRequest,
                                                    SamplingFields)
@@ -34,6 +34,9 @@ async def create_completion(body: CompletionRequest, request: Request):
     state: GatewayState = request.app.state.gateway
     model = state.check_model(body.model)
     body.check_common(state.options.max_logprobs)
+    num_prompts = count_prompts(body.prompt)
+    state.options.limits.check_prompts(num_prompts)
+    state.options.limits.check_sampling(body, num_prompts)
     prompts = await tokenize_prompts(state, body.prompt, body.cache_salt)
     if body.echo:
         await fill_prompt_texts(state, prompts, body.skip_special_tokens)
@@ -58,6 +61,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state: GatewayState = request.app.state.gateway
     model = state.check_model(body.model)
     body.check_common(state.options.max_logprobs)
+    state.options.limits.check_sampling(body, 1)
+    check_chat_request(state, body)
     messages, chat = chat_input(body.messages, body.add_generation_prompt,
                                 body.continue_final_message, body.chat_template_kwargs,
                                 body.tools)
@@ -104,6 +109,33 @@ def chat_input(messages: list[dict], add_generation_prompt: bool, continue_final
     except ValueError as exc:
         param = re.match(r"\w+", str(exc))
         raise APIError(str(exc), param=param.group(0) if param else "messages") from None
+
+
+def count_prompts(prompt) -> int:
+    """Prompts in a completions `prompt`: a string or a list of token ids is one."""
+    if isinstance(prompt, str) or not prompt or all(isinstance(p, int) for p in prompt):
+        return 1
+    return len(prompt)
+
+
+UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template "
+                      "is not set. Refused request with untrusted chat template.")
+
+
+def check_chat_request(state: GatewayState, body) -> None:
+    """What a chat body (completions or /tokenize) may bring: its own chat template only
+    when the operator trusts request templates (vLLM's --trust-request-chat-template;
+    it then travels in chat_template_kwargs), and messages and free-form fields within
+    the limits (limits.py). Raises APIError (400)."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    template = getattr(body, "chat_template", None)
+    if template is not None or "chat_template" in kwargs:
+        if not state.options.trust_request_chat_template:
+            raise APIError(UNTRUSTED_TEMPLATE, param="chat_template")
+        if template is not None:
+            body.chat_template_kwargs = {**kwargs, "chat_template": template}
+    state.options.limits.check_messages(body.messages, chat_template_kwargs=kwargs,
+                                        tools=getattr(body, "tools", None))
 
 
 def _hashes(reply: tpb.TokenizeResponse) -> list[bytes] | None:
@@ -223,7 +255,7 @@ async def stream_response(gen: Generation, renderer: ChunkRenderer, body: Sampli
             yield sse(exc.body())
         except Exception as exc:  # noqa: BLE001 (the client gets an error event, never a hang)
             logger.exception("stream failed")
-            yield sse(APIError(f"internal error: {exc}", 500).body())
+            yield sse(APIError(internal_error_message(exc), 500).body())
         finally:
             await deltas.aclose()
         yield DONE

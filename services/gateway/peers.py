@@ -29,7 +29,8 @@ from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
 from pagoda.messages import EngineCoreOutput, EngineCoreRequest
-from pagoda.services.common.protocol.scheduler import request_to_proto, response_to_output
+from pagoda.services.common.protocol.scheduler import (MIGRATION_REASON_KEY, request_to_proto,
+                                                       response_to_output)
 from pagoda.services.common import grpc_channels
 from pagoda.services.common.grpc_channels import CLIENT_OPTIONS, STREAM_READER_OPTIONS
 from pagoda.services.gateway.decode_mux import DecodeMux
@@ -44,6 +45,11 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 HEALTH_POLL_S = 1.0
 # Failures before any output that another replica may retry (router_dispatch.py).
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+# Failures after output that end the replica's part, not the request: it died, stopped
+# answering (keepalive, bounded reads) or drained out of time; the request migrates
+# (migration.py). CANCELLED here is the server's doing: the gateway reads no call it
+# cancelled itself.
+MIGRATABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED)
 
 
 class Peer:
@@ -73,9 +79,38 @@ class ReplicaRefused(APIError):
     """A replica failed a request before producing any output (retryable elsewhere)."""
 
     def __init__(self, exc: grpc.RpcError, address: str) -> None:
-        error = from_grpc_error(exc, f"scheduler {address}")
+        error = from_grpc_error(exc, "scheduler")
         super().__init__(error.message, error.status, error.param, error.err_type, error.headers)
         self.code = exc.code()
+
+
+class ReplicaLost(APIError):
+    """A replica stopped serving a request that had produced output; `reason` (the
+    migrations metric's label) is the scheduler's own word for it when it said one
+    (drain_timeout, replica_failed), else replica_lost (the connection, or silence)."""
+
+    def __init__(self, message: str, address: str, reason: str = "replica_lost") -> None:
+        super().__init__(message, 503)
+        self.address = address
+        self.reason = reason
+
+    @classmethod
+    def from_rpc_error(cls, exc: grpc.RpcError, address: str) -> "ReplicaLost":
+        reason = "replica_lost"
+        metadata = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+        for key, value in metadata or ():
+            if key == MIGRATION_REASON_KEY:
+                reason = value
+        logger.warning("scheduler %s lost a request (%s: %s)", address, exc.code().name,
+                       exc.details())
+        return cls(_LOST_MESSAGES.get(reason, _LOST_MESSAGES["replica_lost"]), address, reason)
+
+
+_LOST_MESSAGES = {
+    "replica_lost": "The model replica serving this request stopped answering.",
+    "replica_failed": "The model replica serving this request failed.",
+    "drain_timeout": "The model replica serving this request shut down before it finished.",
+}
 
 
 class SchedulerReplica(Peer):
@@ -106,8 +141,8 @@ class SchedulerReplica(Peer):
         reported = self.load.num_running + self.load.num_waiting if self.load else 0
         return max(self.num_in_flight, reported)
 
-    def on_refused(self, error: ReplicaRefused) -> None:
-        if error.code == grpc.StatusCode.UNAVAILABLE:
+    def on_refused(self, error: ReplicaRefused | ReplicaLost) -> None:
+        if isinstance(error, ReplicaLost) or error.code == grpc.StatusCode.UNAVAILABLE:
             self.serving = False  # until the next poll finds it serving again
 
     async def refresh(self) -> None:
@@ -126,7 +161,7 @@ class SchedulerReplica(Peer):
     async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
         """The request's outputs; closing the iterator early cancels the call, which
         aborts the request in the scheduler. Raises ReplicaRefused for a retryable
-        failure before the first output."""
+        failure before the first output, ReplicaLost for a migratable one after it."""
         call = self.stub.Generate(request_to_proto(request))
         received = False
         try:
@@ -138,6 +173,8 @@ class SchedulerReplica(Peer):
         except grpc.RpcError as exc:
             if not received and exc.code() in RETRYABLE:
                 raise ReplicaRefused(exc, self.address) from None
+            if received and exc.code() in MIGRATABLE:
+                raise ReplicaLost.from_rpc_error(exc, self.address) from None
             raise
         finally:
             call.cancel()

@@ -80,13 +80,15 @@ def main(args: argparse.Namespace) -> int:
     scheme = "https" if "ssl_certfile" in server_kwargs else "http"
     logger.info("gateway on %s://%s:%d (tokenizer %s, schedulers %s, router %s)", scheme,
                 args.host, args.port, args.tokenizer_addr, ", ".join(schedulers), args.router)
-    # uvicorn handles SIGTERM/SIGINT itself (stop accepting, finish in-flight requests,
-    # run the lifespan exit), then re-raises the signal to the handler it found: make
-    # that one a no-op so a clean shutdown exits 0 instead of dying by the signal.
+    # uvicorn handles SIGTERM/SIGINT itself (stop accepting, let in-flight requests and
+    # streams finish for up to --shutdown-grace-period, run the lifespan exit), then
+    # re-raises the signal to the handler it found: make that one a no-op so a clean
+    # shutdown exits 0 instead of dying by the signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=5,
-                **server_kwargs)
+    uvicorn.run(app, host=args.host, port=args.port,
+                timeout_graceful_shutdown=options.shutdown_grace_period,
+                limit_concurrency=options.limits.limit_concurrency, **server_kwargs)
     tracing.shutdown_tracing()
     logger.info("gateway stopped")
     return 1 if fatal else 0

@@ -13,6 +13,15 @@
   * `--enable-log-requests` (`--disable-log-requests`, the default, turns it off):
     one INFO line per request with its prompt, params and token ids, each cut to
     `--max-log-len` characters/ids.
+Pagoda's own, for a cluster that serves the outside world:
+  * `--migration-limit N` (default 3): how often one choice may move to another replica
+    when its replica goes away mid-stream (migration.py); 0 ends it with an error instead;
+  * `--shutdown-grace-period S`: on SIGTERM, seconds in-flight streams get to finish
+    (the chart derives it from the pod's terminationGracePeriodSeconds);
+  * `--trust-request-chat-template` (vLLM's): without it a request that brings its own
+    chat template gets a 400;
+  * `--metrics-require-key`: /metrics asks for the API key too;
+  * the request limits (limits.py).
 `add_uvicorn_args`/`uvicorn_kwargs`: `--ssl-keyfile`, `--ssl-certfile`, `--ssl-ca-certs`,
 `--ssl-cert-reqs` (HTTPS), `--root-path` (behind a path-prefix proxy),
 `--uvicorn-log-level` and `--disable-uvicorn-access-log`, handed to uvicorn as vLLM does.
@@ -28,6 +37,7 @@ from typing import Any
 from pagoda.config import DEFAULT_MAX_LOGPROBS
 from pagoda.generation_config import (default_max_tokens, load_generation_defaults,
                                       parse_override)
+from pagoda.services.gateway.limits import RequestLimits, add_limit_args
 
 request_logger = logging.getLogger("pagoda.services.gateway.requests")
 # Sampling fields a generation config may fill (max_tokens is resolved separately).
@@ -36,6 +46,10 @@ UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # Flags that exist on the engine too: `pagoda serve` defines them once (EngineArgs)
 # and passes them on; the gateway on its own defines them here.
 ENGINE_SHARED = ("max_logprobs", "generation_config", "override_generation_config")
+DEFAULT_MIGRATION_LIMIT = 3
+# The chart's default terminationGracePeriodSeconds (60) less its preStop sleep (5) and
+# a margin (5) for the lifespan shutdown: the chart passes its own values' difference.
+DEFAULT_SHUTDOWN_GRACE_S = 50.0
 
 
 @dataclass
@@ -50,6 +64,11 @@ class ServingOptions:
     enable_force_include_usage: bool = False
     enable_log_requests: bool = False
     max_log_len: int | None = None
+    migration_limit: int = DEFAULT_MIGRATION_LIMIT
+    shutdown_grace_period: float = DEFAULT_SHUTDOWN_GRACE_S
+    trust_request_chat_template: bool = False
+    metrics_require_key: bool = False
+    limits: RequestLimits = field(default_factory=RequestLimits)
     _defaults: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -57,7 +76,12 @@ class ServingOptions:
         options = cls(args.max_logprobs, args.generation_config,
                       parse_override(args.override_generation_config),
                       args.enable_prompt_tokens_details, args.enable_force_include_usage,
-                      args.enable_log_requests, args.max_log_len)
+                      args.enable_log_requests, args.max_log_len,
+                      migration_limit=args.migration_limit,
+                      shutdown_grace_period=args.shutdown_grace_period,
+                      trust_request_chat_template=args.trust_request_chat_template,
+                      metrics_require_key=args.metrics_require_key,
+                      limits=RequestLimits.from_args(args))
         if options.generation_config != "auto":  # a folder: fail at start-up, not per request
             options.generation_defaults(None)
         return options
@@ -87,6 +111,7 @@ class ServingOptions:
     def on_generation(self, gen: Any) -> None:
         """What the options change once a request's Generation is built."""
         gen.usage.report_details = self.enable_prompt_tokens_details
+        gen.migration_limit = self.migration_limit
         if gen.requests:
             self.log_request(gen.request_id, gen.prompts, gen.requests[0].sampling_params)
 
@@ -128,6 +153,29 @@ def add_serving_args(parser: argparse.ArgumentParser, engine_shared: bool = True
                        help="Characters / token ids of a prompt a request log line shows.")
     group.add_argument("--enable-request-id-headers", action="store_true",
                        help="Always on in Pagoda: every response carries X-Request-Id.")
+    group.add_argument("--trust-request-chat-template", action="store_true",
+                       help="Let requests bring their own chat template (chat_template, "
+                            "or chat_template_kwargs.chat_template); refused with a 400 "
+                            "otherwise. Templates render sandboxed, time- and size-bounded.")
+    group.add_argument("--metrics-require-key", action="store_true",
+                       help="With --api-key, /metrics asks for the key too (/health never).")
+    group.add_argument("--migration-limit", type=_non_negative_int,
+                       default=DEFAULT_MIGRATION_LIMIT,
+                       help="How often one completion may move to another replica when its "
+                            "replica dies, stops answering or drains out of time mid-stream "
+                            "(0: the client gets an error instead).")
+    group.add_argument("--shutdown-grace-period", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
+                       help="On SIGTERM: seconds in-flight requests get to finish before the "
+                            "gateway exits (keep it under the pod's termination grace period "
+                            "less its preStop sleep).")
+    add_limit_args(parser)
+
+
+def _non_negative_int(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return number
 
 
 def add_uvicorn_args(parser: argparse.ArgumentParser) -> None:

@@ -13,6 +13,7 @@ import pytest
 
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from pagoda.sample.builder import make_generator
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.model_runner import ModelRunner
 
@@ -96,3 +97,28 @@ def test_preempted_seeded_request_resumes_its_random_stream(runner):
     runner.execute_model(plan(finished=["s"]))
 
     assert before + after == reference
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_migrated_seeded_request_continues_its_random_stream(runner, k):
+    """A request that arrives with k tokens generated elsewhere (request migration: an
+    id this runner never saw) gets a fresh generator advanced by k draws, so it samples
+    what the unmigrated request samples after its k-th token."""
+    params = SamplingParams(temperature=1.0, seed=99)
+    runner.execute_model(plan([new("whole", [14, 15], params)], tokens={"whole": len(PROMPT)}))
+    reference = runner.states["whole"].output_token_ids[:] + decode(runner, "whole",
+                                                                    len(PROMPT), 5)
+    runner.execute_model(plan(finished=["whole"]))
+
+    moved = new("moved", [16, 17], params, output=reference[:k])
+    out = runner.execute_model(plan([moved], tokens={"moved": len(PROMPT) + k}))
+    rest = out.sampled_token_ids[0] + decode(runner, "moved", len(PROMPT) + k, 5 - k)
+    runner.execute_model(plan(finished=["moved"]))
+    assert reference[:k] + rest == reference
+    # Without the advance the stream would restart from the seed: it differs here.
+    fresh = new("fresh", [18, 19], params, output=reference[:k])
+    runner.generators["fresh"] = make_generator(99)  # as if it were never advanced
+    out = runner.execute_model(plan([fresh], tokens={"fresh": len(PROMPT) + k}))
+    restarted = out.sampled_token_ids[0] + decode(runner, "fresh", len(PROMPT) + k, 5 - k)
+    runner.execute_model(plan(finished=["fresh"]))
+    assert restarted != rest

@@ -13,6 +13,12 @@ Order of operations (vLLM v1's, with its default `raw_logprobs` mode):
 A seeded row draws E only from its own generator and every step is row-wise, so a
 seeded request samples the same tokens whatever else shares the batch (and at
 whatever row index). Unseeded rows draw from torch's default generator.
+
+Invariant: a seeded random row draws exactly one `uniform_` of vocab_size floats from
+its generator per sampled token, and nothing else ever draws from it (greedy rows
+never do). So "the generator after k tokens" is well defined, and a request resumed
+elsewhere after k tokens (migration) continues its stream once its fresh generator
+has been advanced by the same k draws (`advance_generator`).
 """
 
 from __future__ import annotations
@@ -125,3 +131,12 @@ def exponential_noise(like: torch.Tensor, generators: dict[int, torch.Generator]
     for row, generator in generators.items():
         noise[row].uniform_(generator=generator)
     return noise.log_().neg_()
+
+
+def advance_generator(generator: torch.Generator, num_tokens: int, vocab_size: int) -> None:
+    """Put a seeded request's fresh generator where it is after sampling `num_tokens`
+    tokens: the same draws `exponential_noise` makes for its row, one per token (see
+    the module invariant), into a scratch row on the generator's device."""
+    row = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
+    for _ in range(num_tokens):
+        row.uniform_(generator=generator)

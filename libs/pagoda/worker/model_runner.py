@@ -177,13 +177,21 @@ class ModelRunner:
             state.num_computed_tokens = num_computed
 
     def _generator(self, data) -> torch.Generator | None:
+        """The request's generator: kept across preemption; a new one for a request
+        that arrives with tokens generated elsewhere (migrated) is advanced past them,
+        so its seeded stream continues where it left off."""
         seed = data.sampling_params.seed
         if seed is None:
             return None
         if data.req_id not in self.generators:
             from pagoda.sample.builder import make_generator
+            from pagoda.sample.sampler import advance_generator
 
-            self.generators[data.req_id] = make_generator(seed, self.device)
+            generator = make_generator(seed, self.device)
+            if data.output_token_ids and not data.sampling_params.is_greedy:
+                advance_generator(generator, len(data.output_token_ids),
+                                  self.config.arch.vocab_size)
+            self.generators[data.req_id] = generator
         return self.generators[data.req_id]
 
     def _sample(self, inputs: ModelInputs, hidden: torch.Tensor):
