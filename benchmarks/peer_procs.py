@@ -78,16 +78,19 @@ def group_cpu_seconds(pgid: int) -> float:
 
 
 def wait_until_serving(url: str, process: subprocess.Popen, timeout: float) -> str:
-    """Poll `url`/v1/models until it answers 200 (then its first model id); fail early if
-    the server exits first."""
+    """Poll until the server completes a one-token request (then its first model id);
+    fail early if it exits first. `/v1/models` alone is not enough: Pagoda's gateway
+    lists the model before its tokenizer is up, and answers 503 until it is."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise CommandFailed(f"the server exited with {process.returncode} while starting")
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
-            reply = httpx.get(f"{url}/v1/models", timeout=5)
+            model = httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"]
+            reply = httpx.post(f"{url}/v1/completions", timeout=60,
+                               json={"model": model, "prompt": "Hello", "max_tokens": 1})
             if reply.status_code == 200:
-                return reply.json()["data"][0]["id"]
+                return model
         time.sleep(1.0)
     raise CommandFailed(f"{url} did not serve within {timeout:.0f} s")
 

@@ -76,6 +76,8 @@ def served_pair(url: str, model: str, pid: int, gguf: str, seed: int) -> tuple[d
              "--random-output-len", "128", "--seed", str(seed)]
     cpu, start = group_cpu_seconds(pid), time.monotonic()
     lg = last_json_line(run_command(loadgen, 1800))
+    if lg["errors"]:
+        raise CommandFailed(f"loadgen.py: {lg['errors']} errors, e.g. {lg['error_samples'][:1]}")
     cores = (group_cpu_seconds(pid) - cpu) / (time.monotonic() - start)
     bs = last_json_line(run_command(bench, 1800))
     figures = {"loadgen_output_tok_s": lg["output_tok_per_s"], "loadgen_ttft_p50_ms": lg["ttft_ms_p50"],
