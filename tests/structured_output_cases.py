@@ -8,10 +8,14 @@ object of any keys may run to the length limit, and then it must be a valid pref
 from __future__ import annotations
 
 import json
+import pathlib
 import re
 
 import jsonschema
+import pytest
 
+TINY_LLAMA_CONFIG = pathlib.Path(__file__).parent / "fixtures" / "tiny_llama" / "config.json"
+THINK_VOCAB_SIZE = 49160  # the tokenizer has 49154 tokens: 6 padding rows past it
 MAX_TOKENS = 64
 PERSON_SCHEMA = {
     "type": "object",
@@ -77,3 +81,42 @@ def check_output(kind: str, text: str, finish_reason: str = "stop", tokenizer=No
             assert grammar_accepts(tokenizer, GRAMMAR, text), text
     else:
         raise AssertionError(kind)
+
+
+# ---------------------------------------------------------------- fixtures
+# A tiny random model whose tokenizer has `<think>`/`</think>` tokens (a reasoning model's
+# vocabulary) and whose embedding is larger than the tokenizer (as real models pad it).
+# Test modules import these to use them.
+@pytest.fixture(scope="session")
+def think_model_dir(tmp_path_factory, smollm2_tokenizer) -> str:
+    """The tiny Llama with SmolLM2's tokenizer plus `<think>` and `</think>` (added, not
+    special: they show in the text, as in Qwen3's and DeepSeek-R1's tokenizers)."""
+    import torch
+    from transformers import AddedToken, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig.from_json_file(str(TINY_LLAMA_CONFIG))
+    config.vocab_size = THINK_VOCAB_SIZE
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config)
+    out = tmp_path_factory.mktemp("think_llama")
+    model.save_pretrained(out)
+    tokenizer = type(smollm2_tokenizer).from_pretrained(_saved(smollm2_tokenizer,
+                                                               tmp_path_factory))
+    tokenizer.add_tokens([AddedToken("<think>", special=False, normalized=False),
+                          AddedToken("</think>", special=False, normalized=False)])
+    tokenizer.save_pretrained(out)
+    assert len(tokenizer) < THINK_VOCAB_SIZE
+    return str(out)
+
+
+def _saved(tokenizer, tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("smollm2_tokenizer")
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def think_tokenizer(think_model_dir):
+    from pagoda.tokenizer.loader import load_tokenizer
+
+    return load_tokenizer(think_model_dir)

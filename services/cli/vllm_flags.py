@@ -43,13 +43,10 @@ UNSUPPORTED = {
     "limit-mm-per-prompt": "Pagoda serves text-only models",
     "mm-processor-kwargs": "Pagoda serves text-only models",
     "allowed-local-media-path": "Pagoda serves text-only models",
-    "guided-decoding-backend": "structured output is not implemented",
-    "structured-outputs-config": "structured output is not implemented",
-    "reasoning-parser": "reasoning parsers are not implemented",
-    "enable-auto-tool-choice": "tool-call parsing is not implemented (tools reach the chat "
-                               "template only)",
-    "tool-call-parser": "tool-call parsing is not implemented",
-    "tool-parser-plugin": "tool-call parsing is not implemented",
+    "guided-decoding-backend": "use --structured-outputs-config '{\"backend\": ...}' "
+                               "(vLLM's newer flag)",
+    "tool-parser-plugin": "parser plugins are not loaded; the built-in --tool-call-parser "
+                          "names are hermes, llama3_json, mistral and pythonic",
     "chat-template-content-format": "message contents are always flattened to strings",
     "response-role": "the response role is always 'assistant'",
     # parallelism and platform

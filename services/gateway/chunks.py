@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagoda.services.gateway.chat_output import ChatOutput, ChoiceOutputStream
 from pagoda.services.gateway.choices import ChoiceDelta
 from pagoda.services.gateway.logprobs import chat_logprobs, completion_logprobs
 from pagoda.services.gateway.responses import LogprobsFormat, ResponseHeader, Usage
@@ -85,9 +86,13 @@ class CompletionChunks(ChunkRenderer):
 class ChatChunks(ChunkRenderer):
     object_name = "chat.completion.chunk"
 
-    def __init__(self, *args, echo: str = "", **kwargs) -> None:
+    def __init__(self, *args, echo: str = "", output: ChatOutput | None = None,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.echo = echo  # the last message's content, when the request echoes it
+        # Reasoning and tool-call stages (chat_output.py); one stream per choice.
+        self.output = output if output is not None and output.active else None
+        self._outputs: dict[int, ChoiceOutputStream] = {}
 
     def chunks(self, d: ChoiceDelta) -> list[dict]:
         st = self.state(d.index)
@@ -101,12 +106,25 @@ class ChatChunks(ChunkRenderer):
         logprobs = None
         if self.fmt.num_top is not None and d.logprobs:
             logprobs = chat_logprobs(d.logprobs, self.fmt.num_top, self.fmt.as_token_ids)
-        if d.text or logprobs:
-            out.append(self._choice(d.index, {"content": d.text}, logprobs=logprobs))
-        if d.finish_reason is not None:
-            out.append(self._choice(d.index, {}, finish_reason=d.finish_reason,
+        deltas, finish_reason = self._deltas(d)
+        if logprobs and not deltas:
+            deltas = [{"content": ""}]
+        for j, delta in enumerate(deltas):  # a choice's logprobs ride its first delta
+            out.append(self._choice(d.index, delta, logprobs=logprobs if j == 0 else None))
+        if finish_reason is not None:
+            out.append(self._choice(d.index, {}, finish_reason=finish_reason,
                                     stop_reason=d.stop_reason))
         return out
+
+    def _deltas(self, d: ChoiceDelta) -> tuple[list[dict], str | None]:
+        """The delta dicts of `d`'s text, and the choice's finish_reason if it ended."""
+        if self.output is None:
+            return ([{"content": d.text}] if d.text else []), d.finish_reason
+        stream = self._outputs.setdefault(d.index, self.output.stream())
+        deltas = stream.feed(d.text)
+        if d.finish_reason is None:
+            return deltas, None
+        return deltas + stream.finish(), stream.finish_reason(d.finish_reason)
 
     def _choice(self, index: int, delta: dict, logprobs: dict | None = None,
                 finish_reason: str | None = None, stop_reason: int | str | None = None) -> dict:

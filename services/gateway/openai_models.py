@@ -16,8 +16,10 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagoda.config import DEFAULT_MAX_LOGPROBS
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.services.gateway.errors import APIError
+from pagoda.services.gateway.structured_outputs import request_structured_outputs
+from pagoda.services.gateway.tools import forced_constraint
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -73,6 +75,14 @@ class SamplingFields(_Body):
     # vLLM's: salts the prompt's prefix-cache blocks, so only requests with the same
     # salt share cached KV (e.g. one salt per tenant).
     cache_salt: str | None = None
+    # Structured outputs (structured_outputs.py): vLLM's field, OpenAI's response_format
+    # and the older guided_* fields; at most one constraint per request.
+    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     # ------------------------------------------------------------ per-API answers
     def num_logprobs(self) -> int | None:
@@ -107,6 +117,11 @@ class SamplingFields(_Body):
                 raise APIError("cache_salt must be a non-empty string if given.",
                                param="cache_salt")
             _check_unicode(self.cache_salt, "cache_salt")
+        self.structured_output_params()
+
+    def structured_output_params(self) -> StructuredOutputsParams | None:
+        """The request's one constraint, if any (raises APIError)."""
+        return request_structured_outputs(self, forced_constraint(self))
 
     def to_sampling_params(self, max_tokens: int, vocab_size: int) -> SamplingParams:
         """Build the engine's params for one completion (n = 1): the request's one
@@ -117,7 +132,8 @@ class SamplingFields(_Body):
                   if getattr(self, f.name, None) is not None}
         values.update(n=1, max_tokens=max_tokens, logprobs=self.num_logprobs(),
                       prompt_logprobs=self.num_prompt_logprobs(),
-                      logit_bias=self._logit_bias(vocab_size))
+                      logit_bias=self._logit_bias(vocab_size),
+                      structured_outputs=self.structured_output_params())
         try:
             return SamplingParams(**values)
         except ValueError as exc:
@@ -177,7 +193,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -196,13 +212,6 @@ class ChatCompletionRequest(SamplingFields):
                 raise APIError("When using `top_logprobs`, `logprobs` must be set to true.",
                                param="top_logprobs")
         super().check_common(max_logprobs)
-        if isinstance(self.tool_choice, dict) or self.tool_choice == "required":
-            raise APIError("Only tool_choice 'none' and 'auto' are supported (no tool-call "
-                           "parser or structured output yet).", param="tool_choice")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise APIError(f"response_format {kind!r} is not supported yet (no structured "
-                           f"output); only 'text'.", param="response_format")
 
 
 class TokenizeCompletionRequest(_Body):

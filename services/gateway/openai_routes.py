@@ -11,8 +11,10 @@ import grpc
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pagoda.reasoning import get_reasoning_parser
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
 from pagoda.services.common.protocol.tokenizer import chat_input_to_proto
+from pagoda.services.gateway.chat_output import ChatOutput
 from pagoda.services.gateway.chunks import ChatChunks, ChunkRenderer, CompletionChunks
 from pagoda.services.gateway.errors import APIError, from_grpc_error, internal_error_message
 from pagoda.services.gateway.generation import Generation, Prompt, new_request_id
@@ -21,6 +23,7 @@ from pagoda.services.gateway.openai_models import (ChatCompletionRequest, Comple
 from pagoda.services.gateway.responses import (DONE, ChoiceText, LogprobsFormat, ResponseHeader,
                                                chat_body, completion_body, sse)
 from pagoda.services.gateway.state import GatewayState
+from pagoda.services.gateway.tools import plan_tools
 from pagoda.tokenizer.chat import normalize_messages
 
 logger = logging.getLogger(__name__)
@@ -63,6 +66,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     body.check_common(state.options.max_logprobs)
     state.options.limits.check_sampling(body, 1)
     check_chat_request(state, body)
+    output = chat_output(state, body)
     messages, chat = chat_input(body.messages, body.add_generation_prompt,
                                 body.continue_final_message, body.chat_template_kwargs,
                                 body.tools)
@@ -78,9 +82,20 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     echo = _chat_echo(messages) if body.echo else ""
     if body.stream:
         return await stream_response(gen, ChatChunks(*_renderer_args(head, fmt, gen, body),
-                                                     echo=echo), body, request)
+                                                     echo=echo, output=output), body, request)
     choices = await collect(gen, request)
-    return JSONResponse(chat_body(head, choices, gen.usage, fmt, echo))
+    return JSONResponse(chat_body(head, choices, gen.usage, fmt, echo, output))
+
+
+def chat_output(state: GatewayState, body: ChatCompletionRequest) -> ChatOutput:
+    """The reasoning and tool-call stages of the answer (tools.py checks the tools and
+    tool_choice: a 400 for anything malformed). A tool format made of special tokens
+    needs them in the text (vLLM's adjust_request)."""
+    plan = plan_tools(body, state.options.auto_tool_parser)
+    if plan.mode == "auto" and plan.parser.keeps_special_tokens:
+        body.skip_special_tokens = False
+    reasoning = state.options.reasoning_parser
+    return ChatOutput(get_reasoning_parser(reasoning) if reasoning else None, plan.parser)
 
 
 def _request_id(request: Request, prefix: str) -> tuple[str, bool]:

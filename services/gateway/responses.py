@@ -10,6 +10,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from pagoda.services.gateway.chat_output import ChatOutput
 from pagoda.services.gateway.choices import ChoiceDelta
 from pagoda.services.gateway.logprobs import (TokenLogprob, chat_logprobs, completion_logprobs,
                                               prompt_logprobs_json)
@@ -109,16 +110,21 @@ def completion_body(head: ResponseHeader, choices: list[ChoiceText], usage: Usag
 
 
 def chat_body(head: ResponseHeader, choices: list[ChoiceText], usage: Usage,
-              fmt: LogprobsFormat, echo: str = "") -> dict:
-    """`echo`: the last message's content, when the request echoes it (vLLM's chat echo)."""
+              fmt: LogprobsFormat, echo: str = "", output: ChatOutput | None = None) -> dict:
+    """`echo`: the last message's content, when the request echoes it (vLLM's chat echo);
+    `output`: the reasoning and tool-call stages each choice's text goes through."""
     out = []
     for i, c in enumerate(choices):
         logprobs = None
         if fmt.num_top is not None:
             logprobs = chat_logprobs(c.logprobs, fmt.num_top, fmt.as_token_ids)
-        out.append({"index": i, "message": {"role": "assistant", "content": echo + c.text},
-                    "logprobs": logprobs, "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason})
+        if output is not None and output.active:
+            message, finish_reason = output.message(c.text, c.finish_reason, echo)
+        else:
+            message = {"role": "assistant", "content": echo + c.text}
+            finish_reason = c.finish_reason
+        out.append({"index": i, "message": message, "logprobs": logprobs,
+                    "finish_reason": finish_reason, "stop_reason": c.stop_reason})
     return {"id": head.id, "object": "chat.completion", "created": head.created,
             "model": head.model, "choices": out, "usage": usage.as_dict(),
             "prompt_logprobs": _prompt_logprobs(choices[0]) if choices else None}

@@ -45,7 +45,8 @@ _FILLABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # Flags that exist on the engine too: `pagoda serve` defines them once (EngineArgs)
 # and passes them on; the gateway on its own defines them here.
-ENGINE_SHARED = ("max_logprobs", "generation_config", "override_generation_config")
+ENGINE_SHARED = ("max_logprobs", "generation_config", "override_generation_config",
+                 "reasoning_parser")
 DEFAULT_MIGRATION_LIMIT = 3
 # The chart's default terminationGracePeriodSeconds (60) less its preStop sleep (5) and
 # a margin (5) for the lifespan shutdown: the chart passes its own values' difference.
@@ -69,6 +70,11 @@ class ServingOptions:
     trust_request_chat_template: bool = False
     metrics_require_key: bool = False
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # Tools and reasoning (tools.py, chat_output.py): --enable-auto-tool-choice with
+    # --tool-call-parser NAME, --reasoning-parser NAME.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     _defaults: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -84,7 +90,28 @@ class ServingOptions:
                       limits=RequestLimits.from_args(args))
         if options.generation_config != "auto":  # a folder: fail at start-up, not per request
             options.generation_defaults(None)
+        options.enable_auto_tool_choice = getattr(args, "enable_auto_tool_choice", False)
+        options.tool_call_parser = getattr(args, "tool_call_parser", None)
+        options.reasoning_parser = getattr(args, "reasoning_parser", None)
+        options.check_parsers()
         return options
+
+    def check_parsers(self) -> None:
+        """Unknown parser names, or auto tool choice without a parser: ValueError at start-up."""
+        from pagoda.reasoning import get_reasoning_parser
+        from pagoda.services.gateway.tool_parsers import get_tool_parser
+
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+        if self.tool_call_parser:
+            get_tool_parser(self.tool_call_parser)
+        if self.reasoning_parser:
+            get_reasoning_parser(self.reasoning_parser)
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        """The parser of tool_choice "auto", or None when auto tool choice is off."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
     def generation_defaults(self, model_path: str | None) -> dict[str, Any]:
         """SamplingParams defaults for the model at `model_path` (the schedulers')."""
@@ -141,6 +168,14 @@ def add_serving_args(parser: argparse.ArgumentParser, engine_shared: bool = True
                                 "generation_config.json), 'vllm' (none) or a folder.")
         group.add_argument("--override-generation-config", default=None, metavar="JSON",
                            help="Laid over the generation config.")
+        group.add_argument("--reasoning-parser", default=None,
+                           help="deepseek_r1 or qwen3: chat answers carry the reasoning in "
+                                "reasoning_content, apart from content.")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='tool_choice "auto" (the default with tools): --tool-call-parser '
+                            "reads the calls out of the answer.")
+    group.add_argument("--tool-call-parser", default=None,
+                       help="hermes, llama3_json, mistral or pythonic (the model's format).")
     group.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="Report prompt_tokens_details.cached_tokens in usage.")
     group.add_argument("--enable-force-include-usage", action="store_true",

@@ -72,12 +72,20 @@ def test_invalid_messages_raise_clear_errors(smollm2_tokenizer, messages, match)
 
 
 def test_template_failures_become_value_errors(smollm2_tokenizer):
-    # SmolLM2's template concatenates message['content']; a tool-call-only assistant turn
-    # passes validation but this template cannot render it.
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="chat template could not render"):
+        apply_chat_template(smollm2_tokenizer, messages, chat_template_kwargs={
+            "chat_template": "{{ raise_exception('no tools here') }}"})
+
+
+def test_a_tool_call_only_assistant_turn_renders(smollm2_tokenizer):
+    # SmolLM2's template concatenates message['content']: the turn's content is "" (as
+    # vLLM makes it), so the template renders it and the tool's answer after it.
     messages = [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
                                               "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "1", "content": "21 C"},
     ]
-    with pytest.raises(ValueError, match="chat template could not render"):
-        apply_chat_template(smollm2_tokenizer, messages)
+    text = smollm2_tokenizer.decode(apply_chat_template(smollm2_tokenizer, messages))
+    assert "<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\n21 C<|im_end|>" in text

@@ -105,9 +105,10 @@ def _normalize_message(message: Any, index: int) -> dict[str, Any]:
         )
     normalized = dict(message)
     if "content" not in message or message["content"] is None:
-        # OpenAI allows an assistant turn that only calls tools.
+        # OpenAI allows an assistant turn that only calls tools; its content is "" (vLLM's
+        # string content format), so templates that concatenate content still render it.
         if role == "assistant" and message.get("tool_calls"):
-            normalized["content"] = None
+            normalized["content"] = ""
             return normalized
         raise ValueError(f"{where}.content is required for role {role!r}.")
     normalized["content"] = _flatten_content(message["content"], f"{where}.content")

@@ -1,0 +1,38 @@
+"""Reasoning and tool calls together: the reasoning is split off first, tool parsing
+reads only the answer after it; streamed and non-streamed agree."""
+
+from __future__ import annotations
+
+import json
+
+from pagoda.reasoning import get_reasoning_parser
+from pagoda.services.gateway.chat_output import ChatOutput
+from pagoda.services.gateway.tool_parsers import get_tool_parser
+
+TEXT = ('I should look up the weather. <tool_call> is the format.</think>\n\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+
+
+def test_tool_calls_are_read_after_the_reasoning_only():
+    output = ChatOutput(get_reasoning_parser("deepseek_r1"), get_tool_parser("hermes"))
+    message, finish = output.message(TEXT, "stop")
+    assert message["reasoning_content"] == "I should look up the weather. <tool_call> is the format."
+    assert message["content"] == "\n\n"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in message["tool_calls"]] == [("get_weather", {"city": "Paris"})]
+    assert finish == "tool_calls"
+    stream = output.stream()
+    deltas = [d for piece in (TEXT[:20], TEXT[20:61], TEXT[61:]) for d in stream.feed(piece)]
+    deltas += stream.finish()
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
+    assert "".join(d.get("content", "") for d in deltas) == message["content"]
+    assert stream.finish_reason("stop") == "tool_calls"
+    assert stream.finish_reason("length") == "length"  # a cut answer says so
+
+
+def test_without_stages_the_text_is_the_content():
+    output = ChatOutput(get_reasoning_parser("qwen3"), None)
+    message, finish = output.message("Plain answer.", "stop", echo="Echo: ")
+    assert message == {"role": "assistant", "content": "Echo: Plain answer.",
+                       "reasoning_content": None}
+    assert finish == "stop"
