@@ -32,6 +32,9 @@ from pagoda.model.quantization.base import (LinearMethodBase, QuantizationConfig
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCHEMES = ("tensor", "channel", "block", "online")
+# Static activation scales (activations stay in the model dtype here) and calibrated KV
+# cache scales (the fp8 KV cache uses 1.0): read past, not used.
+_UNUSED_SCALES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale")
 
 
 class Fp8Config(QuantizationConfig):
@@ -65,8 +68,8 @@ class Fp8Config(QuantizationConfig):
         return Fp8LinearMethod(self.scheme, self.block, self.scale_name)
 
     def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
-        if name.endswith(".input_scale"):
-            return None  # static activation scale: activations stay in the model dtype
+        if name.endswith(_UNUSED_SCALES):
+            return None
         if name.endswith(".weight_scale") and self.scheme == "tensor":
             return tensor.reshape(())  # stored as [] or [1]
         if name.endswith(".weight_scale") and self.scheme == "channel":
