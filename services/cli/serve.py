@@ -68,6 +68,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              "the rest keep serving.")
     parser.add_argument("--router", default=DEFAULT_POLICY, choices=POLICIES,
                         help="How the gateway spreads requests over the replicas.")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="A scheduler told to stop (SIGTERM) gives its in-flight requests "
+                             "this many seconds to finish; the rest move to other replicas.")
     add_role_args(parser)
     group = parser.add_argument_group("engine (passed to the scheduler and the gpu-worker)")
     EngineArgs.add_cli_args(group)
@@ -169,6 +172,7 @@ def build_services(args: argparse.Namespace, redis_url: str,
             grpc_service("scheduler", scheduler, *model_flags, *engine, *names, *stats,
                          "--worker-addr", addr[worker],
                          "--kv-cache-manager-addr", addr["kv-cache-manager"],
+                         "--drain-timeout", str(args.drain_timeout),
                          *plan.kv_flags, *scheduler_kv_flags(args), replica=i),
         ]
     services.append(ServiceProcess(
