@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 
 import grpc
@@ -15,7 +14,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 import pagoda
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
 from pagoda.services.gateway import openai_routes
+from pagoda.services.gateway import responses_api, server_routes
 from pagoda.services.gateway.auth import APIKeyMiddleware
+from pagoda.services.gateway.http_metrics import HttpMetricsMiddleware
 from pagoda.services.gateway.body_limit import BodySizeLimitMiddleware
 from pagoda.services.gateway.errors import from_grpc_error, install_error_handlers
 from pagoda.services.gateway.openai_models import (DetokenizeRequest, TokenizeChatRequest,
@@ -55,6 +56,9 @@ def build_app(state: GatewayState, make_peers: Callable[[], Peers],
     app.state.gateway = state
     install_error_handlers(app)
     app.include_router(openai_routes.router)
+    app.include_router(responses_api.router)  # /v1/responses
+    app.include_router(server_routes.router)  # /ping, /load, /v1/models[/{model}]
+    app.add_middleware(server_routes.ServerLoadMiddleware)  # counts authorized requests
 
     # Inside the API-key check (a caller without the key is refused before its body is
     # read); outside everything that parses the body.
@@ -64,6 +68,7 @@ def build_app(state: GatewayState, make_peers: Callable[[], Peers],
     app.add_middleware(RoutingHeaderMiddleware)  # X-Session-Id in, X-Pagoda-Instance out
     # Added after the API-key check, so it wraps it: it counts (and traces) 401s too.
     app.add_middleware(ObservabilityMiddleware)
+    app.add_middleware(HttpMetricsMiddleware)  # http_requests_total etc. (vLLM's names)
     install_http_middleware(app, http_options)  # CORS and X-Request-Id wrap everything
 
     @app.get("/health")
@@ -79,15 +84,6 @@ def build_app(state: GatewayState, make_peers: Callable[[], Peers],
     @app.get("/version")
     async def version() -> dict:
         return {"version": pagoda.__version__}
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        info = state.peers.model_info()
-        created = int(time.time())
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "pagoda",
-             "root": info.model, "parent": None, "max_model_len": info.max_model_len}
-            for name in state.model_names()]}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeChatRequest | TokenizeCompletionRequest) -> dict:

@@ -2,9 +2,9 @@
 
 A pure ASGI middleware (streamed responses pass through untouched). Every route
 needs the key (/v1/*, /tokenize, /detokenize, and any route added later) except
-`/health` and `/version`, which probes read, and `/metrics`, which scrapers read
-unless `--metrics-require-key`. CORS preflights (OPTIONS) pass so a browser can
-learn that it must send the header. The key is compared in constant time
+`/health`, `/version`, `/ping` and `/load`, which probes and load balancers read,
+and `/metrics`, which scrapers read unless `--metrics-require-key`. CORS preflights
+(OPTIONS) pass so a browser can learn that it must send the header. The key is compared in constant time
 (`GatewayState.is_authorized`, hmac.compare_digest).
 """
 
@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagoda.services.gateway.errors import error_body
 from pagoda.services.gateway.serving_options import route_path
 
-OPEN_PATHS = frozenset({"/health", "/version"})
+OPEN_PATHS = frozenset({"/health", "/version", "/ping", "/load"})
 
 
 class APIKeyMiddleware:

@@ -110,7 +110,7 @@ class Generation:
                 self.requests.append(EngineCoreRequest(
                     request_id=f"{engine_id}-{p_idx}-{i}", prompt_token_ids=prompt.token_ids,
                     sampling_params=params_by_limit[limit], eos_token_ids=eos, arrival_time=now,
-                    cache_salt=body.cache_salt))
+                    cache_salt=body.cache_salt, priority=body.priority))
 
     @property
     def num_choices(self) -> int:

@@ -10,10 +10,11 @@ field here (and none if the API should not expose it).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import fields
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from pagoda.config import DEFAULT_MAX_LOGPROBS
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
@@ -21,6 +22,7 @@ from pagoda.services.gateway.errors import APIError
 from pagoda.services.gateway.structured_outputs import request_structured_outputs
 from pagoda.services.gateway.tools import forced_constraint
 
+logger = logging.getLogger(__name__)
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # vLLM's default --max-logprobs: the most top logprobs a request may ask for.
@@ -42,6 +44,18 @@ class StreamOptions(BaseModel):
 class _Body(BaseModel):
     # NaN/Infinity are accepted by Python's JSON parser; no sampling field wants them.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _log_ignored_fields(cls, data, handler):
+        """vLLM's behaviour for fields it does not know: a warning, never a 400."""
+        result = handler(data)
+        if isinstance(data, dict):
+            ignored = sorted(set(data) - set(cls.model_fields))
+            if ignored:
+                logger.warning("The following fields were present in the request but "
+                               "ignored: %s", ignored)
+        return result
 
 
 class SamplingFields(_Body):
@@ -75,6 +89,15 @@ class SamplingFields(_Body):
     # vLLM's: salts the prompt's prefix-cache blocks, so only requests with the same
     # salt share cached KV (e.g. one salt per tenant).
     cache_salt: str | None = None
+    # vLLM's: admission order under --scheduling-policy priority (lower first); a
+    # non-zero value under fcfs is refused by the scheduler (400).
+    priority: Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)] = 0
+    # vLLM's token filters and prompt truncation (request_fields.py): the only ids the
+    # completion may use, words it never contains, the prompt's last N tokens only.
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    _bad_words_token_ids: list[list[int]] | None = PrivateAttr(default=None)
     # Structured outputs (structured_outputs.py): vLLM's field, OpenAI's response_format
     # and the older guided_* fields; at most one constraint per request.
     structured_outputs: dict[str, Any] | None = None
@@ -133,11 +156,23 @@ class SamplingFields(_Body):
         values.update(n=1, max_tokens=max_tokens, logprobs=self.num_logprobs(),
                       prompt_logprobs=self.num_prompt_logprobs(),
                       logit_bias=self._logit_bias(vocab_size),
+                      allowed_token_ids=self._allowed_token_ids(vocab_size),
+                      bad_words_token_ids=self._bad_words_token_ids,
                       structured_outputs=self.structured_output_params())
         try:
             return SamplingParams(**values)
         except ValueError as exc:
             raise APIError(str(exc), param=_param_of(str(exc))) from None
+
+    def set_bad_words_token_ids(self, sequences: list[list[int]]) -> None:
+        """The bad words as the tokenizer encoded them (request_fields.py)."""
+        self._bad_words_token_ids = sequences or None
+
+    def _allowed_token_ids(self, vocab_size: int) -> list[int] | None:
+        if self.allowed_token_ids and not all(t < vocab_size for t in self.allowed_token_ids):
+            raise APIError("allowed_token_ids contains out-of-vocab token id!",
+                           param="allowed_token_ids")
+        return self.allowed_token_ids
 
     def _logit_bias(self, vocab_size: int) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -162,6 +197,7 @@ class CompletionRequest(SamplingFields):
     # Top logprobs per token (OpenAI's legacy field: an integer, at most 5 there).
     logprobs: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: BOS etc. added to a text prompt
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -189,6 +225,10 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: special tokens added on top of the template's (off), and documents for
+    # retrieval-augmented templates (the template's `documents` variable).
+    add_special_tokens: bool = False
+    documents: list[dict[str, Any]] | None = None
     # vLLM's: the request's own template; refused unless --trust-request-chat-template.
     chat_template: str | None = None
     tools: list[dict[str, Any]] | None = None

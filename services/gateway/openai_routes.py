@@ -20,6 +20,7 @@ from pagoda.services.gateway.errors import APIError, from_grpc_error, internal_e
 from pagoda.services.gateway.generation import Generation, Prompt, new_request_id
 from pagoda.services.gateway.openai_models import (ChatCompletionRequest, CompletionRequest,
                                                    SamplingFields)
+from pagoda.services.gateway.request_fields import apply_prompt_fields
 from pagoda.services.gateway.responses import (DONE, ChoiceText, LogprobsFormat, ResponseHeader,
                                                chat_body, completion_body, sse)
 from pagoda.services.gateway.state import GatewayState
@@ -40,7 +41,9 @@ async def create_completion(body: CompletionRequest, request: Request):
     num_prompts = count_prompts(body.prompt)
     state.options.limits.check_prompts(num_prompts)
     state.options.limits.check_sampling(body, num_prompts)
-    prompts = await tokenize_prompts(state, body.prompt, body.cache_salt)
+    prompts = await tokenize_prompts(state, body.prompt, body.cache_salt,
+                                     body.add_special_tokens)
+    await apply_prompt_fields(state, body, prompts, tokenize)  # truncation, bad words
     if body.echo:
         await fill_prompt_texts(state, prompts, body.skip_special_tokens)
     rid, unique = _request_id(request, "cmpl")
@@ -69,11 +72,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     output = chat_output(state, body)
     messages, chat = chat_input(body.messages, body.add_generation_prompt,
                                 body.continue_final_message, body.chat_template_kwargs,
-                                body.tools)
+                                body.tools, body.documents)
     reply = await tokenize(state, tpb.TokenizeRequest(
-        chat=chat, block_size=state.peers.routing_block_size(), cache_salt=body.cache_salt or ""))
+        chat=chat, block_size=state.peers.routing_block_size(), cache_salt=body.cache_salt or "",
+        add_special_tokens=body.add_special_tokens))
     rid, unique = _request_id(request, "chatcmpl")
     prompt = Prompt(list(reply.token_ids), reply.prompt, _hashes(reply))
+    await apply_prompt_fields(state, body, [prompt], tokenize)  # truncation, bad words
     max_tokens = state.fill_defaults(body, body.requested_max_tokens(), [prompt])
     gen = Generation(state.peers, rid, [prompt], body, max_tokens, "messages", unique)
     state.options.on_generation(gen)
@@ -113,14 +118,15 @@ def _renderer_args(head: ResponseHeader, fmt: LogprobsFormat, gen: Generation,
 
 
 def chat_input(messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
-               chat_template_kwargs: dict | None = None, tools: list[dict] | None = None
-               ) -> tuple[list[dict], tpb.ChatInput]:
+               chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+               documents: list[dict] | None = None) -> tuple[list[dict], tpb.ChatInput]:
     """(the normalized messages, the tokenizer's typed chat input); a 400 naming the
     field (messages, tools, chat_template_kwargs) for invalid input."""
     try:
         messages = normalize_messages(messages)
         return messages, chat_input_to_proto(messages, add_generation_prompt,
-                                             continue_final_message, chat_template_kwargs, tools)
+                                             continue_final_message, chat_template_kwargs, tools,
+                                             documents)
     except ValueError as exc:
         param = re.match(r"\w+", str(exc))
         raise APIError(str(exc), param=param.group(0) if param else "messages") from None
@@ -172,8 +178,8 @@ async def tokenize(state: GatewayState, request: tpb.TokenizeRequest) -> tpb.Tok
         raise from_grpc_error(exc, "tokenizer") from None
 
 
-async def tokenize_prompts(state: GatewayState, prompt, cache_salt: str | None = None
-                           ) -> list[Prompt]:
+async def tokenize_prompts(state: GatewayState, prompt, cache_salt: str | None = None,
+                           add_special_tokens: bool = True) -> list[Prompt]:
     """A string, a list of strings, token ids, or a list of token-id lists. The first
     prompt (the one routing looks at) comes back with its block hashes when routing
     wants them and it was text; a prompt given as ids is not sent anywhere here."""
@@ -188,7 +194,7 @@ async def tokenize_prompts(state: GatewayState, prompt, cache_salt: str | None =
         if not isinstance(p, str):
             return Prompt(list(p))
         reply = await tokenize(state, tpb.TokenizeRequest(
-            prompt=p, add_special_tokens=True, block_size=block_size,
+            prompt=p, add_special_tokens=add_special_tokens, block_size=block_size,
             cache_salt=cache_salt or ""))
         return Prompt(list(reply.token_ids), p, _hashes(reply))
 

@@ -37,6 +37,7 @@ from typing import Any
 from pagoda.config import DEFAULT_MAX_LOGPROBS
 from pagoda.generation_config import (default_max_tokens, load_generation_defaults,
                                       parse_override)
+from pagoda.services.gateway.response_store import DEFAULT_MAX_STORED_RESPONSES
 from pagoda.services.gateway.limits import RequestLimits, add_limit_args
 
 request_logger = logging.getLogger("pagoda.services.gateway.requests")
@@ -65,6 +66,8 @@ class ServingOptions:
     enable_force_include_usage: bool = False
     enable_log_requests: bool = False
     max_log_len: int | None = None
+    # The Responses API's bounded store (response_store.py); 0: `store` is ignored.
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
     migration_limit: int = DEFAULT_MIGRATION_LIMIT
     shutdown_grace_period: float = DEFAULT_SHUTDOWN_GRACE_S
     trust_request_chat_template: bool = False
@@ -88,6 +91,9 @@ class ServingOptions:
                       trust_request_chat_template=args.trust_request_chat_template,
                       metrics_require_key=args.metrics_require_key,
                       limits=RequestLimits.from_args(args))
+        options.max_stored_responses = args.max_stored_responses
+        if options.max_stored_responses < 0:
+            raise ValueError("--max-stored-responses must be 0 or more")
         if options.generation_config != "auto":  # a folder: fail at start-up, not per request
             options.generation_defaults(None)
         options.enable_auto_tool_choice = getattr(args, "enable_auto_tool_choice", False)
@@ -186,6 +192,11 @@ def add_serving_args(parser: argparse.ArgumentParser, engine_shared: bool = True
                        action="store_false", default=False, help="Do not log requests (the default).")
     group.add_argument("--max-log-len", type=int, default=None,
                        help="Characters / token ids of a prompt a request log line shows.")
+    group.add_argument("--max-stored-responses", type=int,
+                       default=DEFAULT_MAX_STORED_RESPONSES,
+                       help="Responses API: most responses kept for previous_response_id and "
+                            "GET /v1/responses/{id}, least recently used dropped first (0: "
+                            "store nothing).")
     group.add_argument("--enable-request-id-headers", action="store_true",
                        help="Always on in Pagoda: every response carries X-Request-Id.")
     group.add_argument("--trust-request-chat-template", action="store_true",

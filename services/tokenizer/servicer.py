@@ -66,7 +66,8 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
             return "", list(request.token_ids.token_ids)  # nothing to encode
         if kind == "chat":
             prompt = render_chat_template(self.tokenizer, **chat_input_from_proto(request.chat))
-            token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            # vLLM's chat add_special_tokens (off by default): on top of the template's.
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
         else:
             prompt = request.prompt
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)

@@ -48,8 +48,11 @@ def render_chat_template(
     continue_final_message: bool = False,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
+    documents: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The prompt text `apply_chat_template` tokenizes (same arguments, same errors)."""
+    """The prompt text `apply_chat_template` tokenizes (same arguments, same errors).
+    `documents` (vLLM's, for retrieval-augmented templates) reach the template as its
+    `documents` variable, unless chat_template_kwargs sets one (vLLM's precedence)."""
     if add_generation_prompt and continue_final_message:
         raise ValueError(
             "continue_final_message and add_generation_prompt cannot both be true: the first "
@@ -59,6 +62,8 @@ def render_chat_template(
     if continue_final_message and conversation[-1].get("content") is None:
         raise ValueError("continue_final_message is set but the final message has no content.")
     extra = dict(chat_template_kwargs or {})
+    if documents is not None:
+        extra.setdefault("documents", documents)
     overridden = sorted(RESERVED_TEMPLATE_KWARGS & extra.keys())
     if overridden:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(overridden)}.")

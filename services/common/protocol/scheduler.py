@@ -40,6 +40,7 @@ def request_to_proto(req: EngineCoreRequest) -> pb.GenerateRequest:
         arrival_time=req.arrival_time,
         output_token_ids=req.output_token_ids,
         cache_salt=req.cache_salt or "",
+        priority=req.priority,
     )
 
 
@@ -53,6 +54,7 @@ def request_from_proto(msg: pb.GenerateRequest) -> EngineCoreRequest:
         arrival_time=msg.arrival_time,
         output_token_ids=list(msg.output_token_ids),
         cache_salt=msg.cache_salt or None,
+        priority=msg.priority,
     )
 
 

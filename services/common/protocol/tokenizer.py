@@ -22,7 +22,8 @@ from pagoda.services.common.protocol.common import json_object_from_proto, json_
 def chat_input_to_proto(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
                         continue_final_message: bool,
                         chat_template_kwargs: Mapping[str, Any] | None = None,
-                        tools: Sequence[Mapping[str, Any]] | None = None) -> pb.ChatInput:
+                        tools: Sequence[Mapping[str, Any]] | None = None,
+                        documents: Sequence[Mapping[str, Any]] | None = None) -> pb.ChatInput:
     """`messages` are normalized (content a string or None; see tokenizer.chat).
     Raises ValueError naming the field for a value of the wrong type."""
     msg = pb.ChatInput(add_generation_prompt=add_generation_prompt,
@@ -33,6 +34,9 @@ def chat_input_to_proto(messages: Sequence[Mapping[str, Any]], add_generation_pr
         _unicode(_add_message, msg.messages.add(), m, f"messages[{i}]")
     for i, tool in enumerate(tools or ()):
         _unicode(_add_tool, msg.tools.add(), tool, f"tools[{i}]")
+    for i, document in enumerate(documents or ()):
+        where = f"documents[{i}]"
+        _json(_object(document, where), msg.documents.add(), where)
     return msg
 
 
@@ -46,6 +50,7 @@ def chat_input_from_proto(msg: pb.ChatInput) -> dict[str, Any]:
         "chat_template_kwargs": (json_object_from_proto(msg.chat_template_kwargs)
                                  if msg.HasField("chat_template_kwargs") else None),
         "tools": [_tool_dict(t) for t in msg.tools] or None,
+        "documents": [json_object_from_proto(d) for d in msg.documents] or None,
     }
 
 
