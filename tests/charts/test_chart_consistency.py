@@ -193,3 +193,14 @@ def test_volume_mounts_name_pod_volumes(chart, values):
             # The root filesystem is read-only: every Pagoda container gets a writable /tmp.
             if c["securityContext"].get("readOnlyRootFilesystem") and c["name"] != "redis":
                 assert "/tmp" in {m["mountPath"] for m in c["volumeMounts"]}
+
+
+def test_gateway_streams_finish_inside_the_pods_grace_period(chart, values):
+    """SIGTERM reaches the gateway after its preStop sleep; --shutdown-grace-period is
+    what is left of terminationGracePeriodSeconds, less 5 s for the exit itself."""
+    rendered = chart.template(values=(values,))
+    (gateway,) = [p for p in pods(rendered) if p.deployment == "pagoda-gateway"]
+    container = gateway.container("gateway")
+    sleep = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    grace = float(flags(container)["shutdown-grace-period"])
+    assert 0 < grace and sleep + grace + 5 == gateway.spec["terminationGracePeriodSeconds"]

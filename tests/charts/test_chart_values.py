@@ -90,6 +90,7 @@ def test_helm_rejects_unknown_key_in_a_values_file(chart, tmp_path):
     (("gateway.apiKey.value=a", "gateway.apiKey.existingSecret=b"), "only one of value"),
     (("scheduler.drain.timeoutSeconds=60",), "terminationGracePeriodSeconds"),
     (("gateway.preStopSleepSeconds=90",), "gateway.terminationGracePeriodSeconds"),
+    (("gateway.preStopSleepSeconds=55",), "--shutdown-grace-period"),
     (("scheduler.autoscaling.enabled=true", "scheduler.keda.enabled=true"), "not both"),
     (("scheduler.autoscaling.enabled=true", "scheduler.autoscaling.targetCPUUtilizationPercentage=0"),
      "targetNumRequestsWaiting"),

@@ -30,8 +30,8 @@ with a message naming the values, so no combination of values silently disagrees
 {{- if lt (int $v.scheduler.terminationGracePeriodSeconds) (int $drain) -}}
 {{- fail (printf "scheduler.terminationGracePeriodSeconds (%v) must be at least drain.preStopSleepSeconds + drain.timeoutSeconds + 5 = %v, or Kubernetes kills replicas mid-drain" $v.scheduler.terminationGracePeriodSeconds $drain) -}}
 {{- end -}}
-{{- if le (int $v.gateway.terminationGracePeriodSeconds) (int $v.gateway.preStopSleepSeconds) -}}
-{{- fail "gateway.terminationGracePeriodSeconds must exceed gateway.preStopSleepSeconds" -}}
+{{- if le (int $v.gateway.terminationGracePeriodSeconds) (add $v.gateway.preStopSleepSeconds 5) -}}
+{{- fail "gateway.terminationGracePeriodSeconds must exceed gateway.preStopSleepSeconds + 5 (in-flight streams get the difference less 5 s to finish: --shutdown-grace-period)" -}}
 {{- end -}}
 
 {{- if and $v.scheduler.autoscaling.enabled $v.scheduler.keda.enabled -}}
