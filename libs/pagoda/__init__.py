@@ -18,9 +18,11 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
+from pagoda.lora.request import LoRARequest
 from pagoda.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "LoRARequest"]
 __version__ = "0.1.0"
 
 

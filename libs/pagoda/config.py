@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagoda.lora.config import LoRAConfig
+
 # The prefix-cache hash seed. Every process of the cluster must use the same one,
 # or the tokenizer's block hashes would not match the scheduler's and KV-aware
 # routing would silently hit 0% (vLLM once seeded it randomly).
@@ -131,6 +133,9 @@ class SchedulerConfig:
     max_waiting_requests: int | None = None
     # The waiting queue's order: "fcfs" or "priority" (`pagoda.core.request_queue`).
     policy: str = "fcfs"
+    # --max-loras under --enable-lora: the running requests use at most this many
+    # distinct adapters (each step's fit the worker's slots). None: LoRA off.
+    max_loras: int | None = None
 
 
 @dataclass
@@ -201,6 +206,8 @@ class EngineConfig:
     # "auto" (the model dtype) or "fp8" (float8_e4m3fn, CUDA only).
     kv_cache_dtype: str = "auto"
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    # vLLM's --enable-lora with --max-loras/--max-lora-rank/--max-cpu-loras (None: no LoRA).
+    lora: LoRAConfig | None = None
 
     @property
     def world_size(self) -> int:

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagoda.lora.request import LoRARequest
 from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -97,6 +98,8 @@ class EngineCoreRequest:
     # vLLM's `priority`: under --scheduling-policy priority, lower values are admitted
     # first (ties by arrival) and higher ones are preempted first; must be 0 under fcfs.
     priority: int = 0
+    # The LoRA adapter to run with (None: the base model); its name keys the prefix cache.
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -132,6 +135,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # The request's adapter, sent once; the worker loads it (pagoda.lora.manager).
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

@@ -35,10 +35,8 @@ UNSUPPORTED = {
     "kv-transfer-config": "disaggregated prefill is not implemented",
     "kv-events-config": "Pagoda publishes KV events to its kv-cache-manager itself",
     # adapters, multimodal, structured output, tools
-    "enable-lora": "LoRA adapters are not implemented",
-    "lora-modules": "LoRA adapters are not implemented",
-    "max-loras": "LoRA adapters are not implemented",
-    "max-lora-rank": "LoRA adapters are not implemented",
+    "lora-modules": "served LoRA adapters are not implemented yet (offline LLM with "
+                    "--enable-lora and LoRARequest only)",
     "speculative-config": "speculative decoding is not implemented",
     "limit-mm-per-prompt": "Pagoda serves text-only models",
     "mm-processor-kwargs": "Pagoda serves text-only models",

@@ -43,6 +43,15 @@ def salt_keys(cache_salt: str | None) -> tuple[str] | None:
     return (cache_salt,) if cache_salt else None
 
 
+def lora_keys(extra_keys: tuple | None, lora_name: str | None) -> tuple | None:
+    """`extra_keys` plus the request's LoRA adapter (vLLM keys blocks by the adapter's
+    name): the same prompt under two adapters, or under one and the base model, never
+    shares cached KV. Tagged so an adapter name can never equal a cache salt's key."""
+    if not lora_name:
+        return extra_keys
+    return (extra_keys or ()) + (("lora", lora_name),)
+
+
 def hash_request_tokens(
     token_ids: Sequence[int],
     block_size: int,

@@ -143,6 +143,9 @@ class Scheduler:
                 if not request.is_finished:
                     skipped.append(request)
                 continue
+            if not self._lora_fits(request):  # waits for a running adapter to finish
+                skipped.append(self.waiting.pop_request())
+                continue
             hit_blocks, num_hit = [], 0
             if request.num_computed_tokens == 0:
                 hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
@@ -166,7 +169,7 @@ class Scheduler:
             new_reqs.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, list(request.output_token_ids),
                 request.sampling_params, self.kv_cache_manager.get_block_ids(request.request_id),
-                request.num_computed_tokens))
+                request.num_computed_tokens, lora_request=request.lora_request))
         self.waiting.prepend_requests(skipped)
 
         output = SchedulerOutput(new_reqs, cached, num_scheduled, sum(num_scheduled.values()),
@@ -176,6 +179,15 @@ class Scheduler:
             self.requests[request_id].num_computed_tokens += num
         self._add_grammar_bitmask(output)
         return output
+
+    def _lora_fits(self, request: Request) -> bool:
+        """vLLM's rule: running requests use at most `max_loras` distinct adapters, so
+        every step's adapters fit the worker's device slots."""
+        lora, max_loras = request.lora_request, self.config.max_loras
+        if lora is None or max_loras is None:
+            return True
+        held = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        return lora.lora_int_id in held or len(held) < max_loras
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         return self._cap(request.num_tokens - request.num_computed_tokens, budget)

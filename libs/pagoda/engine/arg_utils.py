@@ -58,6 +58,11 @@ class EngineArgs:
     # --reasoning-parser (the grammar starts after the reasoning ends).
     structured_outputs_config: dict | str | None = None
     reasoning_parser: str | None = None
+    # vLLM's multi-LoRA flags (pagoda.lora.config.LoRAConfig).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, include_model: bool = True) -> argparse.ArgumentParser:
@@ -127,6 +132,15 @@ class EngineArgs:
                             help="deepseek_r1 or qwen3: a structured-output grammar applies "
                                  "after the reasoning ends (the gateway splits "
                                  "reasoning_content from content).")
+        parser.add_argument("--enable-lora", action="store_true",
+                            help="Serve LoRA adapters (PEFT format) on top of the base model.")
+        parser.add_argument("--max-loras", type=int, default=d.max_loras,
+                            help="Adapters resident on the device at once (the distinct "
+                                 "adapters one step may use).")
+        parser.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                            help="The largest adapter rank accepted (sizes the device stacks).")
+        parser.add_argument("--max-cpu-loras", type=int, default=None,
+                            help="Adapters kept loaded in host memory (default: --max-loras).")
         parser.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction,
                             default=False, help="Refused: Pagoda runs no remote code.")
         return parser
@@ -176,7 +190,8 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
             max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
-            max_waiting_requests=self.max_waiting_requests, policy=self.scheduling_policy)
+            max_waiting_requests=self.max_waiting_requests, policy=self.scheduling_policy,
+            max_loras=self.max_loras if self.enable_lora else None)
         names = self.served_model_name
         if isinstance(names, str):
             names = [names]
@@ -190,7 +205,16 @@ class EngineArgs:
             enforce_eager=self.enforce_eager, max_logprobs=self.max_logprobs,
             enable_expert_parallel=self.enable_expert_parallel, kv_cache_dtype=kv_cache_dtype,
             structured_outputs=StructuredOutputsConfig.parse(self.structured_outputs_config,
-                                                             self.reasoning_parser))
+                                                             self.reasoning_parser),
+            lora=self._lora_config())
+
+    def _lora_config(self):
+        """The LoRA settings under --enable-lora (validated), else None."""
+        if not self.enable_lora:
+            return None
+        from pagoda.lora.config import LoRAConfig
+
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def _resolve_tokenizer(self) -> str | None:
         """A local path for `--tokenizer` (a hub id is fetched at --tokenizer-revision,

@@ -10,6 +10,7 @@ from pagoda.messages import EngineCoreRequest, FinishReason
 from pagoda.engine.engine_core import EngineCore
 from pagoda.executor.factory import make_executor
 from pagoda.engine.output_processor import OutputProcessor, ParentRequest
+from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -28,12 +29,14 @@ class LLMEngine:
 
     def add_request(self, prompt: str | None, prompt_token_ids: list[int] | None,
                     params: SamplingParams, request_id: str | None = None,
-                    cache_salt: str | None = None, priority: int = 0) -> str:
+                    cache_salt: str | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> str:
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("Either a prompt or prompt_token_ids is required.")
             prompt_token_ids = self.tokenizer.encode(prompt)
         check_logprobs_limit(params, self.config.max_logprobs)
+        self._check_lora(lora_request)
         prompt_token_ids, params = apply_prompt_fields(prompt_token_ids, params, self.tokenizer,
                                                        self.config.scheduler.max_model_len,
                                                        self.config.arch.vocab_size)
@@ -49,13 +52,26 @@ class LLMEngine:
                 self.core.add_request(EngineCoreRequest(child_id, parent.prompt_token_ids,
                                                         child_params, eos,
                                                         cache_salt=cache_salt,
-                                                        priority=priority))
+                                                        priority=priority,
+                                                        lora_request=lora_request))
         except ValueError:
             self.core.abort_requests(child_ids)
             for child_id in child_ids:
                 self.output_processor.children.pop(child_id, None)
             raise
         return request_id
+
+    def _check_lora(self, lora_request: LoRARequest | None) -> None:
+        """Refuse an adapter at submission, not in the worker's step: LoRA must be
+        enabled and the directory must hold a PEFT LoRA config."""
+        if lora_request is None:
+            return
+        if self.config.lora is None:
+            raise ValueError(f"LoRA request {lora_request.lora_name!r} but LoRA is not "
+                             f"enabled (enable_lora=True, --enable-lora)")
+        from pagoda.lora.adapter import read_adapter_config
+
+        read_adapter_config(lora_request.lora_path)
 
     def step(self) -> list[RequestOutput]:
         finished, to_abort = self.output_processor.process_outputs(self.core.step())

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.generation_config import load_generation_defaults, parse_override
+from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -42,19 +43,25 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
         """Complete each prompt: a string, a list of token ids, or a dict with
         `prompt` or `prompt_token_ids` (and optionally vLLM's `cache_salt`: prompts
         with different salts never share prefix-cache blocks). `priority`: one value per
-        prompt, lower first (needs `scheduling_policy="priority"`)."""
+        prompt, lower first (needs `scheduling_policy="priority"`). `lora_request`: the LoRA
+        adapter of every prompt, or one per prompt (None: the base model; needs
+        `enable_lora=True`)."""
         items = [_normalize_prompt(p) for p in _as_prompt_list(prompts)]
-        return self._run(items, sampling_params, use_tqdm, priority)
+        return self._run(items, sampling_params, use_tqdm, priority, lora_request)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
         from pagoda.tokenizer.chat import apply_chat_template
 
@@ -66,23 +73,26 @@ class LLM:
                                       continue_final_message=continue_final_message,
                                       chat_template_kwargs=chat_template_kwargs)
             items.append((tokenizer.decode(ids), ids, None))
-        return self._run(items, sampling_params, use_tqdm)
+        return self._run(items, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(self, items: list[tuple[str | None, list[int] | None, str | None]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-             use_tqdm: bool, priority: list[int] | None = None) -> list[RequestOutput]:
+             use_tqdm: bool, priority: list[int] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _params_per_prompt(sampling_params, len(items))
         if priority is not None and len(priority) != len(items):
             raise ValueError(f"Got {len(priority)} priorities for {len(items)} prompts.")
         priorities = priority or [0] * len(items)
+        loras = _loras_per_prompt(lora_request, len(items))
         engine = self.llm_engine
         order: dict[str, int] = {}
         try:
             for i, ((prompt, ids, salt), params) in enumerate(zip(items, params_list)):
                 order[engine.add_request(prompt, ids, params, cache_salt=salt,
-                                         priority=priorities[i])] = i
+                                         priority=priorities[i], lora_request=loras[i])] = i
         except Exception:
             engine.abort_request(list(order))
             raise
@@ -118,6 +128,17 @@ def _normalize_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None, str
     if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
         return None, list(prompt), None
     raise ValueError(f"Unsupported prompt type: {type(prompt).__name__}")
+
+
+def _loras_per_prompt(lora: LoRARequest | Sequence[LoRARequest | None] | None,
+                      n: int) -> list[LoRARequest | None]:
+    """vLLM's rule: one LoRARequest for every prompt, or a list with one per prompt."""
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    lora = list(lora)
+    if len(lora) != n:
+        raise ValueError(f"Got {len(lora)} LoRA requests for {n} prompts.")
+    return lora
 
 
 def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,

@@ -56,6 +56,13 @@ class LinearBase(nn.Module):
         self.bias = (shard_attrs(empty_parameter(output_size, dtype=dtype), 0, None)
                      if bias else None)
 
+    # A `pagoda.lora.layers.LoRALinear` when the engine serves LoRA adapters: its
+    # `add_to(x, out)` adds each row's adapter delta (None: the plain layer).
+    lora = None
+
+    def _add_lora(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out if self.lora is None else self.lora.add_to(x, out)
+
     def set_quant_method(self, method: LinearMethodBase) -> None:
         """Store the weight the way `method` does (dropping any other method's tensors)."""
         for name in [n for n in self._parameters if n != "bias"]:
@@ -92,7 +99,7 @@ class ColumnParallelLinear(LinearBase):
                    dtype, parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        return self._add_lora(x, self.quant_method.apply(self, x, self.bias))
 
     def checkpoint_shape(self, attr: str, shard: str | None) -> tuple[int, ...]:
         param = getattr(self, attr)
@@ -163,8 +170,10 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel.tp_size == 1:
-            return self.quant_method.apply(self, x, self.bias)
-        out = all_reduce(self.quant_method.apply(self, x), self.parallel.tp_group)
+            return self._add_lora(x, self.quant_method.apply(self, x, self.bias))
+        # The LoRA delta of this rank's input columns joins the partial sum.
+        out = all_reduce(self._add_lora(x, self.quant_method.apply(self, x)),
+                         self.parallel.tp_group)
         return out if self.bias is None else out + self.bias
 
     def checkpoint_shape(self, attr: str, shard: str | None) -> tuple[int, ...]:

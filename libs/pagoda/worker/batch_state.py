@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagoda.lora.request import LoRARequest
 from pagoda.messages import NewRequestData
 from pagoda.sampling_params import SamplingParams
 
@@ -23,11 +24,13 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: torch.Generator | None = None
     token_ids: list[int] = field(default_factory=list)
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
     @classmethod
     def from_new(cls, data: NewRequestData, generator: torch.Generator | None) -> "CachedRequestState":
         state = cls(data.req_id, list(data.prompt_token_ids), list(data.output_token_ids),
-                    data.sampling_params, list(data.block_ids), data.num_computed_tokens, generator)
+                    data.sampling_params, list(data.block_ids), data.num_computed_tokens, generator,
+                    lora_request=data.lora_request)
         state.token_ids = state.prompt_token_ids + state.output_token_ids
         return state
 

@@ -45,6 +45,7 @@ class ModelRunner:
         self._grammar: tuple[list[str], object] | None = None
         self.model = None
         self.cuda_graphs = None  # DecodeCUDAGraphs on CUDA unless enforce_eager
+        self.lora_manager = None  # pagoda.lora.manager.LoRAModelManager under --enable-lora
 
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
@@ -55,6 +56,11 @@ class ModelRunner:
         self.model = load_model(self.config.model, self.config.arch, self.dtype, self.device,
                                 self.parallel)
         self.sampler = Sampler()
+        if self.config.lora is not None:
+            from pagoda.lora.manager import LoRAModelManager
+
+            self.lora_manager = LoRAModelManager(self.model, self.config.lora, self.device,
+                                                 self.dtype)
 
     def determine_num_blocks(self) -> int:
         from pagoda.model.kv_cache import kv_cache_bytes_per_block
@@ -120,7 +126,8 @@ class ModelRunner:
                                             self.kv_cache_dtype, self.device, self.parallel)
         # Graphs capture a whole-model decode; a group's ranks run eagerly for now.
         if (self.device.type == "cuda" and not self.config.enforce_eager
-                and self.parallel.world_size == 1):
+                and self.parallel.world_size == 1
+                and self.lora_manager is None):  # graphs would freeze one step's adapters
             self._capture_cuda_graphs()
 
     def _capture_cuda_graphs(self) -> None:
@@ -146,6 +153,7 @@ class ModelRunner:
             return ModelRunnerOutput.empty()
         inputs = build_model_inputs(self.states, scheduler_output.num_scheduled_tokens,
                                     self.block_size, self.device)
+        self._prepare_lora(inputs)
         hidden = self._forward(inputs)
         prompt_logprobs = self._prompt_logprobs(inputs, hidden, scheduler_output.num_scheduled_tokens)
         sampled, logprobs = self._sample(inputs, hidden)
@@ -158,6 +166,14 @@ class ModelRunner:
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(md, len(inputs.input_ids)):
             return self.cuda_graphs.run(inputs.input_ids, inputs.positions, md)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, md)
+
+    def _prepare_lora(self, inputs: ModelInputs) -> None:
+        """Give each row of the step its request's adapter (loaded on first use)."""
+        if self.lora_manager is None:
+            return
+        qsl = inputs.attn_metadata.query_start_loc_cpu
+        self.lora_manager.prepare_step([(self.states[r].lora_request, qsl[i + 1] - qsl[i])
+                                        for i, r in enumerate(inputs.req_ids)])
 
     def _update_states(self, so: SchedulerOutput) -> None:
         self._grammar = ((so.structured_output_request_ids, so.grammar_bitmask)
