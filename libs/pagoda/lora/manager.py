@@ -98,7 +98,6 @@ class LoRAModelManager:
         if lora_id in self.slots:
             self.slots.move_to_end(lora_id)
             return self.slots[lora_id]
-        lora = self.add_adapter(request)
         used = set(self.slots.values())
         free = [s for s in range(self.config.max_loras) if s not in used]
         if free:
@@ -109,6 +108,8 @@ class LoRAModelManager:
                 raise RuntimeError(f"a step uses more than max_loras={self.config.max_loras} "
                                    f"adapters")
             slot = self.slots.pop(victim)
+        # Loaded after the eviction, so the evicted adapter may leave the host cache too.
+        lora = self.add_adapter(request)
         for name, layer in self.layers.items():
             layer.set_slot(slot, lora.weights.get(name))
         self.slots[lora_id] = slot
