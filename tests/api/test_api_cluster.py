@@ -140,6 +140,16 @@ def test_cache_salt_shares_cached_prefixes_only_within_one_salt(cluster, client,
     assert cached_tokens() == hit
 
 
+def test_priority_needs_the_priority_policy(client):
+    """This cluster schedules fcfs: a non-zero priority gets vLLM's 400."""
+    with pytest.raises(openai.BadRequestError,
+                       match="Got priority 5 but Priority scheduling is not enabled."):
+        client.completions.create(model="tiny", prompt="x", max_tokens=1,
+                                  extra_body={"priority": 5})
+    assert client.completions.create(model="tiny", prompt="x", max_tokens=1,
+                                     extra_body={"priority": 0}).choices
+
+
 def test_stream_disconnect_frees_every_kv_block(cluster, load):
     body = {"model": "tiny", "prompt": "Keep talking " * 20, "stream": True, **LONG}
     with httpx.stream("POST", f"{cluster.url}/completions", json=body, timeout=60) as r:
