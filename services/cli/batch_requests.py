@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from pagoda.outputs import PositionLogprobs, RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.tokenizer.truncation import truncate_prompt
 from pagoda.services.gateway.errors import APIError, validation_message
 from pagoda.services.gateway.generation import check_prompt, resolve_max_tokens
 from pagoda.services.gateway.logprobs import Candidate, TokenLogprob
@@ -64,6 +65,7 @@ class EnginePrompt:
     text: str | None
     token_ids: list[int]
     params: SamplingParams
+    priority: int = 0  # vLLM's request priority (needs --scheduling-policy priority)
 
 
 @dataclass
@@ -138,13 +140,16 @@ def _prepare(item: BatchItem, ctx: EngineContext) -> None:
     if isinstance(body, ChatCompletionRequest):
         text = render_chat_template(ctx.tokenizer, body.messages, body.add_generation_prompt,
                                     body.continue_final_message, body.chat_template_kwargs,
-                                    body.tools)
-        prompts = [(text, list(ctx.tokenizer.encode(text, add_special_tokens=False)))]
+                                    body.tools, body.documents)
+        prompts = [(text, list(ctx.tokenizer.encode(
+            text, add_special_tokens=body.add_special_tokens)))]
         requested, param = body.requested_max_tokens(), "messages"
     else:
-        prompts = _completion_prompts(body.prompt, ctx.tokenizer)
+        prompts = _completion_prompts(body.prompt, ctx.tokenizer, body.add_special_tokens)
         requested, param = body.max_tokens, "prompt"
         item.echo_only = body.echo and body.max_tokens == 0
+    prompts = [(text, truncate_prompt(ids, body.truncate_prompt_tokens, ctx.max_model_len))
+               for text, ids in prompts]  # as the gateway does; ValueError: a 400
     requested = ctx.options.fill_defaults(body, requested, [len(ids) for _, ids in prompts],
                                           ctx.model_path, ctx.max_model_len)
     for text, ids in prompts:
@@ -152,10 +157,11 @@ def _prepare(item: BatchItem, ctx: EngineContext) -> None:
         limit = resolve_max_tokens(1 if item.echo_only else requested, len(ids),
                                    ctx.max_model_len, param)
         params = body.to_sampling_params(limit, ctx.vocab_size).clone(n=body.n)
-        item.prompts.append(EnginePrompt(text, ids, params))
+        item.prompts.append(EnginePrompt(text, ids, params, body.priority))
 
 
-def _completion_prompts(prompt: Any, tokenizer: Any) -> list[tuple[str | None, list[int]]]:
+def _completion_prompts(prompt: Any, tokenizer: Any, add_special_tokens: bool = True
+                        ) -> list[tuple[str | None, list[int]]]:
     """A string, strings, token ids or lists of token ids -> (text, ids) pairs."""
     if isinstance(prompt, str):
         prompt = [prompt]
@@ -163,7 +169,8 @@ def _completion_prompts(prompt: Any, tokenizer: Any) -> list[tuple[str | None, l
         raise APIError("The prompt cannot be empty.", param="prompt")
     if all(isinstance(p, int) for p in prompt):
         return [(None, list(prompt))]
-    return [(p, list(tokenizer.encode(p))) if isinstance(p, str) else (None, list(p))
+    return [(p, list(tokenizer.encode(p, add_special_tokens=add_special_tokens)))
+            if isinstance(p, str) else (None, list(p))
             for p in prompt]
 
 

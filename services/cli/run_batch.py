@@ -128,7 +128,8 @@ def _submit(engine: Any, items: list) -> dict[str, tuple[int, int]]:
         try:
             for p, prompt in enumerate(item.prompts):
                 ids.append(engine.add_request(prompt.text, prompt.token_ids, prompt.params,
-                                              request_id=f"batch-{index}-{p}"))
+                                              request_id=f"batch-{index}-{p}",
+                                              priority=prompt.priority))
         except ValueError as exc:
             engine.abort_request(ids)
             item.error = APIError(str(exc))

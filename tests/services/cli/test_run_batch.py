@@ -114,6 +114,23 @@ def test_a_mix_of_good_and_bad_lines(tmp_path, tiny_llama_dir, llm):
     assert "prompt_tokens_details" not in body["usage"]
 
 
+def test_vllm_request_fields_in_a_batch(tmp_path, tiny_llama_dir, llm):
+    """priority (vLLM's error under fcfs, in place), truncate_prompt_tokens and bad_words."""
+    ids = llm.get_tokenizer().encode("one two three four five six")
+    lines = [completion("urgent", "x", max_tokens=2, priority=1),
+             completion("cut", "one two three four five six", max_tokens=4, temperature=0,
+                        truncate_prompt_tokens=3, bad_words=["seven"])]
+    out = tmp_path / "results.jsonl"
+    assert run_batch(tiny_llama_dir, write_lines(tmp_path / "in.jsonl", lines), out) == 0
+    urgent, cut = read_lines(out)
+    assert "Priority scheduling is not enabled" in urgent["error"]["message"]
+    expected = llm.generate({"prompt_token_ids": ids[-3:]},
+                            SamplingParams(temperature=0, max_tokens=4, bad_words=["seven"]),
+                            use_tqdm=False)[0]
+    assert cut["response"]["body"]["usage"]["prompt_tokens"] == 3
+    assert cut["response"]["body"]["choices"][0]["text"] == expected.outputs[0].text
+
+
 def test_skip_done_resumes_an_interrupted_run(tmp_path, tiny_llama_dir):
     inp = write_lines(tmp_path / "in.jsonl", [completion(f"r{i}", f"prompt {i}", max_tokens=3,
                                                          temperature=0) for i in range(4)])
