@@ -199,6 +199,8 @@ def add_serving_args(parser: argparse.ArgumentParser, engine_shared: bool = True
                             "store nothing).")
     group.add_argument("--enable-request-id-headers", action="store_true",
                        help="Always on in Pagoda: every response carries X-Request-Id.")
+    group.add_argument("--enable-server-load-tracking", action="store_true",
+                       help="Always on in Pagoda: /load reports the requests in flight.")
     group.add_argument("--trust-request-chat-template", action="store_true",
                        help="Let requests bring their own chat template (chat_template, "
                             "or chat_template_kwargs.chat_template); refused with a 400 "
