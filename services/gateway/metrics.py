@@ -34,9 +34,9 @@ from pagoda import tracing
 from pagoda.metrics.aggregate import render
 from pagoda.services.gateway.serving_options import route_path
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
-          "/health", "/metrics", "/version")
-GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/tokenize",
+          "/detokenize", "/health", "/metrics", "/version", "/ping", "/load")
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 REJECT_REASONS = {400: "invalid_request", 404: "invalid_request", 422: "invalid_request",
                   401: "unauthorized", 429: "overloaded", 503: "unavailable"}
 MIGRATION_REASONS = ("replica_lost", "replica_failed", "drain_timeout")
