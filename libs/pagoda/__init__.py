@@ -17,12 +17,18 @@ import os
 # imported before torch (the CLI and `from pagoda import LLM` are); users may override.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
+from pagoda.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput,
+                            EmbeddingOutput, EmbeddingRequestOutput, Logprob, PoolingOutput,
+                            PoolingRequestOutput, RequestOutput, ScoringOutput,
+                            ScoringRequestOutput)
 from pagoda.lora.request import LoRARequest
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "LoRARequest"]
+           "PoolingParams", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",
+           "EmbeddingRequestOutput", "ClassificationOutput", "ClassificationRequestOutput",
+           "ScoringOutput", "ScoringRequestOutput", "LoRARequest"]
 __version__ = "0.1.0"
 
 

@@ -74,6 +74,11 @@ class ModelArchConfig:
     # config.json's `quantization_config` (or the one `--quantization` asks for),
     # resolved by `pagoda.model.quantization.resolve_quantization`; None: unquantized.
     quantization_config: dict | None = None
+    # Encoders (BERT): segment (token type) embeddings and the LayerNorm epsilon;
+    # sequence-classification heads (cross-encoders): their number of outputs.
+    type_vocab_size: int = 0
+    layer_norm_eps: float = 1e-12
+    num_labels: int = 0
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The window of layer `layer_idx`, or None when it attends to the whole context."""
@@ -182,6 +187,39 @@ class StructuredOutputsConfig:
         return config
 
 
+# vLLM's pooling types this engine runs: the last token's hidden state (decoders),
+# the mean over the prompt, or the first token's ([CLS] of an encoder).
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+
+@dataclass
+class PoolerConfig:
+    """How a pooling model (`--runner pooling`) turns a prompt's last hidden states into
+    one vector (vLLM's `PoolerConfig`), resolved once at start-up from the model folder
+    (sentence-transformers' modules.json, 1_Pooling/config.json) and `--pooler-config`
+    by `pagoda.model.pooler_config`.
+
+    Invariant: `pooling_type` is one of POOLING_TYPES; `task` is "embed" or "classify";
+    a classifier has one label name per output (`labels`), an embedding model none.
+    """
+
+    pooling_type: str = "LAST"
+    normalize: bool = True  # embeddings are L2-normalised unless a request says otherwise
+    task: str = "embed"  # the model's own task
+    hidden_size: int = 0  # the embedding size (a request's `dimensions` may not exceed it)
+    is_matryoshka: bool = False  # leading dimensions form usable smaller embeddings
+    matryoshka_dimensions: tuple[int, ...] = ()  # the sizes it was trained for (empty: any)
+    labels: tuple[str, ...] = ()  # a classifier's class names, in output order
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        """Tasks a request may name: an embedding model embeds; a classifier classifies,
+        and with one output also scores text pairs (a cross-encoder)."""
+        if self.task == "embed":
+            return ("embed",)
+        return ("classify", "score") if len(self.labels) == 1 else ("classify",)
+
+
 @dataclass
 class EngineConfig:
     """Everything one replica needs; built by `pagoda.engine.arg_utils.EngineArgs`."""
@@ -205,6 +243,10 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     # "auto" (the model dtype) or "fp8" (float8_e4m3fn, CUDA only).
     kv_cache_dtype: str = "auto"
+    # vLLM's --runner, resolved: "generate" samples tokens; "pooling" returns one vector
+    # per request (embeddings, classes, scores), as `pooler_config` says.
+    runner: str = "generate"
+    pooler_config: PoolerConfig | None = None
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     # vLLM's --enable-lora with --max-loras/--max-lora-rank/--max-cpu-loras (None: no LoRA).
     lora: LoRAConfig | None = None

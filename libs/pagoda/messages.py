@@ -14,7 +14,11 @@ Three hops, named by pipeline stage:
   every running request, appends the tokens it samples itself, and forgets a request
   when its id shows up in `finished_req_ids` or `preempted_req_ids`. A preempted
   request that is resumed travels again as new.
-* Worker -> scheduler (`ModelRunnerOutput`): sampled tokens and logprobs per request.
+* Worker -> scheduler (`ModelRunnerOutput`): sampled tokens and logprobs per request,
+  or a pooling request's pooled vector (`pooler_output`).
+* A pooling request (`pooling_params` set) is a prefill and nothing else: its whole
+  prompt runs in one step, the worker pools the hidden states instead of sampling,
+  and the request finishes in that step with `EngineCoreOutput.pooling_output`.
 
 This module imports nothing from `core/`, `engine/` or `worker/`: they import it. The
 gateway may import it too (small plain dataclasses, no model code).
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagoda.lora.request import LoRARequest
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -62,6 +67,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # req_id -> logprobs of the prompt positions computed this step (only if requested).
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # req_id -> the pooled vector of a pooling request whose prompt ran this step.
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> "ModelRunnerOutput":
@@ -95,6 +102,9 @@ class EngineCoreRequest:
     # Hashed into every prefix-cache block (vLLM's `cache_salt`): equal prompts with
     # different salts never share cached KV. None for no salt.
     cache_salt: str | None = None
+    # A pooling request: run the prompt and return one vector; its sampling_params
+    # are then `pooling_params.PREFILL_ONLY` (never sampled).
+    pooling_params: PoolingParams | None = None
     # vLLM's `priority`: under --scheduling-policy priority, lower values are admitted
     # first (ties by arrival) and higher ones are preempted first; must be 0 under fcfs.
     priority: int = 0
@@ -117,6 +127,8 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # A pooling request's result, on its one (finished) output.
+    pooling_output: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -135,6 +147,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    pooling_params: PoolingParams | None = None  # set for a pooling request
     # The request's adapter, sent once; the worker loads it (pagoda.lora.manager).
     lora_request: LoRARequest | None = None
 

@@ -1,8 +1,10 @@
-"""Request outputs shaped like vLLM's `RequestOutput` / `CompletionOutput`."""
+"""Request outputs shaped like vLLM's: `RequestOutput` / `CompletionOutput` for generation,
+`PoolingRequestOutput` and its typed forms for pooling models."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -47,3 +49,86 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- pooling models
+# vLLM's pooling outputs (`vllm.outputs`): a request's result is `outputs`, typed by
+# the call that made it (`LLM.encode`, `.embed`, `.classify`, `.score`).
+
+
+@dataclass
+class PoolingOutput:
+    """The pooled vector of one request, as a 1-D float32 torch tensor."""
+
+    data: Any  # torch.Tensor (torch is imported only where outputs are made)
+
+
+@dataclass
+class EmbeddingOutput:
+    """One embedding; its length is the model's hidden size (or the requested `dimensions`)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    """Class probabilities (or logits without activation), one per label."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    """The similarity score of a text pair."""
+
+    score: float
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What a pooling request produced (vLLM's `PoolingRequestOutput`): `outputs` is a
+    `PoolingOutput` from `LLM.encode`, or the typed output of the subclasses below."""
+
+    request_id: str
+    outputs: Any
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """`outputs` is an `EmbeddingOutput` (`LLM.embed`)."""
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()),
+                   output.prompt_token_ids, output.num_cached_tokens, output.finished)
+
+
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """`outputs` is a `ClassificationOutput` (`LLM.classify`)."""
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> "ClassificationRequestOutput":
+        return cls(output.request_id, ClassificationOutput(output.outputs.data.tolist()),
+                   output.prompt_token_ids, output.num_cached_tokens, output.finished)
+
+
+class ScoringRequestOutput(PoolingRequestOutput):
+    """`outputs` is a `ScoringOutput` (`LLM.score`)."""
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> "ScoringRequestOutput":
+        data = output.outputs.data.reshape(-1)
+        if data.numel() != 1:
+            raise ValueError(f"A score is one number; the model returned {data.numel()}")
+        return cls(output.request_id, ScoringOutput(float(data[0])), output.prompt_token_ids,
+                   output.num_cached_tokens, output.finished)

@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 import pagoda
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
-from pagoda.services.gateway import openai_routes
+from pagoda.services.gateway import openai_routes, pooling_routes
 from pagoda.services.gateway import responses_api, server_routes
 from pagoda.services.gateway.auth import APIKeyMiddleware
 from pagoda.services.gateway.http_metrics import HttpMetricsMiddleware
@@ -59,6 +59,7 @@ def build_app(state: GatewayState, make_peers: Callable[[], Peers],
     app.include_router(responses_api.router)  # /v1/responses
     app.include_router(server_routes.router)  # /ping, /load, /v1/models[/{model}]
     app.add_middleware(server_routes.ServerLoadMiddleware)  # counts authorized requests
+    app.include_router(pooling_routes.router)  # embeddings, score, rerank, classify
 
     # Inside the API-key check (a caller without the key is refused before its body is
     # read); outside everything that parses the body.

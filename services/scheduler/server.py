@@ -63,12 +63,7 @@ def main(args: argparse.Namespace) -> int:
     # The grammar backend (the tokenizer's vocabulary tables) loads in the background now,
     # so the first structured-output request does not wait for it.
     core.structured_output_manager.warm_up()
-    instance_id = args.instance_id or f"{args.host}:{args.port}"
-    info = pb.GetModelInfoResponse(
-        model=config.model, max_model_len=config.scheduler.max_model_len,
-        block_size=config.cache.block_size, num_gpu_blocks=config.cache.num_blocks,
-        instance_id=instance_id, prefix_hash_seed=config.cache.prefix_hash_seed,
-        served_model_name=config.served_model_name, epoch=uuid.uuid4().hex)
+    info = model_info(config, args.instance_id or f"{args.host}:{args.port}")
     recorder, stats_thread = build_recorder(config, args)
     try:
         asyncio.run(_serve(args, core, info, config.arch.eos_token_ids, recorder))
@@ -78,6 +73,19 @@ def main(args: argparse.Namespace) -> int:
             stats_thread.stop()
         tracing.shutdown_tracing()
     return 0
+
+
+def model_info(config, instance_id: str) -> pb.GetModelInfoResponse:
+    """What GetModelInfo answers for this replica (a new epoch per call: per process)."""
+    info = pb.GetModelInfoResponse(
+        model=config.model, max_model_len=config.scheduler.max_model_len,
+        block_size=config.cache.block_size, num_gpu_blocks=config.cache.num_blocks,
+        instance_id=instance_id, prefix_hash_seed=config.cache.prefix_hash_seed,
+        served_model_name=config.served_model_name, epoch=uuid.uuid4().hex)
+    if config.pooler_config is not None:  # --runner pooling: what the gateway may ask
+        info.pooling.task = config.pooler_config.task
+        info.pooling.labels.extend(config.pooler_config.labels)
+    return info
 
 
 async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,

@@ -45,12 +45,13 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"block_size must not be negative, got {request.block_size}")
         try:
-            prompt, token_ids = self._encode(request)
+            prompt, token_ids, token_type_ids = self._encode(request)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:  # a template's own errors (jinja2) are the caller's input
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chat template error: {exc}")
-        response = pb.TokenizeResponse(token_ids=token_ids, prompt=prompt)
+        response = pb.TokenizeResponse(token_ids=token_ids, prompt=prompt,
+                                       token_type_ids=token_type_ids)
         if request.block_size > 0:
             response.block_hashes.extend(hash_request_tokens(
                 token_ids, request.block_size, self.prefix_hash_seed,
@@ -59,20 +60,31 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
             response.token_strs.extend(self.tokenizer.convert_ids_to_tokens(token_ids))
         return response
 
-    def _encode(self, request: pb.TokenizeRequest) -> tuple[str, list[int]]:
-        """(the text encoded, its token ids); ValueError for invalid chat input."""
+    def _encode(self, request: pb.TokenizeRequest) -> tuple[str, list[int], list[int]]:
+        """(the text encoded, its token ids, a text pair's token types); ValueError for
+        invalid chat input."""
         kind = request.WhichOneof("input")
+        token_type_ids: list[int] = []
         if kind == "token_ids":
-            return "", list(request.token_ids.token_ids)  # nothing to encode
+            return "", list(request.token_ids.token_ids), []  # nothing to encode
         if kind == "chat":
             prompt = render_chat_template(self.tokenizer, **chat_input_from_proto(request.chat))
             # vLLM's chat add_special_tokens (off by default): on top of the template's.
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
+        elif request.HasField("text_pair") or request.max_length > 0:
+            prompt = request.prompt
+            pair = request.text_pair if request.HasField("text_pair") else None
+            encoded = self.tokenizer(prompt, pair, add_special_tokens=request.add_special_tokens,
+                                     truncation=request.max_length > 0,
+                                     max_length=request.max_length or None)
+            token_ids = encoded["input_ids"]
+            if pair is not None:
+                token_type_ids = list(encoded.get("token_type_ids") or [])
         else:
             prompt = request.prompt
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
         tokenizer_metrics().tokens.labels("Tokenize").inc(len(token_ids))
-        return prompt, token_ids
+        return prompt, token_ids, token_type_ids
 
     @timed("Detokenize")
     def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.ServicerContext

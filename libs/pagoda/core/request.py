@@ -35,6 +35,8 @@ class Request:
                  max_model_len: int) -> None:
         self.request_id = core_request.request_id
         self.sampling_params: SamplingParams = core_request.sampling_params
+        # A pooling request: its prompt runs once, then it finishes with the pooled vector.
+        self.pooling_params = core_request.pooling_params
         self.prompt_token_ids = list(core_request.prompt_token_ids)
         self.output_token_ids: list[int] = list(core_request.output_token_ids)
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids

@@ -15,6 +15,10 @@ Structured outputs: a constrained request waits (WAITING_FOR_GRAMMAR) until its 
 compiled, skipped over so the requests behind it are admitted meanwhile; each step's
 plan carries the bitmask rows of the constrained requests that sample, and each
 accepted token advances the request's matcher (`pagoda.structured_output`).
+
+Pooling requests (`--runner pooling`) are prefills only: a pooling engine runs without
+chunked prefill, so each is admitted with its whole remaining prompt, and it finishes
+in the step that ran it, with the worker's pooled vector (`_finish_pooled`).
 """
 
 from __future__ import annotations
@@ -169,7 +173,8 @@ class Scheduler:
             new_reqs.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, list(request.output_token_ids),
                 request.sampling_params, self.kv_cache_manager.get_block_ids(request.request_id),
-                request.num_computed_tokens, lora_request=request.lora_request))
+                request.num_computed_tokens, request.pooling_params,
+                lora_request=request.lora_request))
         self.waiting.prepend_requests(skipped)
 
         output = SchedulerOutput(new_reqs, cached, num_scheduled, sum(num_scheduled.values()),
@@ -240,6 +245,7 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         now = time.time()
+        self._finish_pooled(runner_output.pooler_output, outputs)
         for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
@@ -321,6 +327,20 @@ class Scheduler:
                            request.output_token_ids[-1])
         request.finish_reason, request.stop_reason = FinishReason.STOP, None
         return False
+
+    def _finish_pooled(self, pooler_output: dict[str, list[float]],
+                       outputs: list[EngineCoreOutput]) -> None:
+        """A pooling request ends in the step that ran its prompt, with its vector."""
+        for req_id, vector in pooler_output.items():
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue  # aborted while the step ran
+            request.finish_reason = FinishReason.STOP
+            outputs.append(EngineCoreOutput(req_id, [], finish_reason=FinishReason.STOP,
+                                            num_cached_tokens=max(request.num_cached_tokens, 0),
+                                            pooling_output=vector))
+            self.running.remove(request)
+            self._free_request(request)
 
     def _free_request(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED

@@ -100,6 +100,10 @@ class ParallelModelRunner(ModelRunner):
             self.model.compute_logits(hidden[rows])  # the same gathers, in the same order
         return {}
 
+    def _pool(self, inputs: ModelInputs, hidden: torch.Tensor) -> dict[str, list[float]]:
+        # Every TP rank holds the whole hidden states: only the output rank reports.
+        return super()._pool(inputs, hidden) if self.is_output_rank else {}
+
     def _append_sampled(self, sampled_token_ids: dict[str, list[int]]) -> None:
         for req_id, tokens in sampled_token_ids.items():
             state = self.states.get(req_id)
@@ -143,7 +147,8 @@ class ParallelModelRunner(ModelRunner):
                             batch: dict[str, int]) -> ModelRunnerOutput:
         prompt_logprobs = self._prompt_logprobs(inputs, hidden, batch)
         sampled, logprobs = self._sample(inputs, hidden)
-        return ModelRunnerOutput(inputs.req_ids, sampled, logprobs, prompt_logprobs)
+        return ModelRunnerOutput(inputs.req_ids, sampled, logprobs, prompt_logprobs,
+                                 self._pool(inputs, hidden))
 
 
 def _merge(outputs: list[ModelRunnerOutput]) -> ModelRunnerOutput:
@@ -153,4 +158,5 @@ def _merge(outputs: list[ModelRunnerOutput]) -> ModelRunnerOutput:
         merged.sampled_token_ids.extend(out.sampled_token_ids)
         merged.logprobs.update(out.logprobs)
         merged.prompt_logprobs.update(out.prompt_logprobs)
+        merged.pooler_output.update(out.pooler_output)
     return merged

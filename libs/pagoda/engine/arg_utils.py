@@ -58,6 +58,10 @@ class EngineArgs:
     # --reasoning-parser (the grammar starts after the reasoning ends).
     structured_outputs_config: dict | str | None = None
     reasoning_parser: str | None = None
+    # vLLM's --runner / --convert / --pooler-config (pagoda.model.pooler_config).
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: dict | str | None = None
     # vLLM's multi-LoRA flags (pagoda.lora.config.LoRAConfig).
     enable_lora: bool = False
     max_loras: int = 1
@@ -132,6 +136,17 @@ class EngineArgs:
                             help="deepseek_r1 or qwen3: a structured-output grammar applies "
                                  "after the reasoning ends (the gateway splits "
                                  "reasoning_content from content).")
+        parser.add_argument("--runner", default=d.runner, choices=["auto", "generate", "pooling"],
+                            help="generate: text; pooling: embeddings, classification and "
+                                 "scores (auto: pooling for encoders such as BertModel and "
+                                 "sentence-transformers folders, else generate).")
+        parser.add_argument("--convert", default=d.convert, choices=["auto", "embed"],
+                            help="With --runner pooling: serve a generative decoder as an "
+                                 "embedding model (last-token pooling).")
+        parser.add_argument("--pooler-config", default=None, metavar="JSON",
+                            help='The pooler of a pooling model, e.g. \'{"pooling_type": "MEAN", '
+                                 '"normalize": false}\' (types: LAST, MEAN, CLS; default: the '
+                                 "model's sentence-transformers config, else its architecture's).")
         parser.add_argument("--enable-lora", action="store_true",
                             help="Serve LoRA adapters (PEFT format) on top of the base model.")
         parser.add_argument("--max-loras", type=int, default=d.max_loras,
@@ -160,6 +175,7 @@ class EngineArgs:
                              f"{self.max_logprobs}")
         from pagoda.model.kv_cache import resolve_kv_cache_dtype
         from pagoda.model.loader import load_arch_config, resolve_dtype, resolve_model_path
+        from pagoda.model.pooler_config import resolve_pooling
         from pagoda.model.quantization import resolve_quantization
 
         model_path = resolve_model_path(self.model, self.revision, self.download_dir)
@@ -169,18 +185,26 @@ class EngineArgs:
         arch = dataclasses.replace(arch, quantization_config=resolve_quantization(
             self.quantization, arch.quantization_config))
         kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, device)
-        max_model_len = self.max_model_len or arch.max_position_embeddings
+        pooling = resolve_pooling(model_path, arch, self.runner, self.convert, self.pooler_config)
+        # A sentence-transformers model reads at most its max_seq_length tokens (vLLM's cap).
+        max_model_len = self.max_model_len or min(arch.max_position_embeddings,
+                                                  pooling.max_seq_length or 2**31)
+        arch.max_model_len = max_model_len  # longrope picks its factors by it
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
         max_batched = self.max_num_batched_tokens or 2048
-        if not self.enable_chunked_prefill:
+        # A pooling request runs its whole prompt in one step (an encoder attends over all
+        # of it; mean pooling reads all of it): no chunked prefill for pooling models.
+        chunked = self.enable_chunked_prefill and pooling.runner == "generate"
+        if not chunked:
             max_batched = max(max_batched, max_model_len)
         _check_positive(block_size=self.block_size, max_num_seqs=self.max_num_seqs,
                         max_num_batched_tokens=max_batched)
         if self.max_waiting_requests is not None:
             _check_positive(max_waiting_requests=self.max_waiting_requests)
         cache = CacheConfig(
-            block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching and pooling.allows_prefix_caching,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             gpu_memory_utilization=self.gpu_memory_utilization,
             prefix_hash_seed=self.prefix_cache_hash_seed)
@@ -188,8 +212,9 @@ class EngineArgs:
             cache.kv_cache_memory_bytes = self.kv_cache_memory_bytes
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
-            max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_model_len=max_model_len, enable_chunked_prefill=chunked,
+            long_prefill_token_threshold=(self.long_prefill_token_threshold
+                                          if pooling.runner == "generate" else 0),
             max_waiting_requests=self.max_waiting_requests, policy=self.scheduling_policy,
             max_loras=self.max_loras if self.enable_lora else None)
         names = self.served_model_name
@@ -206,6 +231,7 @@ class EngineArgs:
             enable_expert_parallel=self.enable_expert_parallel, kv_cache_dtype=kv_cache_dtype,
             structured_outputs=StructuredOutputsConfig.parse(self.structured_outputs_config,
                                                              self.reasoning_parser),
+            runner=pooling.runner, pooler_config=pooling.pooler_config,
             lora=self._lora_config())
 
     def _lora_config(self):

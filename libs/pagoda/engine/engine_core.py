@@ -108,7 +108,9 @@ def validate_request(request: EngineCoreRequest, config: EngineConfig, num_block
     bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"Token id {bad[0]} is out of vocabulary (vocab size {vocab}).")
-    if num_prompt >= max_len:
+    if validate_pooling_request(request, config):
+        pass  # prefill only: the prompt may fill the whole context
+    elif num_prompt >= max_len:
         raise ValueError(
             f"The decoder prompt (length {num_prompt}) is longer than the maximum model length "
             f"of {max_len}. Make sure that `max_model_len` is no smaller than the number of "
@@ -123,3 +125,27 @@ def validate_request(request: EngineCoreRequest, config: EngineConfig, num_block
     if max_total > capacity:
         raise ValueError(f"The request needs up to {max_total} tokens of KV cache, more than "
                          f"this replica holds ({capacity} tokens).")
+
+
+def validate_pooling_request(request: EngineCoreRequest, config: EngineConfig) -> bool:
+    """True for a pooling request, whose params are then completed for the model
+    (`PoolingParams.verify`); ValueError for a request the runner cannot serve (a
+    generation request on a pooling model, or the reverse) or a prompt too long."""
+    params = request.pooling_params
+    if config.runner != "pooling":
+        if params is not None:
+            raise ValueError("This model generates text (--runner generate); it does not "
+                             "answer pooling requests (embeddings, classification, scores).")
+        return False
+    if params is None:
+        raise ValueError("This model is a pooling model (--runner pooling): it answers "
+                         "embedding, classification and score requests, not text generation.")
+    pooler = config.pooler_config
+    params.verify(params.task or pooler.task, pooler, config.served_model_name[0]
+                  if config.served_model_name else config.model)
+    num_prompt, max_len = len(request.prompt_token_ids), config.scheduler.max_model_len
+    if num_prompt > max_len:
+        raise ValueError(f"This model's maximum context length is {max_len} tokens. However, "
+                         f"you requested {num_prompt} tokens in the input for embedding "
+                         "generation. Please reduce the length of the input.")
+    return True

@@ -1,4 +1,8 @@
-"""The offline engine: tokenizer + engine core + output processor in one process."""
+"""The offline engine: tokenizer + engine core + output processor in one process.
+
+Pooling requests (`PoolingParams`) need no output processor: each finishes in one
+step with its vector, which `step` returns as a `PoolingRequestOutput`.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,8 @@ from pagoda.engine.engine_core import EngineCore
 from pagoda.executor.factory import make_executor
 from pagoda.engine.output_processor import OutputProcessor, ParentRequest
 from pagoda.lora.request import LoRARequest
-from pagoda.outputs import RequestOutput
+from pagoda.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from pagoda.pooling_params import PREFILL_ONLY, PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 
@@ -26,21 +31,28 @@ class LLMEngine:
         self.core = EngineCore(self.config, make_executor(self.config))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._pooling: dict[str, list[int]] = {}  # unfinished pooling requests' prompts
 
     def add_request(self, prompt: str | None, prompt_token_ids: list[int] | None,
-                    params: SamplingParams, request_id: str | None = None,
+                    params: SamplingParams | PoolingParams, request_id: str | None = None,
                     cache_salt: str | None = None, priority: int = 0,
                     lora_request: LoRARequest | None = None) -> str:
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("Either a prompt or prompt_token_ids is required.")
             prompt_token_ids = self.tokenizer.encode(prompt)
-        check_logprobs_limit(params, self.config.max_logprobs)
+        request_id = request_id or str(next(self._ids))
         self._check_lora(lora_request)
+        if isinstance(params, PoolingParams):
+            self.core.add_request(EngineCoreRequest(request_id, list(prompt_token_ids),
+                                                    PREFILL_ONLY, cache_salt=cache_salt,
+                                                    pooling_params=params, priority=priority))
+            self._pooling[request_id] = list(prompt_token_ids)
+            return request_id
+        check_logprobs_limit(params, self.config.max_logprobs)
         prompt_token_ids, params = apply_prompt_fields(prompt_token_ids, params, self.tokenizer,
                                                        self.config.scheduler.max_model_len,
                                                        self.config.arch.vocab_size)
-        request_id = request_id or str(next(self._ids))
         parent = ParentRequest(request_id, prompt, list(prompt_token_ids), params)
         child_ids = self.output_processor.add_request(parent)
         eos = self.config.arch.eos_token_ids
@@ -73,14 +85,31 @@ class LLMEngine:
 
         read_adapter_config(lora_request.lora_path)
 
-    def step(self) -> list[RequestOutput]:
-        finished, to_abort = self.output_processor.process_outputs(self.core.step())
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
+        core_outputs = self.core.step()
+        pooled = self._pooled_outputs(core_outputs)
+        finished, to_abort = self.output_processor.process_outputs(core_outputs)
         if to_abort:
             self.core.scheduler.finish_requests(to_abort, FinishReason.STOP)
-        return finished
+        return pooled + finished
+
+    def _pooled_outputs(self, core_outputs) -> list[PoolingRequestOutput]:
+        """The pooling requests that finished (an aborted one has no vector: dropped)."""
+        import torch
+
+        results = []
+        for out in core_outputs:
+            if out.request_id not in self._pooling or not out.finished:
+                continue
+            prompt_token_ids = self._pooling.pop(out.request_id)
+            if out.pooling_output is not None:
+                results.append(PoolingRequestOutput(
+                    out.request_id, PoolingOutput(torch.tensor(out.pooling_output)),
+                    prompt_token_ids, out.num_cached_tokens))
+        return results
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests()
+        return self.output_processor.has_unfinished_requests() or bool(self._pooling)
 
     def abort_request(self, request_ids: list[str]) -> None:
         self.core.abort_requests(request_ids)

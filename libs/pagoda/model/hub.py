@@ -41,6 +41,9 @@ DEFAULT_ENDPOINT = "https://huggingface.co"
 CONFIG_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
                    "merges.txt", "chat_template*", "*.tiktoken", "spiece.model")
+# A sentence-transformers model's pooling setup (`pagoda.model.pooler_config`): its module
+# list and configs at the root, and each module folder's config (`1_Pooling/config.json`).
+POOLING_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
 # ORG/NAME as the hub spells repo ids (letters, digits, "-", "_", "."; no "--" or "..").
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
 
@@ -186,8 +189,10 @@ def _files_to_fetch(repo_id: str, names: list[str], kind: Kind, fetch_index) -> 
     import fnmatch
 
     root = [n for n in names if "/" not in n]
-    wanted = [n for n in root
-              if any(fnmatch.fnmatchcase(n, p) for p in (*CONFIG_FILES, *TOKENIZER_FILES))]
+    wanted = [n for n in root if any(fnmatch.fnmatchcase(n, p)
+                                     for p in (*CONFIG_FILES, *TOKENIZER_FILES, *POOLING_FILES))]
+    if "modules.json" in root:
+        wanted += [n for n in names if n.count("/") == 1 and n.endswith("/config.json")]
     if "config.json" not in root:
         raise ValueError(f"Model {repo_id!r} on the Hugging Face hub has no config.json; "
                          "Pagoda serves transformers-format checkpoints (or a local GGUF file)")

@@ -25,6 +25,7 @@ from pagoda.model import quantization as quantization_methods
 from pagoda.model.gguf_loader import arch_config_from_gguf, iter_gguf_weights
 from pagoda.model.hf_config import arch_config_from_hf_dir
 from pagoda.model.hub import download, is_hub_id
+from pagoda.model.pooling_model import as_pooling_model
 from pagoda.model.pt_loader import iter_pt_weights
 from pagoda.model.registry import MODEL_REGISTRY
 from pagoda.model.safetensors_loader import iter_safetensors_weights
@@ -109,14 +110,17 @@ def load_arch_config(model_path: str) -> ModelArchConfig:
 
 def load_model(model_path: str, arch: ModelArchConfig, dtype: torch.dtype,
                device: str | torch.device = "cpu",
-               parallel: ParallelContext | None = None) -> nn.Module:
+               parallel: ParallelContext | None = None, runner: str = "generate") -> nn.Module:
     """Build the model class registered for `arch.architecture` directly on `device` in
     `dtype` and fill it from the checkpoint.
 
     With a `parallel` context, only this rank's share is built, and a pipeline stage
-    reads only the checkpoint tensors it needs.
+    reads only the checkpoint tensors it needs. `runner="pooling"` builds a generative
+    decoder in its pooling form (no LM head: `pooling_model.as_pooling_model`).
     """
     model_cls = MODEL_REGISTRY.resolve(arch.architecture).model_cls
+    if runner == "pooling":
+        model_cls = as_pooling_model(model_cls)
     quant = quantization_methods.get_quantization_config(arch.quantization_config)
     with torch.device(device), quantization_methods.quantized_construction(quant):
         model = model_cls(arch, dtype, parallel)

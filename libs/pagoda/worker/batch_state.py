@@ -8,6 +8,7 @@ import torch
 
 from pagoda.lora.request import LoRARequest
 from pagoda.messages import NewRequestData
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 
@@ -24,13 +25,14 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: torch.Generator | None = None
     token_ids: list[int] = field(default_factory=list)
+    pooling_params: PoolingParams | None = None  # a pooling request: pooled, never sampled
     lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
     @classmethod
     def from_new(cls, data: NewRequestData, generator: torch.Generator | None) -> "CachedRequestState":
         state = cls(data.req_id, list(data.prompt_token_ids), list(data.output_token_ids),
                     data.sampling_params, list(data.block_ids), data.num_computed_tokens, generator,
-                    lora_request=data.lora_request)
+                    pooling_params=data.pooling_params, lora_request=data.lora_request)
         state.token_ids = state.prompt_token_ids + state.output_token_ids
         return state
 

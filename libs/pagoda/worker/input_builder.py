@@ -20,7 +20,8 @@ class ModelInputs:
     attn_metadata: AttentionMetadata
     # Index into the flattened tokens of each request's last scheduled token.
     last_token_indices: list[int]
-    # The request reaches the end of its known tokens this step, so it samples.
+    # The request reaches the end of its known tokens this step, so it samples (a
+    # pooling request never samples: the model runner pools it instead).
     samples: list[bool]
 
 
@@ -54,7 +55,7 @@ def build_model_inputs(states: dict[str, CachedRequestState], num_scheduled: dic
         slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
         query_start.append(query_start[-1] + n)
         seq_lens.append(end)
-        samples.append(end >= len(state.token_ids))
+        samples.append(end >= len(state.token_ids) and state.pooling_params is None)
         tables.append(blocks)
     max_blocks = max(len(t) for t in tables)
     table_tensor = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)

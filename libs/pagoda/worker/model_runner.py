@@ -44,6 +44,7 @@ class ModelRunner:
         # This step's structured-output rows (request ids, packed bitmask), from the plan.
         self._grammar: tuple[list[str], object] | None = None
         self.model = None
+        self.pooler = None  # the model's Pooler under --runner pooling
         self.cuda_graphs = None  # DecodeCUDAGraphs on CUDA unless enforce_eager
         self.lora_manager = None  # pagoda.lora.manager.LoRAModelManager under --enable-lora
 
@@ -54,17 +55,31 @@ class ModelRunner:
 
         torch.manual_seed(self.config.seed)
         self.model = load_model(self.config.model, self.config.arch, self.dtype, self.device,
-                                self.parallel)
+                                self.parallel, self.config.runner)
         self.sampler = Sampler()
+        if self.config.pooler_config is not None:
+            from pagoda.model.pooler import Pooler
+
+            self.pooler = Pooler(self.config.pooler_config, self.model)
         if self.config.lora is not None:
             from pagoda.lora.manager import LoRAModelManager
 
             self.lora_manager = LoRAModelManager(self.model, self.config.lora, self.device,
                                                  self.dtype)
 
+    @property
+    def is_encoder(self) -> bool:
+        """A bidirectional encoder (BERT): no KV cache, each prompt whole in its step."""
+        return getattr(self.model, "is_encoder", False)
+
     def determine_num_blocks(self) -> int:
         from pagoda.model.kv_cache import kv_cache_bytes_per_block
 
+        if self.is_encoder:
+            # No KV cache: the scheduler's blocks only count the tokens of one step (an
+            # encoder's requests finish in the step that runs them).
+            sched = self.config.scheduler
+            return -(-sched.max_num_batched_tokens // self.block_size) + sched.max_num_seqs
         per_block = kv_cache_bytes_per_block(self.config.arch, self.block_size,
                                              self.kv_cache_dtype, self.parallel)
         if self.device.type == "cuda":
@@ -122,11 +137,13 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         from pagoda.model.kv_cache import allocate_kv_caches
 
+        if self.is_encoder:
+            return  # attention reads only the step's own keys and values
         self.kv_caches = allocate_kv_caches(self.config.arch, num_blocks, self.block_size,
                                             self.kv_cache_dtype, self.device, self.parallel)
         # Graphs capture a whole-model decode; a group's ranks run eagerly for now.
         if (self.device.type == "cuda" and not self.config.enforce_eager
-                and self.parallel.world_size == 1
+                and self.parallel.world_size == 1 and self.config.runner == "generate"
                 and self.lora_manager is None):  # graphs would freeze one step's adapters
             self._capture_cuda_graphs()
 
@@ -157,12 +174,18 @@ class ModelRunner:
         hidden = self._forward(inputs)
         prompt_logprobs = self._prompt_logprobs(inputs, hidden, scheduler_output.num_scheduled_tokens)
         sampled, logprobs = self._sample(inputs, hidden)
+        pooled = self._pool(inputs, hidden)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             self.states[req_id].num_computed_tokens += n
-        return ModelRunnerOutput(inputs.req_ids, sampled, logprobs, prompt_logprobs)
+        return ModelRunnerOutput(inputs.req_ids, sampled, logprobs, prompt_logprobs, pooled)
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         md = inputs.attn_metadata
+        if self.is_encoder:
+            from pagoda.worker.pooling import token_type_ids
+
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, md,
+                              token_type_ids=token_type_ids(self.states, inputs))
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(md, len(inputs.input_ids)):
             return self.cuda_graphs.run(inputs.input_ids, inputs.positions, md)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, md)
@@ -174,6 +197,11 @@ class ModelRunner:
         qsl = inputs.attn_metadata.query_start_loc_cpu
         self.lora_manager.prepare_step([(self.states[r].lora_request, qsl[i + 1] - qsl[i])
                                         for i, r in enumerate(inputs.req_ids)])
+
+    def _pool(self, inputs: ModelInputs, hidden: torch.Tensor) -> dict[str, list[float]]:
+        from pagoda.worker.pooling import pool_requests
+
+        return pool_requests(self.pooler, self.states, inputs, hidden)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         self._grammar = ((so.structured_output_request_ids, so.grammar_bitmask)

@@ -20,6 +20,13 @@ from pagoda.services.common.protocol.common import (
     logprobs_from_proto,
     logprobs_to_proto,
 )
+from pagoda.pooling_params import PREFILL_ONLY
+from pagoda.services.common.protocol.pooling_params import (
+    pooled_data_from_proto,
+    pooled_data_to_proto,
+    pooling_params_from_proto,
+    pooling_params_to_proto,
+)
 from pagoda.services.common.protocol.sampling_params import (
     sampling_params_from_proto,
     sampling_params_to_proto,
@@ -32,29 +39,38 @@ from pagoda.services.common.protocol.sampling_params import (
 MIGRATION_REASON_KEY = "pagoda-migration-reason"
 
 def request_to_proto(req: EngineCoreRequest) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
+    """A pooling request carries its pooling params instead of sampling params."""
+    msg = pb.GenerateRequest(
         request_id=req.request_id,
         prompt_token_ids=req.prompt_token_ids,
-        sampling_params=sampling_params_to_proto(req.sampling_params),
         eos_token_ids=req.eos_token_ids,
         arrival_time=req.arrival_time,
         output_token_ids=req.output_token_ids,
         cache_salt=req.cache_salt or "",
         priority=req.priority,
     )
+    if req.pooling_params is not None:
+        pooling_params_to_proto(req.pooling_params, msg.pooling_params)
+    else:
+        msg.sampling_params.CopyFrom(sampling_params_to_proto(req.sampling_params))
+    if req.kv_transfer_params is not None:
+        kv_params_to_proto(req.kv_transfer_params, msg.kv_transfer_params)
+    return msg
 
 
 def request_from_proto(msg: pb.GenerateRequest) -> EngineCoreRequest:
     """The sampling params are not validated again (the gateway did)."""
+    pooling = msg.HasField("pooling_params")
     return EngineCoreRequest(
         request_id=msg.request_id,
         prompt_token_ids=list(msg.prompt_token_ids),
-        sampling_params=sampling_params_from_proto(msg.sampling_params),
+        sampling_params=PREFILL_ONLY if pooling else sampling_params_from_proto(msg.sampling_params),
         eos_token_ids=list(msg.eos_token_ids),
         arrival_time=msg.arrival_time,
         output_token_ids=list(msg.output_token_ids),
         cache_salt=msg.cache_salt or None,
         priority=msg.priority,
+        pooling_params=pooling_params_from_proto(msg.pooling_params) if pooling else None,
     )
 
 
@@ -88,6 +104,8 @@ def outputs_to_responses(outputs: Sequence[EngineCoreOutput]) -> list[pb.Generat
         )
         if isinstance(last.stop_reason, int):
             complete.stop_token_id = last.stop_reason
+        if last.pooling_output is not None:
+            pooled_data_to_proto(last.pooling_output, complete.pooling_output)
         responses.append(pb.GenerateResponse(complete=complete))
     return responses
 
@@ -114,6 +132,8 @@ def response_to_output(request_id: str, msg: pb.GenerateResponse) -> EngineCoreO
         finish_reason=reason,
         stop_reason=c.stop_token_id if c.HasField("stop_token_id") else None,
         num_cached_tokens=c.num_cached_tokens,
+        pooling_output=(pooled_data_from_proto(c.pooling_output)
+                        if c.HasField("pooling_output") else None),
     )
 
 

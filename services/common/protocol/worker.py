@@ -13,7 +13,12 @@ import numpy as np
 
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as pb
 from pagoda.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagoda.pooling_params import PREFILL_ONLY
 from pagoda.services.common.protocol.common import logprobs_from_proto, logprobs_to_proto
+from pagoda.services.common.protocol.pooling_params import (pooled_data_from_proto,
+                                                            pooled_data_to_proto,
+                                                            pooling_params_from_proto,
+                                                            pooling_params_to_proto)
 from pagoda.services.common.protocol.sampling_params import (
     sampling_params_from_proto,
     sampling_params_to_proto,
@@ -31,14 +36,18 @@ def scheduler_output_to_proto(out: SchedulerOutput) -> pb.SchedulerOutput:
         grammar_bitmask=grammar_bitmask_to_bytes(out.grammar_bitmask),
     )
     for new in out.scheduled_new_reqs:
-        msg.scheduled_new_reqs.add(
+        added = msg.scheduled_new_reqs.add(
             req_id=new.req_id,
             prompt_token_ids=new.prompt_token_ids,
             output_token_ids=new.output_token_ids,
-            sampling_params=sampling_params_to_proto(new.sampling_params, for_worker=True),
             block_ids=new.block_ids,
             num_computed_tokens=new.num_computed_tokens,
         )
+        if new.pooling_params is not None:  # a pooling request: never sampled
+            pooling_params_to_proto(new.pooling_params, added.pooling_params)
+        else:
+            added.sampling_params.CopyFrom(sampling_params_to_proto(new.sampling_params,
+                                                                    for_worker=True))
     cached = out.scheduled_cached_reqs
     msg.scheduled_cached_reqs.req_ids.extend(cached.req_ids)
     msg.scheduled_cached_reqs.num_computed_tokens.extend(cached.num_computed_tokens)
@@ -53,9 +62,12 @@ def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
             req_id=m.req_id,
             prompt_token_ids=list(m.prompt_token_ids),
             output_token_ids=list(m.output_token_ids),
-            sampling_params=sampling_params_from_proto(m.sampling_params),
+            sampling_params=(PREFILL_ONLY if m.HasField("pooling_params")
+                             else sampling_params_from_proto(m.sampling_params)),
             block_ids=list(m.block_ids),
             num_computed_tokens=m.num_computed_tokens,
+            pooling_params=(pooling_params_from_proto(m.pooling_params)
+                            if m.HasField("pooling_params") else None),
         )
         for m in msg.scheduled_new_reqs
     ]
@@ -103,6 +115,8 @@ def model_runner_output_to_proto(out: ModelRunnerOutput) -> pb.ModelRunnerOutput
         logprobs_to_proto(lists, msg.logprobs[req_id])
     for req_id, lists in out.prompt_logprobs.items():
         logprobs_to_proto(lists, msg.prompt_logprobs[req_id])
+    for req_id, data in out.pooler_output.items():
+        pooled_data_to_proto(data, msg.pooler_output[req_id])
     return msg
 
 
@@ -112,4 +126,5 @@ def model_runner_output_from_proto(msg: pb.ModelRunnerOutput) -> ModelRunnerOutp
         sampled_token_ids=[list(t.token_ids) for t in msg.sampled_token_ids],
         logprobs={k: logprobs_from_proto(v) for k, v in msg.logprobs.items()},
         prompt_logprobs={k: logprobs_from_proto(v) for k, v in msg.prompt_logprobs.items()},
+        pooler_output={k: pooled_data_from_proto(v) for k, v in msg.pooler_output.items()},
     )
