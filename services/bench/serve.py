@@ -27,6 +27,8 @@ import time
 from pagoda.services.bench.datasets import (BenchRequest, arrival_times, random_requests,
                                             sharegpt_requests)
 from pagoda.services.bench.stream import RequestResult, request_body, send_request
+from pagoda.services.bench.structured import MODES as STRUCTURED_MODES
+from pagoda.services.bench.structured import structured_fields
 
 ENDPOINTS = {"openai": "/v1/completions", "vllm": "/v1/completions",
              "openai-chat": "/v1/chat/completions"}
@@ -70,6 +72,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=None, help="Default: fresh each run.")
     parser.add_argument("--warmup", type=int, default=1, help="Requests sent before timing.")
     parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--structured", choices=STRUCTURED_MODES, default=None,
+                        help="Constrain every answer (structured outputs): a JSON schema, a "
+                             "regex or a choice (services/bench/structured.py).")
     parser.set_defaults(func=run)
     return parser
 
@@ -124,8 +129,9 @@ async def bench(args: argparse.Namespace) -> dict:
         url = args.base_url + args.endpoint
 
         def body(request: BenchRequest) -> dict:
-            return request_body(args.backend, model, request, args.prompt_format,
-                                args.ignore_eos, args.temperature, args.logprobs)
+            return {**request_body(args.backend, model, request, args.prompt_format,
+                                   args.ignore_eos, args.temperature, args.logprobs),
+                    **structured_fields(args.structured)}
 
         for request in warmup:
             await send_request(client, url, body(request), request)
@@ -167,6 +173,7 @@ def summarize(args: argparse.Namespace, model: str, tokenizer_id: str,
         "burstiness": args.burstiness, "random_input_len": args.random_input_len,
         "random_output_len": args.random_output_len, "ignore_eos": args.ignore_eos,
         "temperature": args.temperature, "logprobs": args.logprobs, "seed": args.seed,
+        "structured": args.structured,
         "duration": round(duration, 3), "completed": len(ok), "failed": len(results) - len(ok),
         "total_input_tokens": total_in, "total_output_tokens": total_out,
         "request_throughput": round(len(ok) / duration, 3),

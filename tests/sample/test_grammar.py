@@ -42,10 +42,16 @@ def test_unpacking_agrees_with_xgrammar_on_the_sign_bit():
 
     vocab = 64
     bitmask = pack([{31, 63, 0}], vocab)  # bit 31 is the int32 sign bit
-    assert unpack_bitmask(torch.from_numpy(bitmask), vocab)[0].nonzero().flatten().tolist() \
-        == [0, 31, 63]
+    assert unpack_bitmask(bitmask, vocab)[0].nonzero()[0].tolist() == [0, 31, 63]
     ours, theirs = torch.randn(1, vocab), None
     theirs = ours.clone()
     apply_grammar_bitmask(ours, bitmask, rows=[0])
     xgrammar.apply_token_bitmask_inplace(theirs, torch.from_numpy(bitmask), backend="cpu")
     assert torch.equal(ours, theirs)
+
+
+def test_half_precision_logits_take_the_torch_path():
+    logits = torch.zeros(2, 40, dtype=torch.bfloat16)
+    apply_grammar_bitmask(logits, pack([{3, 39}], 40), rows=[1])
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [3, 39]
+    assert torch.isfinite(logits[0]).all()
