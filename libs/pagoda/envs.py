@@ -54,6 +54,9 @@ VARIABLES = {v.name: v for v in [
     EnvVar("PAGODA_ENGINE_READY_TIMEOUT_S", "VLLM_ENGINE_READY_TIMEOUT_S", _positive_float,
            900.0, "Default seconds `pagoda serve` waits for every service to be healthy "
            "(--startup-timeout)."),
+    EnvVar("PAGODA_BATCH_INVARIANT", "VLLM_BATCH_INVARIANT", _bool, False,
+           "1: a request's greedy or seeded output does not depend on what else is in the "
+           "batch, on chunking or on prefix-cache hits (--batch-invariant; CPU only)."),
 ]}
 
 

@@ -10,9 +10,23 @@ as SDPA's "query length" so GQA needs no copy of K/V:
 
     q [num_decodes, num_kv_heads, group, D]  x  K [num_decodes, num_kv_heads, L, D]
 
-Prefills (full, chunked, or behind a cached prefix) run one SDPA per request,
-causal with the diagonal shifted by the cached length (query i sits at position
-context_len + i and sees keys 0..context_len + i).
+Prefills (full, chunked, or behind a cached prefix) run one SDPA per request; query
+i sits at position context_len + i and sees keys 0..context_len + i: `is_causal` when
+there is no cached context (SDPA's top-left diagonal is then the right one), an
+explicit mask otherwise.
+
+Batch invariance (`AttentionMetadata.batch_invariant`): a token's attention output
+must not depend on the batch, the chunking or a prefix-cache hit. CPU SDPA's rounding
+depends on how many keys it reads past the visible ones (masked keys still shape
+its loops), and, with fewer than 4 rows, on the query count. Found by measurement
+(tests/model/test_batch_invariance.py): reading keys in whole multiples of SDPA's
+512-key split, and giving it at least 4 query rows, makes each row's result depend
+on its own query and keys only. So in that mode every path reads keys up to the
+next multiple of 512 (decodes: of the longest decode; a prefill: of its last
+query), decodes pad their group of query heads to 4 rows and a prefill repeats its
+last query until its last query block has 4 rows (`_padded_query_rows`). Without
+the mode, reads stop at the last whole block. Sliding-window layers start their
+gather at a block that depends on the first query: not covered.
 
 A sliding window W (Mistral, Gemma's local layers) narrows that to the keys
 `p - W < k <= p` of a query at position p (transformers' mask). Only the blocks
@@ -35,6 +49,18 @@ import torch.nn.functional as F
 from pagoda.model.attention_metadata import AttentionMetadata
 
 _PLAN_ATTR = "_torch_attention_plan"
+# Batch-invariant mode reads keys in multiples of this (CPU SDPA's key split): see
+# "Batch invariance" in the module doc.
+BATCH_INVARIANT_KEY_GRANULE = 512
+
+
+def _num_key_blocks(md: AttentionMetadata, seq_len: int, block_size: int) -> int:
+    """Blocks to read for `seq_len` keys: whole blocks, in batch-invariant mode a whole
+    number of key splits."""
+    granule = 1
+    if md.batch_invariant:
+        granule = max(BATCH_INVARIANT_KEY_GRANULE // block_size, 1)
+    return -(-seq_len // (granule * block_size)) * granule
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -47,12 +73,14 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
 
 @dataclass
 class _PrefillPlan:
+    """One request's queries [query_start, query_end) of the flattened step over the
+    whole blocks `block_ids` (key positions from key_start)."""
+
     query_start: int
     query_end: int
     key_start: int  # position of the first gathered key (0, or the window's first block)
-    seq_len: int
     block_ids: torch.Tensor  # [num_gathered_blocks] int32
-    mask: torch.Tensor | None  # [q, seq_len - key_start] bool; None: plain causal
+    mask: torch.Tensor | None  # [q, num_gathered_blocks * block_size] bool; None: causal
 
 
 @dataclass
@@ -70,7 +98,7 @@ def _decode_plan(md: AttentionMetadata, block_size: int, window: int | None):
     window), the same count for all, with a mask of the keys it may see."""
     nd = md.num_decodes
     seq_lens = md.seq_lens[:nd].long()
-    num_blocks = -(-max(md.seq_lens_cpu[:nd]) // block_size)
+    num_blocks = _num_key_blocks(md, max(md.seq_lens_cpu[:nd]), block_size)
     first_block = torch.zeros_like(seq_lens)
     if window is not None:
         # Keys p - W < k <= p span at most ceil(W / block_size) + 1 blocks.
@@ -92,22 +120,22 @@ def _prefill_plan(md: AttentionMetadata, i: int, block_size: int,
                   window: int | None) -> _PrefillPlan:
     start, end = md.query_start_loc_cpu[i], md.query_start_loc_cpu[i + 1]
     seq_len = md.seq_lens_cpu[i]
-    num_query = end - start
-    context_len = seq_len - num_query
+    context_len = seq_len - (end - start)
     key_start = 0
     if window is not None:  # from the block of the first key the first query sees
         key_start = max(0, context_len - window + 1) // block_size * block_size
-    mask = None
-    if seq_len != num_query or window is not None:
+    first_block, num_blocks = key_start // block_size, _num_key_blocks(md, seq_len, block_size)
+    mask = None  # no context: causal from the top-left corner also masks the tail
+    if context_len or window is not None:
         device = md.block_tables.device
         q_pos = torch.arange(context_len, seq_len, device=device)[:, None]
-        k_pos = torch.arange(key_start, seq_len, device=device)[None, :]
+        k_pos = torch.arange(key_start, num_blocks * block_size, device=device)[None, :]
         mask = k_pos <= q_pos
         if window is not None:
             mask &= k_pos > q_pos - window
-    first_block = key_start // block_size
-    block_ids = md.block_tables[i, first_block:-(-seq_len // block_size)]
-    return _PrefillPlan(start, end, key_start, seq_len, block_ids, mask)
+    table = md.block_tables[i]
+    columns = torch.arange(first_block, num_blocks, device=table.device).clamp(max=table.shape[0] - 1)
+    return _PrefillPlan(start, end, key_start, table[columns], mask)
 
 
 def _make_plan(md: AttentionMetadata, block_size: int, window: int | None) -> _Plan:
@@ -145,8 +173,9 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
             scale: float, soft_cap: float | None) -> torch.Tensor:
-    """SDPA over [..., Lq, D] x [..., Lk, D]; `mask` None means causal. With a soft cap,
-    the explicit form transformers' eager attention uses (softmax in fp32)."""
+    """SDPA over [..., Lq, D] x [..., Lk, D]; `mask` None means causal from the top-left
+    corner. With a soft cap, the explicit form transformers' eager attention uses
+    (softmax in fp32)."""
     if soft_cap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                               scale=scale)
@@ -159,33 +188,70 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return torch.matmul(probs, v)
 
 
+# See "Batch invariance": CPU SDPA's query block sizes, and the fewest rows a block
+# may hold and still round like a full one.
+_MIN_BLOCK_ROWS = 4
+
+
+def _query_block_rows(num_query: int) -> int:
+    return 256 if num_query >= 768 else 64 if num_query >= 192 else 32
+
+
+def _padded_query_rows(num_query: int) -> int:
+    """The least n >= num_query whose last query block has at least _MIN_BLOCK_ROWS rows."""
+    n = num_query
+    while 0 < n % _query_block_rows(n) < _MIN_BLOCK_ROWS:
+        n += 1
+    return n
+
+
+def _pad_rows(x: torch.Tensor, rows: int, dim: int) -> torch.Tensor:
+    """x with its last entry along `dim` repeated up to `rows` entries."""
+    extra = rows - x.shape[dim]
+    if extra == 0:
+        return x
+    last = x.narrow(dim, x.shape[dim] - 1, 1)
+    shape = list(last.shape)
+    shape[dim] = extra
+    return torch.cat([x, last.expand(shape)], dim=dim)
+
+
 def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      plan: _Plan, scale: float, soft_cap: float | None) -> torch.Tensor:
+                      plan: _Plan, scale: float, soft_cap: float | None,
+                      invariant: bool) -> torch.Tensor:
     num_decodes, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     # [nd, L, Hkv, D] -> [nd, Hkv, L, D] as a strided view; SDPA takes it as is.
     key = _gather(key_cache, plan.decode_block_ids).view(num_decodes, -1, num_kv_heads, head_dim)
     value = _gather(value_cache, plan.decode_block_ids).view(num_decodes, -1, num_kv_heads, head_dim)
-    q = query.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    group = num_heads // num_kv_heads
+    q = query.view(num_decodes, num_kv_heads, group, head_dim)
+    if invariant:
+        q = _pad_rows(q, max(group, _MIN_BLOCK_ROWS), 2)
     out = _attend(q, key.transpose(1, 2), value.transpose(1, 2), plan.decode_mask, scale, soft_cap)
-    return out.reshape(num_decodes, num_heads, head_dim)
+    return out[:, :, :group].reshape(num_decodes, num_heads, head_dim)
 
 
 def _prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                       p: _PrefillPlan, scale: float, soft_cap: float | None) -> torch.Tensor:
+                       p: _PrefillPlan, scale: float, soft_cap: float | None,
+                       invariant: bool) -> torch.Tensor:
     num_query, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    num_keys = p.seq_len - p.key_start
-    key = _gather(key_cache, p.block_ids)[:num_keys]
-    value = _gather(value_cache, p.block_ids)[:num_keys]
+    key = _gather(key_cache, p.block_ids)  # whole blocks: see "Batch invariance" above
+    value = _gather(value_cache, p.block_ids)
+    num_keys = key.shape[0]
     # GQA without copying K/V: batch over KV heads, expand K/V over the group with
     # stride 0. 4-D inputs matter: CPU SDPA takes its fast flash path only for them.
-    q = query.view(num_query, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    rows = _padded_query_rows(num_query) if invariant else num_query
+    q = _pad_rows(query.view(num_query, num_kv_heads, group, head_dim), rows, 0)
+    q = q.permute(1, 2, 0, 3)
     k = key.permute(1, 0, 2)[:, None].expand(num_kv_heads, group, num_keys, head_dim)
     v = value.permute(1, 0, 2)[:, None].expand(num_kv_heads, group, num_keys, head_dim)
-    out = _attend(q, k, v, p.mask, scale, soft_cap)
-    return out.permute(2, 0, 1, 3).reshape(num_query, num_heads, head_dim)
+    # Causal (mask None) from the top-left: padded rows see one more key each, harmless.
+    mask = _pad_rows(p.mask, rows, 0) if p.mask is not None else None
+    out = _attend(q, k, v, mask, scale, soft_cap)
+    return out[:, :, :num_query].permute(2, 0, 1, 3).reshape(num_query, num_heads, head_dim)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -204,10 +270,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     outputs = []
     if nd:
         outputs.append(_decode_attention(query[:nd], key_cache, value_cache, plan, scale,
-                                         logits_soft_cap))
+                                         logits_soft_cap, attn_metadata.batch_invariant))
     for p in plan.prefills:
         outputs.append(_prefill_attention(query[p.query_start:p.query_end], key_cache,
-                                          value_cache, p, scale, logits_soft_cap))
+                                          value_cache, p, scale, logits_soft_cap,
+                                          attn_metadata.batch_invariant))
     if len(outputs) == 1:
         return outputs[0]
     return torch.cat(outputs) if outputs else torch.empty_like(query)

@@ -35,6 +35,9 @@ class AttentionMetadata:
     # Host copies (lists) so the torch path loops without device syncs.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Each token's attention independent of the rest of the batch, of chunking and of
+    # prefix-cache hits, at some cost (the torch path's "Batch invariance").
+    batch_invariant: bool = False
 
     @property
     def num_reqs(self) -> int:
