@@ -243,6 +243,9 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     # "auto" (the model dtype) or "fp8" (float8_e4m3fn, CUDA only).
     kv_cache_dtype: str = "auto"
+    # vLLM's VLLM_BATCH_INVARIANT: greedy/seeded output independent of the batch,
+    # chunking and prefix-cache hits (CPU torch attention; `pagoda.model.attention`).
+    batch_invariant: bool = False
     # vLLM's --runner, resolved: "generate" samples tokens; "pooling" returns one vector
     # per request (embeddings, classes, scores), as `pooler_config` says.
     runner: str = "generate"

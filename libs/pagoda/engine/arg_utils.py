@@ -54,6 +54,7 @@ class EngineArgs:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     enable_expert_parallel: bool = False
+    batch_invariant: bool | None = None  # None: PAGODA_BATCH_INVARIANT / VLLM_BATCH_INVARIANT
     # vLLM's --structured-outputs-config ({"backend": "auto" | "xgrammar", ...}) and
     # --reasoning-parser (the grammar starts after the reasoning ends).
     structured_outputs_config: dict | str | None = None
@@ -126,6 +127,12 @@ class EngineArgs:
                             choices=["auto", "fp8", "fp8_e4m3"],
                             help="auto: the model dtype; fp8: float8_e4m3fn keys and values "
                                  "(CUDA only).")
+        parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
+                            default=None,
+                            help="A request's greedy or seeded output independent of the rest "
+                                 "of the batch, chunking and prefix-cache hits, at a cost in "
+                                 "decode attention (default: $PAGODA_BATCH_INVARIANT or "
+                                 "$VLLM_BATCH_INVARIANT, else off). CPU only.")
         parser.add_argument("--enable-expert-parallel", action="store_true",
                             help="Place mixture-of-experts experts whole on the tensor-parallel "
                                  "ranks instead of splitting each expert across them.")
@@ -229,10 +236,21 @@ class EngineArgs:
             distributed_executor_backend=self._resolve_backend(arch),
             enforce_eager=self.enforce_eager, max_logprobs=self.max_logprobs,
             enable_expert_parallel=self.enable_expert_parallel, kv_cache_dtype=kv_cache_dtype,
+            batch_invariant=self._resolve_batch_invariant(device),
             structured_outputs=StructuredOutputsConfig.parse(self.structured_outputs_config,
                                                              self.reasoning_parser),
             runner=pooling.runner, pooler_config=pooling.pooler_config,
             lora=self._lora_config())
+
+    def _resolve_batch_invariant(self, device: str) -> bool:
+        from pagoda import envs
+
+        on = envs.get("PAGODA_BATCH_INVARIANT") if self.batch_invariant is None \
+            else self.batch_invariant
+        if on and device != "cpu":
+            raise ValueError("--batch-invariant (VLLM_BATCH_INVARIANT) is implemented for the "
+                             "CPU attention path only; the CUDA kernels are not batch-invariant")
+        return on
 
     def _lora_config(self):
         """The LoRA settings under --enable-lora (validated), else None."""

@@ -32,7 +32,8 @@ def order_decodes_first(num_scheduled: dict[str, int]) -> list[str]:
 
 
 def build_model_inputs(states: dict[str, CachedRequestState], num_scheduled: dict[str, int],
-                       block_size: int, device: torch.device | str) -> ModelInputs:
+                       block_size: int, device: torch.device | str,
+                       batch_invariant: bool = False) -> ModelInputs:
     req_ids = order_decodes_first(num_scheduled)
     input_ids: list[int] = []
     positions: list[int] = []
@@ -69,6 +70,7 @@ def build_model_inputs(states: dict[str, CachedRequestState], num_scheduled: dic
         max_seq_len=max(seq_lens),
         query_start_loc_cpu=query_start,
         seq_lens_cpu=seq_lens,
+        batch_invariant=batch_invariant,
     )
     return ModelInputs(req_ids, torch.tensor(input_ids, dtype=torch.int64, device=device),
                        torch.tensor(positions, dtype=torch.int64, device=device), metadata,

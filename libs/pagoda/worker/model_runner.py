@@ -169,7 +169,7 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty()
         inputs = build_model_inputs(self.states, scheduler_output.num_scheduled_tokens,
-                                    self.block_size, self.device)
+                                    self.block_size, self.device, self.config.batch_invariant)
         self._prepare_lora(inputs)
         hidden = self._forward(inputs)
         prompt_logprobs = self._prompt_logprobs(inputs, hidden, scheduler_output.num_scheduled_tokens)
