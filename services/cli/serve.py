@@ -115,6 +115,13 @@ def replica_name(kind: str, index: int, num_replicas: int) -> str:
     return kind if num_replicas == 1 else f"{kind}-{index}"
 
 
+# The small services (gateway, tokenizer, scheduler, kv-cache-manager) each get one
+# OpenMP/MKL/tokenizers thread: their work is light, and idle pool threads spinning
+# on a small machine take cores from the gpu-worker, which keeps torch's default.
+LIGHT_SERVICE_THREADS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                             "RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
 def build_services(args: argparse.Namespace, redis_url: str,
                    redis_password: str | None = None) -> list[ServiceProcess]:
     """The processes of the cluster: one kv-cache-manager, tokenizer and gateway, and
@@ -148,10 +155,11 @@ def build_services(args: argparse.Namespace, redis_url: str,
 
     def grpc_service(kind: str, name: str, *extra: str, replica: int | None = None,
                      env: dict[str, str] | None = None) -> ServiceProcess:
+        light = {} if kind == "gpu-worker" else LIGHT_SERVICE_THREADS_ENV
         return ServiceProcess(name, cmd(kind, "--host", loopback, "--port", str(ports[name]),
                                         "--metrics-port", metrics_addr[name].split(":")[1],
                                         *observe, *extra), addr[name], kind=kind,
-                              replica=replica, env=env or {})
+                              replica=replica, env={**light, **(env or {})})
 
     redis_env = {REDIS_URL_ENV: redis_url}
     if redis_password:
@@ -183,7 +191,8 @@ def build_services(args: argparse.Namespace, redis_url: str,
                        "--router", args.router,
                        "--peer-metrics", ",".join(f"{n}={a}" for n, a in metrics_addr.items()),
                        *observe, *names, *gateway_extra),
-        f"{_connect_host(args.host)}:{args.port}", http_health=True, env=gateway_env,
+        f"{_connect_host(args.host)}:{args.port}", http_health=True,
+        env={**LIGHT_SERVICE_THREADS_ENV, **gateway_env},
         http_ssl=_health_check_ssl(args)))
     return services
 
