@@ -64,16 +64,15 @@ def batched_bench_row(stdout: str, batch: int) -> dict[str, float]:
     raise CommandFailed(f"no B={batch} row in llama-batched-bench's output:\n{stdout[-LOG_TAIL:]}")
 
 
-def group_cpu_seconds(pgid: int) -> float:
-    """User + system CPU seconds of every live process in group `pgid` (a server and
-    the services it started), from /proc: a noise check on what a load run used."""
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` and every live descendant (a server and the
+    services it started), from /proc: a noise check on what a load run used."""
     total = 0.0
-    for stat in glob.glob("/proc/[0-9]*/stat"):
+    for each in [pid, *descendants(pid)]:
         with contextlib.suppress(OSError, ValueError, IndexError):
-            with open(stat) as f:
+            with open(f"/proc/{each}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid:
-                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return total
 
 

@@ -35,8 +35,8 @@ import sys
 import tempfile
 import time
 
-from peer_procs import (CommandFailed, batched_bench_row, group_cpu_seconds, last_json_line,
-                        run_command, server)
+from peer_procs import (CommandFailed, batched_bench_row, last_json_line, run_command, server,
+                        tree_cpu_seconds)
 
 HERE = pathlib.Path(__file__).resolve().parent
 PAGODA = [str(pathlib.Path(sys.executable).parent / "pagoda")]
@@ -74,11 +74,11 @@ def served_pair(url: str, model: str, pid: int, gguf: str, seed: int) -> tuple[d
     bench = [*PAGODA, "bench", "serve", "--base-url", url, "--model", model, "--tokenizer", gguf,
              "--num-prompts", "64", "--max-concurrency", "32", "--random-input-len", "128",
              "--random-output-len", "128", "--seed", str(seed)]
-    cpu, start = group_cpu_seconds(pid), time.monotonic()
+    cpu, start = tree_cpu_seconds(pid), time.monotonic()
     lg = last_json_line(run_command(loadgen, 1800))
     if lg["errors"]:
         raise CommandFailed(f"loadgen.py: {lg['errors']} errors, e.g. {lg['error_samples'][:1]}")
-    cores = (group_cpu_seconds(pid) - cpu) / (time.monotonic() - start)
+    cores = (tree_cpu_seconds(pid) - cpu) / (time.monotonic() - start)
     bs = last_json_line(run_command(bench, 1800))
     figures = {"loadgen_output_tok_s": lg["output_tok_per_s"], "loadgen_ttft_p50_ms": lg["ttft_ms_p50"],
                "loadgen_errors": lg["errors"], "server_cpu_cores_used_loadgen": round(cores, 2),
