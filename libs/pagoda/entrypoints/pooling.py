@@ -123,11 +123,13 @@ class PoolingMethods:
         max_len = self.llm_engine.config.scheduler.max_model_len
         if truncate == -1:
             return max_len
+        if truncate < 1:
+            raise ValueError("truncate_prompt_tokens must be -1 (the model's context length) "
+                             f"or positive, got {truncate}.")
         if truncate > max_len:
             raise ValueError(f"truncate_prompt_tokens value ({truncate}) is greater than "
                              f"max_model_len ({max_len}). Please, select a smaller truncation "
                              "size.")
-        PoolingParams(truncate_prompt_tokens=truncate)  # range check, vLLM's message
         return truncate
 
     def _run_pooling(self, items: list[list[int]], params: list[PoolingParams],
