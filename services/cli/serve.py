@@ -254,8 +254,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _flag_problem(args: argparse.Namespace) -> str | None:
     """What makes the flags unservable, found before anything starts."""
+    from pagoda.config import StructuredOutputsConfig
     from pagoda.engine.arg_utils import TRUST_REMOTE_CODE_REFUSED
-    from pagoda.services.gateway.serving_options import uvicorn_kwargs
+    from pagoda.services.gateway.serving_options import ServingOptions, uvicorn_kwargs
     from pagoda.tokenizer.chat_template import load_chat_template
 
     if args.trust_remote_code:
@@ -263,6 +264,10 @@ def _flag_problem(args: argparse.Namespace) -> str | None:
     try:
         uvicorn_kwargs(args)
         load_chat_template(args.chat_template)
+        StructuredOutputsConfig.parse(args.structured_outputs_config, args.reasoning_parser)
+        ServingOptions(enable_auto_tool_choice=args.enable_auto_tool_choice,
+                       tool_call_parser=args.tool_call_parser,
+                       reasoning_parser=args.reasoning_parser).check_parsers()
     except ValueError as exc:
         return str(exc)
     return None

@@ -70,6 +70,19 @@ def test_trust_remote_code_is_refused_before_anything_starts(capsys):
         is False
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--structured-outputs-config", '{"backend": "outlines"}'],
+     "backend 'outlines' is not supported; Pagoda has auto, xgrammar"),
+    (["--reasoning-parser", "nope"], "Unknown reasoning parser 'nope'"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
+    (["--enable-auto-tool-choice", "--tool-call-parser", "nope"], "Unknown tool-call parser"),
+])
+def test_bad_parser_and_backend_flags_are_refused_before_anything_starts(flags, message,
+                                                                        capsys):
+    assert main(["serve", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_bad_tls_and_chat_template_flags_are_refused_before_anything_starts(tmp_path, capsys):
     assert main(["serve", "--ssl-keyfile", str(tmp_path / "k.pem")]) == 2
     assert "--ssl-keyfile and --ssl-certfile go together" in capsys.readouterr().err
