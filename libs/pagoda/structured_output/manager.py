@@ -129,7 +129,8 @@ class StructuredOutputManager:
             return None
         error = so_request.future.exception()
         if error is not None:
-            self._compiled.pop(so_request.key, None)
+            if self._compiled.get(so_request.key) is so_request.future:
+                del self._compiled[so_request.key]  # not cached: the next request retries
             return f"the grammar failed to compile: {error}"
         so_request.grammar = self.backend.new_grammar(so_request.future.result(),
                                                       eos_token_ids or self._eos)

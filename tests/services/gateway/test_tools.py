@@ -73,3 +73,11 @@ def test_a_forced_choice_and_response_format_together_are_refused():
     with pytest.raises(APIError, match="got response_format and tool_choice"):
         body(tools=[WEATHER], tool_choice="required",
              response_format={"type": "json_object"}).check_common()
+
+
+def test_auto_without_parallel_tool_calls_keeps_the_first_call():
+    plan = plan_tools(body(tools=[WEATHER, NOW], parallel_tool_calls=False), "hermes")
+    text = ('<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>')
+    assert [c.name for c in plan.parser.parse(text, final=True).calls] == ["now"]
+    assert plan.parser.keeps_special_tokens
