@@ -30,7 +30,6 @@ UNSUPPORTED = {
     "calculate-kv-scales": "dynamic KV-cache scales are not implemented",
     "cpu-offload-gb": "weight offloading is not implemented",
     "swap-space": "preempted requests are recomputed, never swapped",
-    "kv-transfer-config": "disaggregated prefill is not implemented",
     "kv-events-config": "Pagoda publishes KV events to its kv-cache-manager itself",
     # adapters, multimodal, structured output, tools
     "lora-modules": "served LoRA adapters are not implemented yet (offline LLM with "

@@ -16,7 +16,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagoda.services.gateway.errors import error_body
 from pagoda.services.gateway.serving_options import route_path
 
-OPEN_PATHS = frozenset({"/health", "/version", "/ping", "/load"})
+# The API description (FastAPI's /docs and its schema) holds no data; vLLM leaves it open.
+OPEN_PATHS = frozenset({"/health", "/version", "/ping", "/load", "/docs", "/docs/oauth2-redirect",
+                        "/openapi.json", "/redoc"})
 
 
 class APIKeyMiddleware:

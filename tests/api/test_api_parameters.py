@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import httpx
+import openai
 import pytest
 from api_fakes import MAX_MODEL_LEN, MODEL, SCRIPT
 
@@ -102,11 +103,11 @@ def test_chat_template_switches(client, last_request, smollm2_tokenizer):
                                    extra_body=dict(add_generation_prompt=False))
     assert list(last_request().prompt_token_ids) == chat_prompt_ids(
         smollm2_tokenizer, messages[:1], add_generation_prompt=False)
-    # chat_template_kwargs reach the template (here a request-supplied template).
-    client.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=2, extra_body={
-        "chat_template_kwargs": {"chat_template": "{{ messages[0]['content'] }}|{{ greeting }}",
-                                 "greeting": "hey"}})
-    assert smollm2_tokenizer.decode(list(last_request().prompt_token_ids)) == "Hi|hey"
+    # A request-supplied template is refused unless the operator trusts them.
+    with pytest.raises(openai.BadRequestError, match="--trust-request-chat-template"):
+        client.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=2,
+                                       extra_body={"chat_template_kwargs": {
+                                           "chat_template": "{{ messages[0]['content'] }}"}})
 
 
 def test_chat_default_max_tokens_is_the_remaining_context(client, last_request):
