@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagoda.kv_transfer.params import KVTransferParams
 from pagoda.lora.request import LoRARequest
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
@@ -108,6 +109,9 @@ class EngineCoreRequest:
     # vLLM's `priority`: under --scheduling-policy priority, lower values are admitted
     # first (ties by arrival) and higher ones are preempted first; must be 0 under fcfs.
     priority: int = 0
+    # Prefill/decode disaggregation (vLLM's kv_transfer_params): asks a prefill
+    # replica to lease the prompt's blocks, or tells a decode replica where they are.
+    kv_transfer_params: KVTransferParams | None = None
     # The LoRA adapter to run with (None: the base model); its name keys the prefix cache.
     lora_request: LoRARequest | None = None
 
@@ -129,6 +133,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     # A pooling request's result, on its one (finished) output.
     pooling_output: list[float] | None = None
+    # A prefill replica's lease on the finished prompt's blocks (disaggregation).
+    kv_transfer_params: KVTransferParams | None = None
 
     @property
     def finished(self) -> bool:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from pagoda.messages import EngineCoreRequest
 from pagoda.services.gateway.choices import ChoiceDelta, merge_choices, stream_choice
+from pagoda.services.gateway.disagg import disaggregation_of
 from pagoda.services.gateway.errors import APIError
 from pagoda.services.gateway.migration import DEFAULT_MIGRATION_LIMIT, Migration
 from pagoda.services.gateway.openai_models import SamplingFields
@@ -125,6 +126,7 @@ class Generation:
         migration = Migration(self.peers, self.migration_limit, session_key, self.cache_salt)
 
         def open_streams(replica):
+            replica = disaggregation_of(self.peers).wrap(replica)  # prefill elsewhere
             return merge_choices([stream_choice(replica, mux, req, index, self.discard_output,
                                                 migration)
                                   for index, req in enumerate(self.requests)])

@@ -77,6 +77,11 @@ class GatewayMetrics:
             "replica_lost (connection lost or silent), replica_failed (its engine failed), "
             "drain_timeout (it shut down before they finished).", ["reason"],
             registry=registry)
+        self.disagg_fallbacks = Counter(
+            "pagoda_gateway_disagg_fallbacks",
+            "Disaggregated choices whose decode replica computed the prompt itself, by why: "
+            "no_prefill_replica, prefill_failed (the replicas' own transfer failures are "
+            "pagoda_kv_transfer_fallbacks_total).", ["kind"], registry=registry)
         self.peer_up = Gauge("pagoda_metrics_peer_up",
                              "1 if the last scrape of a peer's /metrics through the gateway "
                              "worked.", ["service", "peer"], registry=registry)

@@ -133,8 +133,9 @@ class SchedulerReplica(Peer):
             else self.address
 
     def is_routable(self) -> bool:
+        """Routable for a whole request (a kv_producer replica only prefills: disagg.py)."""
         return (self.serving and self.info is not None and self.hashes_agree is True
-                and not self.removed)
+                and not self.removed and self.info.kv_role != "kv_producer")
 
     def num_requests(self) -> int:
         """Requests on the replica: ours in flight, or all it reported if more."""

@@ -18,6 +18,7 @@ from pagoda.services.common import grpc_channels
 from pagoda.services.common.grpc_server import (NOT_SERVING, SERVING,
                                                 add_server_args, bind, metrics_host)
 from pagoda.services.common.logs import setup_logging
+from pagoda.services.common.kv_transfer_args import add_kv_transfer_args, kv_transfer_config
 from pagoda.services.common.metrics_server import maybe_start_metrics
 
 DEFAULT_PORT = 50052
@@ -45,6 +46,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="Seconds between heartbeats to the kv-cache-manager when no KV "
                              "event batch went out (keep it well under its --heartbeat-timeout).")
     EngineArgs.add_cli_args(parser)
+    add_kv_transfer_args(parser, timeouts=True)
     stat_logger.add_cli_args(parser)
 
 
@@ -64,6 +66,11 @@ def main(args: argparse.Namespace) -> int:
     # so the first structured-output request does not wait for it.
     core.structured_output_manager.warm_up()
     info = model_info(config, args.instance_id or f"{args.host}:{args.port}")
+    from pagoda.services.scheduler.kv_role import describe_role, fetch_worker_layout
+    role = kv_transfer_config(args)
+    layout = fetch_worker_layout(args.worker_addr)
+    describe_role(info, role, layout)
+    args.kv_role_config, args.kv_worker_layout = role, layout
     recorder, stats_thread = build_recorder(config, args)
     try:
         asyncio.run(_serve(args, core, info, config.arch.eos_token_ids, recorder))
@@ -111,7 +118,8 @@ async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,
         for name in ("", SERVICE_NAME):
             asyncio.run_coroutine_threadsafe(health_servicer.set(name, NOT_SERVING), loop)
 
-    engine = EngineLoop(core, lambda outs: servicer.on_outputs(outs),
+    engine = EngineLoop(core, lambda outs: (servicer.kv_transfer.on_outputs(outs),
+                                            servicer.on_outputs(outs)),
                         publisher.publish if publisher else (lambda events: None), on_failure,
                         recorder)
     servicer = SchedulerServicer(engine, info, eos_token_ids)
@@ -124,8 +132,14 @@ async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,
     pb_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = bind(server, args.host, args.port)
+    from pagoda.services.scheduler.kv_role import add_lease_service, build_hooks
+    servicer.kv_transfer = build_hooks(args, args.kv_role_config, engine, info,
+                                       args.kv_worker_layout, port)
+    add_lease_service(server, servicer.kv_transfer)
     await server.start()
     engine.start()
+    reaper = (asyncio.ensure_future(servicer.kv_transfer.producer.reap_forever())
+              if servicer.kv_transfer.producer is not None else None)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, SERVING)
     stop, force = asyncio.Event(), asyncio.Event()
@@ -139,6 +153,8 @@ async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,
     logger.info("shutting down")
     await drain(servicer, health_servicer, args.drain_timeout, force)
     await server.stop(grace=1.0)
+    if reaper is not None:
+        reaper.cancel()
     engine.stop()
     if publisher is not None:
         publisher.stop(deregister=True)

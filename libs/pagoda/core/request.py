@@ -42,9 +42,9 @@ class Request:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
         self.eos_token_ids = set(core_request.eos_token_ids)
         self.arrival_time = core_request.arrival_time
+        self.priority = core_request.priority  # lower first (--scheduling-policy priority)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.priority = core_request.priority  # lower first (--scheduling-policy priority)
         self.num_cached_tokens = -1  # prefix-cache hit of the first schedule; -1 until then
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None

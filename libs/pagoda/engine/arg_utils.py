@@ -214,7 +214,8 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching and pooling.allows_prefix_caching,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             gpu_memory_utilization=self.gpu_memory_utilization,
-            prefix_hash_seed=self.prefix_cache_hash_seed)
+            prefix_hash_seed=self.prefix_cache_hash_seed,
+            sliding_window=arch.kv_cache_sliding_window)
         if self.kv_cache_memory_bytes:
             cache.kv_cache_memory_bytes = self.kv_cache_memory_bytes
         scheduler = SchedulerConfig(

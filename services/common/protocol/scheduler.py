@@ -21,6 +21,7 @@ from pagoda.services.common.protocol.common import (
     logprobs_to_proto,
 )
 from pagoda.pooling_params import PREFILL_ONLY
+from pagoda.services.common.protocol.kv_transfer import kv_params_from_proto, kv_params_to_proto
 from pagoda.services.common.protocol.pooling_params import (
     pooled_data_from_proto,
     pooled_data_to_proto,
@@ -37,6 +38,7 @@ from pagoda.services.common.protocol.sampling_params import (
 # request could go on: why (drain_timeout, replica_failed). The gateway migrates the
 # request and counts the reason (pagoda_gateway_migrations_total{reason}).
 MIGRATION_REASON_KEY = "pagoda-migration-reason"
+
 
 def request_to_proto(req: EngineCoreRequest) -> pb.GenerateRequest:
     """A pooling request carries its pooling params instead of sampling params."""
@@ -71,6 +73,8 @@ def request_from_proto(msg: pb.GenerateRequest) -> EngineCoreRequest:
         cache_salt=msg.cache_salt or None,
         priority=msg.priority,
         pooling_params=pooling_params_from_proto(msg.pooling_params) if pooling else None,
+        kv_transfer_params=(kv_params_from_proto(msg.kv_transfer_params)
+                            if msg.HasField("kv_transfer_params") else None),
     )
 
 
@@ -106,6 +110,8 @@ def outputs_to_responses(outputs: Sequence[EngineCoreOutput]) -> list[pb.Generat
             complete.stop_token_id = last.stop_reason
         if last.pooling_output is not None:
             pooled_data_to_proto(last.pooling_output, complete.pooling_output)
+        if last.kv_transfer_params is not None:
+            kv_params_to_proto(last.kv_transfer_params, complete.kv_transfer_params)
         responses.append(pb.GenerateResponse(complete=complete))
     return responses
 
@@ -134,6 +140,8 @@ def response_to_output(request_id: str, msg: pb.GenerateResponse) -> EngineCoreO
         num_cached_tokens=c.num_cached_tokens,
         pooling_output=(pooled_data_from_proto(c.pooling_output)
                         if c.HasField("pooling_output") else None),
+        kv_transfer_params=(kv_params_from_proto(c.kv_transfer_params)
+                            if c.HasField("kv_transfer_params") else None),
     )
 
 
