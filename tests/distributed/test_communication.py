@@ -27,15 +27,18 @@ def test_tensor_collectives(ranks):
 
 
 def test_objects_small_and_larger_than_one_frame(ranks):
-    big = {"ids": list(range(FRAME_BYTES))}  # pickles to several frames' worth
+    big = {"ids": list(range(FRAME_BYTES))}  # several frames' worth
+    Plan = dict[str, int]  # noqa: N806 - a type, named like one
+    Big = dict[str, list[int]]  # noqa: N806
+    Result = tuple[str, Big]  # noqa: N806
 
     def body(h, rank):
-        small = broadcast_object({"plan": rank} if rank == 0 else None, h.control, 0, rank)
-        large = broadcast_object(big if rank == 0 else None, h.control, 0, rank)
+        small = broadcast_object({"plan": rank} if rank == 0 else None, h.control, 0, rank, Plan)
+        large = broadcast_object(big if rank == 0 else None, h.control, 0, rank, Big)
         if rank == 1:
-            send_object(("result", big), h.control, 0, tag=3)
+            send_object(("result", big), h.control, 0, Result, tag=3)
             return small, large, None
-        return small, large, recv_object(h.control, 1, tag=3) if rank == 0 else None
+        return small, large, recv_object(h.control, 1, Result, tag=3) if rank == 0 else None
 
     results = ranks(2, body)
     assert [r[0] for r in results] == [{"plan": 0}] * 2
@@ -56,3 +59,16 @@ def test_stage_to_stage_send_keeps_order_by_tag(ranks):
                 for i in range(2)]
 
     assert ranks(2, body, tp_size=1)[1] == [0.0, 1.0]
+
+
+def test_the_rendezvous_store_listens_on_the_given_address_only():
+    import psutil
+
+    from pagoda.distributed.process_group import create_master_store
+
+    store = create_master_store("127.0.0.1", 1, 10.0)
+    store.set("k", "v")
+    listening = {c.laddr for c in psutil.Process().net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port}
+    assert {addr.ip for addr in listening} == {"127.0.0.1"}
+    assert store.get("k") == b"v"

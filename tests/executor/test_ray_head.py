@@ -51,3 +51,29 @@ def test_a_driver_without_ray_starts_a_private_head_and_stops_it(tiny_llama_dir,
     assert _forks == []  # joining the head forked nothing here
     assert not ray.is_initialized() and head.poll() is not None
     assert wait_until(lambda: all(is_gone(p) for p in ray_processes), 15)
+
+
+def test_the_private_head_refuses_a_process_without_its_token():
+    """Token authentication: the driver (with `auth_env`) joins; a process on the same
+    machine without the token cannot."""
+    import subprocess
+    import sys
+
+    from pagoda.executor.ray_head import PrivateRayHead
+
+    join = "import ray, sys; ray.init(address=sys.argv[1]); print('joined'); ray.shutdown()"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    head = PrivateRayHead(num_cpus=1).start()
+    try:
+        token_path = head.auth_env["RAY_AUTH_TOKEN_PATH"]
+        assert oct(os.stat(token_path).st_mode & 0o777) == "0o600"
+        with_token = subprocess.run([sys.executable, "-c", join, head.address],
+                                    env={**clean, **head.auth_env}, capture_output=True,
+                                    text=True, timeout=240)
+        assert with_token.returncode == 0 and "joined" in with_token.stdout, with_token.stderr
+        without = subprocess.run([sys.executable, "-c", join, head.address], env=clean,
+                                 capture_output=True, text=True, timeout=240)
+        assert without.returncode != 0 and "joined" not in without.stdout
+        assert "AuthenticationError" in without.stderr
+    finally:
+        head.stop()

@@ -6,16 +6,18 @@ may build and drop groups freely. Every op here blocks until done, except
 `send_tensor`, which returns the pending work so a pipeline stage can go on with
 its next micro-batch while the previous one is on the wire.
 
-Objects (a step's plan, a step's result) travel as pickled bytes in one frame of
-`FRAME_BYTES`; only a larger payload costs a second message.
+Objects (a step's plan, a step's result) travel in one frame of `FRAME_BYTES`; only a
+larger payload costs a second message. They are encoded by `wire_codec` for the type
+the receiver names, never pickled: a peer's bytes can only become that type.
 """
 
 from __future__ import annotations
 
-import pickle
 from typing import Any
 
 import torch
+
+from pagoda.distributed.wire_codec import decode, encode
 
 # One control frame: 8 bytes of payload length, then the payload if it fits.
 # A decode step's plan for a few hundred requests fits in 64 KiB.
@@ -73,9 +75,8 @@ def recv_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     return out
 
 
-def _frame(obj: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """obj -> (fixed-size first frame, overflow tensor or None)."""
-    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+def _frame(payload: bytes) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """payload -> (fixed-size first frame, overflow tensor or None)."""
     frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
     frame[:_LEN_BYTES] = torch.frombuffer(bytearray(len(payload).to_bytes(_LEN_BYTES, "little")),
                                           dtype=torch.uint8)
@@ -91,20 +92,28 @@ def _length(frame: torch.Tensor) -> int:
     return int.from_bytes(bytes(frame[:_LEN_BYTES].tolist()), "little")
 
 
-def _unframe(frame: torch.Tensor, overflow: torch.Tensor | None) -> Any:
+def _unframe(frame: torch.Tensor, overflow: torch.Tensor | None) -> bytes:
     n = _length(frame)
     data = overflow if overflow is not None else frame[_LEN_BYTES:_LEN_BYTES + n]
-    return pickle.loads(data.numpy().tobytes())
+    return data.numpy().tobytes()
 
 
-def broadcast_object(obj: Any, group, src: int, rank: int) -> Any:
-    """`src` sends `obj`; every rank returns it (a copy everywhere but `src`)."""
+def broadcast_object(obj: Any, group, src: int, rank: int, tp: Any) -> Any:
+    """`src` sends `obj`, a `tp`; every rank returns it (a copy everywhere but `src`)."""
     if rank == src:
-        frame, overflow = _frame(obj)
+        broadcast_bytes(encode(obj, tp), group, src, rank)
+        return obj
+    return decode(broadcast_bytes(None, group, src, rank), tp)
+
+
+def broadcast_bytes(payload: bytes | None, group, src: int, rank: int) -> bytes:
+    """`src` sends `payload`; every rank returns it."""
+    if rank == src:
+        frame, overflow = _frame(payload)
         group.broadcast([frame], _root(src)).wait()
         if overflow is not None:
             group.broadcast([overflow], _root(src)).wait()
-        return obj
+        return payload
     frame = torch.empty(FRAME_BYTES, dtype=torch.uint8)
     group.broadcast([frame], _root(src)).wait()
     n = _length(frame)
@@ -115,14 +124,16 @@ def broadcast_object(obj: Any, group, src: int, rank: int) -> Any:
     return _unframe(frame, overflow)
 
 
-def send_object(obj: Any, group, dst: int, tag: int = 0) -> None:
-    frame, overflow = _frame(obj)
+def send_object(obj: Any, group, dst: int, tp: Any, tag: int = 0) -> None:
+    """Send `obj`, a `tp`, to rank `dst` (which receives it with the same `tp`)."""
+    frame, overflow = _frame(encode(obj, tp))
     group.send([frame], dst, tag).wait()
     if overflow is not None:
         group.send([overflow], dst, tag).wait()
 
 
-def recv_object(group, src: int, tag: int = 0) -> Any:
+def recv_object(group, src: int, tp: Any, tag: int = 0) -> Any:
+    """A `tp` from rank `src`; WireError if what arrives is not one."""
     frame = torch.empty(FRAME_BYTES, dtype=torch.uint8)
     group.recv([frame], src, tag).wait()
     n = _length(frame)
@@ -130,7 +141,7 @@ def recv_object(group, src: int, tag: int = 0) -> Any:
     if n > FRAME_BYTES - _LEN_BYTES:
         overflow = torch.empty(n, dtype=torch.uint8)
         group.recv([overflow], src, tag).wait()
-    return _unframe(frame, overflow)
+    return decode(_unframe(frame, overflow), tp)
 
 
 def _root(src: int):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -58,9 +59,23 @@ class GroupHandles:
 
 
 def create_master_store(addr: str, world_size: int, timeout_s: float) -> dist.TCPStore:
-    """The driver's store on a free port of `addr` (read it back from `.port`)."""
-    return dist.TCPStore(addr, 0, world_size, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+    """The driver's store on a free port of `addr`, and of `addr` only (read the port
+    back from `.port`). TCPStore would listen on every interface; so the listening
+    socket is bound here, to the one address the ranks are told, and handed over."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((addr, 0))
+        sock.listen(max(128, world_size))
+        port = sock.getsockname()[1]
+        store = dist.TCPStore(addr, port, world_size, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s),
+                              master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's server owns the descriptor now
+    return store
 
 
 def connect_store(init: GroupInit) -> dist.TCPStore:

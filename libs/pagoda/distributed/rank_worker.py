@@ -19,10 +19,13 @@ from __future__ import annotations
 import logging
 import os
 import traceback
+import typing
 
 from pagoda.config import EngineConfig
 from pagoda.messages import ModelRunnerOutput, SchedulerOutput
-from pagoda.distributed.communication import broadcast_object, min_over, recv_object, send_object
+from pagoda.distributed.communication import (broadcast_bytes, min_over, recv_object,
+                                              send_object)
+from pagoda.distributed.wire_codec import WireError, dump, from_json, load, to_json
 from pagoda.distributed.process_group import (GroupInit, brief_error, configure_device,
                                               connect_store, is_peer_loss, join_group,
                                               record_error)
@@ -31,6 +34,11 @@ logger = logging.getLogger(__name__)
 
 SHUTDOWN = "shutdown"
 _RESULT_TAG = 7  # control-group tag of the output rank's step result
+# What the driver may ask a follower to run: RankWorker's collective methods. A call's
+# arguments travel typed by the method's own annotations (wire_codec), never pickled.
+CALLS = ("load_model", "determine_num_blocks", "initialize_kv_cache", "reset",
+         "execute_model", "memory_report")
+MemoryReport = dict[str, int]
 
 
 class RankWorker:
@@ -74,9 +82,9 @@ class RankWorker:
         if output_rank == 0:
             return output
         if self.rank == output_rank:
-            send_object(output, self.control, 0, _RESULT_TAG)
+            send_object(output, self.control, 0, ModelRunnerOutput, _RESULT_TAG)
         elif self.rank == 0:
-            return recv_object(self.control, output_rank, _RESULT_TAG)
+            return recv_object(self.control, output_rank, ModelRunnerOutput, _RESULT_TAG)
         return None
 
     def memory_report(self) -> list[dict[str, int]] | None:
@@ -85,10 +93,40 @@ class RankWorker:
                 "parameter_bytes": _bytes(self.runner.model.parameters()),
                 "kv_cache_bytes": _bytes(t for pair in self.runner.kv_caches for t in pair)}
         if self.rank != 0:
-            send_object(mine, self.control, 0, _RESULT_TAG)
+            send_object(mine, self.control, 0, MemoryReport, _RESULT_TAG)
             return None
         world = self.parallel.world_size
-        return [mine] + [recv_object(self.control, r, _RESULT_TAG) for r in range(1, world)]
+        return [mine] + [recv_object(self.control, r, MemoryReport, _RESULT_TAG)
+                         for r in range(1, world)]
+
+
+def _argument_types(method: str) -> list:
+    hints = typing.get_type_hints(getattr(RankWorker, method))
+    hints.pop("return", None)
+    return list(hints.values())
+
+
+def broadcast_call(method: str, args: tuple, control) -> None:
+    """The driver's side: every follower runs `method(*args)` next."""
+    types = [] if method == SHUTDOWN else _argument_types(method)
+    broadcast_bytes(dump({"method": method,
+                          "args": [to_json(a, t) for a, t in zip(args, types, strict=True)]}),
+                    control, 0, 0)
+
+
+def receive_call(control, rank: int) -> tuple[str, tuple]:
+    """A follower's side: the next (method, args); WireError for anything but a call
+    of a known method with arguments of its declared types."""
+    raw = load(broadcast_bytes(None, control, 0, rank))
+    if not (isinstance(raw, dict) and set(raw) == {"method", "args"}
+            and (raw["method"] in CALLS or raw["method"] == SHUTDOWN)
+            and isinstance(raw["args"], list)):
+        raise WireError("not a worker call")
+    method = raw["method"]
+    types = [] if method == SHUTDOWN else _argument_types(method)
+    if len(raw["args"]) != len(types):
+        raise WireError(f"{method} takes {len(types)} arguments")
+    return method, tuple(from_json(a, t) for a, t in zip(raw["args"], types))
 
 
 def _bytes(tensors) -> int:
@@ -104,7 +142,7 @@ def serve_follower(config: EngineConfig, rank: int, init: GroupInit,
         store = connect_store(init)
         worker = RankWorker(config, rank, init, store, local_device_index)
         while True:
-            method, args = broadcast_object(None, worker.control, src=0, rank=rank)
+            method, args = receive_call(worker.control, rank)
             if method == SHUTDOWN:
                 return
             getattr(worker, method)(*args)

@@ -5,7 +5,8 @@
                            ◄──────── step result (from the output rank) ─┘
 
 Each call (load, KV sizing, KV allocation, step) is broadcast on the control
-group and then run by rank 0 itself; the collectives inside make the ranks meet.
+group, typed by the method's annotations (never pickled: `rank_worker.broadcast_call`),
+and then run by rank 0 itself; the collectives inside make the ranks meet.
 The driver also carries the tokens the output rank sampled in one step to the
 other ranks with the next plan (`parallel_runner.py`).
 
@@ -31,10 +32,9 @@ import time
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.distributed.communication import broadcast_object
 from pagoda.distributed.process_group import (GroupInit, brief_error, create_master_store,
                                               is_peer_loss, joined_ranks, recorded_errors)
-from pagoda.distributed.rank_worker import SHUTDOWN, RankWorker
+from pagoda.distributed.rank_worker import SHUTDOWN, RankWorker, broadcast_call
 from pagoda.executor.base import Executor, InsufficientResources, WorkerGroupFailed
 from pagoda.messages import ModelRunnerOutput, SchedulerOutput
 
@@ -116,7 +116,7 @@ class WorkerGroupExecutor(Executor, abc.ABC):
             return
         if self._failure is None and self.worker is not None:
             try:
-                broadcast_object((SHUTDOWN, ()), self.worker.control, src=0, rank=0)
+                broadcast_call(SHUTDOWN, (), self.worker.control)
             except Exception:  # noqa: BLE001 - stopping anyway
                 logger.warning("could not tell the worker group to stop; killing it")
             else:
@@ -130,7 +130,7 @@ class WorkerGroupExecutor(Executor, abc.ABC):
         if self.worker is None:
             raise WorkerGroupFailed("The worker group was shut down")
         try:
-            broadcast_object((method, args), self.worker.control, src=0, rank=0)
+            broadcast_call(method, args, self.worker.control)
             return getattr(self.worker, method)(*args)
         except Exception as exc:
             self._failure = self._diagnose(method, exc)

@@ -21,7 +21,7 @@ from pagoda.config import EngineConfig
 from pagoda.distributed.process_group import GroupInit
 from pagoda.executor.base import InsufficientResources
 from pagoda.executor.group import WorkerGroupExecutor
-from pagoda.executor.ray_head import PrivateRayHead
+from pagoda.executor.ray_head import PrivateRayHead, join_with_token
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ class RayExecutor(WorkerGroupExecutor):
             if not address:
                 self._head = PrivateRayHead().start()
                 address = self._head.address
+                join_with_token(self._head.auth_env)  # the head asks for its token
             ray.init(address=address, log_to_driver=True)
         self._bundle = {"GPU": 1.0} if device_type == "cuda" else {"CPU": 1.0}
         self._check_totals(ray.cluster_resources())

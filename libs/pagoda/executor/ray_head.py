@@ -9,12 +9,16 @@ SIGTERM to the head (at `stop()`, or from its parent-death signal) makes Ray sto
 its raylet, GCS and workers.
 
 Its temp dir is its own, so it does not become "the latest cluster on this
-machine" that another `ray.init()` would join.
+machine" that another `ray.init()` would join. It runs with Ray's token
+authentication (RAY_AUTH_MODE=token): a random token, in a file only this user can
+read, which the driver presents (`auth_env`); a process on the machine without it
+can neither submit work nor join.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -35,6 +39,8 @@ class PrivateRayHead:
     def __init__(self, num_cpus: int | None = None, num_gpus: int | None = None) -> None:
         self.num_cpus, self.num_gpus = num_cpus, num_gpus
         self.address: str | None = None
+        # What a process needs in its environment to join this head (token auth).
+        self.auth_env: dict[str, str] = {}
         self.process: subprocess.Popen | None = None
         self._dir: str | None = None
 
@@ -48,8 +54,13 @@ class PrivateRayHead:
         argv += [f"--num-cpus={self.num_cpus}"] if self.num_cpus is not None else []
         argv += [f"--num-gpus={self.num_gpus}"] if self.num_gpus is not None else []
         log = Path(self._dir) / "head.log"
+        token = Path(self._dir) / "auth_token"
+        token.touch(mode=0o600)
+        token.write_text(secrets.token_hex(32))
+        self.auth_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
         # Stopping is the point of SIGTERM here: skip Ray's drain wait (up to 30 s).
-        env = {**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+        env = {**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", **self.auth_env}
+        env.pop("RAY_AUTH_TOKEN", None)  # it would win over the file
         with open(log, "wb") as out:
             self.process = subprocess.Popen(dying_with_this_process(argv, signal.SIGTERM),
                                             stdout=out, stderr=subprocess.STDOUT,
@@ -78,6 +89,18 @@ class PrivateRayHead:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+
+
+def join_with_token(auth_env: dict[str, str]) -> None:
+    """Make this process present the head's token: its environment, and Ray's settings,
+    which Ray read when it was imported (so they are read again, the way Ray's own
+    `_enable_token_auth` does)."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    os.environ.update(auth_env)
+    os.environ.pop("RAY_AUTH_TOKEN", None)  # it would win over the head's file
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def _free_port() -> int:
