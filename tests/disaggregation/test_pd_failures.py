@@ -46,8 +46,11 @@ def usage(address: str) -> float:
 def test_stalled_transfer_is_recomputed_and_counted(pd):
     first = complete(pd)
     assert complete(pd, "another " + PROMPT) and complete(pd, "third " + PROMPT)
-    assert metric(pd, "pagoda_kv_transfer_failures_total", reason="timeout") == 3
-    assert metric(pd, "pagoda_kv_transfer_fallbacks_total", kind="recompute") == 3
+    # The gateway merges the replicas' /metrics as it scrapes them: wait for the counts.
+    assert wait_until(lambda: metric(pd, "pagoda_kv_transfer_failures_total",
+                                     reason="timeout") == 3, 30)
+    assert wait_until(lambda: metric(pd, "pagoda_kv_transfer_fallbacks_total",
+                                     kind="recompute") == 3, 30)
     # The decode replica computed and cached the first prompt itself: nothing to pull.
     assert complete(pd) == first
     assert metric(pd, "pagoda_kv_transfer_failures_total", reason="timeout") == 3
