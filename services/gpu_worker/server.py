@@ -30,6 +30,7 @@ def main(args: argparse.Namespace) -> int:
     from pagoda.engine.arg_utils import EngineArgs
     from pagoda.executor.factory import make_executor
     from pagoda.services.gpu_worker.servicer import WorkerServicer
+    from pagoda.worker.plan_checks import PlanLedger
 
     setup_logging("gpu-worker")
     config = EngineArgs.from_cli_args(args).create_engine_config()
@@ -37,7 +38,9 @@ def main(args: argparse.Namespace) -> int:
     # rank 0 and starts the other ranks (Ray actors by default) while no gRPC thread runs.
     executor = make_executor(config)
     logger.info("loaded %s (%s on %s)", config.model, config.dtype, config.device)
-    servicer = WorkerServicer(executor, config.model, config.dtype, config.device)
+    ledger = PlanLedger(0, config.cache.block_size, config.arch.vocab_size,
+                        config.scheduler.max_model_len)  # sized by InitializeKvCache
+    servicer = WorkerServicer(executor, config.model, config.dtype, config.device, ledger)
     kv_transfer = kv_transfer_servicer(args, config, executor)
     # Steps are sequential; a second thread answers GetWorkerInfo/health meanwhile
     # (and KV pulls: they never wait for a step).

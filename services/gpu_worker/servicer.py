@@ -11,19 +11,29 @@ import grpc
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as pb
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2_grpc as pb_grpc
 from pagoda.executor.base import WorkerGroupFailed
+from pagoda.worker.plan_checks import PlanLedger, PlanRejected
 from pagoda.services.common.protocol.worker import model_runner_output_to_proto, scheduler_output_from_proto
 from pagoda.services.gpu_worker.metrics import worker_metrics
 
 logger = logging.getLogger(__name__)
 
 
+# Trailing metadata of an ExecuteModel refused INVALID_ARGUMENT: the request at fault.
+REJECTED_REQUEST_KEY = "pagoda-rejected-request"
+
+
 class WorkerServicer(pb_grpc.WorkerServiceServicer):
     """Invariant: steps run one at a time, in `step_id` order, on a KV cache that
-    `InitializeKvCache` allocated; anything else is refused, never half-applied."""
+    `InitializeKvCache` allocated; anything else is refused, never half-applied. A plan
+    that does not fit what the worker holds (`ledger`, plan_checks.py) is refused
+    INVALID_ARGUMENT before any of it runs; a step that fails midway leaves no request
+    state behind, and the worker takes no step until the KV cache is set up again."""
 
-    def __init__(self, runner, model: str, dtype: str, device: str) -> None:
+    def __init__(self, runner, model: str, dtype: str, device: str,
+                 ledger: PlanLedger | None = None) -> None:
         self.runner = runner
         self.info = pb.GetWorkerInfoResponse(model=model, dtype=dtype, device=device)
+        self.ledger = ledger
         self._lock = threading.Lock()
         self._next_step: int | None = None  # None until the KV cache exists
 
@@ -36,9 +46,13 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
 
     def InitializeKvCache(self, request: pb.InitializeKvCacheRequest, context
                           ) -> pb.InitializeKvCacheResponse:
+        if request.num_blocks < 1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_blocks must be at least 1")
         with self._lock:
             self.runner.initialize_kv_cache(request.num_blocks)
             _forget_requests(self.runner)
+            if self.ledger is not None:
+                self.ledger.reset(request.num_blocks)
             self._next_step = 0
         logger.info("KV cache initialized: %d blocks", request.num_blocks)
         return pb.InitializeKvCacheResponse()
@@ -50,14 +64,42 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"step {request.step_id} but expected {self._next_step}: "
                               "the scheduler must call InitializeKvCache first")
-            plan = scheduler_output_from_proto(request.scheduler_output)
+            plan = self._checked_plan(request, context)
             try:
                 with worker_metrics().execute_model.time():
                     output = self.runner.execute_model(plan)
             except WorkerGroupFailed as exc:  # a rank of a TP/PP group died: final
                 context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            except Exception as exc:  # noqa: BLE001 - the state may be half-applied
+                logger.exception("step %d failed; forgetting every request", request.step_id)
+                _forget_requests(self.runner)
+                if self.ledger is not None:
+                    self.ledger.reset()
+                self._next_step = None
+                context.abort(grpc.StatusCode.INTERNAL,
+                              f"the step failed ({type(exc).__name__}); the worker holds no "
+                              "request now and waits for InitializeKvCache")
+            if self.ledger is not None:
+                self.ledger.record(plan, output)
             self._next_step += 1
         return pb.ExecuteModelResponse(model_runner_output=model_runner_output_to_proto(output))
+
+    def _checked_plan(self, request: pb.ExecuteModelRequest, context):
+        """The step's plan, or the call ends INVALID_ARGUMENT (naming the request at
+        fault in trailing metadata) with nothing applied."""
+        try:
+            plan = scheduler_output_from_proto(request.scheduler_output)
+            if self.ledger is not None:
+                self.ledger.check(plan)
+            return plan
+        except PlanRejected as exc:
+            if exc.request_id is not None:
+                context.set_trailing_metadata(((REJECTED_REQUEST_KEY, exc.request_id),))
+            message = f"request {exc.request_id}: {exc}" if exc.request_id else str(exc)
+        except (ValueError, TypeError, KeyError) as exc:
+            message = f"the plan is malformed: {exc}"
+        logger.warning("step %d refused: %s", request.step_id, message)
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 def _forget_requests(runner) -> None:

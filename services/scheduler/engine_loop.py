@@ -26,6 +26,7 @@ AcceptCallback = Callable[[Exception | None], None]
 OutputsCallback = Callable[[list[EngineCoreOutput]], None]
 KvEventsCallback = Callable[[list[KVEvent]], None]
 FailureCallback = Callable[[Exception], None]
+RequestFailedCallback = Callable[[str, str], None]
 
 
 class QueueFull(Exception):
@@ -50,8 +51,12 @@ class EngineLoop:
 
     def __init__(self, core: EngineCore, on_outputs: OutputsCallback,
                  on_kv_events: KvEventsCallback, on_failure: FailureCallback,
-                 recorder: EngineStatsRecorder | None = None) -> None:
+                 recorder: EngineStatsRecorder | None = None,
+                 on_request_failed: RequestFailedCallback | None = None) -> None:
         self.core = core
+        # A request the worker refused (the rest of the replica goes on): told before
+        # the step's outputs, which carry its ABORT.
+        self._on_request_failed = on_request_failed
         self._recorder = recorder  # metrics: told of every accepted add and every step
         self._on_outputs = on_outputs
         self._on_kv_events = on_kv_events
@@ -152,6 +157,10 @@ class EngineLoop:
             self._num_waiting = self.stats.num_waiting
         if self._recorder is not None:  # before dispatch: a finished request is counted
             self._recorder.on_step(self.core, step_start, outputs, self.stats)
+        rejected = self.core.take_rejected()
+        if rejected and self._on_request_failed is not None:
+            for request_id, reason in rejected.items():
+                self._on_request_failed(request_id, reason)
         if outputs:
             self._on_outputs(outputs)
         events = self.core.take_kv_events()

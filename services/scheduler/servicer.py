@@ -27,15 +27,16 @@ logger = logging.getLogger(__name__)
 
 class _RequestStream:
     """Outputs of one request not yet written to its stream; `error` (message, reason,
-    whether the engine still holds the request) once the stream must end UNAVAILABLE
-    with a migration reason (the request may continue on another replica)."""
+    whether the engine still holds the request) once the stream must end: UNAVAILABLE
+    with a migration reason (the request may continue on another replica), or INTERNAL
+    when the reason is None (the request itself failed)."""
 
     __slots__ = ("pending", "ready", "error")
 
     def __init__(self) -> None:
         self.pending: list[EngineCoreOutput] = []
         self.ready = asyncio.Event()
-        self.error: tuple[str, str, bool] | None = None
+        self.error: tuple[str, str | None, bool] | None = None
 
 
 class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
@@ -72,6 +73,18 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                      len(self._streams))
         self._loop.call_soon_threadsafe(self._end_all, "The replica failed.", "replica_failed",
                                         False)
+
+    def on_request_failed(self, request_id: str, reason: str) -> None:
+        """One request failed in the worker (the replica goes on): its stream ends
+        INTERNAL; the request is already finished in the engine."""
+        logger.error("request %s failed: %s", request_id, reason)
+        self._loop.call_soon_threadsafe(self._end_one, request_id)
+
+    def _end_one(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.error = ("The model replica could not run this request.", None, False)
+            stream.ready.set()
 
     def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
         for out in outputs:
@@ -121,6 +134,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                 if stream.error is not None:
                     message, reason, engine_alive = stream.error
                     finished = not engine_alive  # a live engine frees its blocks (finally)
+                    if reason is None:  # this request's own failure: nowhere to move it
+                        await context.abort(grpc.StatusCode.INTERNAL, message)
                     await context.abort(grpc.StatusCode.UNAVAILABLE, message,
                                         trailing_metadata=((MIGRATION_REASON_KEY, reason),))
                 batch, stream.pending = stream.pending, []

@@ -14,10 +14,11 @@ import grpc
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as pb
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2_grpc as pb_grpc
 from pagoda.messages import ModelRunnerOutput, SchedulerOutput
-from pagoda.executor.base import Executor
+from pagoda.executor.base import Executor, StepRejected
 from pagoda.services.common.protocol.worker import model_runner_output_from_proto, scheduler_output_to_proto
 from pagoda.services.common import grpc_channels
 from pagoda.services.common.tracing import intercept
+from pagoda.services.gpu_worker.servicer import REJECTED_REQUEST_KEY
 from pagoda.services.scheduler.tracing import step_span
 
 logger = logging.getLogger(__name__)
@@ -64,10 +65,20 @@ class GrpcWorkerExecutor(Executor):
         self._step_id = 0
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step. StepRejected when the worker refused the plan because of one
+        request (nothing ran; the step id stays); WorkerUnavailable otherwise."""
         request = pb.ExecuteModelRequest(step_id=self._step_id,
                                          scheduler_output=scheduler_output_to_proto(scheduler_output))
         with step_span(scheduler_output, self._step_id):
-            reply = self._call("ExecuteModel", request, self.step_timeout)
+            try:
+                reply = self._stub.ExecuteModel(request, timeout=self.step_timeout)
+            except grpc.RpcError as exc:
+                culprit = _rejected_request(exc)
+                if culprit is not None:
+                    raise StepRejected(f"the worker refused it: {exc.details()}",
+                                       culprit) from None
+                raise WorkerUnavailable(f"gpu-worker at {self.address} failed in ExecuteModel:"
+                                        f" {exc.code().name}: {exc.details()}") from exc
         self._step_id += 1
         return model_runner_output_from_proto(reply.model_runner_output)
 
@@ -80,3 +91,13 @@ class GrpcWorkerExecutor(Executor):
         except grpc.RpcError as exc:
             raise WorkerUnavailable(f"gpu-worker at {self.address} failed in {method}: "
                                     f"{exc.code().name}: {exc.details()}") from exc
+
+
+def _rejected_request(exc: grpc.RpcError) -> str | None:
+    """The request a worker named when it refused a step (INVALID_ARGUMENT), if any."""
+    if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+        return None
+    for key, value in exc.trailing_metadata() or ():
+        if key == REJECTED_REQUEST_KEY:
+            return value
+    return None

@@ -152,6 +152,18 @@ class BlockPool:
         self._events.append(BlockStored(list(block_hashes[start:end]), parent,
                                         list(all_token_ids[start * bs:end * bs]), bs))
 
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Forget the hashes of free blocks whose KV was never written after all (their
+        step was refused: core/step_recovery.py), so no request takes them as a hit."""
+        removed = []
+        for block in blocks:
+            if block.ref_cnt == 0 and block.block_hash is not None \
+                    and self._cached.get(block.block_hash) is block:
+                removed.append(block.block_hash)
+                self._evict(block)
+        if removed and self.enable_kv_events:
+            self._events.append(BlockRemoved(removed))
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is in use."""
         if len(self._free) != self.num_blocks:

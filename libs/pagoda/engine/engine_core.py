@@ -10,7 +10,8 @@ from pagoda.core.kv_events import KVEvent
 from pagoda.messages import (EngineCoreOutput, EngineCoreRequest, FinishReason, ModelRunnerOutput,
                              SchedulerOutput)
 from pagoda.core.scheduler import Scheduler, SchedulerStats
-from pagoda.executor.base import Executor
+from pagoda.core.step_recovery import reject_step
+from pagoda.executor.base import Executor, StepRejected
 from pagoda.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,9 @@ class EngineCore:
         # The plan of the latest `step` (None if it scheduled nothing), for metrics
         # and tracing: which requests ran, how many tokens, which were preempted.
         self.last_scheduler_output: SchedulerOutput | None = None
+        # Requests the worker refused since `take_rejected` (id -> why): they end ABORT
+        # in the outputs; the caller tells their clients why (step_recovery.py).
+        self.rejected: dict[str, str] = {}
         logger.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks,
                     config.cache.block_size, num_blocks * config.cache.block_size)
 
@@ -56,7 +60,12 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         self.last_scheduler_output = scheduler_output
         if scheduler_output.total_num_scheduled_tokens:
-            runner_output = self.executor.execute_model(scheduler_output)
+            try:
+                runner_output = self.executor.execute_model(scheduler_output)
+            except StepRejected as exc:  # one request's fault: it fails, the rest go on
+                reject_step(self.scheduler, scheduler_output, exc.request_id)
+                self.rejected[exc.request_id] = str(exc)
+                return self.scheduler.take_pending_outputs()
         else:
             runner_output = ModelRunnerOutput.empty()
             self.scheduler.wait_for_grammars(GRAMMAR_WAIT_S)
@@ -64,6 +73,10 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def take_rejected(self) -> dict[str, str]:
+        rejected, self.rejected = self.rejected, {}
+        return rejected
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()

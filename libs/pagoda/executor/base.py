@@ -32,6 +32,15 @@ class Executor(abc.ABC):
         """Release workers (no-op by default)."""
 
 
+class StepRejected(RuntimeError):
+    """The worker refused a step before running any of it, because of one request
+    (`request_id`): that request fails, the replica goes on (core/step_recovery.py)."""
+
+    def __init__(self, message: str, request_id: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
 class WorkerGroupFailed(RuntimeError):
     """A rank of the worker group died or failed: the group can serve no more steps."""
 

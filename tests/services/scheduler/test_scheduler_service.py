@@ -28,6 +28,7 @@ from pagoda.services.gpu_worker.servicer import WorkerServicer
 from pagoda.services.scheduler.engine_loop import EngineLoop
 from pagoda.services.scheduler.servicer import SchedulerServicer
 from pagoda.services.scheduler.worker_executor import GrpcWorkerExecutor
+from pagoda.worker.plan_checks import PlanLedger
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [100, 200, 300],
            [42] * 40]
@@ -56,17 +57,25 @@ def offline_tokens(model_dir) -> dict[str, list[int]]:
     return tokens
 
 
-@pytest.fixture
-def worker(tiny_llama_dir):
-    """A gpu-worker servicer on a free port, over the executor the gpu-worker builds
-    for one rank; yields (address, grpc server)."""
-    config = engine_config(tiny_llama_dir)
+def start_worker(config, ledger_vocab_size: int | None = None):
+    """A gpu-worker servicer on a free port, over the executor the gpu-worker builds for
+    one rank, checking plans as the gpu-worker does; (address, grpc server)."""
     server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    ledger = PlanLedger(0, config.cache.block_size, ledger_vocab_size or config.arch.vocab_size,
+                        config.scheduler.max_model_len)
     wpb_grpc.add_WorkerServiceServicer_to_server(
-        WorkerServicer(InProcessExecutor(config), config.model, config.dtype, config.device), server)
+        WorkerServicer(InProcessExecutor(config), config.model, config.dtype, config.device,
+                       ledger), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    yield f"127.0.0.1:{port}", server
+    return f"127.0.0.1:{port}", server
+
+
+@pytest.fixture
+def worker(tiny_llama_dir):
+    """A gpu-worker servicer on a free port; yields (address, grpc server)."""
+    address, server = start_worker(engine_config(tiny_llama_dir))
+    yield address, server
     server.stop(None)
 
 
@@ -196,3 +205,94 @@ def test_a_reader_that_falls_behind_gets_coalesced_chunks(scheduler):
     channel.close()
     assert sum(sizes) == 150
     assert len(sizes) < 75 and max(sizes) > 10  # a backlog arrived as a few large chunks
+
+
+# ---------------------------------------------------------------- messages nobody checked
+def _typed_but_wrong() -> list[tuple[str, spb.GenerateRequest]]:
+    """Well-formed protobuf, sent straight to a scheduler, that no gateway would send."""
+    from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
+
+    def req(rid="bad", prompt=(5, 6, 7), output=(), **params):
+        fields = dict(temperature=0.0, top_p=1.0, max_tokens=4, repetition_penalty=1.0)
+        fields.update(params)
+        return spb.GenerateRequest(request_id=rid, prompt_token_ids=list(prompt),
+                                   output_token_ids=list(output), eos_token_ids=[2],
+                                   sampling_params=cpb.SamplingParams(**fields))
+
+    return [
+        ("logprobs", req(logprobs=1_000_000)),
+        ("prompt_logprobs", req(prompt_logprobs=21)),
+        ("vocabulary", req(prompt=(5, 10**9))),
+        ("output_token_ids", req(output=(10**9,))),
+        ("stop_token_ids", req(stop_token_ids=[-1])),
+        ("logit_bias", req(logit_bias={10**9: 1.0})),
+        ("temperature", req(temperature=float("nan"))),
+        ("max_tokens", req(max_tokens=100_000)),
+        ("output_token_ids", req(output=(5, 6, 7, 8), max_tokens=4)),
+        ("request_id", req(rid="")),
+        ("min_tokens", req(min_tokens=10)),
+    ]
+
+
+def test_typed_but_wrong_requests_are_refused_and_the_replica_serves_on(scheduler):
+    for expected, message in _typed_but_wrong():
+        with pytest.raises(grpc.RpcError) as info:
+            list(scheduler.stub.Generate(message, timeout=60))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, expected
+        assert expected in info.value.details(), info.value.details()
+    assert scheduler.stub.GetLoad(spb.GetLoadRequest()).serving
+    assert len(collect(scheduler.stub, requests(max_tokens=3)[0])[0]) == 3
+
+
+def test_the_worker_refuses_a_plan_that_does_not_fit_and_applies_none_of_it(worker):
+    from pagoda.messages import CachedRequestData, NewRequestData, SchedulerOutput
+    from pagoda.services.common.protocol.worker import scheduler_output_to_proto
+
+    def step(step_id, plan):
+        return stub.ExecuteModel(wpb.ExecuteModelRequest(
+            step_id=step_id, scheduler_output=scheduler_output_to_proto(plan)), timeout=60)
+
+    def new(rid, blocks, prompt=(5, 6, 7)):
+        return NewRequestData(rid, list(prompt), [], SamplingParams(temperature=0.0), blocks, 0)
+
+    bad_plans = [
+        SchedulerOutput([new("a", [99])], CachedRequestData(), {"a": 3}, 3),  # no block 99
+        SchedulerOutput([new("a", [0], prompt=(5, 10**8))], CachedRequestData(), {"a": 2}, 2),
+        SchedulerOutput([], CachedRequestData(["ghost"], [[]], [0]), {"ghost": 1}, 1),
+        SchedulerOutput([new("a", [0])], CachedRequestData(), {"a": 30}, 30),  # past its tokens
+    ]
+    with grpc.insecure_channel(worker[0]) as channel:
+        stub = wpb_grpc.WorkerServiceStub(channel)
+        stub.InitializeKvCache(wpb.InitializeKvCacheRequest(num_blocks=8))
+        for plan in bad_plans:
+            with pytest.raises(grpc.RpcError) as info:
+                step(0, plan)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        good = step(0, SchedulerOutput([new("a", [0])], CachedRequestData(), {"a": 3}, 3))
+        assert list(good.model_runner_output.req_ids) == ["a"]  # step 0 was still free
+        assert step(1, SchedulerOutput([], CachedRequestData(["a"], [[]], [3]), {"a": 1}, 1))
+
+
+def test_a_request_its_worker_refuses_fails_alone(tiny_llama_dir):
+    """The scheduler accepts what its worker refuses (here: the worker believes in a
+    smaller vocabulary): that request fails INTERNAL, the requests that shared its
+    steps are recomputed and still give the offline engine's tokens."""
+    config = engine_config(tiny_llama_dir)
+    address, server = start_worker(config, ledger_vocab_size=1000)
+    harness = SchedulerHarness(config, address)
+    harness.engine._on_request_failed = harness.servicer.on_request_failed
+    try:
+        expected = offline_tokens(tiny_llama_dir)
+        refused = EngineCoreRequest("refused", [5, 6, 3000], SamplingParams(max_tokens=4))
+        good = [r for r in requests() if max(r.prompt_token_ids) < 1000]
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            futures = [pool.submit(collect, harness.stub, r) for r in [refused, *good]]
+            with pytest.raises(grpc.RpcError) as info:
+                futures[0].result(timeout=120)
+            results = [f.result(timeout=120) for f in futures[1:]]
+        assert info.value.code() == grpc.StatusCode.INTERNAL
+        assert [tokens for tokens, _ in results] == [expected[r.request_id] for r in good]
+        assert harness.stub.GetLoad(spb.GetLoadRequest()).serving
+    finally:
+        harness.close()
+        server.stop(None)

@@ -1,0 +1,140 @@
+"""A worker's check of each step's plan before anything of it is applied.
+
+The model runner trusts its plan: a block id past the cache, a token id past the
+vocabulary, a diff for a request it never saw or a logprobs count past the vocabulary
+would raise deep inside a step (after some state was already changed) or, worse,
+silently read another request's KV. `PlanLedger` mirrors what the worker holds for
+each request (known tokens, blocks, computed tokens) from the plans it accepted and
+the tokens it sampled, and `check` refuses a plan that does not fit it, naming the
+request at fault (`PlanRejected`), before the runner sees any of it.
+
+Invariant: between steps the ledger equals the runner's request states in the
+numbers it keeps; `check` changes nothing, `record` is called once per executed step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagoda.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
+
+
+class PlanRejected(ValueError):
+    """A plan the worker will not run; `request_id` is the request at fault, if one is."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+@dataclass
+class _Held:
+    num_tokens: int  # prompt + output tokens the worker knows
+    num_blocks: int
+    num_computed_tokens: int
+
+
+class PlanLedger:
+    """What the worker holds, request by request, as far as a plan can change it."""
+
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int,
+                 max_model_len: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.held: dict[str, _Held] = {}
+
+    def check(self, plan: SchedulerOutput) -> None:
+        """Raise PlanRejected for a plan the runner cannot run as given."""
+        held = {r: h for r, h in self.held.items()
+                if r not in plan.finished_req_ids and r not in plan.preempted_req_ids}
+        scheduled = plan.num_scheduled_tokens
+        new_ids = [d.req_id for d in plan.scheduled_new_reqs]
+        cached = plan.scheduled_cached_reqs
+        ids = new_ids + list(cached.req_ids)
+        if len(set(ids)) != len(ids) or set(ids) != set(scheduled):
+            raise PlanRejected("the plan's requests and its token counts disagree")
+        if sum(scheduled.values()) != plan.total_num_scheduled_tokens:
+            raise PlanRejected("total_num_scheduled_tokens is not the sum of the counts")
+        if not (len(cached.new_block_ids) == len(cached.num_computed_tokens) == len(cached.req_ids)):
+            raise PlanRejected("the cached requests' columns have different lengths")
+        for data in plan.scheduled_new_reqs:
+            if data.req_id in held:
+                raise PlanRejected("a new request with the id of one the worker holds",
+                                   data.req_id)
+            self._check_new(data, scheduled[data.req_id])
+        for req_id, new_blocks, computed in zip(cached.req_ids, cached.new_block_ids,
+                                                cached.num_computed_tokens):
+            if req_id not in held:
+                raise PlanRejected("a diff for a request the worker does not hold", req_id)
+            h = held[req_id]
+            self._check_blocks(new_blocks, req_id)
+            self._check_span(req_id, h.num_tokens, h.num_blocks + len(new_blocks), computed,
+                             scheduled[req_id])
+        self._check_grammar(plan)
+
+    def record(self, plan: SchedulerOutput, output: ModelRunnerOutput) -> None:
+        """Apply an executed step: the plan's diffs, then the tokens it sampled."""
+        for req_id in plan.finished_req_ids | plan.preempted_req_ids:
+            self.held.pop(req_id, None)
+        for data in plan.scheduled_new_reqs:
+            self.held[data.req_id] = _Held(len(data.prompt_token_ids) + len(data.output_token_ids),
+                                           len(data.block_ids), data.num_computed_tokens)
+        cached = plan.scheduled_cached_reqs
+        for req_id, new_blocks, computed in zip(cached.req_ids, cached.new_block_ids,
+                                                cached.num_computed_tokens):
+            h = self.held[req_id]
+            h.num_blocks += len(new_blocks)
+            h.num_computed_tokens = computed
+        for req_id, n in plan.num_scheduled_tokens.items():
+            self.held[req_id].num_computed_tokens += n
+        for req_id, tokens in zip(output.req_ids, output.sampled_token_ids):
+            if req_id in self.held:
+                self.held[req_id].num_tokens += len(tokens)
+
+    def reset(self, num_blocks: int | None = None) -> None:
+        self.held.clear()
+        if num_blocks is not None:
+            self.num_blocks = num_blocks
+
+    # ---------------------------------------------------------------- parts
+    def _check_new(self, data: NewRequestData, num_scheduled: int) -> None:
+        rid, params = data.req_id, data.sampling_params
+        tokens = [*data.prompt_token_ids, *data.output_token_ids]
+        if not data.prompt_token_ids or len(tokens) > self.max_model_len:
+            raise PlanRejected(f"{len(tokens)} tokens do not fit the model length", rid)
+        if any(not 0 <= t < self.vocab_size for t in tokens):
+            raise PlanRejected("a token id outside the vocabulary", rid)
+        self._check_blocks(data.block_ids, rid)
+        self._check_span(rid, len(tokens), len(data.block_ids), data.num_computed_tokens,
+                         num_scheduled)
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise PlanRejected(f"sampling params: {exc}", rid) from None
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.vocab_size:
+                raise PlanRejected(f"{name} of {value} is more than the vocabulary", rid)
+
+    def _check_blocks(self, block_ids: list[int], req_id: str) -> None:
+        if any(not 0 <= b < self.num_blocks for b in block_ids):
+            raise PlanRejected(f"a block id outside the cache's {self.num_blocks} blocks", req_id)
+
+    def _check_span(self, req_id: str, num_tokens: int, num_blocks: int, computed: int,
+                    num_scheduled: int) -> None:
+        end = computed + num_scheduled
+        if num_scheduled < 1 or computed < 0 or end > num_tokens:
+            raise PlanRejected(f"tokens [{computed}, {end}) are not among its {num_tokens}",
+                               req_id)
+        if end > num_blocks * self.block_size:
+            raise PlanRejected(f"{end} tokens do not fit its {num_blocks} blocks", req_id)
+
+    def _check_grammar(self, plan: SchedulerOutput) -> None:
+        ids, bitmask = plan.structured_output_request_ids, plan.grammar_bitmask
+        if bitmask is None:
+            return
+        if bitmask.ndim != 2 or bitmask.shape[0] != len(ids) or not set(ids) <= set(
+                plan.num_scheduled_tokens):
+            raise PlanRejected("the grammar bitmask does not match its requests")
