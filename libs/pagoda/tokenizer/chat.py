@@ -7,6 +7,8 @@ from typing import Any
 
 import jinja2
 
+from pagoda.tokenizer.template_sandbox import render_chat
+
 # OpenAI's roles ("developer" is the newer name of "system" for reasoning models;
 # "function" is the deprecated predecessor of "tool").
 VALID_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -72,15 +74,9 @@ def render_chat_template(
             "The model's tokenizer has no chat template; use the completions API or pass "
             "a chat template."
         )
-    try:
-        return tokenizer.apply_chat_template(
-            conversation,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tokenize=False,
-            **extra,
-        )
+    try:  # transformers' rendering, sandboxed and bounded in time and size
+        return render_chat(tokenizer, conversation, tools, add_generation_prompt,
+                           continue_final_message, extra)
     except jinja2.TemplateError as exc:
         # A template may reject a conversation (wrong role order, a missing field it
         # reads); that is the request's fault, so it becomes a ValueError (HTTP 400).
