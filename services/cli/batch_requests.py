@@ -13,7 +13,9 @@ Bodies are validated and converted by the gateway's own request models
 (`openai_models`: types, ranges, `to_sampling_params`) and the same helpers
 (`resolve_max_tokens`, `check_prompt`, generation-config defaults), and responses are
 rendered by the gateway's `completion_body` / `chat_body`, so a batch line gets the
-answer the served API gives, byte for byte in shape.
+answer the served API gives, byte for byte in shape. `/v1/embeddings` lines go through
+batch_embeddings.py and need a pooling model; chat and completions lines need a
+generation model (either way, the other kind gets a 400 naming the reason).
 """
 
 from __future__ import annotations
@@ -26,11 +28,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from pagoda.outputs import PositionLogprobs, RequestOutput
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer.truncation import truncate_prompt
+from pagoda.services.cli.batch_embeddings import embedding_body, embedding_prompts
 from pagoda.services.gateway.errors import APIError, validation_message
 from pagoda.services.gateway.generation import check_prompt, resolve_max_tokens
 from pagoda.services.gateway.logprobs import Candidate, TokenLogprob
+from pagoda.services.gateway.pooling_models import EmbeddingRequest
 from pagoda.services.gateway.openai_models import (ChatCompletionRequest, CompletionRequest,
                                                    SamplingFields)
 from pagoda.services.gateway.responses import (ChoiceText, LogprobsFormat, ResponseHeader, Usage,
@@ -39,9 +44,10 @@ from pagoda.services.gateway.serving_options import ServingOptions
 from pagoda.tokenizer.chat import normalize_messages, render_chat_template
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
-ENDPOINTS = {CHAT_URL: ChatCompletionRequest, COMPLETIONS_URL: CompletionRequest}
-UNSUPPORTED_ENDPOINTS = {"/v1/embeddings": "Pagoda serves no embedding models",
-                         "/v1/score": "Pagoda serves no scoring models",
+EMBEDDINGS_URL = "/v1/embeddings"
+ENDPOINTS = {CHAT_URL: ChatCompletionRequest, COMPLETIONS_URL: CompletionRequest,
+             EMBEDDINGS_URL: EmbeddingRequest}
+UNSUPPORTED_ENDPOINTS = {"/v1/score": "Pagoda serves no scoring models",
                          "/v1/rerank": "Pagoda serves no reranking models"}
 
 
@@ -54,6 +60,7 @@ class EngineContext:
     model_path: str
     max_model_len: int
     options: ServingOptions
+    pooling_task: str | None = None  # a pooling model's task ("embed", ...); None: generates
 
     @property
     def vocab_size(self) -> int:
@@ -64,7 +71,7 @@ class EngineContext:
 class EnginePrompt:
     text: str | None
     token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     priority: int = 0  # vLLM's request priority (needs --scheduling-policy priority)
 
 
@@ -75,7 +82,7 @@ class BatchItem:
     line_no: int
     custom_id: str | None = None
     url: str = ""
-    body: SamplingFields | None = None
+    body: SamplingFields | EmbeddingRequest | None = None
     model: str = ""
     prompts: list[EnginePrompt] = field(default_factory=list)
     echo_only: bool = False  # completions' echo with max_tokens 0: show no output token
@@ -134,6 +141,13 @@ def _prepare(item: BatchItem, ctx: EngineContext) -> None:
     if body.model is not None and body.model not in ctx.served_model_names:
         raise APIError(f"The model `{body.model}` does not exist.", 404, param="model")
     item.model = body.model or ctx.served_model_names[0]
+    if isinstance(body, EmbeddingRequest):
+        item.prompts = [EnginePrompt(None, ids, params)
+                        for ids, params in embedding_prompts(body, ctx)]
+        return
+    if ctx.pooling_task is not None:
+        raise APIError(f"The model does not support {item.url}: it is a pooling model "
+                       f"(task {ctx.pooling_task!r}); serve it without --runner pooling.")
     if body.stream:
         raise APIError("stream is not supported in a batch", param="stream")
     body.check_common(ctx.options.max_logprobs)
@@ -177,6 +191,8 @@ def _completion_prompts(prompt: Any, tokenizer: Any, add_special_tokens: bool = 
 def response_body(item: BatchItem, outputs: list[RequestOutput], ctx: EngineContext) -> dict:
     """The API's response body for `item`, from its prompts' finished outputs."""
     body = item.body
+    if isinstance(body, EmbeddingRequest):
+        return embedding_body(body, item.model, outputs, ctx.options.enable_prompt_tokens_details)
     n = body.n
     choices: list[ChoiceText] = []
     usage = Usage(prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),

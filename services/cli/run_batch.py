@@ -12,7 +12,9 @@ formats. Invariants:
     (a torn last line is cut off first);
   * `-` reads stdin / writes stdout; the progress bar and logs go to stderr.
 It takes the model and engine flags of `pagoda serve` (EngineArgs), `--served-model-name`,
-`--chat-template` and the generation-config flags, with the same meaning.
+`--chat-template` and the generation-config flags, with the same meaning. A pooling
+model (`--runner pooling`, or auto-detected) answers /v1/embeddings lines, a generation
+model chat and completions lines; a line for the other kind gets a 400 error line.
 """
 
 from __future__ import annotations
@@ -176,8 +178,9 @@ def _start_engine(args: argparse.Namespace):
     use_chat_template(engine.tokenizer, template)
     config = engine.config
     options.generation_defaults(config.model)  # a bad generation config fails before the run
+    pooling_task = config.pooler_config.task if config.runner == "pooling" else None
     return engine, EngineContext(engine.tokenizer, config.served_model_name, config.model,
-                                 config.scheduler.max_model_len, options)
+                                 config.scheduler.max_model_len, options, pooling_task)
 
 
 def _read_input(path: str) -> list[tuple[int, str]]:
