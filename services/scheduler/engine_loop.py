@@ -157,9 +157,8 @@ class EngineLoop:
             self._num_waiting = self.stats.num_waiting
         if self._recorder is not None:  # before dispatch: a finished request is counted
             self._recorder.on_step(self.core, step_start, outputs, self.stats)
-        rejected = self.core.take_rejected()
-        if rejected and self._on_request_failed is not None:
-            for request_id, reason in rejected.items():
+        if self._on_request_failed is not None:
+            for request_id, reason in self.core.take_rejected().items():
                 self._on_request_failed(request_id, reason)
         if outputs:
             self._on_outputs(outputs)

@@ -2,12 +2,17 @@
 
 `REQUESTS` draws either a body whose every field holds a value a client could
 mean (in range, right type: most are served), or one where each field may also be
-junk (wrong type, huge integers, NaN, empty lists: most are rejected). `max_tokens`
-is always small or junk, so a served request finishes in a few steps on the tiny
-model.
+junk (wrong type, huge integers, NaN, empty lists: most are rejected), or a hostile
+one built to exhaust the cluster (huge lists, long strings, JSON nested thousands
+deep, many stop strings, any unicode, a request-supplied chat template: each past
+one of the gateway's limits, or served within them). `max_tokens` is always small
+or junk, so a served request finishes in a few steps on the tiny model. A body is a
+dict, or raw JSON bytes when it nests deeper than `json.dumps` can write.
 """
 
 from __future__ import annotations
+
+import json
 
 from hypothesis import strategies as st
 
@@ -108,4 +113,43 @@ def _requests(path: str, spec: tuple) -> st.SearchStrategy:
                                               _mangled(required, optional, bad)))
 
 
-REQUESTS = st.one_of(_requests("/completions", COMPLETION), _requests("/chat/completions", CHAT))
+def _nested(depth: int, leaf) -> bytes:
+    """JSON text `depth` levels deep (json.dumps would hit Python's recursion limit)."""
+    return b'{"a":[' * depth + json.dumps(leaf).encode() + b"]}" * depth
+
+
+ANY_TEXT = st.text(st.characters(), min_size=1, max_size=64)  # surrogates, RTL, controls
+LONG_TEXT = st.integers(20_000, 200_000).map(lambda n: "word " * (n // 5))
+HUGE_LIST = st.integers(1025, 3000).map(lambda n: ["x"] * n)  # past --max-prompts-per-request
+MANY_IDS = st.integers(2000, 60_000).map(lambda n: [5] * n)
+MANY_STOPS = st.integers(65, 400).map(lambda n: [f"s{i}" for i in range(n)])
+LONG_STOP = st.integers(1025, 50_000).map(lambda n: "s" * n)
+BIG_BIAS = st.integers(1025, 5000).map(lambda n: {str(i): 1.0 for i in range(n)})
+REQUEST_TEMPLATE = st.sampled_from(["{{ 7*7 }}", "{% for i in range(10**9) %}{% endfor %}"])
+HOSTILE_COMPLETION = st.fixed_dictionaries(
+    {"model": st.just("tiny"), "max_tokens": MAX_TOKENS,
+     "prompt": st.one_of(ANY_TEXT, LONG_TEXT, HUGE_LIST, MANY_IDS)},
+    optional={"stop": st.one_of(MANY_STOPS, LONG_STOP, st.lists(ANY_TEXT, max_size=3)),
+              "stop_token_ids": MANY_IDS, "logit_bias": BIG_BIAS,
+              "n": st.integers(129, 10_000), "logprobs": st.integers(21, 10**6)})
+HOSTILE_CHAT = st.fixed_dictionaries(
+    {"model": st.just("tiny"), "max_tokens": MAX_TOKENS,
+     "messages": st.one_of(
+         st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": ANY_TEXT}),
+                  min_size=1, max_size=3),
+         st.integers(4097, 6000).map(lambda n: [{"role": "user", "content": "x"}] * n),
+         LONG_TEXT.map(lambda t: [{"role": "user", "content": t}]))},
+    optional={"chat_template_kwargs": st.one_of(
+        REQUEST_TEMPLATE.map(lambda t: {"chat_template": t}),
+        st.integers(33, 200).map(lambda d: {"x": json.loads(_nested(d, 1))})),
+        "chat_template": REQUEST_TEMPLATE, "top_logprobs": st.integers(21, 10**6),
+        "logprobs": st.just(True), "stop": st.one_of(MANY_STOPS, LONG_STOP)})
+DEEP_BODY = st.tuples(st.sampled_from(["/completions", "/chat/completions"]),
+                      st.integers(1000, 50_000)).map(
+    lambda p: (p[0], b'{"model":"tiny","max_tokens":2,"prompt":"x","messages":'
+                     b'[{"role":"user","content":"x"}],"stop":' + _nested(p[1], "s") + b"}"))
+HOSTILE = st.one_of(st.tuples(st.just("/completions"), HOSTILE_COMPLETION),
+                    st.tuples(st.just("/chat/completions"), HOSTILE_CHAT), DEEP_BODY)
+
+REQUESTS = st.one_of(_requests("/completions", COMPLETION), _requests("/chat/completions", CHAT),
+                     HOSTILE)

@@ -186,12 +186,13 @@ def test_full_queue_is_503_with_retry_after_then_recovers(cluster, client, load)
     assert client.completions.create(model="tiny", prompt="Hello", max_tokens=2, n=8).choices
 
 
-@settings(max_examples=60, deadline=None, database=None,
+@settings(max_examples=90, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(request=REQUESTS)
 def test_any_body_gets_2xx_or_a_4xx_envelope_and_the_service_stays_up(cluster, request):
     path, body = request
-    r = httpx.post(f"{cluster.url}{path}", content=json.dumps(body).encode(), timeout=60,
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{cluster.url}{path}", content=raw, timeout=60,
                    headers={"content-type": "application/json"})
     event(f"HTTP {r.status_code}")  # --hypothesis-show-statistics: how many got through
     if 400 <= r.status_code < 500:
@@ -206,7 +207,7 @@ def test_any_body_gets_2xx_or_a_4xx_envelope_and_the_service_stays_up(cluster, r
             assert all("error" not in json.loads(e) for e in events[:-1]), r.text
         else:
             assert r.json()["choices"]
-            assert_usage(path, body, r.json())
+            assert_usage(path, json.loads(raw), r.json())
     assert httpx.get(f"{cluster.url[:-3]}/health", timeout=10).status_code == 200
 
 
@@ -258,3 +259,41 @@ def test_many_bad_requests_then_good_ones(cluster, client, load):
         {"role": "user", "content": "Hi"}]).choices[0].message.content is not None
     assert time.monotonic() - started < 30
     assert_pool_returns_to_full(load)  # nothing the random bodies started is left holding KV
+
+
+def test_typed_but_wrong_grpc_messages_straight_to_the_services(cluster, client, load):
+    """A caller inside the network (or a bug) sends well-typed nonsense straight to the
+    scheduler and the gpu-worker: each message gets its error, the cluster serves on."""
+    from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
+    from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as wpb
+    from pagoda.services._proto.pagoda.worker.v1 import worker_pb2_grpc as wpb_grpc
+
+    scheduler_args = cluster.service_args("scheduler")
+    scheduler = f"127.0.0.1:{flag_value(scheduler_args, '--port')}"
+    worker = flag_value(scheduler_args, "--worker-addr")
+    params = cpb.SamplingParams(temperature=0.0, top_p=1.0, max_tokens=4,
+                                repetition_penalty=1.0)
+    bad_requests = [
+        spb.GenerateRequest(request_id="x", prompt_token_ids=[5], sampling_params=params,
+                            output_token_ids=[10**9]),
+        spb.GenerateRequest(request_id="y", prompt_token_ids=[5], sampling_params=cpb.SamplingParams(
+            temperature=0.0, top_p=1.0, max_tokens=4, repetition_penalty=1.0, logprobs=10**6)),
+        spb.GenerateRequest(request_id="z", prompt_token_ids=[5] * 600, sampling_params=params),
+    ]
+    with grpc.insecure_channel(scheduler) as channel:
+        stub = spb_grpc.SchedulerServiceStub(channel)
+        for message in bad_requests:
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(message, timeout=30))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with grpc.insecure_channel(worker) as channel:
+        stub = wpb_grpc.WorkerServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.InitializeKvCache(wpb.InitializeKvCacheRequest(num_blocks=0), timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as info:  # not the scheduler's step
+            stub.ExecuteModel(wpb.ExecuteModelRequest(step_id=10**9), timeout=30)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert httpx.get(f"{cluster.url[:-3]}/health", timeout=10).status_code == 200
+    assert load().serving
+    assert client.completions.create(model="tiny", prompt="Hello", max_tokens=3).choices
