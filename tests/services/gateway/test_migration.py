@@ -39,9 +39,12 @@ class ScriptReplica(spb_grpc.SchedulerServiceServicer):
     `fail_resumed`) ends UNAVAILABLE, with `reason` as its migration reason if given."""
 
     def __init__(self, name: str, script: list[int], fail_at: int | None = None,
-                 reason: str | None = None, fail_resumed: bool = False) -> None:
+                 reason: str | None = None, fail_resumed: bool = False,
+                 stall: bool = False) -> None:
         self.name, self.script = name, script
         self.fail_at, self.reason, self.fail_resumed = fail_at, reason, fail_resumed
+        self.stall = stall  # at fail_at, go silent (a replica that stops answering)
+        self.released = threading.Event()
         self.requests: list[spb.GenerateRequest] = []
 
     def Generate(self, request, context):
@@ -65,6 +68,8 @@ class ScriptReplica(spb_grpc.SchedulerServiceServicer):
         yield spb.GenerateResponse(complete=spb.GenerateComplete(finish_reason=reason))
 
     def _fail(self, context):
+        if self.stall:
+            self.released.wait(60)  # silent, connection open, until the test ends
         if self.reason:
             context.set_trailing_metadata(((MIGRATION_REASON_KEY, self.reason),))
         context.abort(grpc.StatusCode.UNAVAILABLE, "worker at 10.1.2.3:50053 died")
@@ -211,3 +216,24 @@ def test_a_replica_lost_after_the_last_token_ends_the_choice_without_moving_it(g
     _, choices, usage = stream(url, max_tokens=8)
     assert choices[-1]["finish_reason"] == "length" and usage["completion_tokens"] == 8
     assert not any(r.resumed() for r in replicas)  # nothing was left to move
+
+
+def test_a_replica_that_stops_answering_loses_its_choice_to_another(gateway, script,
+                                                                    monkeypatch):
+    """A replica that keeps its connection but sends nothing: the gateway's bounded read
+    gives up on it (here after 1 s instead of 300) and the choice moves on."""
+    from pagoda.services.common import grpc_channels
+
+    monkeypatch.setattr(grpc_channels, "GENERATE_READ_TIMEOUT_S", 1.0)
+    replicas = [ScriptReplica(name, script, fail_at=5, stall=True) for name in "ab"]
+    try:
+        url = gateway([ScriptReplica("ok-a", script), ScriptReplica("ok-b", script)])
+        expected, _, _ = stream(url, max_tokens=12)
+        url = gateway(replicas)
+        before = migrations("replica_lost")
+        text, choices, usage = stream(url, max_tokens=12)
+        assert text == expected and usage["completion_tokens"] == 12
+        assert migrations("replica_lost") == before + 1
+    finally:
+        for replica in replicas:
+            replica.released.set()

@@ -84,3 +84,23 @@ def test_request_log_line(caplog):
         ServingOptions().log_request("cmpl-2", [prompt], "PARAMS")  # off by default
     assert [r.getMessage() for r in caplog.records] == [
         "Received request cmpl-1: prompt: 'a lo', params: PARAMS, prompt_token_ids: [1, 2, 3, 4]"]
+
+
+def test_serve_passes_the_hardening_flags_to_the_gateway_and_the_drain_to_schedulers():
+    from pagoda.services.cli.main import build_parser
+    from pagoda.services.cli.serve import build_services
+
+    args = build_parser().parse_args([
+        "serve", "/models/m", "--migration-limit", "5", "--max-messages", "10",
+        "--trust-request-chat-template", "--metrics-require-key", "--shutdown-grace-period",
+        "7", "--limit-concurrency", "99", "--drain-timeout", "3"])
+    services = {s.name: s.argv for s in build_services(args, "redis://127.0.0.1:1/0")}
+    gateway = services["gateway"]
+    for flag, value in (("--migration-limit", "5"), ("--max-messages", "10"),
+                        ("--shutdown-grace-period", "7.0"), ("--limit-concurrency", "99")):
+        assert gateway[gateway.index(flag) + 1] == value
+    assert {"--trust-request-chat-template", "--metrics-require-key"} <= set(gateway)
+    scheduler = services["scheduler"]
+    assert scheduler[scheduler.index("--drain-timeout") + 1] == "3.0"
+    options = ServingOptions.from_args(build_parser().parse_args(gateway[3:]))
+    assert (options.migration_limit, options.limits.max_messages) == (5, 10)
