@@ -23,6 +23,7 @@ the same, so the client's stream, stop strings and text carry on unbroken.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -36,6 +37,8 @@ from pagoda.services.gateway.errors import APIError, from_grpc_error
 from pagoda.services.gateway.logprobs import TokenLogprob, candidate_ids, token_logprobs
 from pagoda.services.gateway.migration import ChoiceRoute, Migration, enders
 from pagoda.services.gateway.peers import ReplicaLost, ReplicaRefused, SchedulerReplica
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -147,7 +150,8 @@ async def stream_choice(replica: SchedulerReplica, mux: DecodeMux, request: Engi
     except grpc.RpcError as exc:
         raise from_grpc_error(exc, "scheduler") from None
     except DecodeStreamBroken as exc:
-        raise APIError(f"tokenizer failed: {exc}", 503) from None
+        logger.warning("request %s: the decode stream broke: %s", rid, exc)
+        raise APIError("The tokenizer stopped decoding the answer; retry later.", 503) from None
     finally:
         await outputs.aclose()  # cancels the call: the scheduler aborts the request
         if not complete and not first:
