@@ -8,7 +8,10 @@ they are handled here, before submit and when the outputs leave the engine threa
 from __future__ import annotations
 
 import argparse
+import logging
 import socket
+
+import grpc
 
 from pagoda.kv_transfer.config import KVTransferConfig
 from pagoda.messages import EngineCoreOutput, EngineCoreRequest
@@ -17,6 +20,8 @@ from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc as
 from pagoda.services.common import grpc_channels
 from pagoda.services.scheduler.kv_consumer import KvConsumer
 from pagoda.services.scheduler.kv_producer import KvLeaseServicer, KvProducer
+
+logger = logging.getLogger(__name__)
 
 
 class KvTransferHooks:
@@ -52,18 +57,29 @@ class KvTransferHooks:
             self.consumer.finish(request_id)
 
 
-def fetch_worker_layout(worker_addr: str) -> kpb.KvLayout:
-    """The gpu-worker's KV layout and epoch (its KV cache is allocated by then)."""
-    with grpc_channels.channel(worker_addr) as channel:
-        return kpb_grpc.KvTransferServiceStub(channel).GetKvLayout(kpb.GetKvLayoutRequest(),
-                                                                   timeout=30.0)
+def fetch_worker_layout(worker_addr: str, role: KVTransferConfig) -> kpb.KvLayout | None:
+    """The gpu-worker's KV layout and epoch (its KV cache is allocated by then).
+
+    None when the worker cannot transfer KV (a tensor-parallel group) and this replica
+    has the default colocated role: it then serves as before, without transfers. A
+    producer or consumer replica on such a worker is a start-up error."""
+    try:
+        with grpc_channels.channel(worker_addr) as channel:
+            return kpb_grpc.KvTransferServiceStub(channel).GetKvLayout(
+                kpb.GetKvLayoutRequest(), timeout=30.0)
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.UNIMPLEMENTED or role.kv_role != "kv_both":
+            raise
+        logger.info("KV transfer off: %s", exc.details())
+        return None
 
 
 def describe_role(info, role: KVTransferConfig, layout: kpb.KvLayout) -> None:
     """Fill the handshake's fields of GetModelInfo: role, connector, layout."""
     info.kv_role = role.kv_role
     info.kv_connector = role.kv_connector
-    info.kv_layout.CopyFrom(layout)
+    if layout is not None:
+        info.kv_layout.CopyFrom(layout)
 
 
 def advertised_address(host: str, port: int) -> str:
@@ -77,6 +93,8 @@ def build_hooks(args: argparse.Namespace, role: KVTransferConfig, engine, info,
                 layout: kpb.KvLayout, port: int) -> KvTransferHooks:
     pool = engine.core.scheduler.kv_cache_manager.pool
     producer = consumer = None
+    if layout is None:  # the worker cannot transfer KV (see fetch_worker_layout)
+        return KvTransferHooks(role, producer, consumer)
     if role.is_kv_producer:
         producer = KvProducer(engine, pool, info, advertised_address(args.host, port),
                               args.worker_addr, layout.epoch, args.kv_lease_timeout)

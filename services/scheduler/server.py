@@ -68,7 +68,7 @@ def main(args: argparse.Namespace) -> int:
     info = model_info(config, args.instance_id or f"{args.host}:{args.port}")
     from pagoda.services.scheduler.kv_role import describe_role, fetch_worker_layout
     role = kv_transfer_config(args)
-    layout = fetch_worker_layout(args.worker_addr)
+    layout = fetch_worker_layout(args.worker_addr, role)
     describe_role(info, role, layout)
     args.kv_role_config, args.kv_worker_layout = role, layout
     recorder, stats_thread = build_recorder(config, args)
