@@ -9,7 +9,7 @@ PORT      ?= 8000
 MODEL     ?=
 PYTEST_ARGS ?=
 
-.PHONY: install proto run test test-fast bench bench-routing bench-peers dashboards clean
+.PHONY: install proto run test test-chaos test-fast bench bench-routing bench-peers dashboards clean
 
 install: $(STAMP)
 
@@ -32,6 +32,9 @@ run: install
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-chaos: install
+	PAGODA_CHAOS=1 $(PY) -m pytest -q tests/e2e/test_chaos.py $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
