@@ -129,10 +129,13 @@ def load_model(model_path: str, arch: ModelArchConfig, dtype: torch.dtype,
     include = model.needs_checkpoint_tensor if parallel and parallel.world_size > 1 else None
     if is_gguf(model_path):
         weights = iter_gguf_weights(model_path, arch, include)
-    elif local_weight_files(model_path).format == "pt":
-        weights = iter_pt_weights(model_path, include)
     else:
-        weights = iter_safetensors_weights(model_path, include)
+        files = local_weight_files(model_path)
+        if files is None:
+            raise FileNotFoundError(f"no model weights at {model_path}: not a folder "
+                                    "or GGUF file that can be read")
+        weights = (iter_pt_weights(model_path, include) if files.format == "pt"
+                   else iter_safetensors_weights(model_path, include))
     if quant is not None:
         weights = quantization_methods.checkpoint_tensors(weights, quant)
     model.load_weights(weights)
