@@ -27,10 +27,11 @@ def wait_until(predicate, timeout: float) -> bool:
 def ray_cluster():
     import ray
 
-    from pagoda.executor.ray_head import PrivateRayHead
+    from pagoda.executor.ray_head import PrivateRayHead, join_with_token
 
     head = PrivateRayHead(num_cpus=4).start()
     try:
+        join_with_token(head.auth_env)  # the head runs with Ray's token auth
         ray.init(address=head.address, log_to_driver=False)
         yield ray
         ray.shutdown()
