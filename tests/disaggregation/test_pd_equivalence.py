@@ -7,7 +7,7 @@ import grpc
 import httpx
 import openai
 import pytest
-from conftest import BASE, role_address, role_process, start_pd
+from pd_cluster import BASE, role_address, role_process, start_pd
 from serve_cluster import ServeProcess, wait_until
 
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2 as kpb

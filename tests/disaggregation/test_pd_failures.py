@@ -8,7 +8,7 @@ from __future__ import annotations
 import grpc
 import openai
 import pytest
-from conftest import role_address, role_process, start_pd
+from pd_cluster import role_address, role_process, start_pd
 from serve_cluster import wait_until
 
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
