@@ -179,7 +179,6 @@ def test_non_streamed_request_is_aborted_when_its_client_leaves(tiny_cluster):
     import socket
 
     channel, load = _scheduler_stub(tiny_cluster)
-    aborted_before = _aborted(tiny_cluster)
     payload = json.dumps({"model": "tiny", "prompt": "Go on", "max_tokens": 1000,
                           "ignore_eos": True}).encode()
     sock = socket.create_connection(("127.0.0.1", tiny_cluster.port), timeout=60)
@@ -193,5 +192,4 @@ def test_non_streamed_request_is_aborted_when_its_client_leaves(tiny_cluster):
     # Nothing is held afterwards. (Whether it ended as aborted or ran out its 1000 tokens
     # first depends on machine speed; the streamed test above checks the abort itself.)
     assert wait_until(lambda: load().kv_cache_usage == 0, timeout=30)
-    assert aborted_before >= 0
     channel.close()
