@@ -14,6 +14,7 @@ from pagoda.messages import EngineCoreRequest, FinishReason
 from pagoda.engine.engine_core import EngineCore
 from pagoda.executor.factory import make_executor
 from pagoda.engine.output_processor import OutputProcessor, ParentRequest
+from pagoda.engine.request_checks import check_logprobs_limit
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from pagoda.pooling_params import PREFILL_ONLY, PoolingParams
@@ -135,12 +136,3 @@ def apply_prompt_fields(prompt_token_ids: list[int], params: SamplingParams, tok
     if params.allowed_token_ids and not all(t < vocab_size for t in params.allowed_token_ids):
         raise ValueError("allowed_token_ids contains out-of-vocab token id!")
     return prompt_token_ids, params
-
-
-def check_logprobs_limit(params: SamplingParams, max_logprobs: int) -> None:
-    """vLLM's `--max-logprobs`: ValueError naming the limit (-1: no limit)."""
-    for name in ("logprobs", "prompt_logprobs"):
-        value = getattr(params, name)
-        if value is not None and max_logprobs != -1 and value > max_logprobs:
-            raise ValueError(f"Requested {name} of {value}, which is greater than the "
-                             f"maximum allowed, {max_logprobs} (--max-logprobs).")
