@@ -21,7 +21,9 @@ PROMPT = " ".join(f"token{i}" for i in range(60))
 @pytest.fixture(scope="module")
 def pd(tiny_llama_dir, redis_server):
     serve = start_pd(tiny_llama_dir, redis_server.url, "--kv-transfer-timeout", "0.000001",
-                     "--kv-lease-timeout", "3")
+                     # Long enough that a slow machine never sees the lease lapse before
+                     # the pull is tried (that would count as lease_expired, not timeout).
+                     "--kv-lease-timeout", "60")
     yield serve
     serve.stop()
 
@@ -37,6 +39,12 @@ def metric(serve, name: str, **labels) -> float:
                if n == name and all((k, val) in ls for k, val in labels.items()))
 
 
+def failures(serve) -> dict:
+    """Failure counts by reason, for an assertion's message."""
+    return {dict(ls).get("reason"): v for (n, ls), v in serve.scrape().items()
+            if n == "pagoda_kv_transfer_failures_total"}
+
+
 def usage(address: str) -> float:
     with grpc.insecure_channel(address) as channel:
         return spb_grpc.SchedulerServiceStub(channel).GetLoad(spb.GetLoadRequest(),
@@ -48,7 +56,7 @@ def test_stalled_transfer_is_recomputed_and_counted(pd):
     assert complete(pd, "another " + PROMPT) and complete(pd, "third " + PROMPT)
     # The gateway merges the replicas' /metrics as it scrapes them: wait for the counts.
     assert wait_until(lambda: metric(pd, "pagoda_kv_transfer_failures_total",
-                                     reason="timeout") == 3, 30)
+                                     reason="timeout") == 3, 30), failures(pd)
     assert wait_until(lambda: metric(pd, "pagoda_kv_transfer_fallbacks_total",
                                      kind="recompute") == 3, 30)
     # The decode replica computed and cached the first prompt itself: nothing to pull.
