@@ -115,6 +115,11 @@ class EngineCoreRequest:
     # The LoRA adapter to run with (None: the base model); its name keys the prefix cache.
     lora_request: LoRARequest | None = None
 
+    @property
+    def lora_key(self) -> str | None:
+        """The adapter's prefix-cache key (None for the base model)."""
+        return self.lora_request.cache_key if self.lora_request else None
+
 
 @dataclass
 class EngineCoreOutput:

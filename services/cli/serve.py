@@ -24,10 +24,12 @@ from pagoda.services.cli.serve_roles import (add_role_args, plan_replicas, role_
                                              scheduler_kv_flags)
 from pagoda.services.cli.local_cluster import LocalCluster, ServiceFailed, ServiceProcess
 from pagoda.metrics import stat_logger
-from pagoda.services.common.grpc_channels import GrpcTLS, add_tls_args
+from pagoda.services.common.grpc_channels import (GrpcTLS, Keepalive, add_keepalive_args,
+                                                  add_tls_args)
 from pagoda.services.common.grpc_channels import configure_from_args as configure_grpc_tls
 from pagoda.services.common.redis_url import REDIS_PASSWORD_ENV, REDIS_URL_ENV
 from pagoda.services.gateway.middleware import add_http_args, http_flags
+from pagoda.services.gateway.lora_modules import add_lora_args, lora_flags
 from pagoda.services.gateway.router import DEFAULT_POLICY, POLICIES
 from pagoda.services.gateway.serving_options import (add_serving_args, add_uvicorn_args,
                                                      gateway_flags)
@@ -71,13 +73,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="A scheduler told to stop (SIGTERM) gives its in-flight requests "
                              "this many seconds to finish; the rest move to other replicas.")
+    parser.add_argument("--execute-model-timeout", type=float, default=None, metavar="SECONDS",
+                        help="Deadline of one model step (passed to the schedulers; default "
+                             "300, 0: none): a replica whose step runs longer fails, and its "
+                             "streams move to other replicas.")
     add_role_args(parser)
     group = parser.add_argument_group("engine (passed to the scheduler and the gpu-worker)")
     EngineArgs.add_cli_args(group)
     add_http_args(parser.add_argument_group("HTTP (passed to the gateway)"))
     add_serving_args(parser, engine_shared=False)  # passed to the gateway
     add_uvicorn_args(parser)  # passed to the gateway
+    add_lora_args(parser)  # passed to the gateway (--enable-lora etc. are engine flags)
     add_tls_args(parser)  # passed to every service
+    add_keepalive_args(parser)  # passed to every service
     observability = parser.add_argument_group(
         "observability (the gateway's /metrics includes every service's)")
     stat_logger.add_cli_args(observability)
@@ -141,6 +149,8 @@ def build_services(args: argparse.Namespace, redis_url: str,
                if args.otlp_traces_endpoint else [])
     tls = GrpcTLS.from_args(args)
     observe += tls.flags() if tls is not None else []
+    keepalive = Keepalive.from_args(args)
+    observe += keepalive.flags() if keepalive != Keepalive() else []
     stats = ["--log-stats-interval", str(args.log_stats_interval),
              *(["--disable-log-stats"] if args.disable_log_stats else [])]
     model = args.model_tag or args.model
@@ -165,7 +175,7 @@ def build_services(args: argparse.Namespace, redis_url: str,
     if redis_password:
         redis_env[REDIS_PASSWORD_ENV] = redis_password
     gateway_env = {"PAGODA_API_KEY": args.api_key} if args.api_key else {}
-    gateway_extra = http_flags(args) + gateway_flags(args)
+    gateway_extra = http_flags(args) + gateway_flags(args) + lora_flags(args)
     services = [
         grpc_service("kv-cache-manager", "kv-cache-manager", env=redis_env),
         grpc_service("tokenizer", "tokenizer", *model_flags, *seed, *hub_flags(args),
@@ -181,6 +191,7 @@ def build_services(args: argparse.Namespace, redis_url: str,
                          "--worker-addr", addr[worker],
                          "--kv-cache-manager-addr", addr["kv-cache-manager"],
                          "--drain-timeout", str(args.drain_timeout),
+                         *_execute_model_timeout(args),
                          *plan.kv_flags, *scheduler_kv_flags(args), replica=i),
         ]
     services.append(ServiceProcess(
@@ -284,6 +295,11 @@ def _health_check_ssl(args: argparse.Namespace) -> ssl.SSLContext | None:
     if args.ssl_cert_reqs == ssl.CERT_REQUIRED:
         context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
     return context
+
+
+def _execute_model_timeout(args: argparse.Namespace) -> list[str]:
+    value = args.execute_model_timeout
+    return [] if value is None else ["--execute-model-timeout", f"{value:g}"]
 
 
 def _connect_host(host: str) -> str:

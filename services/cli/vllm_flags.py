@@ -32,8 +32,6 @@ UNSUPPORTED = {
     "swap-space": "preempted requests are recomputed, never swapped",
     "kv-events-config": "Pagoda publishes KV events to its kv-cache-manager itself",
     # adapters, multimodal, structured output, tools
-    "lora-modules": "served LoRA adapters are not implemented yet (offline LLM with "
-                    "--enable-lora and LoRARequest only)",
     "speculative-config": "speculative decoding is not implemented",
     "limit-mm-per-prompt": "Pagoda serves text-only models",
     "mm-processor-kwargs": "Pagoda serves text-only models",
@@ -61,7 +59,7 @@ UNSUPPORTED = {
     "disable-fastapi-docs": "the gateway's FastAPI docs cannot be turned off yet",
     "return-tokens-as-token-ids": "ask per request with the `return_tokens_as_token_ids` field",
     "enable-log-outputs": "only inputs are logged (--enable-log-requests)",
-    "lora-dtype": "LoRA adapters are not implemented",
+    "lora-dtype": "adapters run in the model's dtype",
 }
 
 

@@ -12,10 +12,13 @@ and channels check that name instead of the address. Without the flags: plaintex
 Invariant: `configure()` runs once at process start, before the first server or channel
 is made; every server port and channel made afterwards uses that configuration.
 
-Hung peers. Every channel pings its peer every KEEPALIVE_TIME_MS while a call is open
-and drops the connection when a ping is not answered within KEEPALIVE_TIMEOUT_MS, so the
-calls on a frozen or unreachable peer fail UNAVAILABLE within ~10 s; servers ping their
-clients the same way, so a stream to a vanished caller ends. A service config gives every
+Hung peers. Every channel pings its peer every `--grpc-keepalive-time` seconds (default
+KEEPALIVE_TIME_MS) while a call is open and drops the connection when a ping is not
+answered within `--grpc-keepalive-timeout` (KEEPALIVE_TIMEOUT_MS), so the calls on a
+frozen (e.g. SIGSTOPped) or unreachable peer fail UNAVAILABLE within ~10 s; servers ping
+their clients the same way, so a stream to a vanished caller ends. A frozen process still
+holds its sockets open and the kernel still acknowledges its TCP segments: only an
+unanswered HTTP/2 ping shows it is gone. A service config gives every
 call a deadline of DEFAULT_DEADLINE_S unless the caller sets a shorter one; the long
 calls are listed in LONG_CALLS instead: their readers bound each read (peers.py,
 decode_mux.py) or pass their own deadline (the worker's steps).
@@ -65,15 +68,48 @@ def service_config(default_deadline_s: float = DEFAULT_DEADLINE_S) -> str:
     ]})
 
 
-_KEEPALIVE = [
-    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-    # gRPC core times out an unanswered ping after this one (default 60 s), whatever
-    # keepalive_timeout says.
-    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-    # Keep pinging while a stream waits silently (e.g. a request queued in a replica).
-    ("grpc.http2.max_pings_without_data", 0),
-]
+@dataclass(frozen=True)
+class Keepalive:
+    """How a process finds a frozen peer: a ping every `time_ms` while a call is open
+    (0: no pings, gRPC's own defaults), the connection dropped when one is not answered
+    within `timeout_ms`. Detection takes at most about time + timeout."""
+
+    time_ms: int = KEEPALIVE_TIME_MS
+    timeout_ms: int = KEEPALIVE_TIMEOUT_MS
+
+    def options(self) -> list[tuple[str, int]]:
+        if self.time_ms <= 0:
+            return []
+        return [
+            ("grpc.keepalive_time_ms", self.time_ms),
+            ("grpc.keepalive_timeout_ms", self.timeout_ms),
+            # gRPC core times out an unanswered ping after this one (default 60 s),
+            # whatever keepalive_timeout says.
+            ("grpc.http2.ping_timeout_ms", self.timeout_ms),
+            # Keep pinging while a stream waits silently (e.g. a request queued in a replica).
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+
+    def flags(self) -> list[str]:
+        """The flags that give a child process the same configuration."""
+        return ["--grpc-keepalive-time", f"{self.time_ms / 1000:g}",
+                "--grpc-keepalive-timeout", f"{self.timeout_ms / 1000:g}"]
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "Keepalive":
+        time_s = getattr(args, "grpc_keepalive_time", None)
+        timeout_s = getattr(args, "grpc_keepalive_timeout", None)
+        time_s = KEEPALIVE_TIME_MS / 1000 if time_s is None else time_s
+        timeout_s = KEEPALIVE_TIMEOUT_MS / 1000 if timeout_s is None else timeout_s
+        if time_s < 0 or timeout_s <= 0:
+            raise SystemExit(f"--grpc-keepalive-time must be >= 0 (0: off) and "
+                             f"--grpc-keepalive-timeout > 0; got {time_s:g} and {timeout_s:g}")
+        return cls(round(time_s * 1000), round(timeout_s * 1000))
+
+
+_KEEPALIVE_KEYS = {"grpc.keepalive_time_ms", "grpc.keepalive_timeout_ms",
+                   "grpc.http2.ping_timeout_ms", "grpc.http2.max_pings_without_data"}
+_KEEPALIVE = Keepalive().options()
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -160,6 +196,7 @@ class GrpcTLS:
 
 
 _tls: GrpcTLS | None = None
+_keepalive = Keepalive()
 
 
 def add_tls_args(parser: argparse.ArgumentParser) -> None:
@@ -176,16 +213,38 @@ def add_tls_args(parser: argparse.ArgumentParser) -> None:
                             "the dialled host (replicas are dialled by IP); default: the host.")
 
 
-def configure(tls: GrpcTLS | None) -> None:
-    """Set this process's TLS configuration (None: plaintext). Call before any
-    server or channel is made."""
-    global _tls
+def add_keepalive_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("gRPC keepalive (how fast a frozen peer is found)")
+    group.add_argument("--grpc-keepalive-time", type=float, default=KEEPALIVE_TIME_MS / 1000,
+                       metavar="SECONDS",
+                       help="Ping each peer this often while a call to or from it is open "
+                            "(0: no pings; a frozen peer is then found only by deadlines).")
+    group.add_argument("--grpc-keepalive-timeout", type=float,
+                       default=KEEPALIVE_TIMEOUT_MS / 1000, metavar="SECONDS",
+                       help="A ping not answered within this drops the connection: the calls "
+                            "on it fail UNAVAILABLE (a stream then migrates).")
+
+
+def configure(tls: GrpcTLS | None, keepalive: Keepalive | None = None) -> None:
+    """Set this process's TLS (None: plaintext) and keepalive configuration. Call
+    before any server or channel is made."""
+    global _tls, _keepalive
     _tls = tls
+    _keepalive = keepalive or Keepalive()
 
 
 def configure_from_args(args: argparse.Namespace) -> GrpcTLS | None:
-    configure(GrpcTLS.from_args(args))
+    configure(GrpcTLS.from_args(args), Keepalive.from_args(args))
     return _tls
+
+
+def current_keepalive() -> Keepalive:
+    return _keepalive
+
+
+def _with_keepalive(options: Sequence) -> list:
+    """`options` with this process's keepalive settings in place of any given."""
+    return [o for o in options if o[0] not in _KEEPALIVE_KEYS] + _keepalive.options()
 
 
 def current_tls() -> GrpcTLS | None:
@@ -194,20 +253,21 @@ def current_tls() -> GrpcTLS | None:
 
 def channel(address: str, options: Sequence = CLIENT_OPTIONS) -> grpc.Channel:
     """A blocking channel to `address` (wrap it with tracing.intercept for spans)."""
+    options = _with_keepalive(options)
     if _tls is None:
-        return grpc.insecure_channel(address, options=list(options))
+        return grpc.insecure_channel(address, options=options)
     return grpc.secure_channel(address, _tls.channel_credentials(),
-                               options=list(options) + _tls.channel_options())
+                               options=options + _tls.channel_options())
 
 
 def aio_channel(address: str, options: Sequence = CLIENT_OPTIONS) -> grpc.aio.Channel:
     """An asyncio channel to `address`, traced when tracing is on (create it in the loop)."""
     interceptors = aio_client_interceptors()
+    options = _with_keepalive(options)
     if _tls is None:
-        return grpc.aio.insecure_channel(address, options=list(options),
-                                         interceptors=interceptors)
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
     return grpc.aio.secure_channel(address, _tls.channel_credentials(),
-                                   options=list(options) + _tls.channel_options(),
+                                   options=options + _tls.channel_options(),
                                    interceptors=interceptors)
 
 
@@ -228,12 +288,14 @@ async def read_within(call: grpc.aio.Call, timeout_s: float, peer: str):
 def server(max_workers: int, thread_name_prefix: str = "grpc") -> grpc.Server:
     """A thread-pool server with the keepalive policy, traced when tracing is on."""
     return grpc.server(ThreadPoolExecutor(max_workers, thread_name_prefix=thread_name_prefix),
-                       options=SERVER_OPTIONS, interceptors=server_interceptors())
+                       options=_with_keepalive(SERVER_OPTIONS),
+                       interceptors=server_interceptors())
 
 
 def aio_server() -> grpc.aio.Server:
     """An asyncio server with the keepalive policy, traced when tracing is on."""
-    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=aio_server_interceptors())
+    return grpc.aio.server(options=_with_keepalive(SERVER_OPTIONS),
+                           interceptors=aio_server_interceptors())
 
 
 def add_port(server, address: str) -> int:

@@ -41,6 +41,7 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
                         help="Listen address of --metrics-port (default: --host). A service "
                              "that serves gRPC on 127.0.0.1 only can still be probed here.")
     grpc_channels.add_tls_args(parser)
+    grpc_channels.add_keepalive_args(parser)
     tracing.add_cli_args(parser)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable
 
@@ -13,10 +14,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 import pagoda
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
-from pagoda.services.gateway import openai_routes, pooling_routes
+from pagoda.services.gateway import lora_routes, openai_routes, pooling_routes
 from pagoda.services.gateway import responses_api, server_routes
 from pagoda.services.gateway.auth import APIKeyMiddleware
 from pagoda.services.gateway.http_metrics import HttpMetricsMiddleware
+from pagoda.services.gateway.lora_modules import LoRARegistry
 from pagoda.services.gateway.body_limit import BodySizeLimitMiddleware
 from pagoda.services.gateway.errors import from_grpc_error, install_error_handlers
 from pagoda.services.gateway.openai_models import (DetokenizeRequest, TokenizeChatRequest,
@@ -47,7 +49,10 @@ def build_app(state: GatewayState, make_peers: Callable[[], Peers],
         if kv_cache_manager_addr:
             state.peers.use_prefix_index(kv_cache_manager_addr)
         state.peers.start()
+        lora_check = asyncio.create_task(
+            lora_routes.check_static_adapters(state, state.peers.on_fatal))
         yield
+        lora_check.cancel()
         await state.peers.close()
         if scraper is not None:
             await scraper.aclose()
@@ -60,6 +65,8 @@ def build_app(state: GatewayState, make_peers: Callable[[], Peers],
     app.include_router(server_routes.router)  # /ping, /load, /v1/models[/{model}]
     app.add_middleware(server_routes.ServerLoadMiddleware)  # counts authorized requests
     app.include_router(pooling_routes.router)  # embeddings, score, rerank, classify
+    if state.loras.runtime_updates:  # vLLM serves these only when allowed
+        app.include_router(lora_routes.router)  # /v1/load_lora_adapter, /v1/unload_...
 
     # Inside the API-key check (a caller without the key is refused before its body is
     # read); outside everything that parses the body.
@@ -127,12 +134,14 @@ def create_app(tokenizer_addr: str, scheduler_addrs: list[str],
                peer_metrics: list[PeerMetrics] | None = None,
                http_options: HttpOptions | None = None, router: str = DEFAULT_POLICY,
                on_fatal: Callable[[str], None] | None = None,
-               options: ServingOptions | None = None) -> FastAPI:
+               options: ServingOptions | None = None,
+               loras: LoRARegistry | None = None) -> FastAPI:
     """`router`: the routing policy; `on_fatal`: called if the cluster cannot be
-    served correctly (block hashes disagree at start-up); `options`: vLLM's serving
-    flags (serving_options.py; default: vLLM's defaults)."""
+    served correctly (block hashes disagree, a --lora-modules adapter cannot run);
+    `options`: vLLM's serving flags (serving_options.py; default: vLLM's defaults);
+    `loras`: the adapters served by name (lora_modules.py; default: none)."""
     state = GatewayState(None, list(served_model_names or []), api_key,
-                         options or ServingOptions())
+                         options or ServingOptions(), loras or LoRARegistry())
     return build_app(state, lambda: Peers(tokenizer_addr, scheduler_addrs, router,
                                           on_fatal=on_fatal),
                      peer_metrics, kv_cache_manager_addr, http_options)

@@ -165,7 +165,9 @@ class DisaggregatedReplica:
         try:
             route = await disagg.peers.router.route(
                 views, RouteRequest(request.prompt_token_ids, len(request.prompt_token_ids), 1,
-                                    request.cache_salt or ""), disagg.peers.tokenizer.stub)
+                                    request.cache_salt or "",
+                                    lora_request=request.lora_request),
+                disagg.peers.tokenizer.stub)
         except APIError:
             _count_fallback("no_prefill_replica")
             async for out in self.decode.generate(request):

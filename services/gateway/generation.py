@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from pagoda.lora.request import LoRARequest
 from pagoda.messages import EngineCoreRequest
 from pagoda.services.gateway.choices import ChoiceDelta, merge_choices, stream_choice
 from pagoda.services.gateway.disagg import disaggregation_of
@@ -75,13 +76,14 @@ class Generation:
     it builds each distinct `SamplingParams` once (one per max_tokens limit), and
     no later hop validates them again.
     `echo_only` (completions' echo with max_tokens 0, to score a prompt) generates
-    one token and shows none of it.
+    one token and shows none of it. `lora_request`: the adapter every choice runs
+    with (the request's `model` named one), None for the base model.
     """
 
     def __init__(self, peers: Peers, request_id: str, prompts: list[Prompt],
                  body: SamplingFields, max_tokens: int | None,
                  prompt_param: str = "prompt", unique_id: bool = True,
-                 echo_only: bool = False) -> None:
+                 echo_only: bool = False, lora_request: LoRARequest | None = None) -> None:
         info = peers.model_info()
         tokenizer = peers.tokenizer_info()
         eos = list(tokenizer.eos_token_ids)
@@ -111,7 +113,8 @@ class Generation:
                 self.requests.append(EngineCoreRequest(
                     request_id=f"{engine_id}-{p_idx}-{i}", prompt_token_ids=prompt.token_ids,
                     sampling_params=params_by_limit[limit], eos_token_ids=eos, arrival_time=now,
-                    cache_salt=body.cache_salt, priority=body.priority))
+                    cache_salt=body.cache_salt, priority=body.priority,
+                    lora_request=lora_request))
 
     @property
     def num_choices(self) -> int:

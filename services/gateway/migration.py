@@ -20,6 +20,7 @@ with the error that ended its last replica. Migrations are counted by reason in
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -71,7 +72,8 @@ class Migration:
         try:
             route = await self.peers.router.route(
                 self.peers.schedulers,
-                RouteRequest(tokens, len(tokens), 1, self.cache_salt or "", self.session_key),
+                RouteRequest(tokens, len(tokens), 1, self.cache_salt or "", self.session_key,
+                             lora_request=request.lora_request),
                 self.peers.tokenizer.stub, frozenset(self.excluded))
         except APIError:
             # What ended the choice's stream says more than "no replica is available".
@@ -104,12 +106,11 @@ class ChoiceRoute:
         self.num_attempts += 1
         if self.num_attempts == 1:
             return self.request
-        return EngineCoreRequest(
-            request_id=f"{self.request.request_id}.m{self.num_attempts - 1}",
-            prompt_token_ids=self.request.prompt_token_ids,
-            sampling_params=self.request.sampling_params,
-            eos_token_ids=self.request.eos_token_ids, arrival_time=self.request.arrival_time,
-            output_token_ids=list(self.generated), cache_salt=self.request.cache_salt)
+        # Everything else as sent (sampling, salt, priority, adapter); no transfer
+        # params: the new replica computes or pulls the prefix afresh.
+        return dataclasses.replace(
+            self.request, request_id=f"{self.request.request_id}.m{self.num_attempts - 1}",
+            output_token_ids=list(self.generated), kv_transfer_params=None)
 
     def finish_without_replica(self) -> EngineCoreOutput | None:
         """The output that ends the choice when its tokens already end it (the replica

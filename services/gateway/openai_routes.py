@@ -37,19 +37,20 @@ DISCONNECT_POLL_S = 0.5
 async def create_completion(body: CompletionRequest, request: Request):
     state: GatewayState = request.app.state.gateway
     model = state.check_model(body.model)
+    lora = state.lora_request(model)
     body.check_common(state.options.max_logprobs)
     num_prompts = count_prompts(body.prompt)
     state.options.limits.check_prompts(num_prompts)
     state.options.limits.check_sampling(body, num_prompts)
     prompts = await tokenize_prompts(state, body.prompt, body.cache_salt,
-                                     body.add_special_tokens)
+                                     body.add_special_tokens, lora.cache_key if lora else "")
     await apply_prompt_fields(state, body, prompts, tokenize)  # truncation, bad words
     if body.echo:
         await fill_prompt_texts(state, prompts, body.skip_special_tokens)
     rid, unique = _request_id(request, "cmpl")
     max_tokens = state.fill_defaults(body, body.max_tokens, prompts)  # --generation-config
     gen = Generation(state.peers, rid, prompts, body, max_tokens, "prompt", unique,
-                     echo_only=body.echo and body.max_tokens == 0)
+                     echo_only=body.echo and body.max_tokens == 0, lora_request=lora)
     state.options.on_generation(gen)  # usage details, request log
     head = ResponseHeader(gen.request_id, model)
     fmt = LogprobsFormat(body.num_logprobs(), body.return_tokens_as_token_ids)
@@ -66,6 +67,7 @@ async def create_completion(body: CompletionRequest, request: Request):
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state: GatewayState = request.app.state.gateway
     model = state.check_model(body.model)
+    lora = state.lora_request(model)
     body.check_common(state.options.max_logprobs)
     state.options.limits.check_sampling(body, 1)
     check_chat_request(state, body)
@@ -75,12 +77,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
                                 body.tools, body.documents)
     reply = await tokenize(state, tpb.TokenizeRequest(
         chat=chat, block_size=state.peers.routing_block_size(), cache_salt=body.cache_salt or "",
-        add_special_tokens=body.add_special_tokens))
+        add_special_tokens=body.add_special_tokens, lora_key=lora.cache_key if lora else ""))
     rid, unique = _request_id(request, "chatcmpl")
     prompt = Prompt(list(reply.token_ids), reply.prompt, _hashes(reply))
     await apply_prompt_fields(state, body, [prompt], tokenize)  # truncation, bad words
     max_tokens = state.fill_defaults(body, body.requested_max_tokens(), [prompt])
-    gen = Generation(state.peers, rid, [prompt], body, max_tokens, "messages", unique)
+    gen = Generation(state.peers, rid, [prompt], body, max_tokens, "messages", unique,
+                     lora_request=lora)
     state.options.on_generation(gen)
     head = ResponseHeader(gen.request_id, model)
     fmt = LogprobsFormat(body.num_logprobs(), body.return_tokens_as_token_ids)
@@ -179,10 +182,12 @@ async def tokenize(state: GatewayState, request: tpb.TokenizeRequest) -> tpb.Tok
 
 
 async def tokenize_prompts(state: GatewayState, prompt, cache_salt: str | None = None,
-                           add_special_tokens: bool = True) -> list[Prompt]:
+                           add_special_tokens: bool = True, lora_key: str = ""
+                           ) -> list[Prompt]:
     """A string, a list of strings, token ids, or a list of token-id lists. The first
-    prompt (the one routing looks at) comes back with its block hashes when routing
-    wants them and it was text; a prompt given as ids is not sent anywhere here."""
+    prompt (the one routing looks at) comes back with its block hashes (keyed by the
+    salt and the LoRA adapter's `lora_key`) when routing wants them and it was text;
+    a prompt given as ids is not sent anywhere here."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -195,7 +200,7 @@ async def tokenize_prompts(state: GatewayState, prompt, cache_salt: str | None =
             return Prompt(list(p))
         reply = await tokenize(state, tpb.TokenizeRequest(
             prompt=p, add_special_tokens=add_special_tokens, block_size=block_size,
-            cache_salt=cache_salt or ""))
+            cache_salt=cache_salt or "", lora_key=lora_key))
         return Prompt(list(reply.token_ids), p, _hashes(reply))
 
     block_size = state.peers.routing_block_size()

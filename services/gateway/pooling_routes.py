@@ -52,7 +52,7 @@ async def _run(state: GatewayState, request: Request, prefix: str, inputs, param
 @router.post("/v1/embeddings")
 async def create_embedding(body: EmbeddingRequest, request: Request):
     state: GatewayState = request.app.state.gateway
-    model = state.check_model(body.model)
+    model = state.check_model(body.model, allow_lora=False)
     pooling_model(state, "embed")
     inputs = await tokenize_inputs(state, body.input, body.truncate_prompt_tokens,
                                    body.add_special_tokens)
@@ -66,7 +66,7 @@ async def create_embedding(body: EmbeddingRequest, request: Request):
 @router.post("/pooling")
 async def create_pooling(body: PoolingRequest, request: Request):
     state: GatewayState = request.app.state.gateway
-    model = state.check_model(body.model)
+    model = state.check_model(body.model, allow_lora=False)
     pooling_model(state, "encode")
     inputs = await tokenize_inputs(state, body.input, body.truncate_prompt_tokens,
                                    body.add_special_tokens)
@@ -80,7 +80,7 @@ async def create_pooling(body: PoolingRequest, request: Request):
 @router.post("/classify")
 async def create_classify(body: ClassificationRequest, request: Request):
     state: GatewayState = request.app.state.gateway
-    model = state.check_model(body.model)
+    model = state.check_model(body.model, allow_lora=False)
     labels = list(pooling_model(state, "classify").labels)
     inputs = await tokenize_inputs(state, body.input, body.truncate_prompt_tokens,
                                    body.add_special_tokens)
@@ -120,7 +120,7 @@ async def _scores(state: GatewayState, request: Request, prefix: str, left: list
 @router.post("/v1/score")
 async def create_score(body: ScoreRequest, request: Request):
     state: GatewayState = request.app.state.gateway
-    model = state.check_model(body.model)
+    model = state.check_model(body.model, allow_lora=False)
     try:
         left, right = score_pairs(body.text_1, body.text_2)
     except ValueError as exc:
@@ -136,7 +136,7 @@ async def create_score(body: ScoreRequest, request: Request):
 @router.post("/v2/rerank")
 async def create_rerank(body: RerankRequest, request: Request):
     state: GatewayState = request.app.state.gateway
-    model = state.check_model(body.model)
+    model = state.check_model(body.model, allow_lora=False)
     if not body.documents:
         raise APIError("The documents cannot be empty.", param="documents")
     rid, scores, usage = await _scores(state, request, "rerank", [body.query] * len(body.documents),

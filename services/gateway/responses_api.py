@@ -105,16 +105,18 @@ async def start_generation(state: GatewayState, chat: ChatCompletionRequest,
     """Tokenize the conversation and build its generation, as the chat route does.
     `max_output_tokens` is clamped to the room the prompt leaves (vLLM's rule)."""
     _, chat_input = openai_routes.chat_input(chat.messages, True, False)
+    lora = state.lora_request(chat.model)
     reply = await openai_routes.tokenize(state, tpb.TokenizeRequest(
         chat=chat_input, block_size=state.peers.routing_block_size(),
-        cache_salt=chat.cache_salt or ""))
+        cache_salt=chat.cache_salt or "", lora_key=lora.cache_key if lora else ""))
     prompt = Prompt(list(reply.token_ids), reply.prompt, list(reply.block_hashes) or None)
     requested = chat.requested_max_tokens()
     room = state.peers.model_info().max_model_len - len(prompt.token_ids)
     if requested is not None and room > 0:
         requested = min(requested, room)
     max_tokens = state.fill_defaults(chat, requested, [prompt])
-    gen = Generation(state.peers, response_id, [prompt], chat, max_tokens, "input")
+    gen = Generation(state.peers, response_id, [prompt], chat, max_tokens, "input",
+                     lora_request=lora)
     state.options.on_generation(gen)
     return gen
 

@@ -44,7 +44,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pagoda.lora.request import LoRARequest
 from pagoda.services.gateway.errors import APIError
+from pagoda.services.gateway.router_lora import AdapterPlacement
 from pagoda.services.gateway.router_prefix import PrefixIndexClient, RecentRoutes
 
 POLICIES = ("round_robin", "least_loaded", "kv_aware", "session")
@@ -70,6 +72,12 @@ class RouteRequest:
     # The first prompt's block hashes from its tokenization; None for a prompt sent
     # as token ids (the index client then hashes it when it needs the hashes).
     block_hashes: Sequence[bytes] | None = None
+    # The LoRA adapter it runs with (router_lora.py prefers replicas holding it).
+    lora_request: LoRARequest | None = None
+
+    @property
+    def lora_key(self) -> str:
+        return self.lora_request.cache_key if self.lora_request else ""
 
 
 @dataclass
@@ -113,6 +121,7 @@ class Router:
         self.policy = policy
         self.index = index
         self.recent_routes = RecentRoutes()
+        self.adapters = AdapterPlacement()
         self.rng = rng or random.Random()
         self._turn = itertools.count()
         self._recent_counts: dict[str, tuple[float, float]] = {}  # address -> (count, when)
@@ -124,11 +133,16 @@ class Router:
         live = [r for r in replicas if r.is_routable() and r.address not in exclude]
         if not live:
             raise APIError("No scheduler replica is available.", 503)
+        adapter = request.lora_request.lora_name if request.lora_request else None
+        if adapter:
+            live = self.adapters.candidates(live, adapter)
         cached, hashes = {}, None
         if self.index is not None and tokenizer_stub is not None:
             cached, hashes = await self._cached_tokens(live, request, tokenizer_stub)
             live = [r for r in live if r.is_routable()] or live  # the await let time pass
         chosen = self._choose(live, request, cached)
+        if adapter:
+            self.adapters.record(chosen.address, adapter)
         block_size = chosen.info.block_size
         predicted = None
         if hashes is not None:
@@ -176,7 +190,7 @@ class Router:
         info = live[0].info  # one model and block size per cluster (the chart sets both once)
         found = await self.index.lookup(tokenizer_stub, request.prompt_token_ids,
                                         request.block_hashes, request.cache_salt, info.model,
-                                        info.block_size)
+                                        info.block_size, request.lora_key)
         if found is None:
             return {}, None
         hashes, blocks = found

@@ -33,7 +33,8 @@ def route_request(requests: Sequence[EngineCoreRequest], session_key: str | None
     if context is not None and context.session_key:
         session_key = context.session_key  # the header wins over the body's `user`
     return RouteRequest(first.prompt_token_ids, sum(len(r.prompt_token_ids) for r in requests),
-                        len(requests), first.cache_salt or "", session_key, block_hashes)
+                        len(requests), first.cache_salt or "", session_key, block_hashes,
+                        first.lora_request)
 
 
 async def routed_deltas(peers: Peers, requests: Sequence[EngineCoreRequest],

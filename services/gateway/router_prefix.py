@@ -49,9 +49,11 @@ class PrefixIndexClient:
 
     async def lookup(self, tokenizer_stub, token_ids: Sequence[int],
                      block_hashes: Sequence[bytes] | None, cache_salt: str, model: str,
-                     block_size: int) -> tuple[list[bytes], dict[str, int]] | None:
+                     block_size: int, lora_key: str = ""
+                     ) -> tuple[list[bytes], dict[str, int]] | None:
         """(the prompt's block hashes, instance id -> cached leading blocks), or None
-        when the index cannot answer now. `block_hashes` None: hash `token_ids` first."""
+        when the index cannot answer now. `block_hashes` None: hash `token_ids` first
+        (with the salt and the LoRA adapter's key, as the schedulers hash them)."""
         now = time.monotonic()
         if now < self._skip_until:
             return None
@@ -59,7 +61,7 @@ class PrefixIndexClient:
             if block_hashes is None:  # a prompt sent as ids: nothing has hashed it yet
                 hashed = await tokenizer_stub.Tokenize(tpb.TokenizeRequest(
                     token_ids=tpb.TokenIds(token_ids=token_ids), block_size=block_size,
-                    cache_salt=cache_salt), timeout=LOOKUP_TIMEOUT_S)
+                    cache_salt=cache_salt, lora_key=lora_key), timeout=LOOKUP_TIMEOUT_S)
                 block_hashes = hashed.block_hashes
             hashes = list(block_hashes)
             if not hashes:

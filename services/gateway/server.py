@@ -10,6 +10,7 @@ import signal
 from pagoda import envs, tracing
 from pagoda.services.common import grpc_channels
 from pagoda.services.common.logs import setup_logging
+from pagoda.services.gateway.lora_modules import add_lora_args, registry_from_args
 from pagoda.services.gateway.router import DEFAULT_POLICY, POLICIES
 from pagoda.services.gateway.serving_options import (ServingOptions, add_serving_args,
                                                      add_uvicorn_args, uvicorn_kwargs)
@@ -45,12 +46,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "gateway's /metrics (one scrape target for a local cluster; "
                              "their series get instance=HOST:PORT).")
     grpc_channels.add_tls_args(parser)  # to the tokenizer, schedulers, kv-cache-manager
+    grpc_channels.add_keepalive_args(parser)
     tracing.add_cli_args(parser)
     from pagoda.services.gateway.middleware import add_http_args
 
     add_http_args(parser)  # CORS: --allowed-origins, --allowed-methods, ...
     add_serving_args(parser)  # vLLM's: --max-logprobs, --enable-log-requests, ...
     add_uvicorn_args(parser)  # vLLM's: --ssl-*, --root-path, --uvicorn-log-level
+    add_lora_args(parser)  # vLLM's --lora-modules; the runtime load/unload switch
 
 
 def main(args: argparse.Namespace) -> int:
@@ -76,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
     app = create_app(args.tokenizer_addr, schedulers, args.served_model_name, args.api_key,
                      args.kv_cache_manager_addr or None, PeerMetrics.parse_list(args.peer_metrics),
                      http_options=HttpOptions.from_args(args), router=args.router,
-                     on_fatal=on_fatal, options=options)
+                     on_fatal=on_fatal, options=options, loras=registry_from_args(args))
     scheme = "https" if "ssl_certfile" in server_kwargs else "http"
     logger.info("gateway on %s://%s:%d (tokenizer %s, schedulers %s, router %s)", scheme,
                 args.host, args.port, args.tokenizer_addr, ", ".join(schedulers), args.router)

@@ -7,7 +7,8 @@
   `ServerLoadMiddleware` from arrival to the response's last byte (a stream counts
   until it ends);
 * `/v1/models` and `/v1/models/{model}` (OpenAI's list and retrieve): one card per
-  served name; an unknown name is a 404 in OpenAI's error JSON.
+  served name, then one per LoRA adapter (vLLM's: `root` its path, `parent` the base
+  model); an unknown name is a 404 in OpenAI's error JSON.
 """
 
 from __future__ import annotations
@@ -44,13 +45,17 @@ async def load(request: Request) -> dict:
 async def list_models(request: Request) -> dict:
     state: GatewayState = request.app.state.gateway
     created = int(time.time())
-    return {"object": "list", "data": [model_card(state, name, created)
-                                       for name in state.model_names()]}
+    cards = [model_card(state, name, created) for name in state.model_names()]
+    cards += [lora_card(state, lora, parent, created) for lora, parent in state.loras.items()]
+    return {"object": "list", "data": cards}
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request) -> dict:
     state: GatewayState = request.app.state.gateway
+    for lora, parent in state.loras.items():
+        if lora.lora_name == model:
+            return lora_card(state, lora, parent, int(time.time()))
     if model not in state.model_names():
         raise APIError(f"The model `{model}` does not exist.", 404, param="model")
     return model_card(state, model, int(time.time()))
@@ -60,6 +65,13 @@ def model_card(state: GatewayState, name: str, created: int) -> dict:
     info = state.peers.model_info()
     return {"id": name, "object": "model", "created": created, "owned_by": "pagoda",
             "root": info.model, "parent": None, "max_model_len": info.max_model_len}
+
+
+def lora_card(state: GatewayState, lora, parent: str | None, created: int) -> dict:
+    """vLLM's card of an adapter: `root` its path, `parent` the base model's name."""
+    card = model_card(state, lora.lora_name, created)
+    card.update(root=lora.lora_path, parent=parent or state.model_names()[0])
+    return card
 
 
 def server_load(app_state) -> int:

@@ -40,7 +40,8 @@ def main(args: argparse.Namespace) -> int:
     logger.info("loaded %s (%s on %s)", config.model, config.dtype, config.device)
     ledger = PlanLedger(0, config.cache.block_size, config.arch.vocab_size,
                         config.scheduler.max_model_len)  # sized by InitializeKvCache
-    servicer = WorkerServicer(executor, config.model, config.dtype, config.device, ledger)
+    servicer = WorkerServicer(executor, config.model, config.dtype, config.device, ledger,
+                              config.lora)
     kv_transfer = kv_transfer_servicer(args, config, executor)
     # Steps are sequential; a second thread answers GetWorkerInfo/health meanwhile
     # (and KV pulls: they never wait for a step).

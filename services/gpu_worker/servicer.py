@@ -11,7 +11,7 @@ import grpc
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as pb
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2_grpc as pb_grpc
 from pagoda.executor.base import WorkerGroupFailed
-from pagoda.worker.plan_checks import PlanLedger, PlanRejected
+from pagoda.worker.plan_checks import PlanLedger, PlanRejected, load_adapters
 from pagoda.services.common.protocol.worker import model_runner_output_to_proto, scheduler_output_from_proto
 from pagoda.services.gpu_worker.metrics import worker_metrics
 
@@ -30,10 +30,11 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     state behind, and the worker takes no step until the KV cache is set up again."""
 
     def __init__(self, runner, model: str, dtype: str, device: str,
-                 ledger: PlanLedger | None = None) -> None:
+                 ledger: PlanLedger | None = None, lora_config=None) -> None:
         self.runner = runner
         self.info = pb.GetWorkerInfoResponse(model=model, dtype=dtype, device=device)
         self.ledger = ledger
+        self.lora_config = lora_config  # --enable-lora's settings, None without
         self._lock = threading.Lock()
         self._next_step: int | None = None  # None until the KV cache exists
 
@@ -91,6 +92,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             plan = scheduler_output_from_proto(request.scheduler_output)
             if self.ledger is not None:
                 self.ledger.check(plan)
+            load_adapters(self.runner, self.lora_config, plan)
             return plan
         except PlanRejected as exc:
             if exc.request_id is not None:

@@ -19,7 +19,7 @@ import threading
 
 import grpc
 
-from pagoda.core.block_hash import hash_request_tokens, salt_keys
+from pagoda.core.block_hash import hash_request_tokens, request_keys
 from pagoda.kv_transfer.leases import LeaseTable
 from pagoda.kv_transfer.params import KVTransferParams
 from pagoda.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
@@ -50,7 +50,8 @@ class KvProducer:
     def expect(self, request: EngineCoreRequest) -> None:
         """Called before the request is submitted: lease its blocks when it finishes."""
         hashes = hash_request_tokens(request.prompt_token_ids, self.info.block_size,
-                                     self.info.prefix_hash_seed, salt_keys(request.cache_salt))
+                                     self.info.prefix_hash_seed,
+                                     request_keys(request.cache_salt, request.lora_key))
         with self._lock:
             self._expected[request.request_id] = (hashes, list(request.prompt_token_ids))
 

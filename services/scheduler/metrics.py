@@ -42,6 +42,8 @@ def build_recorder(config, args: argparse.Namespace, registry: CollectorRegistry
     metrics.log_cache_config(config.cache.block_size, config.cache.num_blocks,
                              config.cache.enable_prefix_caching,
                              config.cache.gpu_memory_utilization)
+    if config.lora is not None:
+        metrics.log_lora_config(config.lora.max_loras)
     interval = log_stats_interval(args)
     stat_logger = StatLogger() if interval > 0 else None
     periodic = PeriodicLogger(stat_logger, interval).start() if stat_logger else None

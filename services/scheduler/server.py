@@ -22,6 +22,9 @@ from pagoda.services.common.kv_transfer_args import add_kv_transfer_args, kv_tra
 from pagoda.services.common.metrics_server import maybe_start_metrics
 
 DEFAULT_PORT = 50052
+# vLLM's default for VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS: far above any real step
+# (a long prefill on a slow CPU takes seconds), so only a hung worker reaches it.
+DEFAULT_EXECUTE_MODEL_TIMEOUT_S = 300.0
 SERVICE_NAME = "pagoda.scheduler.v1.SchedulerService"
 logger = logging.getLogger(__name__)
 
@@ -42,6 +45,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="On SIGTERM: seconds in-flight requests get to finish before they "
                              "are aborted (new ones are refused at once).")
+    parser.add_argument("--execute-model-timeout", type=float,
+                        default=DEFAULT_EXECUTE_MODEL_TIMEOUT_S, metavar="SECONDS",
+                        help="Deadline of one step on the gpu-worker (vLLM's "
+                             "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS): a step that runs longer "
+                             "fails the replica and its streams move to other replicas. "
+                             "Keep it well above the longest step (a full prefill on a slow "
+                             "device); a frozen worker is found sooner by keepalive. 0: none.")
     parser.add_argument("--kv-heartbeat-interval", type=float, default=1.0,
                         help="Seconds between heartbeats to the kv-cache-manager when no KV "
                              "event batch went out (keep it well under its --heartbeat-timeout).")
@@ -60,7 +70,8 @@ def main(args: argparse.Namespace) -> int:
     grpc_channels.configure_from_args(args)  # before the worker channel is made
     tracing.init_tracing("scheduler", args.otlp_traces_endpoint)
     config = EngineArgs.from_cli_args(args).create_engine_config()
-    executor = GrpcWorkerExecutor(args.worker_addr)
+    executor = GrpcWorkerExecutor(args.worker_addr,
+                                  step_timeout=args.execute_model_timeout or None)
     core = EngineCore(config, executor)
     # The grammar backend (the tokenizer's vocabulary tables) loads in the background now,
     # so the first structured-output request does not wait for it.
@@ -89,6 +100,9 @@ def model_info(config, instance_id: str) -> pb.GetModelInfoResponse:
         block_size=config.cache.block_size, num_gpu_blocks=config.cache.num_blocks,
         instance_id=instance_id, prefix_hash_seed=config.cache.prefix_hash_seed,
         served_model_name=config.served_model_name, epoch=uuid.uuid4().hex)
+    if config.lora is not None:  # --enable-lora: the gateway routes adapters by these
+        info.max_cpu_loras = config.lora.max_cpu_loras
+        info.max_lora_rank = config.lora.max_lora_rank
     if config.pooler_config is not None:  # --runner pooling: what the gateway may ask
         info.pooling.task = config.pooler_config.task
         info.pooling.labels.extend(config.pooler_config.labels)

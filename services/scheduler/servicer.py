@@ -15,11 +15,13 @@ import grpc
 
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as pb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from pagoda.engine.request_checks import check_request
+from pagoda.engine.request_checks import check_lora, check_request
+from pagoda.lora.request import LoRARequest
 from pagoda.messages import EngineCoreOutput
 from pagoda.services.common.protocol.scheduler import (MIGRATION_REASON_KEY, hash_blocks,
                                                        outputs_to_responses, request_from_proto)
 from pagoda.services.scheduler.engine_loop import EngineLoop, QueueFull
+from pagoda.services.scheduler.lora_adapters import HeldAdapters
 from pagoda.services.scheduler.tracing import REQUEST_SPANS
 
 logger = logging.getLogger(__name__)
@@ -55,6 +57,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         self.draining = False  # set by drain.py: refuse new requests, finish the rest
         # Disaggregation (kv_role.py): consumes a request's kv_transfer_params.
         self.kv_transfer = None
+        self.held_adapters = HeldAdapters(model_info.max_cpu_loras)
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -116,6 +119,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is in use")
         stream = _RequestStream()
         self._streams[rid] = stream
+        if core_request.lora_request is not None:
+            self.held_adapters.touch(core_request.lora_request.lora_name)
         REQUEST_SPANS.register_current(rid)  # its steps and phases join the caller's trace
         finished = False
         try:
@@ -179,11 +184,20 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             num_running=s.num_running, num_waiting=s.num_waiting,
             kv_cache_usage=s.kv_cache_usage, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
-            serving=self.engine.failure is None and not self.draining, draining=self.draining)
+            serving=self.engine.failure is None and not self.draining, draining=self.draining,
+            lora_adapters=self.held_adapters.names())
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context
                            ) -> pb.GetModelInfoResponse:
         return self.model_info
+
+    async def CheckLoRAAdapter(self, request, context) -> pb.CheckLoRAAdapterResponse:
+        try:
+            lora = LoRARequest(request.lora_name, request.lora_int_id, request.lora_path)
+            rank = check_lora(lora, self.engine.core.config)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.CheckLoRAAdapterResponse(rank=rank)
 
     async def HashBlocks(self, request: pb.HashBlocksRequest, context) -> pb.HashBlocksResponse:
         try:

@@ -11,7 +11,7 @@ import grpc
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as pb
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
 from pagoda.config import DEFAULT_PREFIX_HASH_SEED
-from pagoda.core.block_hash import hash_request_tokens, salt_keys
+from pagoda.core.block_hash import hash_request_tokens, request_keys
 from pagoda.services.common.protocol.sampling_params import decode_options_from_proto
 from pagoda.services.common.protocol.tokenizer import chat_input_from_proto
 from pagoda.services.tokenizer.metrics import timed, tokenizer_metrics
@@ -55,7 +55,7 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         if request.block_size > 0:
             response.block_hashes.extend(hash_request_tokens(
                 token_ids, request.block_size, self.prefix_hash_seed,
-                salt_keys(request.cache_salt)))
+                request_keys(request.cache_salt, request.lora_key)))
         if request.return_token_strs:
             response.token_strs.extend(self.tokenizer.convert_ids_to_tokens(token_ids))
         return response

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.core.block_hash import hash_request_tokens, lora_keys, salt_keys
+from pagoda.core.block_hash import hash_request_tokens, request_keys
 from pagoda.lora.config import LoRAConfig
 from pagoda.lora.manager import LoRAModelManager
 from pagoda.lora.request import LoRARequest
@@ -41,9 +41,9 @@ def test_lru_slots_and_host_cache(manager, adapters):
 
 def test_adapter_name_keys_the_block_hash():
     tokens = list(range(8))
-    base = hash_request_tokens(tokens, 4, "seed", salt_keys(None))
-    one = hash_request_tokens(tokens, 4, "seed", lora_keys(salt_keys(None), "one"))
-    two = hash_request_tokens(tokens, 4, "seed", lora_keys(salt_keys(None), "two"))
-    salted = hash_request_tokens(tokens, 4, "seed", lora_keys(salt_keys("one"), None))
+    base = hash_request_tokens(tokens, 4, "seed", request_keys(None))
+    one = hash_request_tokens(tokens, 4, "seed", request_keys(None, "one"))
+    two = hash_request_tokens(tokens, 4, "seed", request_keys(None, "two"))
+    salted = hash_request_tokens(tokens, 4, "seed", request_keys("one", None))
     assert len({base[0], one[0], two[0], salted[0]}) == 4
-    assert one == hash_request_tokens(tokens, 4, "seed", lora_keys(None, "one"))
+    assert one == hash_request_tokens(tokens, 4, "seed", request_keys(None, "one"))

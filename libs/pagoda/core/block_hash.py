@@ -36,20 +36,17 @@ def hash_block_tokens(
     return BlockHash(h.digest())
 
 
-def salt_keys(cache_salt: str | None) -> tuple[str] | None:
-    """The extra keys of a request's blocks: its cache salt, if it has one. Every
-    hasher (the scheduler's requests, the tokenizer's routing hashes) goes through
-    this, so a salt is keyed the same way everywhere."""
-    return (cache_salt,) if cache_salt else None
-
-
-def lora_keys(extra_keys: tuple | None, lora_name: str | None) -> tuple | None:
-    """`extra_keys` plus the request's LoRA adapter (vLLM keys blocks by the adapter's
-    name): the same prompt under two adapters, or under one and the base model, never
-    shares cached KV. Tagged so an adapter name can never equal a cache salt's key."""
-    if not lora_name:
-        return extra_keys
-    return (extra_keys or ()) + (("lora", lora_name),)
+def request_keys(cache_salt: str | None, lora_key: str | None = None) -> tuple | None:
+    """The extra keys of a request's blocks: its cache salt and its LoRA adapter's key
+    (`LoRARequest.cache_key`, name and id), so the same prompt under two salts, two
+    adapters, or an adapter and the base model never shares cached KV. The adapter is
+    tagged so its key can never equal a salt. Every hasher (the scheduler's requests,
+    the tokenizer's routing hashes, the KV transfer's checks) goes through this, so a
+    request is keyed the same way everywhere."""
+    keys = (cache_salt,) if cache_salt else ()
+    if lora_key:
+        keys += (("lora", lora_key),)
+    return keys or None
 
 
 def hash_request_tokens(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from pagoda.core.block_hash import BlockHash, hash_request_tokens, lora_keys, salt_keys
+from pagoda.core.block_hash import BlockHash, hash_request_tokens, request_keys
 from pagoda.messages import EngineCoreRequest, FinishReason
 from pagoda.sampling_params import SamplingParams
 
@@ -59,8 +59,7 @@ class Request:
         self._block_size = block_size
         self._hash_seed = hash_seed
         self.lora_request = core_request.lora_request
-        self._extra_keys = lora_keys(salt_keys(core_request.cache_salt),
-                                     self.lora_request and self.lora_request.lora_name)
+        self._extra_keys = request_keys(core_request.cache_salt, core_request.lora_key)
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()
 

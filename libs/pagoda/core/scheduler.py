@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable
 
 from pagoda.config import CacheConfig, SchedulerConfig
@@ -53,6 +53,9 @@ class SchedulerStats:
     num_preemptions: int
     num_blocks: int
     num_free_blocks: int
+    # vLLM's: adapter name -> running / waiting requests with it (empty without LoRA).
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -355,6 +358,20 @@ class Scheduler:
     def get_stats(self) -> SchedulerStats:
         stats = self.kv_cache_manager.prefix_stats
         pool = self.kv_cache_manager.pool
-        return SchedulerStats(len(self.running), len(self.waiting), pool.usage(), stats.queries,
-                              stats.hits, self.num_preemptions, pool.num_blocks, pool.num_free_blocks)
+        snapshot = SchedulerStats(len(self.running), len(self.waiting), pool.usage(),
+                                  stats.queries, stats.hits, self.num_preemptions,
+                                  pool.num_blocks, pool.num_free_blocks)
+        if self.config.max_loras is not None:
+            snapshot.running_lora_adapters = _count_adapters(self.running)
+            snapshot.waiting_lora_adapters = _count_adapters(self.waiting)
+        return snapshot
+
+
+def _count_adapters(requests) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for request in requests:
+        if request.lora_request is not None:
+            name = request.lora_request.lora_name
+            counts[name] = counts.get(name, 0) + 1
+    return counts
 

@@ -14,7 +14,7 @@ from pagoda.messages import EngineCoreRequest, FinishReason
 from pagoda.engine.engine_core import EngineCore
 from pagoda.executor.factory import make_executor
 from pagoda.engine.output_processor import OutputProcessor, ParentRequest
-from pagoda.engine.request_checks import check_logprobs_limit
+from pagoda.engine.request_checks import check_logprobs_limit, check_lora
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from pagoda.pooling_params import PREFILL_ONLY, PoolingParams
@@ -43,7 +43,7 @@ class LLMEngine:
                 raise ValueError("Either a prompt or prompt_token_ids is required.")
             prompt_token_ids = self.tokenizer.encode(prompt)
         request_id = request_id or str(next(self._ids))
-        self._check_lora(lora_request)
+        check_lora(lora_request, self.config)
         if isinstance(params, PoolingParams):
             self.core.add_request(EngineCoreRequest(request_id, list(prompt_token_ids),
                                                     PREFILL_ONLY, cache_salt=cache_salt,
@@ -73,18 +73,6 @@ class LLMEngine:
                 self.output_processor.children.pop(child_id, None)
             raise
         return request_id
-
-    def _check_lora(self, lora_request: LoRARequest | None) -> None:
-        """Refuse an adapter at submission, not in the worker's step: LoRA must be
-        enabled and the directory must hold a PEFT LoRA config."""
-        if lora_request is None:
-            return
-        if self.config.lora is None:
-            raise ValueError(f"LoRA request {lora_request.lora_name!r} but LoRA is not "
-                             f"enabled (enable_lora=True, --enable-lora)")
-        from pagoda.lora.adapter import read_adapter_config
-
-        read_adapter_config(lora_request.lora_path)
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         core_outputs = self.core.step()

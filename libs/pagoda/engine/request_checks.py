@@ -16,6 +16,7 @@ import math
 from collections.abc import Iterable
 
 from pagoda.config import EngineConfig
+from pagoda.lora.request import LoRARequest
 from pagoda.messages import EngineCoreRequest
 from pagoda.sampling_params import SamplingParams
 
@@ -33,6 +34,19 @@ def check_logprobs_limit(params: SamplingParams, max_logprobs: int) -> None:
                              f"maximum allowed, {max_logprobs} (--max-logprobs).")
 
 
+def check_lora(lora_request: LoRARequest | None, config: EngineConfig) -> int | None:
+    """Refuse an adapter at submission, not in the worker's step: LoRA must be enabled
+    and the directory must hold a PEFT LoRA adapter within --max-lora-rank. Its rank."""
+    if lora_request is None:
+        return None
+    if config.lora is None:
+        raise ValueError(f"LoRA request {lora_request.lora_name!r} but LoRA is not enabled "
+                         f"(enable_lora=True, --enable-lora)")
+    from pagoda.lora.adapter import check_adapter
+
+    return check_adapter(lora_request.lora_path, config.lora.max_lora_rank)
+
+
 def check_request(request: EngineCoreRequest, config: EngineConfig) -> None:
     """Raise ValueError for anything in `request` that this engine must not run."""
     rid = request.request_id
@@ -43,6 +57,7 @@ def check_request(request: EngineCoreRequest, config: EngineConfig) -> None:
     _check_ids("prompt_token_ids", request.prompt_token_ids, vocab)
     _check_ids("output_token_ids", request.output_token_ids, vocab)
     _check_ids("eos_token_ids", request.eos_token_ids, vocab)
+    check_lora(request.lora_request, config)
     if request.pooling_params is not None:
         if request.output_token_ids:
             raise ValueError("output_token_ids: a pooling request generates nothing.")

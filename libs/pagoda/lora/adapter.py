@@ -42,11 +42,18 @@ class LoRAModel:
 
 
 def read_adapter_config(path: str) -> dict:
+    if not path:
+        raise ValueError("the LoRA adapter has no path")
     config_file = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(config_file):
         raise ValueError(f"No adapter_config.json in LoRA adapter directory {path!r}")
-    with open(config_file) as f:
-        config = json.load(f)
+    try:
+        with open(config_file) as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: adapter_config.json cannot be read ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: adapter_config.json is not a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{path}: peft_type {config.get('peft_type')!r} is not LORA")
     for key, what in _UNSUPPORTED.items():
@@ -55,6 +62,25 @@ def read_adapter_config(path: str) -> dict:
     if config.get("bias", "none") != "none":
         raise ValueError(f"{path}: LoRA adapters with trained biases are not supported")
     return config
+
+
+def check_adapter(path: str, max_rank: int) -> int:
+    """What can be told without loading the tensors: `path` holds a PEFT LoRA config
+    we apply, of a rank within `max_rank`, and a weights file. The adapter's rank;
+    ValueError naming the problem otherwise. Cheap (one small JSON file): callers run
+    it per request, so an unreadable adapter fails that request, not a step."""
+    config = read_adapter_config(path)
+    try:
+        rank = int(config["r"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{path}: adapter_config.json has no integer rank 'r'") from None
+    if not 1 <= rank <= max_rank:
+        raise ValueError(f"LoRA rank {rank} of {path} is greater than max_lora_rank "
+                         f"{max_rank}" if rank > max_rank else f"{path}: rank {rank} < 1")
+    if not any(os.path.isfile(os.path.join(path, f))
+               for f in ("adapter_model.safetensors", "adapter_model.bin")):
+        raise ValueError(f"No adapter_model.safetensors in LoRA adapter directory {path!r}")
+    return rank
 
 
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:

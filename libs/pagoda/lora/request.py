@@ -11,8 +11,9 @@ class LoRARequest:
 
     Invariant: `lora_int_id` >= 1 names one adapter for the life of an engine (0 means
     "no adapter" in vLLM and is refused); two requests with the same id must carry the
-    same path. `lora_name` is what the OpenAI API calls the model and what the prefix
-    cache keys blocks by, so equal names mean equal weights.
+    same path. `lora_name` is what the OpenAI API calls the model. The prefix cache
+    keys blocks by `cache_key` (name and id; vLLM uses the name alone): an adapter
+    reloaded under its old name with a new id never hits the old weights' blocks.
     """
 
     lora_name: str
@@ -24,6 +25,10 @@ class LoRARequest:
             raise ValueError(f"lora_int_id must be >= 1, got {self.lora_int_id}")
         if not self.lora_name:
             raise ValueError("lora_name must not be empty")
+
+    @property
+    def cache_key(self) -> str:
+        return f"{self.lora_name}:{self.lora_int_id}"
 
     @property
     def adapter_id(self) -> int:  # vLLM's alias

@@ -97,6 +97,7 @@ class EngineMetrics:
                                           ITERATION_TOKENS_BUCKETS)
         self._init_latency_histograms(histogram)
         self._last_queries = self._last_hits = 0
+        self._lora_info: Gauge | None = None  # log_lora_config, under --enable-lora
 
     def _init_latency_histograms(self, histogram) -> None:
         self.time_to_first_token = histogram(
@@ -128,6 +129,27 @@ class EngineMetrics:
         Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(info),
               registry=self._registry).labels(**info).set(1)
 
+    def log_lora_config(self, max_loras: int) -> None:
+        """Under --enable-lora: vLLM's `vllm:lora_requests_info`, one series whose labels
+        name the adapters of the running and waiting requests (comma-separated) and
+        whose value is when they were seen (Unix seconds). Only the current series is
+        kept: a dashboard reads the adapters in use now without aggregating history."""
+        self._lora_info = Gauge(
+            "vllm:lora_requests_info", "Running stats on lora requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=self._registry)
+        self._max_loras = str(max_loras)
+        self._lora_labels: tuple[str, str, str] | None = None
+
+    def _record_lora(self, s: SchedulerStats) -> None:
+        labels = (self._max_loras, ",".join(s.waiting_lora_adapters),
+                  ",".join(s.running_lora_adapters))
+        if labels != self._lora_labels:
+            if self._lora_labels is not None:
+                self._lora_info.remove(*self._lora_labels)
+            self._lora_labels = labels
+        self._lora_info.labels(*labels).set_to_current_time()
+
     def record(self, scheduler_stats: SchedulerStats | None,
                iteration_stats: IterationStats | None) -> None:
         if scheduler_stats is not None:
@@ -142,6 +164,8 @@ class EngineMetrics:
         self.prefix_cache_queries.inc(max(s.prefix_cache_queries - self._last_queries, 0))
         self.prefix_cache_hits.inc(max(s.prefix_cache_hits - self._last_hits, 0))
         self._last_queries, self._last_hits = s.prefix_cache_queries, s.prefix_cache_hits
+        if self._lora_info is not None:
+            self._record_lora(s)
 
     def _record_iteration(self, it: IterationStats) -> None:
         if it.num_preempted_reqs:

@@ -138,3 +138,26 @@ class PlanLedger:
         if bitmask.ndim != 2 or bitmask.shape[0] != len(ids) or not set(ids) <= set(
                 plan.num_scheduled_tokens):
             raise PlanRejected("the grammar bitmask does not match its requests")
+
+
+def load_adapters(executor, lora_config, plan: SchedulerOutput) -> None:
+    """Before a step runs: every LoRA adapter its new requests name can run here, and
+    (in a single-rank worker) is loaded into the host cache now, so a missing, too
+    large or malformed adapter refuses the plan naming its request (PlanRejected)
+    instead of failing the step midway. `lora_config` is None without --enable-lora.
+    A multi-rank group's ranks load in their step; here the cheap check covers it."""
+    from pagoda.lora.adapter import check_adapter
+
+    manager = getattr(getattr(executor, "runner", None), "lora_manager", None)
+    for data in plan.scheduled_new_reqs:
+        lora = data.lora_request
+        if lora is None:
+            continue
+        if lora_config is None:
+            raise PlanRejected("a LoRA request but LoRA is not enabled", data.req_id)
+        try:
+            check_adapter(lora.lora_path, lora_config.max_lora_rank)
+            if manager is not None:
+                manager.add_adapter(lora)
+        except (ValueError, OSError, RuntimeError) as exc:
+            raise PlanRejected(f"LoRA adapter {lora.lora_name!r}: {exc}", data.req_id) from None

@@ -1,4 +1,4 @@
-"""Shared messages <-> Python values: logprobs, finish reasons and free-form JSON
+"""Shared messages <-> Python values: logprobs, finish reasons, LoRA requests and free-form JSON
 (sampling params have their own module, `sampling_params`)."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from pagoda.lora.request import LoRARequest
 from pagoda.messages import FinishReason, LogprobsLists
 from pagoda.services._proto.pagoda.common.v1 import common_pb2 as pb
 
@@ -112,3 +113,13 @@ def _json_from(msg: pb.JsonValue) -> Any:
     if kind == "null_value" or kind is None:
         return None
     return getattr(msg, kind)
+
+
+def lora_request_to_proto(lora: LoRARequest, out: pb.LoRARequest) -> None:
+    """Fill `out` (a message field) with the adapter's name, id and path."""
+    out.lora_name, out.lora_int_id, out.lora_path = lora.lora_name, lora.lora_int_id, lora.lora_path
+
+
+def lora_request_from_proto(msg: pb.LoRARequest) -> LoRARequest:
+    """Raises ValueError for an id below 1 or an empty name (LoRARequest's checks)."""
+    return LoRARequest(msg.lora_name, msg.lora_int_id, msg.lora_path)

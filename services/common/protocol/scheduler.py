@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagoda.core.block_hash import hash_request_tokens, salt_keys
+from pagoda.core.block_hash import hash_request_tokens, request_keys
 from pagoda.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as pb
 from pagoda.services.common.protocol.common import (
@@ -19,6 +19,8 @@ from pagoda.services.common.protocol.common import (
     finish_reason_to_proto,
     logprobs_from_proto,
     logprobs_to_proto,
+    lora_request_from_proto,
+    lora_request_to_proto,
 )
 from pagoda.pooling_params import PREFILL_ONLY
 from pagoda.services.common.protocol.kv_transfer import kv_params_from_proto, kv_params_to_proto
@@ -57,11 +59,14 @@ def request_to_proto(req: EngineCoreRequest) -> pb.GenerateRequest:
         msg.sampling_params.CopyFrom(sampling_params_to_proto(req.sampling_params))
     if req.kv_transfer_params is not None:
         kv_params_to_proto(req.kv_transfer_params, msg.kv_transfer_params)
+    if req.lora_request is not None:
+        lora_request_to_proto(req.lora_request, msg.lora_request)
     return msg
 
 
 def request_from_proto(msg: pb.GenerateRequest) -> EngineCoreRequest:
-    """The sampling params are not validated again (the gateway did)."""
+    """The sampling params are not validated again (the gateway did); a malformed
+    LoRA request raises ValueError."""
     pooling = msg.HasField("pooling_params")
     return EngineCoreRequest(
         request_id=msg.request_id,
@@ -75,6 +80,8 @@ def request_from_proto(msg: pb.GenerateRequest) -> EngineCoreRequest:
         pooling_params=pooling_params_from_proto(msg.pooling_params) if pooling else None,
         kv_transfer_params=(kv_params_from_proto(msg.kv_transfer_params)
                             if msg.HasField("kv_transfer_params") else None),
+        lora_request=(lora_request_from_proto(msg.lora_request)
+                      if msg.HasField("lora_request") else None),
     )
 
 
@@ -147,10 +154,10 @@ def response_to_output(request_id: str, msg: pb.GenerateResponse) -> EngineCoreO
 
 def hash_blocks(request: pb.HashBlocksRequest, prefix_hash_seed: str) -> pb.HashBlocksResponse:
     """A prompt's block hashes exactly as the engine's `Request` computes them (the
-    same library function, the salt keyed by `salt_keys`). Raises ValueError for a
+    same library function, salt and adapter keyed by `request_keys`). Raises ValueError for a
     block size below 1."""
     if request.block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {request.block_size}")
     hashes = hash_request_tokens(list(request.token_ids), request.block_size, prefix_hash_seed,
-                                 salt_keys(request.cache_salt))
+                                 request_keys(request.cache_salt, request.lora_key))
     return pb.HashBlocksResponse(block_hashes=hashes, prefix_hash_seed=prefix_hash_seed)

@@ -14,7 +14,9 @@ import numpy as np
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as pb
 from pagoda.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagoda.pooling_params import PREFILL_ONLY
-from pagoda.services.common.protocol.common import logprobs_from_proto, logprobs_to_proto
+from pagoda.services.common.protocol.common import (logprobs_from_proto, logprobs_to_proto,
+                                                    lora_request_from_proto,
+                                                    lora_request_to_proto)
 from pagoda.services.common.protocol.pooling_params import (pooled_data_from_proto,
                                                             pooled_data_to_proto,
                                                             pooling_params_from_proto,
@@ -43,6 +45,8 @@ def scheduler_output_to_proto(out: SchedulerOutput) -> pb.SchedulerOutput:
             block_ids=new.block_ids,
             num_computed_tokens=new.num_computed_tokens,
         )
+        if new.lora_request is not None:
+            lora_request_to_proto(new.lora_request, added.lora_request)
         if new.pooling_params is not None:  # a pooling request: never sampled
             pooling_params_to_proto(new.pooling_params, added.pooling_params)
         else:
@@ -68,6 +72,8 @@ def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
             num_computed_tokens=m.num_computed_tokens,
             pooling_params=(pooling_params_from_proto(m.pooling_params)
                             if m.HasField("pooling_params") else None),
+            lora_request=(lora_request_from_proto(m.lora_request)
+                          if m.HasField("lora_request") else None),
         )
         for m in msg.scheduled_new_reqs
     ]

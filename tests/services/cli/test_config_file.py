@@ -98,8 +98,8 @@ def test_run_batch_gets_its_required_files_from_the_config(tmp_path):
 
 @pytest.mark.parametrize("text,expected", [
     ("max-modle-len: 10\n", "unknown key 'max-modle-len': pagoda serve has no --max-modle-len"),
-    ("lora_modules: a=/x\n", "key 'lora_modules' (vLLM's --lora-modules) is not supported by "
-                             "Pagoda: served LoRA adapters"),
+    ("speculative_config: '{}'\n", "key 'speculative_config' (vLLM's --speculative-config) is "
+                                   "not supported by Pagoda: speculative decoding"),
     ("enforce-eager: maybe\n", "key 'enforce-eager' is a switch; give true or false"),
     ("port: eighty\n", "argument --port: invalid int value: 'eighty'"),
     ("dtype: int4\n", "argument --dtype: invalid choice: 'int4'"),

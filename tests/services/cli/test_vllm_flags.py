@@ -27,14 +27,14 @@ def test_a_vllm_flag_pagoda_lacks_is_named_with_the_reason():
     # As a user would run it: the console script, its stderr and exit code.
     out = subprocess.run([sys.executable, "-m", "pagoda.services.cli.main", "serve",
                           "meta-llama/Llama-3.1-8B-Instruct", "--speculative-config", "{}",
-                          "--lora-modules", "a=/x", "--made-up-flag=3"],
+                          "--limit-mm-per-prompt", "{}", "--made-up-flag=3"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert lines[0].startswith("pagoda serve: error: --speculative-config (a vLLM flag) is "
                                "not supported by Pagoda: speculative decoding")
-    assert lines[1].startswith("pagoda serve: error: --lora-modules (a vLLM flag) is not "
-                               "supported by Pagoda: served LoRA")
+    assert lines[1].startswith("pagoda serve: error: --limit-mm-per-prompt (a vLLM flag) is "
+                               "not supported by Pagoda: Pagoda serves text-only models")
     assert lines[2] == ("pagoda serve: error: --made-up-flag is not supported by Pagoda: "
                         "pagoda serve has no such flag (see `pagoda serve --help`).")
     assert "usage:" not in out.stderr
@@ -42,8 +42,9 @@ def test_a_vllm_flag_pagoda_lacks_is_named_with_the_reason():
 
 def test_the_innermost_command_is_named(capsys):
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["bench", "serve", "--lora-modules"])
-    assert "pagoda bench serve: error: --lora-modules (a vLLM flag)" in capsys.readouterr().err
+        build_parser().parse_args(["bench", "serve", "--speculative-config"])
+    assert "pagoda bench serve: error: --speculative-config (a vLLM flag)" in \
+        capsys.readouterr().err
 
 
 def test_no_abbreviations(capsys):

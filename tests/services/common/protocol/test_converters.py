@@ -12,7 +12,7 @@ from dataclasses import MISSING, fields
 
 import pytest
 
-from pagoda.core.block_hash import hash_request_tokens, salt_keys
+from pagoda.core.block_hash import hash_request_tokens, request_keys
 from pagoda.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from pagoda.core.request import Request
 from pagoda.messages import (CachedRequestData, EngineCoreOutput, EngineCoreRequest, FinishReason,
@@ -195,7 +195,7 @@ def test_hash_blocks_equals_the_engine_requests_hashes(salt):
     reply = hash_blocks(spb.HashBlocksRequest(token_ids=ids, block_size=16, cache_salt=salt),
                         "seed")
     assert list(reply.block_hashes) == engine.block_hashes and len(engine.block_hashes) == 2
-    assert engine.block_hashes == hash_request_tokens(ids, 16, "seed", salt_keys(salt))
+    assert engine.block_hashes == hash_request_tokens(ids, 16, "seed", request_keys(salt))
     unsalted = hash_request_tokens(ids, 16, "seed")
     assert (engine.block_hashes == unsalted) == (salt == "")
     with pytest.raises(ValueError, match="block_size"):
