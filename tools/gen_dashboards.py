@@ -56,6 +56,12 @@ def rate(metric: str, labels: str = M, by: str = "") -> str:
     return f"sum{group} (rate({_select(metric, labels)}[{RATE}]))"
 
 
+def or_zero(expr: str) -> str:
+    """`expr`, or 0 while its metric has no series yet (a labelled counter appears on
+    its first use: no migration or transfer failure yet is 0, not "no data")."""
+    return f"({expr}) or vector(0)"
+
+
 def quantiles(metric: str, labels: str = M, by: str = "", qs=(0.5, 0.9, 0.99)
               ) -> list[tuple[str, str]]:
     """histogram_quantile targets of a vLLM-style `_bucket` histogram."""
@@ -112,6 +118,16 @@ def serving_overview() -> Dashboard:
          Panel("Gateway response time (p99) by route",
                quantiles("pagoda_gateway_http_request_duration_seconds", GEN, "route", (0.99,)),
                "s", "Arrival to the last byte, streams included.")],
+        [Panel("Migrations/s by reason",
+               [(or_zero(rate("pagoda_gateway_migrations_total", "", "reason")),
+                 "{{reason}}")], "reqps",
+               "Streams moved to another replica mid-answer: replica_lost (connection or "
+               "silence), replica_failed, drain_timeout. The client saw one stream."),
+         Panel("LoRA adapters per replica",
+               [("max by (instance, max_lora, running_lora_adapters, waiting_lora_adapters) "
+                 "(vllm:lora_requests_info)", "")], kind="table",
+               description="vLLM's vllm:lora_requests_info: the adapters of the running and "
+                           "waiting requests (replicas started with --enable-lora).")],
         [Panel("Tokenizer latency (p99)",
                quantiles("pagoda_tokenizer_latency_seconds", "", "operation", (0.99,)), "s"),
          Panel("Request sizes (p50)",
@@ -158,6 +174,18 @@ def cache_and_routing() -> Dashboard:
                  "instances dropped {{reason}}/s"),
                 (rate("pagoda_kv_index_redis_errors_total", "", "operation"),
                  "redis errors {{operation}}/s")], "short")],
+        [Panel("Prefill/decode: KV pulled",
+               [(or_zero(rate("pagoda_kv_transfer_blocks_total", "")), "blocks/s"),
+                ("max(pagoda_kv_leased_blocks) or vector(0)", "leased blocks (prefill side)")],
+               "short", "Blocks decode replicas pulled from prefill replicas, and the blocks "
+                        "prefill replicas hold under leases for them."),
+         Panel("Prefill/decode: failures and fallbacks",
+               [(or_zero(rate("pagoda_kv_transfer_failures_total", "", "reason")),
+                 "failed {{reason}}"),
+                (or_zero(rate("pagoda_kv_transfer_fallbacks_total", "", "kind")),
+                 "fallback {{kind}}")], "short",
+               "A pull that did not complete (timeout, lease_expired, stale_epoch, ...) is "
+               "recomputed by the decode replica: the client sees no error.")],
         [Panel("Index lookup and apply latency",
                quantiles("pagoda_kv_index_lookup_seconds", "", qs=(0.5, 0.99))
                + [(q, "apply " + legend) for q, legend in

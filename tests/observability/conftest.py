@@ -50,7 +50,8 @@ def cluster(tiny_llama_dir, collector):
     serve = ServeProcess([tiny_llama_dir, "--served-model-name", "tiny", "--dtype", "float32",
                    "--max-model-len", "1024", "--otlp-traces-endpoint", collector.endpoint,
                    "--log-stats-interval", "1",
-                   "--enable-prompt-tokens-details"],  # usage's cached tokens vs the metrics
+                   "--enable-prompt-tokens-details",  # usage's cached tokens vs the metrics
+                   "--enable-lora"],  # the LoRA panel's vllm:lora_requests_info
                   env={"OTEL_BSP_SCHEDULE_DELAY": "100"})
     yield serve
     code = serve.stop()

@@ -14,6 +14,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from pagoda.metrics.engine_metrics import EngineMetrics
+from pagoda.services.common.kv_transfer_metrics import KvTransferMetrics
 from pagoda.services.gateway.metrics import GatewayMetrics
 from pagoda.services.gpu_worker.metrics import WorkerMetrics
 from pagoda.services.kv_cache_manager.metrics import KvIndexMetrics
@@ -59,8 +60,11 @@ def test_check_flags_a_hand_edited_dashboard(tmp_path):
 
 def test_every_queried_metric_is_defined_by_the_code():
     registry = CollectorRegistry()
-    EngineMetrics("m", 1024, registry=registry).log_cache_config(16, 1, True, 0.9)
-    for metrics in (GatewayMetrics, TokenizerMetrics, KvIndexMetrics, WorkerMetrics):
+    engine = EngineMetrics("m", 1024, registry=registry)
+    engine.log_cache_config(16, 1, True, 0.9)
+    engine.log_lora_config(1)  # vllm:lora_requests_info, under --enable-lora
+    for metrics in (GatewayMetrics, TokenizerMetrics, KvIndexMetrics, WorkerMetrics,
+                    KvTransferMetrics):
         metrics(registry)
     KvPublisherMetrics("m", registry)
     ProcessCollector(registry=registry)
