@@ -285,6 +285,35 @@ size, KV-cache sizing or parallel layout.
 - --gpu-memory-utilization={{ $w.gpuMemoryUtilization }}
 - --tensor-parallel-size={{ $g.tensorParallelSize }}
 - --pipeline-parallel-size={{ $g.pipelineParallelSize }}
+{{- with $g.lora }}
+{{- if .enabled }}
+- --enable-lora
+- --max-loras={{ .maxLoras }}
+- --max-lora-rank={{ .maxLoraRank }}
+{{- if .maxCpuLoras }}
+- --max-cpu-loras={{ .maxCpuLoras }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/*
+The gateway's LoRA flags (global.lora): the adapters served by name, in vLLM's JSON form.
+*/}}
+{{- define "pagoda.gatewayLoraArgs" -}}
+{{- with .Values.global.lora }}
+{{- if .modules }}
+- --lora-modules
+{{- range .modules }}
+{{- $m := dict "name" .name "path" .path }}
+{{- with .baseModelName }}{{- $_ := set $m "base_model_name" . }}{{- end }}
+- {{ toJson $m | quote }}
+{{- end }}
+{{- end }}
+{{- if .allowRuntimeUpdating }}
+- --allow-runtime-lora-updating
+{{- end }}
+{{- end }}
 {{- end -}}
 
 {{/*

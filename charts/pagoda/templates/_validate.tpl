@@ -22,6 +22,15 @@ with a message naming the values, so no combination of values silently disagrees
 {{- fail "redis.auth: with an external Redis set redis.auth.existingSecret (a Secret holding its password), or redis.auth.enabled=false when the URL in redis.externalUrlSecret carries the password" -}}
 {{- end -}}
 
+{{- with $v.global.lora -}}
+{{- if and (not .enabled) (or .modules .allowRuntimeUpdating) -}}
+{{- fail "global.lora: modules and allowRuntimeUpdating need global.lora.enabled=true (the replicas must run with --enable-lora)" -}}
+{{- end -}}
+{{- if and .maxCpuLoras (lt (int .maxCpuLoras) (int .maxLoras)) -}}
+{{- fail "global.lora.maxCpuLoras must be 0 or at least maxLoras" -}}
+{{- end -}}
+{{- end -}}
+
 {{- if and $v.gateway.apiKey.value $v.gateway.apiKey.existingSecret -}}
 {{- fail "gateway.apiKey: set only one of value and existingSecret" -}}
 {{- end -}}
