@@ -1,6 +1,6 @@
 """The disaggregation flags every model-replica service takes (scheduler, gpu-worker)
 and `pagoda serve` passes on: vLLM's `--kv-transfer-config`, and the scheduler's
-lease and transfer timeouts."""
+lease and transfer timeouts and the host it advertises to decode replicas."""
 
 from __future__ import annotations
 
@@ -23,6 +23,13 @@ def add_kv_transfer_args(parser: argparse.ArgumentParser, timeouts: bool = False
                             default=DEFAULT_KV_TRANSFER_TIMEOUT_S,
                             help="Seconds a decode replica waits for a pull; past that it "
                                  "computes the prompt itself.")
+        parser.add_argument("--kv-advertise-host", default=None, metavar="HOST",
+                            help="Host decode replicas dial for this prefill replica's lease "
+                                 "service (on --port) and its gpu-worker's KV blocks (on "
+                                 "--worker-addr's port), e.g. a pod's IP when --worker-addr "
+                                 "is loopback and the gpu-worker listens on every interface. "
+                                 "Default: --host (a wildcard as this machine's IP) and "
+                                 "--worker-addr as given.")
 
 
 def kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig:

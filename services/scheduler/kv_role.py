@@ -89,6 +89,26 @@ def advertised_address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+def _join(host: str, port: int | str) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def kv_addresses(args: argparse.Namespace, port: int) -> tuple[str, str]:
+    """(lease service, gpu-worker) addresses this replica puts in `kv_transfer_params`
+    for decode replicas to dial.
+
+    With --kv-advertise-host both are that host, with this scheduler's port and the
+    --worker-addr's port: a scheduler and gpu-worker sharing one network namespace (a
+    Kubernetes pod, whose --worker-addr is loopback) are reached at the pod's IP.
+    Without it: the bound host (a wildcard as this machine's IP) and --worker-addr as
+    given, which a local `pagoda serve` dials on 127.0.0.1."""
+    host = getattr(args, "kv_advertise_host", None)
+    if not host:
+        return advertised_address(args.host, port), args.worker_addr
+    host = host.strip("[]")
+    return _join(host, port), _join(host, args.worker_addr.rpartition(":")[2])
+
+
 def build_hooks(args: argparse.Namespace, role: KVTransferConfig, engine, info,
                 layout: kpb.KvLayout, port: int) -> KvTransferHooks:
     pool = engine.core.scheduler.kv_cache_manager.pool
@@ -96,8 +116,9 @@ def build_hooks(args: argparse.Namespace, role: KVTransferConfig, engine, info,
     if layout is None:  # the worker cannot transfer KV (see fetch_worker_layout)
         return KvTransferHooks(role, producer, consumer)
     if role.is_kv_producer:
-        producer = KvProducer(engine, pool, info, advertised_address(args.host, port),
-                              args.worker_addr, layout.epoch, args.kv_lease_timeout)
+        scheduler_address, worker_address = kv_addresses(args, port)
+        producer = KvProducer(engine, pool, info, scheduler_address, worker_address,
+                              layout.epoch, args.kv_lease_timeout)
     if role.is_kv_consumer:
         consumer = KvConsumer(engine, pool, info, args.worker_addr, args.kv_transfer_timeout)
     return KvTransferHooks(role, producer, consumer)
