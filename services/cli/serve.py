@@ -31,6 +31,7 @@ from pagoda.services.common.redis_url import REDIS_PASSWORD_ENV, REDIS_URL_ENV
 from pagoda.services.gateway.middleware import add_http_args, http_flags
 from pagoda.services.gateway.lora_modules import add_lora_args, lora_flags
 from pagoda.services.gateway.router import DEFAULT_POLICY, POLICIES
+from pagoda.services.tokenizer.server import add_template_limit_args, template_limit_flags
 from pagoda.services.gateway.serving_options import (add_serving_args, add_uvicorn_args,
                                                      gateway_flags)
 
@@ -64,6 +65,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--chat-template", default=None,
                         help="Chat template instead of the model's: a file or the template "
                              "itself (passed to the tokenizer).")
+    add_template_limit_args(parser)  # passed to the tokenizer
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="Model replicas: each is a scheduler and its gpu-worker, behind the "
                              "one gateway. With several, a replica that exits is reported and "
@@ -180,7 +182,8 @@ def build_services(args: argparse.Namespace, redis_url: str,
         grpc_service("kv-cache-manager", "kv-cache-manager", env=redis_env),
         grpc_service("tokenizer", "tokenizer", *model_flags, *seed, *hub_flags(args),
                      *(["--tokenizer", args.tokenizer] if args.tokenizer else []),
-                     *(["--chat-template", args.chat_template] if args.chat_template else [])),
+                     *(["--chat-template", args.chat_template] if args.chat_template else []),
+                     *template_limit_flags(args)),
     ]
     for plan in plans:
         scheduler, worker, i = plan.scheduler, plan.worker, plan.index

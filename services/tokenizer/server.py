@@ -28,6 +28,45 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-template", default=None,
                         help="The chat template to use instead of the model's: a file, or the "
                              "template itself (vLLM's reading).")
+    add_template_limit_args(parser)
+
+
+def add_template_limit_args(parser: argparse.ArgumentParser) -> None:
+    """The chat-template sandbox's limits (pagoda.tokenizer.template_sandbox)."""
+    from pagoda.tokenizer.template_sandbox import MAX_OUTPUT_CHARS, MAX_RENDER_SECONDS
+
+    parser.add_argument("--chat-template-render-timeout", type=float, default=MAX_RENDER_SECONDS,
+                        metavar="SECONDS",
+                        help="A chat template that renders longer is stopped and its request "
+                             "refused (400).")
+    parser.add_argument("--chat-template-max-output-chars", type=int, default=MAX_OUTPUT_CHARS,
+                        metavar="N",
+                        help="Largest text (or list) a chat template may build; a render that "
+                             "would build more is stopped and its request refused (400).")
+
+
+def template_limit_flags(args: argparse.Namespace) -> list[str]:
+    """The limit flags set to other than their defaults, for a tokenizer child process."""
+    from pagoda.tokenizer.template_sandbox import TemplateLimits
+
+    limits, default = template_limits_from_args(args), TemplateLimits()
+    flags = []
+    if limits.render_timeout_s != default.render_timeout_s:
+        flags += ["--chat-template-render-timeout", f"{limits.render_timeout_s:g}"]
+    if limits.max_output_chars != default.max_output_chars:
+        flags += ["--chat-template-max-output-chars", str(limits.max_output_chars)]
+    return flags
+
+
+def template_limits_from_args(args: argparse.Namespace):
+    from pagoda.tokenizer.template_sandbox import TemplateLimits
+
+    try:
+        return TemplateLimits(args.chat_template_render_timeout,
+                              args.chat_template_max_output_chars)
+    except ValueError as exc:
+        raise SystemExit(f"--chat-template-render-timeout/--chat-template-max-output-chars: "
+                         f"{exc}") from None
 
 
 def build_servicer(model: str | None, tokenizer_path: str | None = None,
@@ -55,9 +94,11 @@ def build_servicer(model: str | None, tokenizer_path: str | None = None,
 
 def main(args: argparse.Namespace) -> int:
     setup_logging("tokenizer")
+    limits = template_limits_from_args(args)
     servicer = build_servicer(args.model, args.tokenizer, args.prefix_cache_hash_seed,
                               args.chat_template, args.revision, args.tokenizer_revision,
                               args.download_dir)
+    servicer.template_limits = limits
     serve_sync("tokenizer", args,
                [(pb_grpc.add_TokenizerServiceServicer_to_server, servicer, SERVICE_NAME)],
                max_workers=16)

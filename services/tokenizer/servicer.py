@@ -16,6 +16,7 @@ from pagoda.services.common.protocol.sampling_params import decode_options_from_
 from pagoda.services.common.protocol.tokenizer import chat_input_from_proto
 from pagoda.services.tokenizer.metrics import timed, tokenizer_metrics
 from pagoda.tokenizer.chat import render_chat_template
+from pagoda.tokenizer.template_sandbox import TemplateLimits, template_limits
 from pagoda.tokenizer.stop_aware_decoder import StopAwareDecoder
 
 logger = logging.getLogger(__name__)
@@ -23,6 +24,10 @@ logger = logging.getLogger(__name__)
 
 class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
     """Stateless except for each live DecodeStream's decoders, which die with it."""
+
+    # Chat templates render within these (--chat-template-render-timeout and
+    # --chat-template-max-output-chars; None: the sandbox's defaults).
+    template_limits: TemplateLimits | None = None
 
     def __init__(self, tokenizer: Any, model: str, eos_token_ids: list[int],
                  prefix_hash_seed: str = DEFAULT_PREFIX_HASH_SEED) -> None:
@@ -68,7 +73,9 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         if kind == "token_ids":
             return "", list(request.token_ids.token_ids), []  # nothing to encode
         if kind == "chat":
-            prompt = render_chat_template(self.tokenizer, **chat_input_from_proto(request.chat))
+            with template_limits(self.template_limits):
+                prompt = render_chat_template(self.tokenizer,
+                                              **chat_input_from_proto(request.chat))
             # vLLM's chat add_special_tokens (off by default): on top of the template's.
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
         elif request.HasField("text_pair") or request.max_length > 0:

@@ -86,3 +86,27 @@ def test_the_sandbox_keeps_python_out_of_reach(smollm2_tokenizer, template):
     with pytest.raises(ValueError):
         render_chat_template(smollm2_tokenizer, CONVERSATIONS[0], True, False,
                              {"chat_template": template})
+
+
+def test_limits_given_to_a_render_apply_to_it_and_the_defaults_elsewhere(smollm2_tokenizer):
+    """An operator's limits (the tokenizer's --chat-template-render-timeout and
+    --chat-template-max-output-chars) hold inside `template_limits`; outside, the same
+    renders pass under the defaults (the offline LLM)."""
+    long_message = [{"role": "user", "content": "x" * 3000}]
+    loops = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+             "{% endfor %}")
+    small = template_sandbox.TemplateLimits(render_timeout_s=0.2, max_output_chars=2000)
+    with template_sandbox.template_limits(small):
+        with pytest.raises(ValueError, match="more than 2000 characters"):
+            render_chat_template(smollm2_tokenizer, long_message, True, False, {})
+        with pytest.raises(ValueError, match="more than 0.2 s to render"):
+            render_chat_template(smollm2_tokenizer, CONVERSATIONS[0], True, False,
+                                 {"chat_template": loops})
+    assert "x" * 3000 in render_chat_template(smollm2_tokenizer, long_message, True, False, {})
+    assert template_sandbox.current_limits() == template_sandbox.TemplateLimits()
+
+
+@pytest.mark.parametrize("timeout_s,max_chars", [(0, 10), (-1, 10), (1.0, 0)])
+def test_limits_must_be_positive(timeout_s, max_chars):
+    with pytest.raises(ValueError, match="positive"):
+        template_sandbox.TemplateLimits(timeout_s, max_chars)

@@ -6,15 +6,21 @@ jinja2's ImmutableSandboxedEnvironment (no attribute access to internals, no mut
 of the inputs, transformers' globals: raise_exception, strftime_now, tojson, dict,
 namespace), with what the sandbox leaves open closed too:
 
-  * time: a render that runs past MAX_RENDER_SECONDS is stopped (a trace function on
-    the template's own code checks the clock on each line it runs, loops included);
+  * time: a render that runs past its time limit (default MAX_RENDER_SECONDS) is
+    stopped (a trace function on the template's own code checks the clock on each line
+    it runs, loops included);
   * size: every string or list a template builds - output, `~`, `+`, `*`, `%`,
-    `{% set %}` blocks, padding filters and str methods - is bounded by
-    MAX_OUTPUT_CHARS, checked before it is built, so no render can exhaust memory;
+    `{% set %}` blocks, padding filters and str methods - is bounded by the output limit
+    (default MAX_OUTPUT_CHARS), checked before it is built, so no render can exhaust
+    memory;
   * `**` whose result would pass MAX_POWER_BITS is refused (a huge integer power never
     returns to the interpreter, so no clock could stop it).
 
 Anything refused raises `TemplateLimitError` (a ValueError: the request's fault, a 400).
+The two limits are an operator's settings (the tokenizer service's
+`--chat-template-render-timeout` and `--chat-template-max-output-chars`): a caller
+renders under other limits inside `with template_limits(TemplateLimits(...))`; outside
+one (the offline `LLM`), the defaults apply.
 The result equals transformers' `apply_chat_template(..., tokenize=False)` for the same
 template and inputs (same environment options, message normalization, continue-final-
 message cut).
@@ -27,7 +33,10 @@ import json
 import re
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -51,15 +60,52 @@ class TemplateLimitError(ValueError):
     """A chat template did something the sandbox does not allow, or took too long."""
 
 
+@dataclass(frozen=True)
+class TemplateLimits:
+    """How long one render may run, and how large any value it builds may be."""
+
+    render_timeout_s: float = MAX_RENDER_SECONDS
+    max_output_chars: int = MAX_OUTPUT_CHARS
+
+    def __post_init__(self) -> None:
+        if not self.render_timeout_s > 0 or self.max_output_chars < 1:
+            raise ValueError(f"chat template limits must be positive, got "
+                             f"{self.render_timeout_s:g} s and {self.max_output_chars} chars")
+
+
+# The limits of the renders on this thread or task (None: the module's defaults, read
+# when a render starts so that they stay patchable).
+_limits: ContextVar[TemplateLimits | None] = ContextVar("chat_template_limits", default=None)
+
+
+@contextmanager
+def template_limits(limits: TemplateLimits | None) -> Iterator[None]:
+    """Render under `limits` inside this block (None: the defaults)."""
+    token = _limits.set(limits)
+    try:
+        yield
+    finally:
+        _limits.reset(token)
+
+
+def current_limits() -> TemplateLimits:
+    return _limits.get() or TemplateLimits(MAX_RENDER_SECONDS, MAX_OUTPUT_CHARS)
+
+
+def _max_chars() -> int:
+    limits = _limits.get()
+    return MAX_OUTPUT_CHARS if limits is None else limits.max_output_chars
+
+
 def _check_size(value: Any) -> Any:
-    if isinstance(value, (str, list, tuple)) and len(value) > MAX_OUTPUT_CHARS:
+    if isinstance(value, (str, list, tuple)) and len(value) > _max_chars():
         _too_big()
     return value
 
 
 def _too_big() -> None:
     raise TemplateLimitError(f"The chat template built a value of more than "
-                             f"{MAX_OUTPUT_CHARS} characters or items.")
+                             f"{_max_chars()} characters or items.")
 
 
 def _planned_size(value: Any) -> int:
@@ -122,9 +168,9 @@ class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
             raise TemplateLimitError("The chat template raised a number to too large a power.")
         if operator == "*":
             count = right if isinstance(right, int) else left if isinstance(left, int) else 1
-            if max(_planned_size(left), _planned_size(right)) * max(count, 0) > MAX_OUTPUT_CHARS:
+            if max(_planned_size(left), _planned_size(right)) * max(count, 0) > _max_chars():
                 _too_big()
-        if operator == "+" and _planned_size(left) + _planned_size(right) > MAX_OUTPUT_CHARS:
+        if operator == "+" and _planned_size(left) + _planned_size(right) > _max_chars():
             _too_big()
         if operator == "%" and isinstance(left, str) and _WIDE_FORMAT.search(left):
             raise TemplateLimitError("The chat template formats a field too wide.")
@@ -153,18 +199,18 @@ def _huge_power(base: Any, exponent: Any) -> bool:
 
 def _check_args(args, kwargs) -> None:
     for value in (*args, *kwargs.values()):
-        if isinstance(value, int) and value > MAX_OUTPUT_CHARS:
+        if isinstance(value, int) and value > _max_chars():
             raise TemplateLimitError("The chat template pads a string past the size limit.")
         if isinstance(value, str) and _WIDE_FORMAT.search(value):
             raise TemplateLimitError("The chat template formats a field too wide.")
 
 
 def _bounded_join(parts) -> str:
-    out, size = [], 0
+    out, size, limit = [], 0, _max_chars()
     for part in parts:
         part = str(part)
         size += len(part)
-        if size > MAX_OUTPUT_CHARS:
+        if size > limit:
             _too_big()
         out.append(part)
     return "".join(out)
@@ -212,12 +258,13 @@ def compile_chat_template(source: str) -> jinja2.Template:
 def render(source: str, **variables: Any) -> str:
     """Render `source` with `variables`, within the time and size limits."""
     template = compile_chat_template(source)
-    deadline = time.monotonic() + MAX_RENDER_SECONDS
+    timeout_s = current_limits().render_timeout_s
+    deadline = time.monotonic() + timeout_s
 
     def on_line(frame, event, arg):
         if time.monotonic() > deadline:
             raise TemplateLimitError(f"The chat template took more than "
-                                     f"{MAX_RENDER_SECONDS:g} s to render.")
+                                     f"{timeout_s:g} s to render.")
         return on_line
 
     def on_call(frame, event, arg):  # trace lines of the template's own code only
