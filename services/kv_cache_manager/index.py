@@ -7,6 +7,9 @@ never share entries)::
     pagoda:kv:{model}:{block_size}:inst:{id}:blocks   SET of hash hexes the instance holds
     pagoda:kv:{model}:{block_size}:inst:{id}:meta     HASH epoch, sequence_number, resync
     pagoda:kv:{model}:{block_size}:instances          ZSET instance id -> last seen (unix s)
+    pagoda:kv:{model}:{block_size}:inst:{id}:leases   ZSET lease id -> expiry (unix s)
+    pagoda:kv:{model}:{block_size}:lease:{id}:{lease} HASH request_id, block_ids,
+                                                      block_hashes, expiry (expires then)
     pagoda:kv:namespaces                              SET of "{block_size}:{model}"
 
 Invariants:
@@ -18,12 +21,18 @@ Invariants:
     snapshot it owes arrives;
   * lookups only count instances seen within `heartbeat_timeout`, and `reap`
     drops the entries of the others, so a dead instance never attracts traffic
-    for longer than the timeout.
+    for longer than the timeout;
+  * a lease (prefill/decode disaggregation: blocks a prefill replica pins for a
+    decode replica) is recorded until its release is reported, its instance is
+    dropped or restarts, or its expiry passes (the record's Redis TTL, and `reap`
+    for the ZSET), so Redis never holds a lease its replica no longer holds for
+    longer than the lease timeout.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -63,6 +72,7 @@ class InstanceInfo:
     num_blocks: int
     seconds_since_seen: float
     resync_pending: bool
+    num_leases: int = 0
 
 
 class PrefixIndex:
@@ -77,8 +87,11 @@ class PrefixIndex:
     # ------------------------------------------------------------------ writes
     def apply(self, model: str, block_size: int, instance_id: str, epoch: str,
               sequence_number: int, events: Sequence[KVEvent],
-              snapshot: Sequence[bytes] | None = None) -> IndexReply:
-        """Apply one batch (after `snapshot`, if given: the instance's whole cache)."""
+              snapshot: Sequence[bytes] | None = None,
+              leases_pinned: Sequence = (), leases_released: Sequence[str] = ()
+              ) -> IndexReply:
+        """Apply one batch (after `snapshot`, if given: the instance's whole cache).
+        Lease changes (KvLease messages, lease ids) apply whatever the decision."""
         ns = namespace(model, block_size)
         meta = self._meta(ns, instance_id)
         decision = decide_batch(meta, epoch, sequence_number, snapshot is not None)
@@ -99,6 +112,8 @@ class PrefixIndex:
         else:
             last, resync = meta.last_sequence_number, False
         n = self._register(ns, model, block_size, instance_id, epoch, last, resync)
+        if leases_pinned or leases_released:
+            self._apply_leases(ns, instance_id, leases_pinned, leases_released)
         return IndexReply(n, decision, restarted)
 
     def heartbeat(self, model: str, block_size: int, instance_id: str, epoch: str,
@@ -162,6 +177,21 @@ class PrefixIndex:
                 counts[inst.decode()] = i + 1
         return counts
 
+    def leases(self, model: str, block_size: int, instance_id: str) -> dict[str, dict]:
+        """The instance's live leases: lease id -> its record (request_id, block_ids,
+        block_hashes as hex, expiry)."""
+        ns = namespace(model, block_size)
+        ids = [m.decode() for m in self.redis.zrangebyscore(
+            f"{ns}:inst:{instance_id}:leases", f"({self.clock()}", "+inf")]
+        pipe = self.redis.pipeline(transaction=False)
+        for lease_id in ids:
+            pipe.hgetall(f"{ns}:lease:{instance_id}:{lease_id}")
+        out = {}
+        for lease_id, raw in zip(ids, pipe.execute()):
+            if raw:
+                out[lease_id] = {k.decode(): v.decode() for k, v in raw.items()}
+        return out
+
     def instance_blocks(self, model: str, block_size: int, instance_id: str) -> set[bytes]:
         """Every block hash recorded for an instance."""
         members = self.redis.smembers(f"{namespace(model, block_size)}:inst:{instance_id}:blocks")
@@ -180,7 +210,8 @@ class PrefixIndex:
             infos.append(InstanceInfo(
                 instance_id, meta.epoch if meta else "",
                 self.redis.scard(f"{ns}:inst:{instance_id}:blocks"), now - last_seen,
-                meta.resync_pending if meta else False))
+                meta.resync_pending if meta else False,
+                self.redis.zcount(f"{ns}:inst:{instance_id}:leases", f"({now}", "+inf")))
         return infos
 
     def namespaces(self) -> list[tuple[str, int]]:
@@ -198,6 +229,7 @@ class PrefixIndex:
         if not decision.drop_old_entries or meta is None:
             return False
         n = self._clear_instance(ns, instance_id)
+        self._drop_leases(ns, instance_id)  # an old incarnation's blocks are gone
         logger.info("instance %s: epoch %s -> %s, dropped its %d old entries", instance_id,
                     meta.epoch, epoch, n)
         return True
@@ -249,7 +281,39 @@ class PrefixIndex:
         self.redis.delete(blocks_key)
         return len(hexes)
 
+    def _apply_leases(self, ns: str, instance_id: str, pinned: Sequence,
+                      released: Sequence[str]) -> None:
+        leases_key = f"{ns}:inst:{instance_id}:leases"
+        pipe = self.redis.pipeline(transaction=False)
+        for lease in pinned:
+            if not lease.lease_id or not math.isfinite(lease.expiry) or lease.expiry <= 0:
+                continue  # malformed: nothing to record (the sender's bug, not ours to fail)
+            key = f"{ns}:lease:{instance_id}:{lease.lease_id}"
+            pipe.hset(key, mapping={
+                "request_id": lease.request_id,
+                "block_ids": ",".join(map(str, lease.block_ids)),
+                "block_hashes": ",".join(h.hex() for h in lease.block_hashes),
+                "expiry": repr(lease.expiry)})
+            pipe.expireat(key, int(lease.expiry) + 1)
+            pipe.zadd(leases_key, {lease.lease_id: lease.expiry})
+        for lease_id in released:
+            pipe.delete(f"{ns}:lease:{instance_id}:{lease_id}")
+            pipe.zrem(leases_key, lease_id)
+        pipe.zremrangebyscore(leases_key, "-inf", self.clock())  # past their expiry
+        pipe.execute()
+
+    def _drop_leases(self, ns: str, instance_id: str) -> int:
+        leases_key = f"{ns}:inst:{instance_id}:leases"
+        ids = [m.decode() for m in self.redis.zrange(leases_key, 0, -1)]
+        pipe = self.redis.pipeline(transaction=False)
+        for lease_id in ids:
+            pipe.delete(f"{ns}:lease:{instance_id}:{lease_id}")
+        pipe.delete(leases_key)
+        pipe.execute()
+        return len(ids)
+
     def _drop_instance(self, ns: str, instance_id: str) -> int:
+        self._drop_leases(ns, instance_id)
         n = self._clear_instance(ns, instance_id)
         pipe = self.redis.pipeline(transaction=False)
         pipe.zrem(f"{ns}:instances", instance_id)

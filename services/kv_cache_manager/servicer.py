@@ -35,7 +35,8 @@ class KvCacheManagerServicer(pb_grpc.KvCacheManagerServiceServicer):
         start = time.perf_counter()
         try:
             reply = self.index.apply(request.model, request.block_size, request.instance_id,
-                                     request.epoch, request.sequence_number, events, snapshot)
+                                     request.epoch, request.sequence_number, events, snapshot,
+                                     request.leases_pinned, request.leases_released)
         except redis.RedisError as exc:
             self._redis_error("publish", context, exc)
         if self.metrics is not None and reply.decision.action is Action.APPLY:
@@ -90,7 +91,8 @@ class KvCacheManagerServicer(pb_grpc.KvCacheManagerServiceServicer):
             self._redis_error("list", context, exc)
         return pb.ListInstancesResponse(instances=[pb.InstanceStatus(
             instance_id=i.instance_id, epoch=i.epoch, num_blocks=i.num_blocks,
-            seconds_since_seen=i.seconds_since_seen, resync_pending=i.resync_pending)
+            seconds_since_seen=i.seconds_since_seen, resync_pending=i.resync_pending,
+            num_leases=i.num_leases)
             for i in infos])
 
     def _count(self, reply: IndexReply) -> None:

@@ -12,6 +12,9 @@ request is submitted anyway: the engine computes what it does not find, so the
 client sees no error; the failure is counted by reason and the fallback by kind.
 The plan's references are dropped when the request's stream ends (by then the
 request holds its own), so no step can evict the blocks before it is admitted.
+Plans are made, kept and dropped on the engine thread only, in call order: a client
+that leaves while its plan is being made (the handler cancelled mid-await) still has
+the plan dropped, since the drop is queued behind the making.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ _REASONS = {grpc.StatusCode.DEADLINE_EXCEEDED: "timeout", grpc.StatusCode.DATA_L
 
 class KvConsumer:
     """Invariant: every plan made by `prepare` is committed or discarded before the
-    request is submitted, and released exactly once (`finish`)."""
+    request is submitted, and released exactly once (`finish`); `_plans` is touched
+    on the engine thread only."""
 
     def __init__(self, producer_like_engine, pool, info, worker_address: str,
                  transfer_timeout_s: float) -> None:
@@ -84,8 +88,8 @@ class KvConsumer:
             await self._release_lease(params)
             return
         prompt = list(request.prompt_token_ids)
-        plan = await self.on_engine(lambda: plan_import(self.pool, params.block_hashes, prompt))
-        self._plans[request.request_id] = plan
+        rid = request.request_id
+        plan = await self.on_engine(lambda: self._make_plan(rid, params.block_hashes, prompt))
         reason = None if plan.block_hashes else "no_room"
         fetch = None
         completed = False
@@ -141,7 +145,16 @@ class KvConsumer:
         return reply.valid
 
     def finish(self, request_id: str) -> None:
-        """The request's stream ended: drop the plan's references."""
+        """The request's stream ended: drop the plan's references (queued behind the
+        plan's making and commit, on the engine thread)."""
+        self.engine.call_soon(lambda: self._drop_plan(request_id))
+
+    def _make_plan(self, request_id: str, block_hashes, prompt: list[int]) -> ImportPlan:
+        plan = plan_import(self.pool, block_hashes, prompt)
+        self._plans[request_id] = plan
+        return plan
+
+    def _drop_plan(self, request_id: str) -> None:
         plan = self._plans.pop(request_id, None)
         if plan is not None:
-            self.engine.call_soon(lambda: release_import(self.pool, plan))
+            release_import(self.pool, plan)

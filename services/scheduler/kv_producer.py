@@ -9,6 +9,9 @@ where they are, free them when the decode side is done or nobody came.
 The pin happens on the engine thread in the same step that freed the request's
 blocks (the outputs callback runs before the next step), so they are still cached:
 nothing can reuse them between the request's end and its lease.
+
+Every lease taken and ended goes to `lease_journal` (the KV event publisher), so the
+kv-cache-manager keeps the cluster's live leases in Redis, next to the prefix index.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ class KvProducer:
         self.worker_epoch = worker_epoch
         self._lock = threading.Lock()
         self._expected: dict[str, tuple[list[bytes], list[int]]] = {}
+        # (pinned leases, ended lease ids) -> None; called on the engine thread, must
+        # not block (KvEventPublisher.publish_leases queues them).
+        self.lease_journal = lambda pinned, released: None
 
     def expect(self, request: EngineCoreRequest) -> None:
         """Called before the request is submitted: lease its blocks when it finishes."""
@@ -71,6 +77,7 @@ class KvProducer:
             lease = self.table.pin(out.request_id, *expected)
             if lease is None:
                 continue
+            self.lease_journal([lease], [])
             out.kv_transfer_params = KVTransferParams(
                 remote_instance_id=self.info.instance_id,
                 remote_scheduler_address=self.scheduler_address,
@@ -94,11 +101,16 @@ class KvProducer:
 
     def _release(self, lease_id: str) -> bool:
         valid = self.table.release(lease_id)
+        if valid:
+            self.lease_journal([], [lease_id])
         kv_transfer_metrics().leased_blocks.set(self.table.num_leased_blocks)
         return valid
 
     def _reap(self) -> None:
-        for lease in self.table.reap():
+        expired = self.table.reap()
+        if expired:
+            self.lease_journal([], [lease.lease_id for lease in expired])
+        for lease in expired:
             logger.warning("lease %s of request %s expired unclaimed: %d blocks freed",
                            lease.lease_id, lease.request_id, len(lease.blocks))
             kv_transfer_metrics().failures.labels("lease_expired").inc()

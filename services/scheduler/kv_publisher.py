@@ -8,6 +8,10 @@ sees the gap and answers `resync_required` (to a later batch or heartbeat). The
 publisher then asks the engine thread for a snapshot of its cached block hashes
 (`snapshot_source`) and sends it as the next batch, which replaces the index's
 entries for this instance; events queued before the snapshot are superseded.
+
+A prefill replica's lease changes (`publish_leases`) ride along in the next batch
+(one is sent for them alone if no event is queued): the kv-cache-manager keeps each
+live lease in Redis until it is released, reaped, or past its expiry.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import grpc
 from pagoda.services._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2 as pb
 from pagoda.services._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2_grpc as pb_grpc
 from pagoda.core.kv_events import KVEvent
-from pagoda.services.common.protocol.kv_events import publish_request
+from pagoda.services.common.protocol.kv_events import lease_to_proto, publish_request
 from pagoda.services.common import grpc_channels
 from pagoda.services.common.tracing import intercept
 from pagoda.services.scheduler.metrics import KvPublisherMetrics
@@ -54,6 +58,8 @@ class KvEventPublisher:
         self._stub = pb_grpc.KvCacheManagerServiceStub(intercept(self._channel))
         self._events: list[KVEvent] = []
         self._snapshot: list[bytes] | None = None
+        self._leases_pinned: list[pb.KvLease] = []
+        self._leases_released: list[str] = []
         self._oldest_event_time = 0.0  # monotonic, of the oldest queued event
         self._snapshot_asked_at: float | None = None
         self._last_contact = float("-inf")
@@ -74,6 +80,15 @@ class KvEventPublisher:
             if not self._events and self._snapshot is None:
                 self._oldest_event_time = time.monotonic()
             self._events.extend(events)
+            self._cv.notify()
+
+    def publish_leases(self, pinned=(), released: list[str] = ()) -> None:
+        """Queue lease changes: `pinned` Lease objects taken, `released` lease ids ended
+        (engine thread; never blocks on the network)."""
+        records = [lease_to_proto(lease) for lease in pinned]
+        with self._cv:
+            self._leases_pinned.extend(records)
+            self._leases_released.extend(released)
             self._cv.notify()
 
     def publish_snapshot(self, block_hashes: list[bytes]) -> None:
@@ -106,17 +121,21 @@ class KvEventPublisher:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._events or self._snapshot is not None or self._stopped):
+                while not (self._events or self._snapshot is not None or self._stopped
+                           or self._leases_pinned or self._leases_released):
                     wait = self._last_contact + self.heartbeat_interval - time.monotonic()
                     if wait <= 0:
                         break
                     self._cv.wait(wait)
                 batch, self._events = self._events, []
                 snapshot, self._snapshot = self._snapshot, None
-                oldest = self._oldest_event_time
+                pinned, self._leases_pinned = self._leases_pinned, []
+                released, self._leases_released = self._leases_released, []
+                oldest = self._oldest_event_time if batch or snapshot is not None \
+                    else time.monotonic()
                 stopped = self._stopped
-            if batch or snapshot is not None:
-                self._send(batch, snapshot, oldest)
+            if batch or snapshot is not None or pinned or released:
+                self._send(batch, snapshot, oldest, pinned, released)
             elif not stopped:
                 self._heartbeat()
             if stopped:
@@ -124,9 +143,10 @@ class KvEventPublisher:
             time.sleep(self.interval)  # let the next batch accumulate
 
     # ------------------------------------------------------------ network
-    def _send(self, batch: list[KVEvent], snapshot: list[bytes] | None, oldest: float) -> None:
+    def _send(self, batch: list[KVEvent], snapshot: list[bytes] | None, oldest: float,
+              pinned: list[pb.KvLease] = (), released: list[str] = ()) -> None:
         request = publish_request(self.instance_id, self.model, self.block_size, self.epoch,
-                                  self.sequence_number, batch, snapshot)
+                                  self.sequence_number, batch, snapshot, pinned, released)
         self.sequence_number += 1
         try:
             reply = self._stub.PublishKvEvents(request, timeout=5.0)

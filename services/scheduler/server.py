@@ -151,6 +151,8 @@ async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,
     servicer.kv_transfer = build_hooks(args, args.kv_role_config, engine, info,
                                        args.kv_worker_layout, port)
     add_lease_service(server, servicer.kv_transfer)
+    if servicer.kv_transfer.producer is not None and publisher is not None:
+        servicer.kv_transfer.producer.lease_journal = publisher.publish_leases  # Redis
     await server.start()
     engine.start()
     reaper = (asyncio.ensure_future(servicer.kv_transfer.producer.reap_forever())

@@ -42,12 +42,22 @@ def kv_event_from_proto(msg: pb.KvEvent) -> KVEvent:
 
 def publish_request(instance_id: str, model: str, block_size: int, epoch: str,
                     sequence_number: int, events: Sequence[KVEvent],
-                    snapshot: Sequence[bytes] | None = None) -> pb.PublishKvEventsRequest:
+                    snapshot: Sequence[bytes] | None = None,
+                    leases_pinned: Sequence[pb.KvLease] = (),
+                    leases_released: Sequence[str] = ()) -> pb.PublishKvEventsRequest:
     """One numbered batch; with `snapshot` (the instance's whole cache) it resyncs the
-    index, and `events` then apply on top of it."""
+    index, and `events` then apply on top of it. Lease changes ride along."""
     return pb.PublishKvEventsRequest(
         instance_id=instance_id, model=model, block_size=block_size, epoch=epoch,
         sequence_number=sequence_number, events=[kv_event_to_proto(e) for e in events],
         is_snapshot=snapshot is not None, snapshot_block_hashes=list(snapshot or ()),
+        leases_pinned=list(leases_pinned), leases_released=list(leases_released),
     )
+
+
+def lease_to_proto(lease) -> pb.KvLease:
+    """A prefill replica's `pagoda.kv_transfer.leases.Lease` as its Redis record."""
+    return pb.KvLease(lease_id=lease.lease_id, request_id=lease.request_id,
+                      block_ids=lease.block_ids, block_hashes=list(lease.block_hashes),
+                      expiry=lease.expiry)
 
