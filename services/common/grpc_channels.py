@@ -44,7 +44,7 @@ KEEPALIVE_TIME_MS = 5_000
 KEEPALIVE_TIMEOUT_MS = 5_000
 DEFAULT_DEADLINE_S = 60.0
 # Streams that live as long as a generation or the gateway itself, and the worker's
-# steps (a first step may compile kernels): no default deadline.
+# steps (the scheduler gives each its own, --execute-model-timeout): no default deadline.
 LONG_CALLS = [
     {"service": "pagoda.scheduler.v1.SchedulerService", "method": "Generate"},
     {"service": "pagoda.tokenizer.v1.TokenizerService", "method": "DecodeStream"},

@@ -2,6 +2,12 @@
 
 One unary `ExecuteModel` call per engine step carries that step's plan of diffs.
 Block allocation stays in the scheduler; the worker only runs the plan.
+
+A worker that stops answering fails the step, and so the replica (WorkerUnavailable:
+the engine loop fails and the scheduler ends its streams for migration), in one of two
+ways: a frozen process misses the channel's keepalive pings (~10 s, grpc_channels.py);
+a process that still answers pings but never finishes the step (a hung kernel or
+collective) runs into the step's deadline (`--execute-model-timeout`, default 300 s).
 """
 
 from __future__ import annotations
@@ -66,7 +72,8 @@ class GrpcWorkerExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step. StepRejected when the worker refused the plan because of one
-        request (nothing ran; the step id stays); WorkerUnavailable otherwise."""
+        request (nothing ran; the step id stays); WorkerUnavailable otherwise, also for
+        a step past `step_timeout` or a worker lost to keepalive."""
         request = pb.ExecuteModelRequest(step_id=self._step_id,
                                          scheduler_output=scheduler_output_to_proto(scheduler_output))
         with step_span(scheduler_output, self._step_id):
