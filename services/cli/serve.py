@@ -24,8 +24,9 @@ from pagoda.services.cli.serve_roles import (add_role_args, plan_replicas, role_
                                              scheduler_kv_flags)
 from pagoda.services.cli.local_cluster import LocalCluster, ServiceFailed, ServiceProcess
 from pagoda.metrics import stat_logger
-from pagoda.services.common.grpc_channels import (GrpcTLS, Keepalive, add_keepalive_args,
-                                                  add_tls_args)
+from pagoda.services.common.grpc_channels import (GrpcTLS, Keepalive, add_generate_read_args,
+                                                  add_keepalive_args, add_tls_args,
+                                                  generate_read_flags)
 from pagoda.services.common.grpc_channels import configure_from_args as configure_grpc_tls
 from pagoda.services.common.redis_url import REDIS_PASSWORD_ENV, REDIS_URL_ENV
 from pagoda.services.gateway.middleware import add_http_args, http_flags
@@ -88,6 +89,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_lora_args(parser)  # passed to the gateway (--enable-lora etc. are engine flags)
     add_tls_args(parser)  # passed to every service
     add_keepalive_args(parser)  # passed to every service
+    add_generate_read_args(parser)  # passed to the gateway
     observability = parser.add_argument_group(
         "observability (the gateway's /metrics includes every service's)")
     stat_logger.add_cli_args(observability)
@@ -177,7 +179,8 @@ def build_services(args: argparse.Namespace, redis_url: str,
     if redis_password:
         redis_env[REDIS_PASSWORD_ENV] = redis_password
     gateway_env = {"PAGODA_API_KEY": args.api_key} if args.api_key else {}
-    gateway_extra = http_flags(args) + gateway_flags(args) + lora_flags(args)
+    gateway_extra = (http_flags(args) + gateway_flags(args) + lora_flags(args)
+                     + generate_read_flags(args))
     services = [
         grpc_service("kv-cache-manager", "kv-cache-manager", env=redis_env),
         grpc_service("tokenizer", "tokenizer", *model_flags, *seed, *hub_flags(args),

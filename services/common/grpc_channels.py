@@ -54,9 +54,11 @@ LONG_CALLS = [
 
 
 # Longest silence accepted on a stream read: a decode batch answers in milliseconds; a
-# generation may wait its turn in a replica's queue, but not this long without a token.
+# generation may wait its turn in a replica's queue, but not this long without a token
+# (the gateway's --generate-read-timeout sets it at start).
 DECODE_READ_TIMEOUT_S = 30.0
-GENERATE_READ_TIMEOUT_S = 300.0
+DEFAULT_GENERATE_READ_TIMEOUT_S = 300.0
+GENERATE_READ_TIMEOUT_S = DEFAULT_GENERATE_READ_TIMEOUT_S
 
 
 def service_config(default_deadline_s: float = DEFAULT_DEADLINE_S) -> str:
@@ -233,8 +235,31 @@ def configure(tls: GrpcTLS | None, keepalive: Keepalive | None = None) -> None:
     _keepalive = keepalive or Keepalive()
 
 
+def add_generate_read_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--generate-read-timeout", type=float,
+                        default=DEFAULT_GENERATE_READ_TIMEOUT_S,
+                        metavar="SECONDS",
+                        help="Longest silence accepted on a replica's token stream (a request "
+                             "may wait in its queue): past it, a replica that still answers "
+                             "pings but sends nothing counts as lost and the request migrates.")
+
+
+def generate_read_flags(args: argparse.Namespace) -> list[str]:
+    """--generate-read-timeout for a gateway child process, when not the default."""
+    value = getattr(args, "generate_read_timeout", None)
+    if value is None or value == DEFAULT_GENERATE_READ_TIMEOUT_S:
+        return []
+    return ["--generate-read-timeout", f"{value:g}"]
+
+
 def configure_from_args(args: argparse.Namespace) -> GrpcTLS | None:
+    global GENERATE_READ_TIMEOUT_S
     configure(GrpcTLS.from_args(args), Keepalive.from_args(args))
+    read_timeout = getattr(args, "generate_read_timeout", None)
+    if read_timeout is not None:
+        if not read_timeout > 0:
+            raise SystemExit(f"--generate-read-timeout must be positive, got {read_timeout:g}")
+        GENERATE_READ_TIMEOUT_S = read_timeout
     return _tls
 
 

@@ -47,6 +47,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "their series get instance=HOST:PORT).")
     grpc_channels.add_tls_args(parser)  # to the tokenizer, schedulers, kv-cache-manager
     grpc_channels.add_keepalive_args(parser)
+    grpc_channels.add_generate_read_args(parser)  # how long a silent replica is waited for
     tracing.add_cli_args(parser)
     from pagoda.services.gateway.middleware import add_http_args
 

@@ -1,6 +1,6 @@
 """`pagoda serve` passes how a frozen peer is found to the services that find it:
-the keepalive flags to every service, the step deadline to the schedulers, the chat
-template limits to the tokenizer; with the defaults, none of them (each service's
+the keepalive flags to every service, the step deadline to the schedulers, the bound on
+a silent token stream to the gateway, and the chat template limits to the tokenizer; with the defaults, none of them (each service's
 own defaults are the same)."""
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ def value(argv: list[str], flag: str) -> str:
 
 def test_serve_passes_the_liveness_flags_to_the_services_that_use_them():
     argvs = services("--grpc-keepalive-time", "2", "--grpc-keepalive-timeout", "3",
-                     "--execute-model-timeout", "120", "--chat-template-render-timeout", "0.5",
+                     "--execute-model-timeout", "120", "--generate-read-timeout", "60",
+                     "--chat-template-render-timeout", "0.5",
                      "--chat-template-max-output-chars", "2000")
     assert set(argvs) == {"kv-cache-manager", "tokenizer", "gpu-worker-0", "scheduler-0",
                           "gpu-worker-1", "scheduler-1", "gateway"}
@@ -37,6 +38,8 @@ def test_serve_passes_the_liveness_flags_to_the_services_that_use_them():
         has_deadline = name.startswith("scheduler")
         assert ("--execute-model-timeout" in argv) == has_deadline, name
         assert ("--chat-template-render-timeout" in argv) == (name == "tokenizer"), name
+        assert ("--generate-read-timeout" in argv) == (name == "gateway"), name
+    assert value(argvs["gateway"], "--generate-read-timeout") == "60"
     assert value(argvs["scheduler-1"], "--execute-model-timeout") == "120"
     assert value(argvs["tokenizer"], "--chat-template-render-timeout") == "0.5"
     assert value(argvs["tokenizer"], "--chat-template-max-output-chars") == "2000"
@@ -44,7 +47,7 @@ def test_serve_passes_the_liveness_flags_to_the_services_that_use_them():
 
 def test_the_defaults_add_no_flag():
     for name, argv in services().items():
-        for flag in ("--grpc-keepalive-time", "--execute-model-timeout",
+        for flag in ("--grpc-keepalive-time", "--execute-model-timeout", "--generate-read-timeout",
                      "--chat-template-render-timeout", "--chat-template-max-output-chars"):
             assert flag not in argv, (name, flag)
 

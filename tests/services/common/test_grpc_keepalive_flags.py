@@ -1,5 +1,6 @@
 """Keepalive is an operator's setting (`--grpc-keepalive-time/--grpc-keepalive-timeout`):
-every channel and server the process makes afterwards pings, or does not, as configured."""
+every channel and server the process makes afterwards pings, or does not, as configured.
+So is the gateway's bound on a silent token stream (`--generate-read-timeout`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ def restore_configuration():
 def parse(*flags: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     grpc_channels.add_keepalive_args(parser)
+    grpc_channels.add_generate_read_args(parser)
     return parser.parse_args(list(flags))
 
 
@@ -54,3 +56,14 @@ def test_zero_turns_the_pings_off(restore_configuration):
 def test_nonsense_is_refused_at_start(flags):
     with pytest.raises(SystemExit, match="keepalive"):
         Keepalive.from_args(parse(*flags))
+
+
+def test_the_generate_read_bound_is_set_at_start(restore_configuration, monkeypatch):
+    monkeypatch.setattr(grpc_channels, "GENERATE_READ_TIMEOUT_S", 300.0)  # restored after
+    assert grpc_channels.generate_read_flags(parse()) == []
+    args = parse("--generate-read-timeout", "42")
+    grpc_channels.configure_from_args(args)
+    assert grpc_channels.GENERATE_READ_TIMEOUT_S == 42.0
+    assert grpc_channels.generate_read_flags(args) == ["--generate-read-timeout", "42"]
+    with pytest.raises(SystemExit, match="--generate-read-timeout"):
+        grpc_channels.configure_from_args(parse("--generate-read-timeout", "0"))
