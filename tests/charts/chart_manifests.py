@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from chart_harness import Rendered
@@ -41,6 +42,19 @@ class Pod:
 def pods(rendered: Rendered) -> list[Pod]:
     return [Pod(d["metadata"]["name"], d["spec"]["template"]["metadata"]["labels"],
                 d["spec"]["template"]["spec"]) for d in rendered.of_kind("Deployment")]
+
+
+def engine_pods(rendered: Rendered) -> list[Pod]:
+    """The model replicas' pods (scheduler + gpu-worker): `<release>-scheduler`, or
+    `<release>-prefill` and `<release>-decode` with disaggregation."""
+    return [p for p in pods(rendered)
+            if any((c.get("args") or [None])[0] == "scheduler" for c in p.containers)]
+
+
+def kv_role(container: dict) -> str:
+    """The --kv-transfer-config role of an engine container (kv_both when absent)."""
+    config = flags(container).get("kv-transfer-config")
+    return json.loads(config)["kv_role"] if config else "kv_both"
 
 
 def selects(selector: dict, labels: dict) -> bool:

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from chart_harness import CI_VALUES, NAMESPACE
-from chart_manifests import flags, pods, selected_pods, selects, service_port
+from chart_manifests import (engine_pods, flags, kv_role, pods, selected_pods, selects,
+                             service_port)
 
 pytestmark = pytest.mark.parametrize("values", CI_VALUES, ids=lambda p: p.stem)
 
@@ -102,40 +103,48 @@ def test_peer_addresses_reach_the_right_services(chart, values):
     _backend_running(rendered, host, int(port), "kv-cache-manager")
 
     # k8s://<namespace>/<headless service>:<port> (its EndpointSlices) or
-    # dns:///<headless service>.<namespace>.svc.<domain>:<port>: all Ready engine pods.
-    match = (re.fullmatch(r"dns:///([a-z0-9-]+)\.([a-z0-9-]+)\.svc\.[a-z.]+:(\d+)",
-                          g["scheduler-addrs"])
-             or re.fullmatch(r"k8s://(?P<ns>[a-z0-9-]+)/([a-z0-9-]+):(\d+)",
-                             g["scheduler-addrs"]))
-    assert match, g["scheduler-addrs"]
-    if g["scheduler-addrs"].startswith("k8s://"):
-        namespace, name, port = match.groups()
-    else:
-        name, namespace, port = match.groups()
-    assert namespace == NAMESPACE
-    headless = rendered.named("Service", name)
-    assert headless["spec"]["clusterIP"] == "None"
-    assert not headless["spec"].get("publishNotReadyAddresses", False)
-    _backend_running(rendered, name, int(port), "scheduler")
+    # dns:///<headless service>.<namespace>.svc.<domain>:<port>: all Ready engine pods,
+    # one item per engine pool (with disaggregation: prefill and decode), comma-separated.
+    reached = set()
+    for item in g["scheduler-addrs"].split(","):
+        match = (re.fullmatch(r"dns:///([a-z0-9-]+)\.([a-z0-9-]+)\.svc\.[a-z.]+:(\d+)", item)
+                 or re.fullmatch(r"k8s://(?P<ns>[a-z0-9-]+)/([a-z0-9-]+):(\d+)", item))
+        assert match, g["scheduler-addrs"]
+        if item.startswith("k8s://"):
+            namespace, name, port = match.groups()
+        else:
+            name, namespace, port = match.groups()
+        assert namespace == NAMESPACE
+        headless = rendered.named("Service", name)
+        assert headless["spec"]["clusterIP"] == "None"
+        assert not headless["spec"].get("publishNotReadyAddresses", False)
+        _backend_running(rendered, name, int(port), "scheduler")
+        reached |= {p.deployment for p in selected_pods(rendered, headless["spec"]["selector"])}
+    assert reached == {p.deployment for p in engine_pods(rendered)}  # every pool is found
 
 
 def test_engine_pod_wires_scheduler_to_its_worker_and_index(chart, values):
     rendered = chart.template(values=(values,))
-    (engine,) = [p for p in pods(rendered) if p.deployment == "pagoda-scheduler"]
-    s = flags(engine.container("scheduler"))
-    host, port = s["worker-addr"].rsplit(":", 1)
-    assert host == "127.0.0.1"  # same pod: the two containers share the network namespace
-    worker = engine.container("gpu-worker")
-    w = flags(worker)
-    # The worker listens on loopback only: nothing outside its pod can call it, so no
-    # container port is declared for it.
-    assert (w["host"], w["port"]) == ("127.0.0.1", port)
-    assert int(port) not in {p["containerPort"] for c in engine.containers for p in c["ports"]}
-    host, port = s["kv-cache-manager-addr"].rsplit(":", 1)
-    _backend_running(rendered, host, int(port), "kv-cache-manager")
-    # Two containers in one pod must not bind the same port.
-    numbers = [p["containerPort"] for c in engine.containers for p in c["ports"]]
-    assert len(numbers) == len(set(numbers))
+    for engine in engine_pods(rendered):
+        s = flags(engine.container("scheduler"))
+        host, port = s["worker-addr"].rsplit(":", 1)
+        assert host == "127.0.0.1"  # same pod: the containers share the network namespace
+        worker = engine.container("gpu-worker")
+        w = flags(worker)
+        declared = {p["containerPort"] for c in engine.containers for p in c["ports"]}
+        if kv_role(worker) == "kv_producer":
+            # Decode pods pull KV blocks from it: it listens on the pod's IP too.
+            assert (w["host"], w["port"]) == ("0.0.0.0", port) and int(port) in declared
+        else:
+            # Loopback only: nothing outside its pod can call it, so no container port
+            # is declared for it.
+            assert (w["host"], w["port"]) == ("127.0.0.1", port)
+            assert int(port) not in declared
+        host, port = s["kv-cache-manager-addr"].rsplit(":", 1)
+        _backend_running(rendered, host, int(port), "kv-cache-manager")
+        # Two containers in one pod must not bind the same port.
+        numbers = [p["containerPort"] for c in engine.containers for p in c["ports"]]
+        assert len(numbers) == len(set(numbers))
 
 
 def test_redis_url_reaches_redis(chart, values):

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from chart_harness import CI_VALUES, merged_values
-from chart_manifests import flags, pods
+from chart_manifests import engine_pods, flags, pods
 
 MODEL_USERS = ("tokenizer", "scheduler", "gpu-worker")
 
@@ -37,21 +37,26 @@ def test_model_block_size_and_parallelism_set_once(chart, values):
     containers = [c for p in pods(rendered) for c in p.containers]
     models = {flags(c)["model"] for c in containers if c.get("args", [None])[0] in MODEL_USERS}
     assert models == {g["model"]}
-    assert sum(c.get("args", [None])[0] in MODEL_USERS for c in containers) == 3
+    engines = engine_pods(rendered)
+    assert len(engines) == (2 if v["disaggregation"]["enabled"] else 1)
+    assert sum(c.get("args", [None])[0] in MODEL_USERS for c in containers) == \
+        1 + 2 * len(engines)
 
-    engine = _engine(rendered)
-    s, w = flags(engine.container("scheduler")), flags(engine.container("gpu-worker"))
-    assert ENGINE_FLAGS <= set(s)
-    shared = (set(s) | set(w)) & (ENGINE_FLAGS | OPTIONAL_ENGINE_FLAGS)
-    assert {k: s.get(k) for k in shared} == {k: w.get(k) for k in shared}
-    assert (s["block-size"], s["device"]) == (str(g["blockSize"]), g["device"])
-    assert s["tensor-parallel-size"] == str(g["tensorParallelSize"])
-    assert s["max-num-seqs"] == str(v["scheduler"]["maxNumSeqs"])
-    assert s["dtype"] == v["gpuWorker"]["dtype"]
-    if g["servedModelName"]:
-        (gateway,) = [p for p in pods(rendered) if p.deployment == "pagoda-gateway"]
-        assert flags(gateway.container("gateway"))["served-model-name"] == g["servedModelName"]
-        assert s["served-model-name"] == g["servedModelName"]
+    for engine in engines:
+        s, w = flags(engine.container("scheduler")), flags(engine.container("gpu-worker"))
+        assert ENGINE_FLAGS <= set(s)
+        shared = (set(s) | set(w)) & (ENGINE_FLAGS | OPTIONAL_ENGINE_FLAGS)
+        assert {k: s.get(k) for k in shared} == {k: w.get(k) for k in shared}
+        assert (s["block-size"], s["device"]) == (str(g["blockSize"]), g["device"])
+        assert s["tensor-parallel-size"] == str(g["tensorParallelSize"])
+        assert s["dtype"] == v["gpuWorker"]["dtype"]
+        if engine.deployment == "pagoda-scheduler":
+            assert s["max-num-seqs"] == str(v["scheduler"]["maxNumSeqs"])
+        if g["servedModelName"]:
+            (gateway,) = [p for p in pods(rendered) if p.deployment == "pagoda-gateway"]
+            assert flags(gateway.container("gateway"))["served-model-name"] == \
+                g["servedModelName"]
+            assert s["served-model-name"] == g["servedModelName"]
 
 
 def test_prefix_caching_off_is_said_explicitly(chart):
@@ -64,24 +69,26 @@ def test_prefix_caching_off_is_said_explicitly(chart):
 
 @pytest.mark.parametrize("values", CI_VALUES, ids=lambda p: p.stem)
 def test_each_replica_has_its_own_instance_id(chart, values):
-    scheduler = _engine(chart.template(values=(values,))).container("scheduler")
-    assert flags(scheduler)["instance-id"] == "$(POD_NAME)"
-    env = {e["name"]: e for e in scheduler["env"]}
-    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    for engine in engine_pods(chart.template(values=(values,))):
+        scheduler = engine.container("scheduler")
+        assert flags(scheduler)["instance-id"] == "$(POD_NAME)"
+        env = {e["name"]: e for e in scheduler["env"]}
+        assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
 
 
 @pytest.mark.parametrize("values", CI_VALUES, ids=lambda p: p.stem)
 def test_gpus_and_ray_follow_device_and_group_size(chart, values):
     g = merged_values(values)["global"]
-    engine = _engine(chart.template(values=(values,)))
     ranks = g["tensorParallelSize"] * g["pipelineParallelSize"]
-    worker = engine.container("gpu-worker")
-    gpus = worker["resources"].get("limits", {}).get("nvidia.com/gpu")
-    assert gpus == (ranks if g["device"] == "cuda" else None)
-    assert engine.container("scheduler")["resources"].get("limits", {}).get("nvidia.com/gpu") is None
-    backend = flags(worker).get("distributed-executor-backend")
-    assert backend == ("ray" if ranks > 1 else None)
-    assert {"name": "dshm", "mountPath": "/dev/shm"} in worker["volumeMounts"]
+    for engine in engine_pods(chart.template(values=(values,))):
+        worker = engine.container("gpu-worker")
+        gpus = worker["resources"].get("limits", {}).get("nvidia.com/gpu")
+        assert gpus == (ranks if g["device"] == "cuda" else None)
+        assert engine.container("scheduler")["resources"].get("limits", {}).get(
+            "nvidia.com/gpu") is None
+        backend = flags(worker).get("distributed-executor-backend")
+        assert backend == ("ray" if ranks > 1 else None)
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in worker["volumeMounts"]
 
 
 def test_pipeline_parallel_multiplies_gpus(chart):
@@ -97,16 +104,16 @@ def test_pipeline_parallel_multiplies_gpus(chart):
 @pytest.mark.parametrize("values", CI_VALUES, ids=lambda p: p.stem)
 def test_drain_fits_in_the_grace_period(chart, values):
     s = merged_values(values)["scheduler"]
-    engine = _engine(chart.template(values=(values,)))
-    scheduler = engine.container("scheduler")
-    assert flags(scheduler)["drain-timeout"] == str(s["drain"]["timeoutSeconds"])
-    sleep = scheduler["lifecycle"]["preStop"]["sleep"]["seconds"]
-    assert sleep == s["drain"]["preStopSleepSeconds"]
-    grace = engine.spec["terminationGracePeriodSeconds"]
-    assert grace >= sleep + s["drain"]["timeoutSeconds"]
-    # The worker outlives its scheduler's drain: its preStop waits for the scheduler to exit.
-    hook = engine.container("gpu-worker")["lifecycle"]["preStop"]["exec"]["command"]
-    assert str(s["metricsPort"]) in hook[-1]
+    for engine in engine_pods(chart.template(values=(values,))):
+        scheduler = engine.container("scheduler")
+        assert flags(scheduler)["drain-timeout"] == str(s["drain"]["timeoutSeconds"])
+        sleep = scheduler["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert sleep == s["drain"]["preStopSleepSeconds"]
+        grace = engine.spec["terminationGracePeriodSeconds"]
+        assert grace >= sleep + s["drain"]["timeoutSeconds"]
+        # The worker outlives its scheduler's drain: its preStop waits for the scheduler.
+        hook = engine.container("gpu-worker")["lifecycle"]["preStop"]["exec"]["command"]
+        assert str(s["metricsPort"]) in hook[-1]
 
 
 def test_worker_prestop_waits_for_the_scheduler_then_returns(chart):

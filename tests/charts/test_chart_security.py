@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from chart_harness import CI_VALUES, NAMESPACE, merged_values
-from chart_manifests import flags, pods, selected_pods
+from chart_manifests import engine_pods, flags, pods, selected_pods
 
 PAGODA_SERVICES = ("gateway", "tokenizer", "scheduler", "gpu-worker", "kv-cache-manager")
 ENDPOINTSLICE_READER = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
@@ -305,9 +305,9 @@ def test_without_grpc_tls_no_service_gets_tls_flags(chart):
 # ------------------------------------------------------------------------------ queue
 @pytest.mark.parametrize("values", CI_VALUES, ids=lambda p: p.stem)
 def test_every_replica_has_a_bounded_waiting_queue(chart, values):
-    engine = _pod(chart.template(values=(values,)), "pagoda-scheduler")
-    limit = int(flags(engine.container("scheduler"))["max-waiting-requests"])
-    assert limit == merged_values(values)["scheduler"]["maxWaitingRequests"] > 0
+    for engine in engine_pods(chart.template(values=(values,))):
+        limit = int(flags(engine.container("scheduler"))["max-waiting-requests"])
+        assert limit == merged_values(values)["scheduler"]["maxWaitingRequests"] > 0
     assert "/scheduler/maxWaitingRequests" in chart.template_error(
         sets=("scheduler.maxWaitingRequests=0",))
 

@@ -47,17 +47,69 @@ helm.sh/chart: {{ printf "%s-%s" (index . 0).Chart.Name (index . 0).Chart.Versio
 {{- printf "%s:%v" (include "pagoda.componentName" (list . "kv-cache-manager")) .Values.kvCacheManager.port -}}
 {{- end -}}
 
-{{/* The engine pods' headless Service: its EndpointSlices (or its A records) are the replicas. */}}
-{{- define "pagoda.schedulerHeadless" -}}
-{{- printf "%s-headless" (include "pagoda.componentName" (list . "scheduler")) -}}
+{{/*
+The engine pods' components: "scheduler" (colocated replicas, the default), or "prefill"
+and "decode" with disaggregation.enabled. Comma-separated (splitList "," to range).
+*/}}
+{{- define "pagoda.engineComponents" -}}
+{{- ternary "prefill,decode" "scheduler" .Values.disaggregation.enabled -}}
 {{- end -}}
 
-{{- define "pagoda.schedulerAddrs" -}}
-{{- if eq .Values.gateway.schedulerDiscovery "k8s" -}}
-{{- printf "k8s://%s/%s:%v" .Release.Namespace (include "pagoda.schedulerHeadless" .) .Values.scheduler.port -}}
-{{- else -}}
-{{- printf "dns:///%s.%s.svc.%s:%v" (include "pagoda.schedulerHeadless" .) .Release.Namespace .Values.global.clusterDomain .Values.scheduler.port -}}
+{{/*
+The engine pools, as a JSON list (fromJsonArray), one per engine component: its name, KV
+role ("" colocated: the engine's default kv_both) and the values that may differ between
+pools. A pool value of 0 or {} takes the scheduler's / gpuWorker's.
+*/}}
+{{- define "pagoda.enginePools" -}}
+{{- $s := .Values.scheduler -}}
+{{- $w := .Values.gpuWorker -}}
+{{- $pools := list -}}
+{{- if .Values.disaggregation.enabled -}}
+{{- range $name := list "prefill" "decode" -}}
+{{- $p := index $.Values.disaggregation $name -}}
+{{- $pools = append $pools (dict "component" $name
+      "kvRole" (ternary "kv_producer" "kv_consumer" (eq $name "prefill"))
+      "replicas" $p.replicas "autoscaling" $p.autoscaling "keda" $p.keda "pdb" $p.pdb
+      "maxNumSeqs" ($p.maxNumSeqs | default $s.maxNumSeqs)
+      "maxNumBatchedTokens" ($p.maxNumBatchedTokens | default $s.maxNumBatchedTokens)
+      "resources" ($p.resources | default $s.resources)
+      "gpuWorkerResources" ($p.gpuWorkerResources | default $w.resources)
+      "extraArgs" (concat $s.extraArgs $p.extraArgs)
+      "gpuWorkerExtraArgs" (concat $w.extraArgs $p.gpuWorkerExtraArgs)) -}}
 {{- end -}}
+{{- else -}}
+{{- $pools = list (dict "component" "scheduler" "kvRole" ""
+      "replicas" $s.replicas "autoscaling" $s.autoscaling "keda" $s.keda "pdb" $s.pdb
+      "maxNumSeqs" $s.maxNumSeqs "maxNumBatchedTokens" $s.maxNumBatchedTokens
+      "resources" $s.resources "gpuWorkerResources" $w.resources
+      "extraArgs" $s.extraArgs "gpuWorkerExtraArgs" $w.extraArgs) -}}
+{{- end -}}
+{{- toJson $pools -}}
+{{- end -}}
+
+{{/* (list $ component) -> an engine pool's headless Service: its EndpointSlices (or its
+A records) are the pool's replicas. */}}
+{{- define "pagoda.headless" -}}
+{{- printf "%s-headless" (include "pagoda.componentName" .) -}}
+{{- end -}}
+
+{{- define "pagoda.schedulerHeadless" -}}
+{{- include "pagoda.headless" (list . "scheduler") -}}
+{{- end -}}
+
+{{/* --scheduler-addrs of the gateway: every engine pool's headless Service, comma-separated
+(with disaggregation the gateway reads each replica's role from GetModelInfo). */}}
+{{- define "pagoda.schedulerAddrs" -}}
+{{- $addrs := list -}}
+{{- range $component := splitList "," (include "pagoda.engineComponents" .) -}}
+{{- $name := include "pagoda.headless" (list $ $component) -}}
+{{- if eq $.Values.gateway.schedulerDiscovery "k8s" -}}
+{{- $addrs = append $addrs (printf "k8s://%s/%s:%v" $.Release.Namespace $name $.Values.scheduler.port) -}}
+{{- else -}}
+{{- $addrs = append $addrs (printf "dns:///%s.%s.svc.%s:%v" $name $.Release.Namespace $.Values.global.clusterDomain $.Values.scheduler.port) -}}
+{{- end -}}
+{{- end -}}
+{{- join "," $addrs -}}
 {{- end -}}
 
 {{- define "pagoda.redisUrl" -}}
@@ -259,12 +311,15 @@ tolerations:
 {{/*
 Engine flags of one model replica. The scheduler and the gpu-worker parse the same engine
 arguments, so both containers get this one list: they cannot disagree on the model, block
-size, KV-cache sizing or parallel layout.
+size, KV-cache sizing or parallel layout. Call with (list $ pool) (pagoda.enginePools):
+only the pool's batch limits differ between pools; the rest is set once for all of them.
 */}}
 {{- define "pagoda.engineArgs" -}}
-{{- $g := .Values.global -}}
-{{- $s := .Values.scheduler -}}
-{{- $w := .Values.gpuWorker -}}
+{{- $ := index . 0 -}}
+{{- $pool := index . 1 -}}
+{{- $g := $.Values.global -}}
+{{- $s := $.Values.scheduler -}}
+{{- $w := $.Values.gpuWorker -}}
 - {{ printf "--model=%s" $g.model | quote }}
 {{- with $g.revision }}
 - {{ printf "--revision=%s" . | quote }}
@@ -275,9 +330,9 @@ size, KV-cache sizing or parallel layout.
 {{- if $s.maxModelLen }}
 - --max-model-len={{ $s.maxModelLen }}
 {{- end }}
-- --max-num-seqs={{ $s.maxNumSeqs }}
+- --max-num-seqs={{ int $pool.maxNumSeqs }}
 - --max-waiting-requests={{ $s.maxWaitingRequests }}
-- --max-num-batched-tokens={{ $s.maxNumBatchedTokens }}
+- --max-num-batched-tokens={{ int $pool.maxNumBatchedTokens }}
 - {{ ternary "--enable-prefix-caching" "--no-enable-prefix-caching" $s.enablePrefixCaching }}
 {{- if $s.numGpuBlocksOverride }}
 - --num-gpu-blocks-override={{ $s.numGpuBlocksOverride }}

@@ -66,6 +66,56 @@ with a message naming the values, so no combination of values silently disagrees
 {{- fail "scheduler.keda: minReplicas exceeds maxReplicas" -}}
 {{- end -}}
 
+{{- with $v.disaggregation -}}
+{{- if .enabled -}}
+{{- $g := $v.global -}}
+{{- if gt (int (mul $g.tensorParallelSize $g.pipelineParallelSize)) 1 -}}
+{{- fail (printf "disaggregation: KV blocks move between single-rank gpu-workers today; set global.tensorParallelSize and global.pipelineParallelSize to 1 (got %v x %v), or disaggregation.enabled=false" $g.tensorParallelSize $g.pipelineParallelSize) -}}
+{{- end -}}
+{{- if or $v.scheduler.autoscaling.enabled $v.scheduler.keda.enabled -}}
+{{- fail "disaggregation: scheduler.autoscaling and scheduler.keda do not apply to the prefill and decode pools; use disaggregation.prefill/decode.autoscaling or .keda" -}}
+{{- end -}}
+{{- if le (float64 .kvLeaseTimeoutSeconds) (float64 .kvTransferTimeoutSeconds) -}}
+{{- fail (printf "disaggregation.kvLeaseTimeoutSeconds (%v) must exceed kvTransferTimeoutSeconds (%v): a lease that ends first frees blocks a decode replica is still pulling" .kvLeaseTimeoutSeconds .kvTransferTimeoutSeconds) -}}
+{{- end -}}
+{{- range $name := list "prefill" "decode" -}}
+{{- $p := index $v.disaggregation $name -}}
+{{- if and $p.autoscaling.enabled $p.keda.enabled -}}
+{{- fail (printf "disaggregation.%s: enable either autoscaling (HPA) or keda (which creates its own HPA), not both" $name) -}}
+{{- end -}}
+{{- with $p.autoscaling -}}
+{{- if .enabled -}}
+{{- if not (or .targetCPUUtilizationPercentage .targetNumRequestsWaiting) -}}
+{{- fail (printf "disaggregation.%s.autoscaling: set targetCPUUtilizationPercentage or targetNumRequestsWaiting above 0" $name) -}}
+{{- end -}}
+{{- if gt (int .minReplicas) (int .maxReplicas) -}}
+{{- fail (printf "disaggregation.%s.autoscaling: minReplicas exceeds maxReplicas" $name) -}}
+{{- end -}}
+{{- $requests := ($p.resources | default $v.scheduler.resources).requests | default dict -}}
+{{- if and .targetCPUUtilizationPercentage (not $requests.cpu) -}}
+{{- fail (printf "disaggregation.%s.autoscaling: CPU utilization needs disaggregation.%s.resources.requests.cpu (or scheduler.resources.requests.cpu)" $name $name) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if and $p.keda.enabled (gt (int $p.keda.minReplicas) (int $p.keda.maxReplicas)) -}}
+{{- fail (printf "disaggregation.%s.keda: minReplicas exceeds maxReplicas" $name) -}}
+{{- end -}}
+{{- range $key := list "extraArgs" "gpuWorkerExtraArgs" -}}
+{{- range $arg := index $p $key -}}
+{{- if regexMatch "^(--(model|revision|tokenizer|block-size|dtype|kv-cache-dtype|quantization|device|prefix-cache-hash-seed|tensor-parallel-size|pipeline-parallel-size|kv-transfer-config|kv-advertise-host)|-tp|-pp|-q)(=|$)" $arg -}}
+{{- fail (printf "disaggregation.%s.%s: %s is set once for both pools (global, gpuWorker.dtype) or by the chart per pool, so prefill and decode cannot disagree" $name $key $arg) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- range $arg := concat $v.scheduler.extraArgs $v.gpuWorker.extraArgs -}}
+{{- if regexMatch "^--(kv-transfer-config|kv-advertise-host)(=|$)" $arg -}}
+{{- fail (printf "scheduler/gpuWorker.extraArgs: %s is set per pool by the chart while disaggregation.enabled" $arg) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{- $enginePorts := list (int $v.scheduler.port) (int $v.scheduler.metricsPort) (int $v.gpuWorker.port) (int $v.gpuWorker.metricsPort) -}}
 {{- if ne (len (uniq $enginePorts)) 4 -}}
 {{- fail (printf "scheduler.port, scheduler.metricsPort, gpuWorker.port and gpuWorker.metricsPort share one pod's network and must differ (got %v)" $enginePorts) -}}
