@@ -89,9 +89,11 @@ def _admitted(rendered, pod, port: int) -> list:
     return out
 
 
-def test_network_policies_are_on_and_only_the_gateway_is_open_to_the_outside(chart):
+@pytest.mark.parametrize("sets", [(), ("disaggregation.enabled=true",)],
+                         ids=["colocated", "disaggregated"])
+def test_network_policies_are_on_and_only_the_gateway_is_open_to_the_outside(chart, sets):
     assert merged_values()["global"]["networkPolicy"]["enabled"] is True
-    rendered = chart.template()
+    rendered = chart.template(sets=sets)
     for pod in pods(rendered):
         covered = [p for p in rendered.of_kind("NetworkPolicy")
                    if pod in selected_pods(rendered, p["spec"]["podSelector"]["matchLabels"])]
