@@ -84,6 +84,23 @@ class ClientInterceptor(grpc.UnaryUnaryClientInterceptor):
         return outcome
 
 
+class StreamClientInterceptor(grpc.UnaryStreamClientInterceptor):
+    """Sync channels: server-streaming calls (the span ends with the stream)."""
+
+    def intercept_unary_stream(self, continuation, details, request):
+        if not _traced(details.method):
+            return continuation(details, request)
+        span = tracing.get_tracer().start_span(_name(details.method), kind=SpanKind.CLIENT,
+                                               attributes=_attributes(details.method))
+        new = _CallDetails(details.method, details.timeout,
+                           _metadata_with_context(details.metadata, span), details.credentials,
+                           getattr(details, "wait_for_ready", None),
+                           getattr(details, "compression", None))
+        call = continuation(new, request)
+        call.add_done_callback(lambda c: _end_with_code(span, c.code()))
+        return call
+
+
 class _AioClientBase:
     async def _intercept(self, continuation, details, request):
         if not _traced(details.method):
@@ -118,7 +135,7 @@ class AioUnaryStreamInterceptor(_AioClientBase, grpc.aio.UnaryStreamClientInterc
 
 
 def client_interceptors() -> list:
-    return [ClientInterceptor()] if tracing.is_enabled() else []
+    return [ClientInterceptor(), StreamClientInterceptor()] if tracing.is_enabled() else []
 
 
 def aio_client_interceptors() -> list:

@@ -31,6 +31,7 @@ from dataclasses import replace
 
 import grpc
 
+from pagoda import tracing
 from pagoda.kv_transfer.params import KVTransferParams
 from pagoda.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2 as kpb
@@ -161,6 +162,7 @@ class DisaggregatedReplica:
                 yield out
             return
         disagg = self.disagg
+        prefill_span = _phase_span("pagoda.disagg.prefill", request.request_id)
         views = [PrefillView(r, self.decode, disagg.checks) for r in disagg.prefill_replicas()]
         try:
             route = await disagg.peers.router.route(
@@ -170,6 +172,7 @@ class DisaggregatedReplica:
                 disagg.peers.tokenizer.stub)
         except APIError:
             _count_fallback("no_prefill_replica")
+            _end_span(prefill_span, fallback="no_prefill_replica")
             async for out in self.decode.generate(request):
                 yield out
             return
@@ -199,9 +202,12 @@ class DisaggregatedReplica:
                            "prompt", route.replica.address, exc.message)
             route.replica.on_refused(exc)
             _count_fallback("prefill_failed")
+            _end_span(prefill_span, fallback="prefill_failed")
         finally:
             route.release()
+            _end_span(prefill_span, instance=route.replica.instance_id)
         params = end.kv_transfer_params if end is not None else None
+        decode_span = None
         try:
             if end is not None and _ends_request(request, end, generated):
                 yield end
@@ -213,13 +219,36 @@ class DisaggregatedReplica:
                     decode.sampling_params = replace(request.sampling_params,
                                                      prompt_logprobs=None)
             cached = params.num_cached_tokens if params is not None else None
+            decode_span = _phase_span("pagoda.disagg.decode", request.request_id,
+                                      blocks=len(params.remote_block_ids) if params else 0)
             async for out in self.decode.generate(decode):
                 if cached is not None:
                     out.num_cached_tokens = cached
                 yield out
         finally:
+            _end_span(decode_span, instance=self.decode.instance_id)
             if params is not None:
                 disagg.release_soon(params)
+
+
+def _phase_span(name: str, request_id: str, **attributes):
+    """A span for one phase of a disaggregated request, a child of the HTTP request's
+    span (the gRPC calls of the phase are its siblings: an async generator cannot
+    hold a current context across its yields); None while tracing is off."""
+    if not tracing.is_enabled():
+        return None
+    return tracing.get_tracer().start_span(name, attributes={
+        "pagoda.request_id": request_id,
+        **{f"pagoda.{key}": value for key, value in attributes.items()}})
+
+
+def _end_span(span, **attributes) -> None:
+    """End `span` once (later calls only add nothing)."""
+    if span is None or not span.is_recording():
+        return
+    for key, value in attributes.items():
+        span.set_attribute(f"pagoda.{key}", value)
+    span.end()
 
 
 def _ends_request(request: EngineCoreRequest, end: EngineCoreOutput,

@@ -23,6 +23,7 @@ from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2 as pb
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc as pb_grpc
 from pagoda.services.common import grpc_channels
 from pagoda.services.common.kv_transfer_metrics import kv_transfer_metrics
+from pagoda.services.common.tracing import intercept
 from pagoda.worker.kv_blocks import export_block, import_block, kv_layout
 
 SERVICE_NAME = "pagoda.kv_transfer.v1.KvTransferService"
@@ -75,7 +76,7 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         num_bytes = 0
         received = 0
         with grpc_channels.channel(request.source_address) as channel:
-            call = pb_grpc.KvTransferServiceStub(channel).PullBlocks(
+            call = pb_grpc.KvTransferServiceStub(intercept(channel)).PullBlocks(
                 pb.PullBlocksRequest(block_ids=request.remote_block_ids,
                                      epoch=request.source_epoch, lease_id=request.lease_id),
                 timeout=request.timeout_s or None)

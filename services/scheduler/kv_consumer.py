@@ -20,11 +20,13 @@ the plan dropped, since the drop is queued behind the making.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
 import grpc
 
+from pagoda import tracing
 from pagoda.core.block_hash import hash_request_tokens, request_keys
 from pagoda.kv_transfer.imports import ImportPlan, commit_import, plan_import, release_import
 from pagoda.messages import EngineCoreRequest
@@ -98,8 +100,11 @@ class KvConsumer:
                 if time.time() >= params.lease_expiry:
                     reason = "lease_expired"
                 else:
-                    fetch = asyncio.ensure_future(self._fetch(params, plan))
-                    reason = await asyncio.shield(fetch)
+                    with _pull_span(plan, params) as span:
+                        fetch = asyncio.ensure_future(self._fetch(params, plan))
+                        reason = await asyncio.shield(fetch)
+                        if span is not None:
+                            span.set_attribute("pagoda.kv_transfer.result", reason or "ok")
             valid = await self._release_lease(params)
             if plan.targets and reason is None and not valid:
                 reason = "lease_expired"
@@ -158,3 +163,18 @@ class KvConsumer:
         plan = self._plans.pop(request_id, None)
         if plan is not None:
             release_import(self.pool, plan)
+
+
+@contextlib.contextmanager
+def _pull_span(plan: ImportPlan, params):
+    """`kv_transfer.pull` around one request's pull (its FetchBlocks call, and the
+    worker-to-worker PullBlocks under it, are children); yields None while tracing
+    is off."""
+    if not tracing.is_enabled():
+        yield None
+        return
+    with tracing.get_tracer().start_as_current_span("kv_transfer.pull", attributes={
+            "pagoda.kv_transfer.blocks": len(plan.targets),
+            "pagoda.kv_transfer.blocks_held": len(plan.held),
+            "pagoda.kv_transfer.source": params.remote_instance_id}) as span:
+        yield span
