@@ -208,6 +208,11 @@ class Peers:
         self.fatal_error: str | None = None
         self._task: asyncio.Task | None = None
         self.ready = asyncio.Event()
+        self._refreshed = asyncio.Event()  # set after every refresh (wait_routable)
+        # The model as the replicas last described it: it outlives any one replica, so
+        # a rollout (every old replica gone, the new ones still being probed) never
+        # makes requests look as if no model had ever loaded.
+        self._model_info: spb.GetModelInfoResponse | None = None
 
     def use_prefix_index(self, kv_cache_manager_addr: str) -> None:
         """Route with the cluster prefix index at this address (before `start`)."""
@@ -223,6 +228,23 @@ class Peers:
         await self._check_hashes()
         if self.is_healthy():
             self.ready.set()
+        self._refreshed.set()
+
+    async def wait_routable(self, timeout: float) -> bool:
+        """Whether some replica is routable, waiting up to `timeout` seconds for the
+        poller to find one (a new replica being probed while the old ones left)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not any(s.is_routable() for s in self.schedulers):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            self._refreshed.clear()
+            try:
+                await asyncio.wait_for(self._refreshed.wait(), remaining)
+            except asyncio.TimeoutError:
+                return False
+        return True
 
     def is_healthy(self) -> bool:
         return (self.fatal_error is None and self.tokenizer.serving
@@ -232,7 +254,10 @@ class Peers:
     def model_info(self) -> spb.GetModelInfoResponse:
         known = [s for s in self.schedulers if s.info is not None]
         for replica in sorted(known, key=lambda s: not s.is_routable()):
+            self._model_info = replica.info
             return replica.info
+        if self._model_info is not None:
+            return self._model_info
         raise APIError("The model is not loaded yet.", 503)
 
     def routing_block_size(self) -> int:

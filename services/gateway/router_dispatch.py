@@ -4,6 +4,8 @@ A replica may refuse a request before producing anything: it is draining
 (SIGTERM), its queue is full, it just died, or the connection failed. Nothing
 reached the client then, so the request goes to another replica (at most
 `MAX_ATTEMPTS` in all); once a delta went out, a failure is the client's error.
+When no replica is routable at all, the request waits up to ROUTE_WAIT_S for the
+poller to make one routable (a rollout) before its 503.
 The routing metrics are counted here: the decision (policy, instance) and, when
 the prefix index was asked, the cached tokens it predicted for the chosen
 replica against those the replica reported for the first choice.
@@ -23,6 +25,9 @@ from pagoda.services.gateway.router import RouteRequest
 
 logger = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3
+# With no replica routable (a rollout: the old ones left, the new ones are being
+# probed), how long a request waits for one before its 503.
+ROUTE_WAIT_S = 3.0
 
 
 def route_request(requests: Sequence[EngineCoreRequest], session_key: str | None,
@@ -54,6 +59,8 @@ async def routed_deltas(peers: Peers, requests: Sequence[EngineCoreRequest],
         except APIError:
             if refusal is not None:
                 raise refusal from None  # the replicas' own reason beats "none available"
+            if not excluded and await peers.wait_routable(ROUTE_WAIT_S):
+                continue  # one became routable meanwhile: route again
             raise
         replica = route.replica
         if context is not None:

@@ -42,7 +42,7 @@ class FakeIndex:
         self.calls = 0
 
     async def lookup(self, tokenizer_stub, token_ids, block_hashes, cache_salt, model,
-                     block_size):
+                     block_size, lora_key=""):
         self.calls += 1
         if self.blocks is None:
             return None
