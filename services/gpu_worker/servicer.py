@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 
 # Trailing metadata of an ExecuteModel refused INVALID_ARGUMENT: the request at fault.
 REJECTED_REQUEST_KEY = "pagoda-rejected-request"
+# Trailing metadata of an ExecuteModel that failed midway: the worker dropped every
+# request and waits for InitializeKvCache (the scheduler recovers: StepFailed).
+STEP_FAILED_KEY = "pagoda-step-failed"
 
 
 class WorkerServicer(pb_grpc.WorkerServiceServicer):
@@ -77,6 +80,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 if self.ledger is not None:
                     self.ledger.reset()
                 self._next_step = None
+                context.set_trailing_metadata(((STEP_FAILED_KEY, type(exc).__name__),))
                 context.abort(grpc.StatusCode.INTERNAL,
                               f"the step failed ({type(exc).__name__}); the worker holds no "
                               "request now and waits for InitializeKvCache")

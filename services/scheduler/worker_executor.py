@@ -20,11 +20,11 @@ import grpc
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as pb
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2_grpc as pb_grpc
 from pagoda.messages import ModelRunnerOutput, SchedulerOutput
-from pagoda.executor.base import Executor, StepRejected
+from pagoda.executor.base import Executor, StepFailed, StepRejected
 from pagoda.services.common.protocol.worker import model_runner_output_from_proto, scheduler_output_to_proto
 from pagoda.services.common import grpc_channels
 from pagoda.services.common.tracing import intercept
-from pagoda.services.gpu_worker.servicer import REJECTED_REQUEST_KEY
+from pagoda.services.gpu_worker.servicer import REJECTED_REQUEST_KEY, STEP_FAILED_KEY
 from pagoda.services.scheduler.tracing import step_span
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,8 @@ class GrpcWorkerExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step. StepRejected when the worker refused the plan because of one
-        request (nothing ran; the step id stays); WorkerUnavailable otherwise, also for
+        request (nothing ran; the step id stays); StepFailed when it failed midway and
+        waits for `initialize_kv_cache`; WorkerUnavailable otherwise, also for
         a step past `step_timeout` or a worker lost to keepalive."""
         request = pb.ExecuteModelRequest(step_id=self._step_id,
                                          scheduler_output=scheduler_output_to_proto(scheduler_output))
@@ -84,6 +85,8 @@ class GrpcWorkerExecutor(Executor):
                 if culprit is not None:
                     raise StepRejected(f"the worker refused it: {exc.details()}",
                                        culprit) from None
+                if _step_failed(exc):  # the worker is alive and waits for InitializeKvCache
+                    raise StepFailed(f"gpu-worker at {self.address}: {exc.details()}") from None
                 raise WorkerUnavailable(f"gpu-worker at {self.address} failed in ExecuteModel:"
                                         f" {exc.code().name}: {exc.details()}") from exc
         self._step_id += 1
@@ -98,6 +101,13 @@ class GrpcWorkerExecutor(Executor):
         except grpc.RpcError as exc:
             raise WorkerUnavailable(f"gpu-worker at {self.address} failed in {method}: "
                                     f"{exc.code().name}: {exc.details()}") from exc
+
+
+def _step_failed(exc: grpc.RpcError) -> bool:
+    """Whether the worker said it failed midway through the step (and lives on)."""
+    if exc.code() != grpc.StatusCode.INTERNAL:
+        return False
+    return any(key == STEP_FAILED_KEY for key, _ in exc.trailing_metadata() or ())
 
 
 def _rejected_request(exc: grpc.RpcError) -> str | None:

@@ -3,6 +3,8 @@ through the official `openai` client and plain HTTP, as a vLLM user would call i
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
@@ -147,6 +149,42 @@ def test_bad_adapters_are_refused_and_the_cluster_serves_on(served, client, tiny
     assert post(served, "/v1/load_lora_adapter", {"lora_name": "y"}).status_code == 400
     assert {m.id for m in client.models.list().data} == {"tiny", "a1", "a2"}
     assert greedy_ids(client, "a1")  # still serving
+
+
+def test_an_adapter_that_breaks_its_step_fails_alone(served, client, tiny_llama_dir, adapters,
+                                                     tmp_path):
+    """Tensors that pass every check before the step but do not fit the model (a
+    mid-step failure): that request fails with a 500, the replica recovers, and a
+    greedy stream running meanwhile ends with its undisturbed text."""
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "misfit"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text(
+        (Path(adapters[0]) / "adapter_config.json").read_text())
+    tensors = load_file(str(Path(adapters[0]) / "adapter_model.safetensors"))
+    tensors = {k: (torch.cat([v, v[:, :3]], dim=1) if "lora_A" in k else v)
+               for k, v in tensors.items()}  # in-features 3 wider than the model's
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    assert post(served, "/v1/load_lora_adapter",
+                {"lora_name": "misfit", "lora_path": str(bad)}).status_code == 200
+    want = client.completions.create(model="tiny", prompt="a steady stream", max_tokens=48,
+                                     temperature=0.0, extra_body={"ignore_eos": True})
+    stream = client.completions.create(model="tiny", prompt="a steady stream", max_tokens=48,
+                                       temperature=0.0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    text = next(chunks).choices[0].text
+    with pytest.raises(openai.InternalServerError):
+        client.completions.create(model="misfit", prompt="break it", max_tokens=4)
+    text += "".join(c.choices[0].text for c in chunks)
+    assert text == want.choices[0].text
+    # It failed inside a step (the worker's checks could not see it), not before one.
+    assert wait_until(lambda: any("failed midway" in line and "at fault" in line
+                                  for line in served.log), 10), "".join(served.log[-40:])
+    assert greedy_ids(client, "a1") == hf_greedy(tiny_llama_dir, adapters[0], PROMPT_IDS)
+    assert post(served, "/v1/unload_lora_adapter", {"lora_name": "misfit"}).status_code == 200
+    assert httpx.get(f"{served.base}/health", timeout=10).status_code == 200
 
 
 def test_lora_requests_info_names_the_running_adapters(served, client):

@@ -164,6 +164,17 @@ class BlockPool:
         if removed and self.enable_kv_events:
             self._events.append(BlockRemoved(removed))
 
+    def forget_contents(self) -> None:
+        """The device lost every block's KV (a step failed midway and the worker's
+        cache was set up again): forget every cached hash, of blocks in use too, so
+        nothing is ever taken as a hit; the blocks themselves stay where they are."""
+        if not self._cached:
+            return
+        for block in list(self._cached.values()):
+            self._evict(block)
+        if self.enable_kv_events:
+            self._events.append(AllBlocksCleared())
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is in use."""
         if len(self._free) != self.num_blocks:

@@ -47,6 +47,10 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit of the first schedule; -1 until then
         self.num_preemptions = 0
+        # Steps that failed midway with this request in them, and the steps it must
+        # still run alone before it is trusted again (core/step_quarantine.py).
+        self.num_failed_steps = 0
+        self.num_isolated_steps = 0
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         self.first_scheduled_time: float | None = None

@@ -10,8 +10,9 @@ from pagoda.core.kv_events import KVEvent
 from pagoda.messages import (EngineCoreOutput, EngineCoreRequest, FinishReason, ModelRunnerOutput,
                              SchedulerOutput)
 from pagoda.core.scheduler import Scheduler, SchedulerStats
+from pagoda.core import step_quarantine
 from pagoda.core.step_recovery import reject_step
-from pagoda.executor.base import Executor, StepRejected
+from pagoda.executor.base import Executor, StepFailed, StepRejected
 from pagoda.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class EngineCore:
         # Requests the worker refused since `take_rejected` (id -> why): they end ABORT
         # in the outputs; the caller tells their clients why (step_recovery.py).
         self.rejected: dict[str, str] = {}
+        self._suspects = False  # requests of a failed step still run alone (quarantine)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks,
                     config.cache.block_size, num_blocks * config.cache.block_size)
 
@@ -57,7 +59,7 @@ class EngineCore:
         self.last_scheduler_output = None
         if not self.scheduler.has_unfinished_requests():
             return self.scheduler.take_pending_outputs()
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self._schedule()
         self.last_scheduler_output = scheduler_output
         if scheduler_output.total_num_scheduled_tokens:
             try:
@@ -66,6 +68,11 @@ class EngineCore:
                 reject_step(self.scheduler, scheduler_output, exc.request_id)
                 self.rejected[exc.request_id] = str(exc)
                 return self.scheduler.take_pending_outputs()
+            except StepFailed as exc:  # failed midway: find the request at fault
+                self._recover(scheduler_output, exc)
+                return self.scheduler.take_pending_outputs()
+            if self._suspects:
+                step_quarantine.after_step(self.scheduler, scheduler_output)
         else:
             runner_output = ModelRunnerOutput.empty()
             self.scheduler.wait_for_grammars(GRAMMAR_WAIT_S)
@@ -73,6 +80,27 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def _schedule(self) -> SchedulerOutput:
+        """The next plan; while a failed step's requests are suspects, one runs alone."""
+        suspect = step_quarantine.next_suspect(self.scheduler) if self._suspects else None
+        if suspect is None:
+            self._suspects = False
+            return self.scheduler.schedule()
+        with step_quarantine.alone(self.scheduler, suspect):
+            return self.scheduler.schedule()
+
+    def _recover(self, plan: SchedulerOutput, exc: StepFailed) -> None:
+        """A step failed midway (core/step_quarantine.py): recompute everything, set
+        the worker's KV cache up again, and end the request found at fault, if any."""
+        culprits = step_quarantine.recover(self.scheduler, plan)
+        logger.error("step of %d requests failed midway (%s); %s", len(plan.num_scheduled_tokens),
+                     exc, f"request(s) at fault: {', '.join(culprits)}" if culprits
+                     else "its requests run alone until one is found at fault")
+        for request_id in culprits:
+            self.rejected[request_id] = f"the request failed a step ({exc})"
+        self._suspects = True
+        self.executor.initialize_kv_cache(self.scheduler.kv_cache_manager.pool.num_blocks)
 
     def take_rejected(self) -> dict[str, str]:
         rejected, self.rejected = self.rejected, {}

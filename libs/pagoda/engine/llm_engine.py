@@ -7,6 +7,7 @@ step with its vector, which `step` returns as a `PoolingRequestOutput`.
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Any
 
 from pagoda.engine.arg_utils import EngineArgs
@@ -19,6 +20,8 @@ from pagoda.lora.request import LoRARequest
 from pagoda.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from pagoda.pooling_params import PREFILL_ONLY, PoolingParams
 from pagoda.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -76,6 +79,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         core_outputs = self.core.step()
+        for request_id, why in self.core.take_rejected().items():  # they end "abort"
+            logger.warning("request %s failed: %s", request_id, why)
         pooled = self._pooled_outputs(core_outputs)
         finished, to_abort = self.output_processor.process_outputs(core_outputs)
         if to_abort:

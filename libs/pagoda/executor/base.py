@@ -41,6 +41,12 @@ class StepRejected(RuntimeError):
         self.request_id = request_id
 
 
+class StepFailed(RuntimeError):
+    """The worker failed midway through a step (an exception while running it, not a
+    refused plan): it dropped every request and waits for `initialize_kv_cache`; it is
+    alive. The scheduler recovers (core/step_quarantine.py)."""
+
+
 class WorkerGroupFailed(RuntimeError):
     """A rank of the worker group died or failed: the group can serve no more steps."""
 

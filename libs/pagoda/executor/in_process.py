@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from pagoda.config import EngineConfig
-from pagoda.executor.base import Executor
+import logging
+
+from pagoda.executor.base import Executor, StepFailed
 from pagoda.messages import ModelRunnerOutput, SchedulerOutput
 from pagoda.worker.model_runner import ModelRunner
 
@@ -22,7 +24,13 @@ class InProcessExecutor(Executor):
         self.runner.initialize_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output)
+        """StepFailed (every request's batch state dropped) when the step raised."""
+        try:
+            return self.runner.execute_model(scheduler_output)
+        except Exception as exc:  # noqa: BLE001 - the batch state may be half-applied
+            logging.getLogger(__name__).exception("step failed; forgetting every request")
+            self.runner.reset()
+            raise StepFailed(f"the step failed ({type(exc).__name__}: {exc})") from exc
 
     def reset(self) -> None:
         """Forget every request's batch state (a new scheduler knows none of them)."""
