@@ -8,8 +8,8 @@ migrated if its replica went away), none may hang, greedy and seeded requests mu
 their text from before the chaos (migration continues them exactly), the surviving
 replica's KV pool must return to empty, and /health must stay 200.
 
-The issue asks for 1,000 requests; CHAOS_REQUESTS (env PAGODA_CHAOS_REQUESTS) is what
-fits this 2-core test machine in about two minutes per scenario.
+`make test` runs each scenario with 250 requests (about half a minute each on this
+2-core machine); `make test-chaos` runs the issue's 1,000 (PAGODA_CHAOS_REQUESTS).
 """
 
 from __future__ import annotations
@@ -29,13 +29,9 @@ from serve_cluster import ServeProcess, flag_value, wait_until
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
 
-# Minutes of load on two replicas: run by `make test-chaos` (PAGODA_CHAOS=1), not by
-# `make test`; on this session's overloaded machine the migration assertion failed.
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(os.environ.get("PAGODA_CHAOS") != "1",
-                                 reason="chaos run: `make test-chaos` (PAGODA_CHAOS=1)")]
+pytestmark = pytest.mark.slow
 
-CHAOS_REQUESTS = int(os.environ.get("PAGODA_CHAOS_REQUESTS", "1000"))
+CHAOS_REQUESTS = int(os.environ.get("PAGODA_CHAOS_REQUESTS", "250"))
 CONCURRENCY = 64
 MAX_TOKENS = 16
 ABANDONED_SHARE = 0.1
