@@ -75,6 +75,16 @@ def check_request(request: EngineCoreRequest, config: EngineConfig) -> None:
         if value is not None and value > vocab:
             raise ValueError(f"{name} of {value} is more than the vocabulary ({vocab}).")
     _check_ids("stop_token_ids", params.stop_token_ids, vocab)
+    _check_ids("allowed_token_ids", params.allowed_token_ids or (), vocab)
+    bad_words = params.bad_words_token_ids or ()
+    if len(bad_words) > vocab:
+        raise ValueError(f"bad_words has {len(bad_words)} entries, more than the vocabulary "
+                         f"({vocab}).")
+    for words in bad_words:
+        _check_ids("bad_words", words, vocab)
+        if len(words) > max_len:
+            raise ValueError(f"bad_words: a word of {len(words)} tokens is longer than the "
+                             f"maximum model length ({max_len}).")
     bias = params.logit_bias or {}
     _check_ids("logit_bias", bias.keys(), vocab)
     if any(not isinstance(b, (int, float)) or not math.isfinite(b)

@@ -231,6 +231,8 @@ def _typed_but_wrong() -> list[tuple[str, spb.GenerateRequest]]:
         ("output_token_ids", req(output=(5, 6, 7, 8), max_tokens=4)),
         ("request_id", req(rid="")),
         ("min_tokens", req(min_tokens=10)),
+        ("allowed_token_ids", req(allowed_token_ids=[5, 10**9])),
+        ("bad_words", req(bad_words_token_ids=[cpb.TokenIdList(token_ids=[7, -3])])),
     ]
 
 
