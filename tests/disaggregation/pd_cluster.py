@@ -3,16 +3,34 @@
 
 from __future__ import annotations
 
+import httpx
 import psutil
-from serve_cluster import CLI_MODULE, ServeProcess, flag_value
+from serve_cluster import CLI_MODULE, ServeProcess, flag_value, wait_until
+
+PREFILL_HEADER = "x-pagoda-prefill-instance"
 
 BASE = ["--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "1024",
         "--block-size", "16"]
 
 
 def start_pd(model_dir: str, redis_url: str, *extra: str) -> ServeProcess:
-    return ServeProcess([model_dir, *BASE, "--redis-url", redis_url, "--prefill-replicas", "1",
-                         "--decode-replicas", "1", *extra])
+    """The cluster, once its gateway routes prefills to the prefill replica: `pagoda serve`
+    is up when a replica serves, and until the prefill replica passes its start-up checks
+    too, requests fall back to local prefill (which would leave a test's counts short)."""
+    serve = ServeProcess([model_dir, *BASE, "--redis-url", redis_url, "--prefill-replicas",
+                          "1", "--decode-replicas", "1", *extra])
+
+    def prefilled_remotely() -> bool:
+        # A prompt shorter than a block: the prefill replica leases nothing, the request
+        # ends with its one token, and no transfer is tried or counted.
+        reply = httpx.post(f"{serve.base}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "hi", "max_tokens": 1})
+        return PREFILL_HEADER in reply.headers
+
+    if not wait_until(prefilled_remotely, 60, interval=0.5):
+        serve.stop()
+        raise RuntimeError("the gateway never routed a prefill to the prefill replica")
+    return serve
 
 
 def role_process(serve: ServeProcess, kind: str, role: str) -> psutil.Process:

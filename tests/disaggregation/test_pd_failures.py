@@ -41,8 +41,10 @@ def metric(serve, name: str, **labels) -> float:
 
 def failures(serve) -> dict:
     """Failure counts by reason, for an assertion's message."""
-    return {dict(ls).get("reason"): v for (n, ls), v in serve.scrape().items()
-            if n == "pagoda_kv_transfer_failures_total"}
+    return {(n, dict(ls).get("reason") or dict(ls).get("kind")): v
+            for (n, ls), v in serve.scrape().items()
+            if n in ("pagoda_kv_transfer_failures_total", "pagoda_kv_transfer_fallbacks_total",
+                     "pagoda_gateway_disagg_fallbacks_total", "pagoda_kv_transfer_blocks_total")}
 
 
 def usage(address: str) -> float:

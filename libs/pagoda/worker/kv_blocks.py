@@ -58,3 +58,26 @@ def import_block(kv_caches: Sequence, block_id: int, data: bytes) -> None:
         rows = buffer[offset:offset + n].view(t.dtype).view(t[0].shape)
         t[block_id].copy_(rows, non_blocking=False)
         offset += n
+
+
+def import_blocks(kv_caches: Sequence, block_ids: Sequence[int], datas: Sequence[bytes]) -> None:
+    """`import_block` for many blocks at once: one indexed copy per cache tensor instead
+    of one per tensor and block (what a pull of a long prompt spends its time on).
+    ValueError, with nothing written, if any block's size is not one block's."""
+    if not block_ids:
+        return
+    tensors = _tensors(kv_caches)
+    expected = sum(t[0].numel() * t.element_size() for t in tensors)
+    if len(block_ids) != len(datas) or any(len(d) != expected for d in datas):
+        raise ValueError(f"a KV block is {expected} bytes here; got "
+                         f"{sorted({len(d) for d in datas})} for {len(block_ids)} ids")
+    rows = torch.frombuffer(bytearray(b"".join(datas)), dtype=torch.uint8)
+    rows = rows.view(len(datas), expected)
+    index = torch.tensor(list(block_ids), dtype=torch.long)
+    offset = 0
+    for t in tensors:
+        n = t[0].numel() * t.element_size()
+        part = rows[:, offset:offset + n].contiguous().view(t.dtype).view(len(datas),
+                                                                          *t.shape[1:])
+        t.index_copy_(0, index.to(t.device), part.to(t.device))
+        offset += n
