@@ -6,9 +6,10 @@ sent each adapter in the last `RECENT_S` seconds, since a poll lags behind. For 
 request with an adapter, the router's policy (kv_aware: prefix and load) chooses
 among:
 
-  1. the replicas holding it, unless every one of them has requests waiting
-     (loading costs a replica a disk read and may evict another adapter, so
-     affinity comes first, but a hot adapter must not queue up on one replica);
+  1. the replicas holding it, unless every one of them has more than SPILL_WAITING
+     requests waiting (loading costs a replica a disk read and may evict another
+     adapter, so affinity comes first, but a hot adapter must not queue up on one
+     replica; a request or two waiting for the next step is normal);
   2. then also the replicas with room to load it without evicting one;
   3. when none has room, every replica with LoRA enabled (one evicts its least
      recently used adapter).
@@ -23,6 +24,7 @@ import time
 from collections.abc import Sequence
 
 RECENT_S = 10.0
+SPILL_WAITING = 2  # requests waiting on every holder beyond which others may load it
 
 
 class AdapterPlacement:
@@ -63,7 +65,7 @@ class AdapterPlacement:
 
 def _has_waiting(replica) -> bool:
     load = getattr(replica, "load", None)
-    return load is not None and load.num_waiting > 0
+    return load is not None and load.num_waiting > SPILL_WAITING
 
 
 def _max_adapters(replica) -> int:

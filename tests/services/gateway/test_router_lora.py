@@ -30,9 +30,9 @@ def test_holders_first_then_room_then_anyone():
 
 def test_a_hot_adapter_spills_over_when_every_holder_has_a_queue():
     placement = AdapterPlacement()
-    busy, idle = replica("a", ["sql"], waiting=3), replica("b")
+    busy, idle = replica("a", ["sql"], waiting=6), replica("b")
     assert addresses(placement.candidates([busy, idle], "sql")) == {"a", "b"}
-    calm = replica("a", ["sql"], waiting=0)
+    calm = replica("a", ["sql"], waiting=1)  # one waiting for the next step: normal
     assert addresses(placement.candidates([calm, idle], "sql")) == {"a"}
 
 
