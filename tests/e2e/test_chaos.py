@@ -49,10 +49,25 @@ def body(prompt: str, seeded: bool) -> dict:
 
 
 def start_cluster(tiny_llama_dir: str, redis_url: str, *extra: str) -> ServeProcess:
-    return ServeProcess([tiny_llama_dir, "--served-model-name", "tiny", "--dtype", "float32",
-                         "--max-model-len", "512", "--redis-url", redis_url,
-                         "--data-parallel-size", "2", "--router", "round_robin",
-                         "--disable-log-stats", *extra])
+    """The cluster once both replicas take requests (`pagoda serve` is up as soon as one
+    does; a replica still being probed would get no share of the load, and killing it
+    would test nothing)."""
+    serve = ServeProcess([tiny_llama_dir, "--served-model-name", "tiny", "--dtype", "float32",
+                          "--max-model-len", "512", "--redis-url", redis_url,
+                          "--data-parallel-size", "2", "--router", "round_robin",
+                          "--disable-log-stats", *extra])
+    seen: set[str] = set()
+
+    def both_serve() -> bool:
+        reply = httpx.post(f"{serve.url}/completions", timeout=60,
+                           json={"model": "tiny", "prompt": "warm up", "max_tokens": 1})
+        seen.add(reply.headers.get("x-pagoda-instance", ""))
+        return len(seen - {""}) == 2
+
+    if not wait_until(both_serve, 60, interval=0.2):
+        serve.stop()
+        raise RuntimeError(f"only {seen} served within 60 s")
+    return serve
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, request: dict,
@@ -188,7 +203,8 @@ def run_chaos(serve: ServeProcess, victim: str, sig: int, seed: int) -> dict[str
     assert wait_until(lambda: kv_pool_empty(survivor), 30)
     assert httpx.get(f"{serve.base}/health", timeout=10).status_code == 200
     after = migrations(serve)
-    assert sum(after.values()) > before, f"no request was migrated: {after}"
+    drains = [line for line in serve.log if "drain" in line]
+    assert sum(after.values()) > before, f"no request was migrated: {after}; {drains[-5:]}"
     return after
 
 
