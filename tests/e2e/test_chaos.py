@@ -179,6 +179,16 @@ def migrations(serve: ServeProcess) -> dict[str, float]:
             if name == "pagoda_gateway_migrations_total"}
 
 
+def running(port: int) -> int:
+    """Requests the replica's scheduler is running now (0 if it does not answer)."""
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            return spb_grpc.SchedulerServiceStub(channel).GetLoad(spb.GetLoadRequest(),
+                                                                  timeout=5).num_running
+    except grpc.RpcError:
+        return 0
+
+
 def kv_pool_empty(port: int) -> bool:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         load = spb_grpc.SchedulerServiceStub(channel).GetLoad(spb.GetLoadRequest(), timeout=5)
@@ -193,8 +203,15 @@ def run_chaos(serve: ServeProcess, victim: str, sig: int, seed: int) -> dict[str
     pid = replica_processes(serve, 1)[victim]
     survivor = replica_processes(serve, 0)["port"]
     before = sum(migrations(serve).values())
-    results = asyncio.run(run_load(serve.url, [(b, a) for b, a, _ in items],
-                                   lambda: os.kill(pid, sig)))
+    victim_port = replica_processes(serve, 1)["port"]
+
+    def strike() -> None:
+        """The signal, once the victim replica is running requests (the router may have
+        kept it idle for a moment: killing an idle replica tests nothing)."""
+        wait_until(lambda: running(victim_port) > 0, 30, interval=0.02)
+        os.kill(pid, sig)
+
+    results = asyncio.run(run_load(serve.url, [(b, a) for b, a, _ in items], strike))
     try:
         check_outcomes(results, items, expected)
     except AssertionError:
