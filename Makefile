@@ -34,7 +34,7 @@ test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-chaos: install
-	PAGODA_CHAOS_REQUESTS=1000 $(PY) -m pytest -q tests/e2e/test_chaos.py $(PYTEST_ARGS)
+	PAGODA_CHAOS=1 PAGODA_CHAOS_REQUESTS=1000 $(PY) -m pytest -q tests/e2e/test_chaos.py $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
