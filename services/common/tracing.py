@@ -63,18 +63,24 @@ class _CallDetails(collections.namedtuple(
 
 
 # ---------------------------------------------------------------------- clients
+def _sync_client_span(details):
+    """A started CLIENT span for a sync call, and the call's details carrying its context."""
+    span = tracing.get_tracer().start_span(_name(details.method), kind=SpanKind.CLIENT,
+                                           attributes=_attributes(details.method))
+    new = _CallDetails(details.method, details.timeout,
+                       _metadata_with_context(details.metadata, span), details.credentials,
+                       getattr(details, "wait_for_ready", None),
+                       getattr(details, "compression", None))
+    return span, new
+
+
 class ClientInterceptor(grpc.UnaryUnaryClientInterceptor):
     """Sync channels (`grpc.intercept_channel`): unary calls."""
 
     def intercept_unary_unary(self, continuation, details, request):
         if not _traced(details.method):
             return continuation(details, request)
-        span = tracing.get_tracer().start_span(_name(details.method), kind=SpanKind.CLIENT,
-                                               attributes=_attributes(details.method))
-        new = _CallDetails(details.method, details.timeout,
-                           _metadata_with_context(details.metadata, span), details.credentials,
-                           getattr(details, "wait_for_ready", None),
-                           getattr(details, "compression", None))
+        span, new = _sync_client_span(details)
         try:
             outcome = continuation(new, request)
         except grpc.RpcError as exc:
@@ -90,12 +96,7 @@ class StreamClientInterceptor(grpc.UnaryStreamClientInterceptor):
     def intercept_unary_stream(self, continuation, details, request):
         if not _traced(details.method):
             return continuation(details, request)
-        span = tracing.get_tracer().start_span(_name(details.method), kind=SpanKind.CLIENT,
-                                               attributes=_attributes(details.method))
-        new = _CallDetails(details.method, details.timeout,
-                           _metadata_with_context(details.metadata, span), details.credentials,
-                           getattr(details, "wait_for_ready", None),
-                           getattr(details, "compression", None))
+        span, new = _sync_client_span(details)
         call = continuation(new, request)
         call.add_done_callback(lambda c: _end_with_code(span, c.code()))
         return call
