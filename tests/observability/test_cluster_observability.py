@@ -224,11 +224,15 @@ def test_one_request_is_one_trace_across_every_service(traffic, cluster, collect
     assert reply.status_code == 200
 
     def complete():
+        # Each service exports on its own batch schedule: wait for a span from every one.
         spans = collector.trace(trace_id)
-        names = {s.name for _, s in spans}
-        return spans if {"POST /v1/completions", "scheduler.decode",
-                         "pagoda.worker.v1.WorkerService/ExecuteModel"} <= names else None
-    spans = wait_until(complete, 20)
+        seen = {(svc, s.name) for svc, s in spans}
+        return spans if {
+            ("pagoda-gateway", "POST /v1/completions"),
+            ("pagoda-tokenizer", "pagoda.tokenizer.v1.TokenizerService/Tokenize"),
+            ("pagoda-scheduler", "scheduler.decode"),
+            ("pagoda-gpu-worker", "pagoda.worker.v1.WorkerService/ExecuteModel")} <= seen else None
+    spans = wait_until(complete, 30)
     assert spans, sorted({(svc, s.name) for svc, s in collector.trace(trace_id)})
     by_id = {s.span_id: (svc, s) for svc, s in spans}
     assert {svc for svc, _ in spans} >= {"pagoda-gateway", "pagoda-tokenizer",
