@@ -128,6 +128,21 @@ def serving_overview() -> Dashboard:
                  "(vllm:lora_requests_info)", "")], kind="table",
                description="vLLM's vllm:lora_requests_info: the adapters of the running and "
                            "waiting requests (replicas started with --enable-lora).")],
+        [Panel("Speculative decoding: draft acceptance rate",
+               [(f"{rate('vllm:spec_decode_num_accepted_tokens_total')} / "
+                 f"{rate('vllm:spec_decode_num_draft_tokens_total')}", "all positions"),
+                (f"{rate('vllm:spec_decode_num_accepted_tokens_per_pos_total', by='position')}"
+                 f" / on() group_left() {rate('vllm:spec_decode_num_drafts_total')}",
+                 "position {{position}}")], "percentunit",
+               "Drafted tokens the target model accepted (replicas started with "
+               "--speculative-config); by position: how often the i-th draft of a step is "
+               "accepted."),
+         Panel("Speculative decoding: tokens per verify step",
+               [(f"1 + {rate('vllm:spec_decode_num_accepted_tokens_total')} / "
+                 f"{rate('vllm:spec_decode_num_drafts_total')}", "mean acceptance length"),
+                (rate("vllm:spec_decode_num_accepted_tokens_total"), "accepted tokens/s")],
+               "short", "Tokens a request gains per step in which it verified drafts "
+                        "(1 = no draft accepted).")],
         [Panel("Tokenizer latency (p99)",
                quantiles("pagoda_tokenizer_latency_seconds", "", "operation", (0.99,)), "s"),
          Panel("Request sizes (p50)",

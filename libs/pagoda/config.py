@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagoda.lora.config import LoRAConfig
+from pagoda.spec_decode.config import SpeculativeConfig
 
 # The prefix-cache hash seed. Every process of the cluster must use the same one,
 # or the tokenizer's block hashes would not match the scheduler's and KV-aware
@@ -141,6 +142,8 @@ class SchedulerConfig:
     # --max-loras under --enable-lora: the running requests use at most this many
     # distinct adapters (each step's fit the worker's slots). None: LoRA off.
     max_loras: int | None = None
+    # vLLM's --speculative-config: draft tokens verified each decode step (None: off).
+    speculative_config: SpeculativeConfig | None = None
 
 
 @dataclass

@@ -59,7 +59,9 @@ class ModelRunnerOutput:
     """Per-step result, in the order of `req_ids`.
 
     `sampled_token_ids[i]` is empty for a request whose prefill is still partial
-    (no token sampled this step) and holds one token otherwise.
+    (no token sampled this step) and holds one token otherwise; a request verifying
+    k draft tokens (speculative decoding) gets 1 to k + 1: its accepted drafts, then
+    the target's own token.
     """
 
     req_ids: list[str]
@@ -198,6 +200,10 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: "np.ndarray | None" = None
+    # Speculative decoding: req_id -> the draft tokens it verifies this step, after its
+    # known tokens. Its num_scheduled_tokens counts them: known-but-uncomputed (1) +
+    # len(drafts). The scheduler rolls back the computed tokens of rejected drafts.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> "SchedulerOutput":

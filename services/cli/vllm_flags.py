@@ -32,7 +32,6 @@ UNSUPPORTED = {
     "swap-space": "preempted requests are recomputed, never swapped",
     "kv-events-config": "Pagoda publishes KV events to its kv-cache-manager itself",
     # adapters, multimodal, structured output, tools
-    "speculative-config": "speculative decoding is not implemented",
     "limit-mm-per-prompt": "Pagoda serves text-only models",
     "mm-processor-kwargs": "Pagoda serves text-only models",
     "allowed-local-media-path": "Pagoda serves text-only models",

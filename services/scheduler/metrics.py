@@ -44,6 +44,8 @@ def build_recorder(config, args: argparse.Namespace, registry: CollectorRegistry
                              config.cache.gpu_memory_utilization)
     if config.lora is not None:
         metrics.log_lora_config(config.lora.max_loras)
+    if config.scheduler.speculative_config is not None:
+        metrics.log_spec_config(config.scheduler.speculative_config.num_speculative_tokens)
     interval = log_stats_interval(args)
     stat_logger = StatLogger() if interval > 0 else None
     periodic = PeriodicLogger(stat_logger, interval).start() if stat_logger else None

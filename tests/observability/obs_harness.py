@@ -3,6 +3,7 @@ Prometheus server scraping it on loopback, and an OTLP trace collector the servi
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import threading
@@ -105,3 +106,34 @@ class OtlpCollector(tpb_grpc.TraceServiceServicer):
 
     def stop(self) -> None:
         self.server.stop(None)
+
+
+DASHBOARDS = Path(__file__).resolve().parents[2] / "charts" / "pagoda" / "dashboards"
+
+
+def panel_queries(speculative: bool = False) -> list[tuple[str, str, str]]:
+    """(file, panel title, expr) of every shipped panel query; the speculative-decoding
+    panels (which need --speculative-config: test_spec_decode_served.py checks them)
+    only with `speculative`, and then only they."""
+    queries = []
+    for path in sorted(DASHBOARDS.glob("*.json")):
+        for panel in json.loads(path.read_text())["panels"]:
+            for target in panel["targets"]:
+                if ("vllm:spec_decode_" in target["expr"]) == speculative:
+                    queries.append((path.name, panel["title"], target["expr"]))
+    return queries
+
+
+def panel_query_failures(prometheus: Prometheus, queries: list[tuple[str, str, str]],
+                         model_name: str) -> list[str]:
+    """The queries that fail or hold no number, with the dashboard variables set as
+    Grafana would (rate interval 2m, `$model_name` = model_name)."""
+    found = []
+    for file, title, expr in queries:
+        promql = expr.replace("$__rate_interval", "2m").replace("$model_name", model_name)
+        body = prometheus.query(promql)
+        if body["status"] != "success":
+            found.append(f"{file} / {title}: {body.get('error')}: {promql}")
+        elif not has_number([float(r["value"][1]) for r in body["data"]["result"]]):
+            found.append(f"{file} / {title}: no data: {promql}")
+    return found

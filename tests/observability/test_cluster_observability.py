@@ -9,16 +9,14 @@ import re
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from obs_harness import has_number, total
+from obs_harness import DASHBOARDS, panel_queries, panel_query_failures, total
 from serve_cluster import wait_until
 
 pytestmark = pytest.mark.slow
-DASHBOARDS = Path(__file__).resolve().parents[2] / "charts" / "pagoda" / "dashboards"
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog while the cat watches. " * 3
 SERVER, CLIENT = 2, 3  # OTLP span kinds
 
@@ -147,15 +145,6 @@ def test_gateway_and_service_metrics_count_exactly(traffic):
     assert peers == {"tokenizer": 1, "scheduler": 1, "gpu-worker": 1, "kv-cache-manager": 1}
 
 
-def _panel_queries() -> list[tuple[str, str, str]]:
-    queries = []
-    for path in sorted(DASHBOARDS.glob("*.json")):
-        for panel in json.loads(path.read_text())["panels"]:
-            for target in panel["targets"]:
-                queries.append((path.name, panel["title"], target["expr"]))
-    return queries
-
-
 def test_every_dashboard_panel_query_returns_data(traffic, prometheus):
     """Every query of every shipped dashboard, with the dashboard variables set as
     Grafana would, answers through Prometheus with at least one series holding a
@@ -170,19 +159,11 @@ def test_every_dashboard_panel_query_returns_data(traffic, prometheus):
                                              variable["definition"]).groups()
                 body = prometheus.api(f"label/{label}/values", **{"match[]": metric})
                 assert "tiny" in body["data"], (path.name, variable["name"], body)
-    queries = _panel_queries()
+    queries = panel_queries()
     assert len(queries) > 30
 
     def failures() -> list[str]:
-        found = []
-        for file, title, expr in queries:
-            promql = expr.replace("$__rate_interval", "2m").replace("$model_name", "tiny")
-            body = prometheus.query(promql)
-            if body["status"] != "success":
-                found.append(f"{file} / {title}: {body.get('error')}: {promql}")
-            elif not has_number([float(r["value"][1]) for r in body["data"]["result"]]):
-                found.append(f"{file} / {title}: no data: {promql}")
-        return found
+        return panel_query_failures(prometheus, queries, "tiny")
     # Gauges refreshed periodically (the index size: after the kv-cache-manager's first
     # heartbeat timeout) may need a few more seconds to appear.
     assert wait_until(lambda: not failures(), 20, 1.0), "\n".join(failures())

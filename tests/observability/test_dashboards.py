@@ -63,6 +63,7 @@ def test_every_queried_metric_is_defined_by_the_code():
     engine = EngineMetrics("m", 1024, registry=registry)
     engine.log_cache_config(16, 1, True, 0.9)
     engine.log_lora_config(1)  # vllm:lora_requests_info, under --enable-lora
+    engine.log_spec_config(2)  # vllm:spec_decode_*, under --speculative-config
     for metrics in (GatewayMetrics, TokenizerMetrics, KvIndexMetrics, WorkerMetrics,
                     KvTransferMetrics):
         metrics(registry)

@@ -55,6 +55,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        # Draft tokens proposed for its next decode step (speculative decoding).
+        self.spec_token_ids: list[int] = []
         # Set by the scheduler's StructuredOutputManager for a constrained request.
         self.structured_output_request = None
         params = self.sampling_params

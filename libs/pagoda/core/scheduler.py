@@ -16,6 +16,13 @@ compiled, skipped over so the requests behind it are admitted meanwhile; each st
 plan carries the bitmask rows of the constrained requests that sample, and each
 accepted token advances the request's matcher (`pagoda.structured_output`).
 
+Speculative decoding (`--speculative-config`, `pagoda.spec_decode`): after each step a
+decoding request may be given draft tokens (`Request.spec_token_ids`); the next step
+schedules them after its one known-but-uncomputed token (they take budget and KV
+slots like any token), the worker emits 1..k+1 tokens, and the computed tokens of the
+rejected drafts are rolled back here (their KV slots are simply rewritten later).
+Prefix-cache blocks only ever hash known tokens, so a draft never reaches the cache.
+
 Pooling requests (`--runner pooling`) are prefills only: a pooling engine runs without
 chunked prefill, so each is admitted with its whole remaining prompt, and it finishes
 in the step that ran it, with the worker's pooled vector (`_finish_pooled`).
@@ -34,6 +41,7 @@ from pagoda.core.request import Request, RequestStatus
 from pagoda.core.request_queue import SchedulingPolicy, create_request_queue
 from pagoda.messages import (CachedRequestData, EngineCoreOutput, EngineCoreRequest, FinishReason,
                              ModelRunnerOutput, NewRequestData, SchedulerOutput)
+from pagoda.spec_decode.stats import SpecDecodingStats, make_proposer, may_speculate
 
 if TYPE_CHECKING:
     from pagoda.structured_output import StructuredOutputManager
@@ -56,6 +64,8 @@ class SchedulerStats:
     # vLLM's: adapter name -> running / waiting requests with it (empty without LoRA).
     running_lora_adapters: dict[str, int] = field(default_factory=dict)
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    # Cumulative draft/acceptance counts under --speculative-config (None: off).
+    spec_decoding: SpecDecodingStats | None = None
 
 
 class Scheduler:
@@ -84,6 +94,9 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()
         self._pending_outputs: list[EngineCoreOutput] = []
         self.structured_output_manager = structured_output_manager
+        spec = scheduler_config.speculative_config
+        self.spec_proposer = make_proposer(spec)
+        self.spec_stats = SpecDecodingStats.for_config(spec)
 
     # ------------------------------------------------------------------ intake
     def add_request(self, core_request: EngineCoreRequest) -> Request:
@@ -122,6 +135,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         preempted: set[str] = set()
+        spec_tokens: dict[str, list[int]] = {}
 
         for request in list(self.running):
             if request.request_id in preempted:
@@ -129,10 +143,18 @@ class Scheduler:
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0:
                 continue
+            drafts, request.spec_token_ids = request.spec_token_ids, []
+            if drafts and num_new == 1 == request.num_tokens - request.num_computed_tokens:
+                drafts = drafts[:budget - 1]
+                num_new += len(drafts)
+            else:
+                drafts = []
             new_blocks = self._allocate_or_preempt(request, num_new, preempted)
-            budget += self._unschedule(preempted, num_scheduled, cached)
+            budget += self._unschedule(preempted, num_scheduled, cached, spec_tokens)
             if new_blocks is None:
                 continue  # the request itself was preempted
+            if drafts:
+                spec_tokens[request.request_id] = drafts
             budget -= num_new
             num_scheduled[request.request_id] = num_new
             cached.req_ids.append(request.request_id)
@@ -181,7 +203,8 @@ class Scheduler:
         self.waiting.prepend_requests(skipped)
 
         output = SchedulerOutput(new_reqs, cached, num_scheduled, sum(num_scheduled.values()),
-                                 self._finished_req_ids, preempted)
+                                 self._finished_req_ids, preempted,
+                                 scheduled_spec_decode_tokens=spec_tokens)
         self._finished_req_ids = set()
         for request_id, num in num_scheduled.items():
             self.requests[request_id].num_computed_tokens += num
@@ -226,18 +249,20 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend_request(request)
 
     @staticmethod
     def _unschedule(preempted: set[str], num_scheduled: dict[str, int],
-                    cached: CachedRequestData) -> int:
+                    cached: CachedRequestData, spec_tokens: dict[str, list[int]]) -> int:
         """Take requests preempted after they were planned this step back out of the
         plan; the tokens they had, to return to the budget."""
         freed = 0
         for request_id in preempted & num_scheduled.keys():
             freed += num_scheduled.pop(request_id)
+            spec_tokens.pop(request_id, None)
             i = cached.req_ids.index(request_id)
             for column in (cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
                 del column[i]
@@ -249,10 +274,13 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         now = time.time()
         self._finish_pooled(runner_output.pooler_output, outputs)
+        drafts = scheduler_output.scheduled_spec_decode_tokens
         for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue  # aborted while the step ran
+            if req_id in drafts and token_ids:
+                self._settle_drafts(request, len(drafts[req_id]), len(token_ids))
             new_token_ids: list[int] = []
             for token_id in token_ids:
                 request.append_output_token(token_id)
@@ -270,7 +298,27 @@ class Scheduler:
             if request.finish_reason is not None:
                 self.running.remove(request)
                 self._free_request(request)
+            elif self.spec_proposer is not None and new_token_ids:
+                self._propose(request)
         return outputs
+
+    # ------------------------------------------------------------------ speculation
+    def _settle_drafts(self, request: Request, num_drafts: int, num_emitted: int) -> None:
+        """The worker emitted `num_emitted` tokens (its accepted drafts + one): roll the
+        computed tokens back past the rejected drafts and count the acceptance."""
+        num_accepted = min(num_emitted - 1, num_drafts)
+        request.num_computed_tokens -= num_drafts - num_accepted
+        self.spec_stats.observe(num_drafts, num_accepted)
+
+    def _propose(self, request: Request) -> None:
+        """Drafts for the request's next step (none while the batch is too large for
+        speculation to pay, or for requests it cannot serve: `may_speculate`)."""
+        limit = self.config.speculative_config.disable_by_batch_size
+        if (limit is not None and len(self.running) >= limit) or not may_speculate(request):
+            return
+        # Room for the drafts and the token after them within max_tokens.
+        room = request.max_tokens - request.num_output_tokens - 1
+        request.spec_token_ids = self.spec_proposer.propose(request.all_token_ids, room)
 
     # ------------------------------------------------------------------ grammars
     def _init_grammar(self, request: Request) -> None:
@@ -361,6 +409,7 @@ class Scheduler:
         snapshot = SchedulerStats(len(self.running), len(self.waiting), pool.usage(),
                                   stats.queries, stats.hits, self.num_preemptions,
                                   pool.num_blocks, pool.num_free_blocks)
+        snapshot.spec_decoding = self.spec_stats.snapshot() if self.spec_stats else None
         if self.config.max_loras is not None:
             snapshot.running_lora_adapters = _count_adapters(self.running)
             snapshot.waiting_lora_adapters = _count_adapters(self.waiting)

@@ -87,7 +87,7 @@ class ParallelModelRunner(ModelRunner):
         if self.is_output_rank:
             return super()._sample(inputs, hidden)
         # A TP peer of the output rank: take part in the logits gather, sample nothing.
-        rows = [inputs.last_token_indices[i] for i, s in enumerate(inputs.samples) if s]
+        rows = inputs.sample_rows()
         if rows:
             self.model.compute_logits(hidden[rows])
         return [[] for _ in inputs.req_ids], {}

@@ -68,6 +68,8 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's --speculative-config JSON (pagoda.spec_decode.config.SpeculativeConfig).
+    speculative_config: dict | str | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, include_model: bool = True) -> argparse.ArgumentParser:
@@ -163,6 +165,12 @@ class EngineArgs:
                             help="The largest adapter rank accepted (sizes the device stacks).")
         parser.add_argument("--max-cpu-loras", type=int, default=None,
                             help="Adapters kept loaded in host memory (default: --max-loras).")
+        parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                            help='Speculative decoding, e.g. \'{"method": "ngram", '
+                                 '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                                 '"prompt_lookup_min": 2}\' (n-gram prompt lookup; '
+                                 '"disable_by_batch_size": N turns it off while N or more '
+                                 "requests run).")
         parser.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction,
                             default=False, help="Refused: Pagoda runs no remote code.")
         return parser
@@ -224,7 +232,8 @@ class EngineArgs:
             long_prefill_token_threshold=(self.long_prefill_token_threshold
                                           if pooling.runner == "generate" else 0),
             max_waiting_requests=self.max_waiting_requests, policy=self.scheduling_policy,
-            max_loras=self.max_loras if self.enable_lora else None)
+            max_loras=self.max_loras if self.enable_lora else None,
+            speculative_config=self._speculative_config(pooling.runner))
         names = self.served_model_name
         if isinstance(names, str):
             names = [names]
@@ -252,6 +261,16 @@ class EngineArgs:
             raise ValueError("--batch-invariant (VLLM_BATCH_INVARIANT) is implemented for the "
                              "CPU attention path only; the CUDA kernels are not batch-invariant")
         return on
+
+    def _speculative_config(self, runner: str):
+        from pagoda.spec_decode.config import SpeculativeConfig
+
+        config = SpeculativeConfig.parse(self.speculative_config)
+        if config is not None and runner != "generate":
+            raise ValueError("--speculative-config applies to generation, not --runner pooling")
+        if config is not None and self.pipeline_parallel_size > 1:
+            raise ValueError("--speculative-config is not supported with pipeline parallelism")
+        return config
 
     def _lora_config(self):
         """The LoRA settings under --enable-lora (validated), else None."""

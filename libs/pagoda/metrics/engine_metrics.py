@@ -98,6 +98,7 @@ class EngineMetrics:
         self._init_latency_histograms(histogram)
         self._last_queries = self._last_hits = 0
         self._lora_info: Gauge | None = None  # log_lora_config, under --enable-lora
+        self._spec: SpecDecodingMetrics | None = None  # log_spec_config
 
     def _init_latency_histograms(self, histogram) -> None:
         self.time_to_first_token = histogram(
@@ -141,6 +142,11 @@ class EngineMetrics:
         self._max_loras = str(max_loras)
         self._lora_labels: tuple[str, str, str] | None = None
 
+    def log_spec_config(self, num_speculative_tokens: int) -> None:
+        """Under --speculative-config: vLLM's `vllm:spec_decode_*` counters."""
+        self._spec = SpecDecodingMetrics(num_speculative_tokens, self._registry,
+                                         (self.model_name, self.engine))
+
     def _record_lora(self, s: SchedulerStats) -> None:
         labels = (self._max_loras, ",".join(s.waiting_lora_adapters),
                   ",".join(s.running_lora_adapters))
@@ -166,6 +172,8 @@ class EngineMetrics:
         self._last_queries, self._last_hits = s.prefix_cache_queries, s.prefix_cache_hits
         if self._lora_info is not None:
             self._record_lora(s)
+        if self._spec is not None and s.spec_decoding is not None:
+            self._spec.record(s.spec_decoding)
 
     def _record_iteration(self, it: IterationStats) -> None:
         if it.num_preempted_reqs:
@@ -191,3 +199,37 @@ class EngineMetrics:
             self.request_generation_tokens.observe(req.num_generation_tokens)
             if req.max_tokens_param:
                 self.request_params_max_tokens.observe(req.max_tokens_param)
+
+
+class SpecDecodingMetrics:
+    """vLLM's speculative-decoding counters; the scheduler's cumulative
+    `SpecDecodingStats` become increments here. Acceptance rate in PromQL:
+    rate(vllm:spec_decode_num_accepted_tokens_total) / rate(..._num_draft_tokens_total);
+    mean acceptance length: 1 + accepted / drafts."""
+
+    def __init__(self, num_speculative_tokens: int, registry: CollectorRegistry,
+                 values: tuple[str, str]) -> None:
+        names = ["model_name", "engine"]
+        self.num_drafts = Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                                  names, registry=registry).labels(*values)
+        self.num_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                                        names, registry=registry).labels(*values)
+        self.num_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens",
+                                           "Number of accepted tokens.", names,
+                                           registry=registry).labels(*values)
+        per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                          "Accepted tokens per draft position.", names + ["position"],
+                          registry=registry)
+        self.accepted_per_pos = [per_pos.labels(*values, str(i))
+                                 for i in range(num_speculative_tokens)]
+        self._last = (0, 0, 0, [0] * num_speculative_tokens)
+
+    def record(self, stats) -> None:
+        drafts, tokens, accepted, per_pos = self._last
+        self.num_drafts.inc(max(stats.num_drafts - drafts, 0))
+        self.num_draft_tokens.inc(max(stats.num_draft_tokens - tokens, 0))
+        self.num_accepted_tokens.inc(max(stats.num_accepted_tokens - accepted, 0))
+        for counter, now, before in zip(self.accepted_per_pos, stats.accepted_per_pos, per_pos):
+            counter.inc(max(now - before, 0))
+        self._last = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+                      list(stats.accepted_per_pos))

@@ -57,6 +57,8 @@ class StatLogger:
         self._last_scheduler_stats: SchedulerStats | None = None
         # Cumulative prefix-cache (queries, hits) when the interval began.
         self._interval_start_prefix = (0, 0)
+        # Cumulative speculation counts when the interval began (under --speculative-config).
+        self._interval_start_spec = None
         self._was_busy = False
 
     def record(self, scheduler_stats: SchedulerStats | None,
@@ -93,7 +95,32 @@ class StatLogger:
                 f"GPU KV cache usage: {(last.kv_cache_usage if last else 0.0) * 100:.1f}%, "
                 f"Prefix cache hit rate: {(hits / queries if queries else 0.0) * 100:.1f}%")
         self._log.log(level, "%s", line)
+        spec = last.spec_decoding if last is not None else None
+        if spec is not None:
+            spec_line = self._spec_line(spec, elapsed)
+            if spec_line:
+                self._log.log(level, "%s", spec_line)
         return line
+
+    def _spec_line(self, spec, elapsed: float) -> str | None:
+        """vLLM's `SpecDecoding metrics:` line for the interval (None when nothing was
+        drafted in it)."""
+        start = self._interval_start_spec
+        self._interval_start_spec = (spec.num_drafts, spec.num_draft_tokens,
+                                     spec.num_accepted_tokens, list(spec.accepted_per_pos))
+        drafts, drafted, accepted, per_pos = start or (0, 0, 0, [0] * len(spec.accepted_per_pos))
+        drafts, drafted = spec.num_drafts - drafts, spec.num_draft_tokens - drafted
+        accepted = spec.num_accepted_tokens - accepted
+        if drafts <= 0:
+            return None
+        rates = ", ".join(f"{(now - before) / drafts:.3f}"
+                          for now, before in zip(spec.accepted_per_pos, per_pos))
+        return (f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+                f"Accepted throughput: {accepted / elapsed:.2f} tokens/s, "
+                f"Drafted throughput: {drafted / elapsed:.2f} tokens/s, "
+                f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, "
+                f"Per-position acceptance rate: {rates}, "
+                f"Avg Draft acceptance rate: {accepted / max(drafted, 1) * 100:.1f}%")
 
 
 class PeriodicLogger:

@@ -95,6 +95,19 @@ def needs_processing(metadata: SamplingMetadata) -> bool:
 def random_sample(logits: torch.Tensor, metadata: SamplingMetadata,
                   rows: list[int] | None) -> torch.Tensor:
     """Sample the random rows `rows` of the batch (None: all rows); `logits` holds them."""
+    probs = random_probs(logits, metadata, rows)
+    if rows is None:
+        generators = metadata.generators
+    else:
+        generators = {i: metadata.generators[row] for i, row in enumerate(rows)
+                      if row in metadata.generators}
+    return probs.div_(exponential_noise(probs, generators)).argmax(dim=-1)
+
+
+def random_probs(logits: torch.Tensor, metadata: SamplingMetadata,
+                 rows: list[int] | None) -> torch.Tensor:
+    """The distribution the random rows `rows` (None: all) sample from: temperature,
+    top-k, top-p and min-p applied, then softmax. `logits` holds those rows."""
     index = None if rows is None else torch.tensor(rows, dtype=torch.long)
 
     def select(values: torch.Tensor | None) -> torch.Tensor | None:
@@ -108,13 +121,7 @@ def random_sample(logits: torch.Tensor, metadata: SamplingMetadata,
         apply_top_p(logits, top_p)
     if min_p is not None:
         apply_min_p(logits, min_p)
-    probs = torch.softmax(logits, dim=-1)
-    if rows is None:
-        generators = metadata.generators
-    else:
-        generators = {i: metadata.generators[row] for i, row in enumerate(rows)
-                      if row in metadata.generators}
-    return probs.div_(exponential_noise(probs, generators)).argmax(dim=-1)
+    return torch.softmax(logits, dim=-1)
 
 
 def exponential_noise(like: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:

@@ -27,6 +27,9 @@ class CachedRequestState:
     token_ids: list[int] = field(default_factory=list)
     pooling_params: PoolingParams | None = None  # a pooling request: pooled, never sampled
     lora_request: LoRARequest | None = None  # its adapter (None: the base model)
+    # This step's draft tokens (speculative decoding), verified after the known tokens;
+    # set from each plan, never appended to `token_ids` (only emitted tokens are).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def from_new(cls, data: NewRequestData, generator: torch.Generator | None) -> "CachedRequestState":

@@ -23,6 +23,17 @@ class ModelInputs:
     # The request reaches the end of its known tokens this step, so it samples (a
     # pooling request never samples: the model runner pools it instead).
     samples: list[bool]
+    # Draft tokens verified after the known ones (speculative decoding), per request.
+    num_drafts: list[int] | None = None
+
+    def sample_rows(self) -> list[int]:
+        """The rows of the step's hidden states that give logits: per sampling request
+        its last token, preceded by one row per draft token (the distribution after
+        each accepted prefix of its drafts)."""
+        drafts = self.num_drafts or [0] * len(self.req_ids)
+        return [r for i, s in enumerate(self.samples) if s
+                for r in range(self.last_token_indices[i] - drafts[i],
+                               self.last_token_indices[i] + 1)]
 
 
 def order_decodes_first(num_scheduled: dict[str, int]) -> list[str]:
@@ -50,7 +61,10 @@ def build_model_inputs(states: dict[str, CachedRequestState], num_scheduled: dic
         end = start + n
         if n == 1:
             num_decodes += 1
-        input_ids.extend(state.token_ids[start:end])
+        if state.spec_token_ids:  # the known tokens, then the drafts to verify
+            input_ids.extend((state.token_ids + state.spec_token_ids)[start:end])
+        else:
+            input_ids.extend(state.token_ids[start:end])
         positions.extend(range(start, end))
         blocks = state.block_ids
         slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
@@ -72,6 +86,8 @@ def build_model_inputs(states: dict[str, CachedRequestState], num_scheduled: dic
         seq_lens_cpu=seq_lens,
         batch_invariant=batch_invariant,
     )
+    num_drafts = [len(states[r].spec_token_ids) for r in req_ids]
     return ModelInputs(req_ids, torch.tensor(input_ids, dtype=torch.int64, device=device),
                        torch.tensor(positions, dtype=torch.int64, device=device), metadata,
-                       [q - 1 for q in query_start[1:]], samples)
+                       [q - 1 for q in query_start[1:]], samples,
+                       num_drafts if any(num_drafts) else None)

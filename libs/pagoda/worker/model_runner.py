@@ -219,6 +219,9 @@ class ModelRunner:
             state = self.states[req_id]
             state.block_ids.extend(new_blocks)
             state.num_computed_tokens = num_computed
+        spec = so.scheduled_spec_decode_tokens
+        for req_id in so.num_scheduled_tokens:
+            self.states[req_id].spec_token_ids = spec.get(req_id, [])
 
     def _generator(self, data) -> torch.Generator | None:
         """The request's generator: kept across preemption; a new one for a request
@@ -246,34 +249,59 @@ class ModelRunner:
         if not rows:
             return sampled, {}
         states = [self.states[inputs.req_ids[i]] for i in rows]
-        logits = self.model.compute_logits(hidden[[inputs.last_token_indices[i] for i in rows]])
+        logits = self.model.compute_logits(hidden[inputs.sample_rows()])
+        # Logits row of each state's first position (one row per state without drafts).
+        drafts = [s.spec_token_ids for s in states]
+        first_row = [0]
+        for d in drafts[:-1]:
+            first_row.append(first_row[-1] + len(d) + 1)
         if self._grammar is not None:
-            self._apply_grammar(logits, states)
-        generators = {j: s.generator for j, s in enumerate(states) if s.generator is not None}
+            self._apply_grammar(logits, states, first_row)
+        # With drafts, row j of a request samples as if its first j drafts were output.
+        expanded = [(s, s.output_token_ids + d[:j] if j else s.output_token_ids)
+                    for s, d in zip(states, drafts)
+                    for j in range(len(d) + 1)]
+        generators = {first_row[j]: s.generator for j, s in enumerate(states)
+                      if s.generator is not None}
         eos = self.config.arch.eos_token_ids
         metadata = build_sampling_metadata(
-            [s.sampling_params for s in states], [s.prompt_token_ids for s in states],
-            [s.output_token_ids for s in states], generators, self.config.arch.vocab_size,
-            [eos for _ in states], self.device)
-        out = self.sampler(logits, metadata)
-        token_ids = out.sampled_token_ids.tolist()
+            [s.sampling_params for s, _ in expanded], [s.prompt_token_ids for s, _ in expanded],
+            [out for _, out in expanded], generators, self.config.arch.vocab_size,
+            [eos for _ in expanded], self.device)
+        if inputs.num_drafts is not None:
+            from pagoda.sample.rejection_sampler import verify_drafts
+
+            verified = verify_drafts(logits, metadata, drafts)
+            token_lists, lists = verified.token_ids, (
+                verified.logprobs.tolists() if verified.logprobs is not None else None)
+        else:
+            out = self.sampler(logits, metadata)
+            token_lists = [[t] for t in out.sampled_token_ids.tolist()]
+            lists = out.logprobs.tolists() if out.logprobs is not None else None
         logprobs: dict[str, LogprobsLists] = {}
-        lists = out.logprobs.tolists() if out.logprobs is not None else None
-        for j, (i, state) in enumerate(zip(rows, states)):
-            state.append_token(token_ids[j])
-            sampled[i] = [token_ids[j]]
+        position = 0  # logprobs rows: one per emitted token, in order
+        for i, state, tokens in zip(rows, states, token_lists):
+            for token in tokens:
+                state.append_token(token)
+            sampled[i] = tokens
             k = state.sampling_params.logprobs
             if lists is not None and k is not None:
+                span = range(position, position + len(tokens))
                 logprobs[state.req_id] = LogprobsLists(
-                    [lists.token_ids[j][:k + 1]], [lists.logprobs[j][:k + 1]], [lists.ranks[j][:k + 1]])
+                    [lists.token_ids[p][:k + 1] for p in span],
+                    [lists.logprobs[p][:k + 1] for p in span],
+                    [lists.ranks[p][:k + 1] for p in span])
+            position += len(tokens)
         return sampled, logprobs
 
-    def _apply_grammar(self, logits: torch.Tensor, states: list[CachedRequestState]) -> None:
-        """Mask the rows of constrained requests (a pipeline micro-batch holds some of them)."""
+    def _apply_grammar(self, logits: torch.Tensor, states: list[CachedRequestState],
+                       first_row: list[int]) -> None:
+        """Mask the rows of constrained requests (a pipeline micro-batch holds some of
+        them); a constrained request has no drafts, so its one row is its first."""
         from pagoda.sample.grammar import apply_grammar_bitmask
 
         req_ids, bitmask = self._grammar
-        position = {s.req_id: j for j, s in enumerate(states)}
+        position = {s.req_id: first_row[j] for j, s in enumerate(states)}
         pairs = [(i, position[r]) for i, r in enumerate(req_ids) if r in position]
         if pairs:
             apply_grammar_bitmask(logits, bitmask[[i for i, _ in pairs]], [j for _, j in pairs])

@@ -59,6 +59,9 @@ class PlanLedger:
             raise PlanRejected("total_num_scheduled_tokens is not the sum of the counts")
         if not (len(cached.new_block_ids) == len(cached.num_computed_tokens) == len(cached.req_ids)):
             raise PlanRejected("the cached requests' columns have different lengths")
+        drafts = plan.scheduled_spec_decode_tokens
+        if not set(drafts) <= set(cached.req_ids):
+            raise PlanRejected("draft tokens for a request that is not a scheduled decode")
         for data in plan.scheduled_new_reqs:
             if data.req_id in held:
                 raise PlanRejected("a new request with the id of one the worker holds",
@@ -70,8 +73,9 @@ class PlanLedger:
                 raise PlanRejected("a diff for a request the worker does not hold", req_id)
             h = held[req_id]
             self._check_blocks(new_blocks, req_id)
-            self._check_span(req_id, h.num_tokens, h.num_blocks + len(new_blocks), computed,
-                             scheduled[req_id])
+            num_drafts = self._check_drafts(req_id, drafts.get(req_id), h.num_tokens - computed)
+            self._check_span(req_id, h.num_tokens + num_drafts, h.num_blocks + len(new_blocks),
+                             computed, scheduled[req_id])
         self._check_grammar(plan)
 
     def record(self, plan: SchedulerOutput, output: ModelRunnerOutput) -> None:
@@ -130,6 +134,16 @@ class PlanLedger:
                                req_id)
         if end > num_blocks * self.block_size:
             raise PlanRejected(f"{end} tokens do not fit its {num_blocks} blocks", req_id)
+
+    def _check_drafts(self, req_id: str, drafts: list[int] | None, num_uncomputed: int) -> int:
+        """Drafts follow exactly one known-but-uncomputed token, within the vocabulary."""
+        if not drafts:
+            return 0
+        if num_uncomputed != 1:
+            raise PlanRejected("draft tokens for a request that is not decoding", req_id)
+        if any(not 0 <= t < self.vocab_size for t in drafts):
+            raise PlanRejected("a draft token id outside the vocabulary", req_id)
+        return len(drafts)
 
     def _check_grammar(self, plan: SchedulerOutput) -> None:
         ids, bitmask = plan.structured_output_request_ids, plan.grammar_bitmask

@@ -52,6 +52,8 @@ def scheduler_output_to_proto(out: SchedulerOutput) -> pb.SchedulerOutput:
         else:
             added.sampling_params.CopyFrom(sampling_params_to_proto(new.sampling_params,
                                                                     for_worker=True))
+    for req_id, drafts in out.scheduled_spec_decode_tokens.items():
+        msg.scheduled_spec_decode_tokens[req_id].token_ids.extend(drafts)
     cached = out.scheduled_cached_reqs
     msg.scheduled_cached_reqs.req_ids.extend(cached.req_ids)
     msg.scheduled_cached_reqs.num_computed_tokens.extend(cached.num_computed_tokens)
@@ -93,6 +95,8 @@ def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
         structured_output_request_ids=list(msg.structured_output_request_ids),
         grammar_bitmask=grammar_bitmask_from_bytes(msg.grammar_bitmask,
                                                    len(msg.structured_output_request_ids)),
+        scheduled_spec_decode_tokens={r: list(t.token_ids)
+                                      for r, t in msg.scheduled_spec_decode_tokens.items()},
     )
 
 

@@ -98,8 +98,8 @@ def test_run_batch_gets_its_required_files_from_the_config(tmp_path):
 
 @pytest.mark.parametrize("text,expected", [
     ("max-modle-len: 10\n", "unknown key 'max-modle-len': pagoda serve has no --max-modle-len"),
-    ("speculative_config: '{}'\n", "key 'speculative_config' (vLLM's --speculative-config) is "
-                                   "not supported by Pagoda: speculative decoding"),
+    ("swap_space: 4\n", "key 'swap_space' (vLLM's --swap-space) is "
+                        "not supported by Pagoda: preempted requests"),
     ("enforce-eager: maybe\n", "key 'enforce-eager' is a switch; give true or false"),
     ("port: eighty\n", "argument --port: invalid int value: 'eighty'"),
     ("dtype: int4\n", "argument --dtype: invalid choice: 'int4'"),

@@ -26,13 +26,13 @@ def leaf_parsers(parser: argparse.ArgumentParser):
 def test_a_vllm_flag_pagoda_lacks_is_named_with_the_reason():
     # As a user would run it: the console script, its stderr and exit code.
     out = subprocess.run([sys.executable, "-m", "pagoda.services.cli.main", "serve",
-                          "meta-llama/Llama-3.1-8B-Instruct", "--speculative-config", "{}",
+                          "meta-llama/Llama-3.1-8B-Instruct", "--swap-space", "4",
                           "--limit-mm-per-prompt", "{}", "--made-up-flag=3"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
-    assert lines[0].startswith("pagoda serve: error: --speculative-config (a vLLM flag) is "
-                               "not supported by Pagoda: speculative decoding")
+    assert lines[0].startswith("pagoda serve: error: --swap-space (a vLLM flag) is "
+                               "not supported by Pagoda: preempted requests are recomputed")
     assert lines[1].startswith("pagoda serve: error: --limit-mm-per-prompt (a vLLM flag) is "
                                "not supported by Pagoda: Pagoda serves text-only models")
     assert lines[2] == ("pagoda serve: error: --made-up-flag is not supported by Pagoda: "
@@ -42,8 +42,8 @@ def test_a_vllm_flag_pagoda_lacks_is_named_with_the_reason():
 
 def test_the_innermost_command_is_named(capsys):
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["bench", "serve", "--speculative-config"])
-    assert "pagoda bench serve: error: --speculative-config (a vLLM flag)" in \
+        build_parser().parse_args(["bench", "serve", "--swap-space"])
+    assert "pagoda bench serve: error: --swap-space (a vLLM flag)" in \
         capsys.readouterr().err
 
 

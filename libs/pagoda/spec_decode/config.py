@@ -1,0 +1,76 @@
+"""vLLM's `--speculative-config` JSON, parsed and validated."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+# vLLM's defaults when neither lookup bound is given.
+DEFAULT_PROMPT_LOOKUP = 5
+_KNOWN_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max",
+               "prompt_lookup_min", "disable_by_batch_size"}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """n-gram (prompt lookup) speculation.
+
+    Invariants: 1 <= prompt_lookup_min <= prompt_lookup_max; num_speculative_tokens >= 1.
+    `disable_by_batch_size`: no drafts while this many requests or more run (at large
+    batches the step is compute-bound and verifying drafts costs more than it saves).
+    """
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def parse(cls, value: dict | str | None) -> "SpeculativeConfig | None":
+        """The config from the flag's JSON (or a dict); None when unset. ValueError
+        names what is wrong, as vLLM's validation does."""
+        if value is None or value == "" or value == {}:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--speculative-config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        unknown = sorted(set(value) - _KNOWN_KEYS)
+        if unknown:
+            raise ValueError(f"--speculative-config: unsupported key(s) {unknown}; Pagoda "
+                             f"reads {sorted(_KNOWN_KEYS)}")
+        method = value.get("method")
+        model = value.get("model")
+        if method is None and model in ("[ngram]", "ngram"):  # vLLM's older spelling
+            method = "ngram"
+        if method != "ngram":
+            what = f"method {method!r}" if method is not None else f"draft model {model!r}"
+            raise ValueError(f"--speculative-config: {what} is not supported; Pagoda "
+                             'implements {"method": "ngram"} (prompt lookup)')
+        k = value.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError("--speculative-config: num_speculative_tokens must be a "
+                             f"positive integer, got {k!r}")
+        lookup_max, lookup_min = value.get("prompt_lookup_max"), value.get("prompt_lookup_min")
+        if lookup_max is None and lookup_min is None:
+            lookup_max = lookup_min = DEFAULT_PROMPT_LOOKUP
+        elif lookup_max is None:
+            lookup_max = lookup_min
+        elif lookup_min is None:
+            lookup_min = lookup_max
+        for name, bound in (("prompt_lookup_min", lookup_min), ("prompt_lookup_max", lookup_max)):
+            if not isinstance(bound, int) or isinstance(bound, bool) or bound < 1:
+                raise ValueError(f"--speculative-config: {name} must be a positive integer, "
+                                 f"got {bound!r}")
+        if lookup_min > lookup_max:
+            raise ValueError(f"--speculative-config: prompt_lookup_min ({lookup_min}) must be "
+                             f"<= prompt_lookup_max ({lookup_max})")
+        disable = value.get("disable_by_batch_size")
+        if disable is not None and (not isinstance(disable, int) or disable < 2):
+            raise ValueError("--speculative-config: disable_by_batch_size must be an integer "
+                             f">= 2, got {disable!r}")
+        return cls(k, method, lookup_max, lookup_min, disable)
