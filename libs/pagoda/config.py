@@ -249,6 +249,9 @@ class EngineConfig:
     # vLLM's VLLM_BATCH_INVARIANT: greedy/seeded output independent of the batch,
     # chunking and prefix-cache hits (CPU torch attention; `pagoda.model.attention`).
     batch_invariant: bool = False
+    # A GGUF 4-bit checkpoint on the CPU in bf16: small steps multiply from packed int4
+    # (`pagoda.model.quantization.gguf_int4`); --gguf-int4 / --no-gguf-int4.
+    gguf_int4: bool = False
     # vLLM's --runner, resolved: "generate" samples tokens; "pooling" returns one vector
     # per request (embeddings, classes, scores), as `pooler_config` says.
     runner: str = "generate"

@@ -55,6 +55,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     enable_expert_parallel: bool = False
     batch_invariant: bool | None = None  # None: PAGODA_BATCH_INVARIANT / VLLM_BATCH_INVARIANT
+    gguf_int4: bool | None = None  # None: on wherever it applies (`_resolve_gguf_int4`)
     # vLLM's --structured-outputs-config ({"backend": "auto" | "xgrammar", ...}) and
     # --reasoning-parser (the grammar starts after the reasoning ends).
     structured_outputs_config: dict | str | None = None
@@ -165,6 +166,12 @@ class EngineArgs:
                             help="The largest adapter rank accepted (sizes the device stacks).")
         parser.add_argument("--max-cpu-loras", type=int, default=None,
                             help="Adapters kept loaded in host memory (default: --max-loras).")
+        parser.add_argument("--gguf-int4", action=argparse.BooleanOptionalAction, default=None,
+                            help="Run a GGUF Q4_0/Q4_1 model's small CPU steps (up to 16 rows, "
+                                 "e.g. decoding few requests) from its 4-bit weights (packed "
+                                 "int4, a quarter of bf16's memory traffic); larger steps use "
+                                 "bf16. Default: on for such models with --dtype bfloat16 on "
+                                 "the CPU, unless --batch-invariant or --enable-lora.")
         parser.add_argument("--speculative-config", default=None, metavar="JSON",
                             help='Speculative decoding, e.g. \'{"method": "ngram", '
                                  '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
@@ -237,6 +244,7 @@ class EngineArgs:
         names = self.served_model_name
         if isinstance(names, str):
             names = [names]
+        batch_invariant = self._resolve_batch_invariant(device)
         return EngineConfig(
             model=model_path, tokenizer=self._resolve_tokenizer(), dtype=str(dtype).removeprefix("torch."),
             arch=arch, cache=cache, scheduler=scheduler,
@@ -246,7 +254,8 @@ class EngineArgs:
             distributed_executor_backend=self._resolve_backend(arch),
             enforce_eager=self.enforce_eager, max_logprobs=self.max_logprobs,
             enable_expert_parallel=self.enable_expert_parallel, kv_cache_dtype=kv_cache_dtype,
-            batch_invariant=self._resolve_batch_invariant(device),
+            batch_invariant=batch_invariant,
+            gguf_int4=self._resolve_gguf_int4(model_path, device, dtype, batch_invariant),
             structured_outputs=StructuredOutputsConfig.parse(self.structured_outputs_config,
                                                              self.reasoning_parser),
             runner=pooling.runner, pooler_config=pooling.pooler_config,
@@ -261,6 +270,32 @@ class EngineArgs:
             raise ValueError("--batch-invariant (VLLM_BATCH_INVARIANT) is implemented for the "
                              "CPU attention path only; the CUDA kernels are not batch-invariant")
         return on
+
+    def _resolve_gguf_int4(self, model_path: str, device: str, dtype, batch_invariant: bool
+                           ) -> bool:
+        """On where it applies (unless --no-gguf-int4); --gguf-int4 where it cannot
+        apply is an error naming why."""
+        import torch
+
+        from pagoda.model.loader import is_gguf
+        from pagoda.model.quantization import gguf_int4
+
+        if self.gguf_int4 is False:
+            return False
+        why = None
+        if not is_gguf(model_path) or not gguf_int4.gguf_4bit_parts(model_path)[0]:
+            why = "the model is not a GGUF file whose layers are Q4_0 or Q4_1"
+        elif device != "cpu" or dtype != torch.bfloat16:
+            why = "it runs on the CPU in bfloat16 only"
+        elif batch_invariant:
+            why = "--batch-invariant needs one kernel whatever the step's size"
+        elif self.enable_lora:
+            why = "not with --enable-lora"
+        elif not gguf_int4.available():
+            why = "this torch has no _weight_int4pack_mm_for_cpu"
+        if why is not None and self.gguf_int4:
+            raise ValueError(f"--gguf-int4: {why}")
+        return why is None
 
     def _speculative_config(self, runner: str):
         from pagoda.spec_decode.config import SpeculativeConfig

@@ -142,3 +142,8 @@ def arch_config_from_gguf(path: str) -> ModelArchConfig:
         eos_token_id=_eos_token_ids(reader),
         architecture=spec.hf_name,
     )
+
+
+def gguf_matrix_types(path: str) -> set[str]:
+    """The GGUF tensor types (e.g. "Q4_1", "Q6_K") of the file's 2-D weights."""
+    return {t.tensor_type.name for t in gguf_reader(path).tensors if len(t.shape) == 2}

@@ -34,6 +34,7 @@ from pagoda.distributed.parallel_state import SINGLE, ParallelContext, kv_head_s
 from pagoda.model.layers import Embedding, empty_parameter
 from pagoda.model.quantization import new_linear_method
 from pagoda.model.quantization.base import LinearMethodBase, Slice, shard_attrs
+from pagoda.model.quantization.gguf_int4 import int4_logits
 
 
 class LinearBase(nn.Module):
@@ -230,7 +231,9 @@ class VocabParallelEmbedding(Embedding):
         Under TP the slices are gathered at TP rank 0, the one rank that samples;
         the others take part in the gather and get None.
         """
-        logits = F.linear(hidden, self.weight)
+        logits = int4_logits(self, hidden)  # a GGUF 4-bit head in a small CPU step
+        if logits is None:
+            logits = F.linear(hidden, self.weight)
         parallel = self.parallel
         if parallel.tp_size > 1:
             logits = gather(logits, parallel.tp_group, parallel.tp_size, parallel.tp_rank)

@@ -56,6 +56,11 @@ class ModelRunner:
         torch.manual_seed(self.config.seed)
         self.model = load_model(self.config.model, self.config.arch, self.dtype, self.device,
                                 self.parallel, self.config.runner)
+        if self.config.gguf_int4:
+            from pagoda.model.quantization import gguf_int4
+
+            gguf_int4.pack_small_batch_int4(self.model,
+                                            gguf_int4.gguf_4bit_parts(self.config.model)[1])
         self.sampler = Sampler()
         if self.config.pooler_config is not None:
             from pagoda.model.pooler import Pooler

@@ -1,0 +1,146 @@
+"""GGUF 4-bit checkpoints run from 4-bit weights in small CPU steps.
+
+A decode step of a few rows is bound by reading the weights: in bf16, SmolLM2-135M's
+linear layers read 268 MB per step; packed to 4 bits with a bf16 scale and zero per
+32 inputs they read 75 MB, and torch's `_weight_int4pack_mm_for_cpu` multiplies from
+that form directly (on this 2-core Zen 5: 2.5 ms against 10 ms for the 30 layers at one
+row). With many rows the step is compute-bound and the bf16 product wins (int4 is 14%
+slower at 32 rows), so each layer keeps both forms and picks by the step's row count
+(`MAX_INT4_ROWS`).
+
+Why it is exact for Q4_1: llama.cpp's Q4_1 quantizer maps each block of 32 weights to
+`d * q + m` with `m` the block's minimum and `d = (max - min) / 15`, so the block's
+min and max sit on q = 0 and q = 15. Re-deriving (d, m) from the min and max of the
+loaded (bf16) weights and rounding gives back every q; only d and m carry bf16's
+rounding, as the bf16 weights themselves do. Q4_0 blocks (`d * (q - 8)`) need not
+reach both ends of the grid, so they are re-quantized with a small extra error.
+
+Invariants: `int4_weight` and `int4_scales_zeros` encode `W[n, k] = (q[n, k] - 8) *
+scale[k // 32, n] + zero[k // 32, n]` (torch's packed form); a layer's output for a
+row depends on the number of rows in the step (two kernels), so batch-invariant mode
+never enables this.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from pagoda.model.quantization.base import LinearMethodBase, UnquantizedLinearMethod
+
+logger = logging.getLogger(__name__)
+GROUP_SIZE = 32
+# Steps of at most this many rows use the 4-bit product (measured crossover ~20 rows).
+MAX_INT4_ROWS = 16
+# GGUF tensor types whose blocks are 32 weights of 4 bits with a scale (and min).
+GGUF_4BIT_TYPES = ("Q4_0", "Q4_1")
+
+
+def available() -> bool:
+    return hasattr(torch, "_weight_int4pack_mm_for_cpu")
+
+
+def gguf_4bit_parts(path: str) -> tuple[bool, bool]:
+    """(every layer matrix is 4-bit, the output head is 4-bit) for a GGUF file. A tied
+    head is the token embedding; SmolLM2's Q4_1 file keeps it in Q8_0, which 4 bits
+    would round, so it stays bf16."""
+    from pagoda.model.gguf_loader import gguf_reader
+
+    layers, head = set(), set()
+    for tensor in gguf_reader(path).tensors:
+        if len(tensor.shape) != 2:
+            continue
+        kind = tensor.tensor_type.name
+        if tensor.name.startswith("blk."):
+            layers.add(kind)
+        elif tensor.name.startswith(("output.", "token_embd.")):
+            head.add(kind)
+    four_bit = set(GGUF_4BIT_TYPES)
+    return bool(layers) and layers <= four_bit, bool(head) and head <= four_bit
+
+
+def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (q int32 [N, K] of 0..15, scales_and_zeros bf16 [K/32, N, 2])
+    with min/max per group of 32 inputs (see the module docstring)."""
+    n, k = weight.shape
+    groups = weight.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = (hi - lo) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = ((groups - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15)
+    zero = lo + 8 * scale
+    scales_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
+    return q.reshape(n, k).to(torch.int32), scales_zeros.to(torch.bfloat16)
+
+
+class SmallBatchInt4Method(LinearMethodBase):
+    """Wraps a layer's unquantized method: steps of at most `MAX_INT4_ROWS` rows
+    multiply from the packed 4-bit copy, larger ones from the bf16 weight."""
+
+    def __init__(self, base: LinearMethodBase) -> None:
+        self.base = base
+
+    def create_weights(self, layer, input_size, output_size, full_input_size, params_dtype):
+        self.base.create_weights(layer, input_size, output_size, full_input_size, params_dtype)
+
+    def apply(self, layer, x, bias=None):
+        rows = x.numel() // x.shape[-1]
+        if rows > MAX_INT4_ROWS or x.dtype != torch.bfloat16:
+            return self.base.apply(layer, x, bias)
+        # The kernel reads its input as a dense [rows, K] matrix: a strided view (a
+        # slice of a fused projection's output) would be read wrongly.
+        out = torch._weight_int4pack_mm_for_cpu(x.reshape(rows, x.shape[-1]).contiguous(),
+                                                layer.int4_weight, GROUP_SIZE,
+                                                layer.int4_scales_zeros)
+        out = out.reshape(*x.shape[:-1], out.shape[-1])
+        return out if bias is None else out + bias
+
+
+def packable(weight: torch.Tensor) -> bool:
+    n, k = weight.shape
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and k % GROUP_SIZE == 0 and n % 16 == 0)
+
+
+def attach_int4(layer: nn.Module, weight: torch.Tensor) -> None:
+    q, scales_zeros = quantize_groups(weight)
+    layer.register_buffer("int4_weight", torch._convert_weight_to_int4pack_for_cpu(q, 1),
+                          persistent=False)
+    layer.register_buffer("int4_scales_zeros", scales_zeros, persistent=False)
+
+
+def pack_small_batch_int4(model: nn.Module, pack_head: bool) -> int:
+    """Give every unquantized bf16 CPU linear layer of `model` its packed copy and
+    switch it to `SmallBatchInt4Method`; with `pack_head`, the LM head (or the tied
+    embedding it reads) gets one too, read by its `compute_logits` through
+    `int4_logits`. Returns the
+    number of layers packed."""
+    packed = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if type(method) is UnquantizedLinearMethod and packable(module.weight):
+            attach_int4(module, module.weight)
+            # Not set_quant_method: that makes new (empty) weights; these stay.
+            module.quant_method = SmallBatchInt4Method(method)
+            packed += 1
+    head = getattr(model, "lm_head", None) or getattr(getattr(model, "model", None),
+                                                      "embed_tokens", None)
+    if pack_head and head is not None and hasattr(head, "compute_logits") \
+            and packable(head.weight):
+        attach_int4(head, head.weight)
+        packed += 1
+    logger.info("GGUF 4-bit weights: %d linear layers multiply from packed int4 in steps "
+                "of at most %d rows", packed, MAX_INT4_ROWS)
+    return packed
+
+
+def int4_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
+    """The LM head's product from its packed copy, when it has one and the step is
+    small; None otherwise (the caller multiplies by the bf16 weight)."""
+    if getattr(head, "int4_weight", None) is None or hidden.shape[0] > MAX_INT4_ROWS \
+            or hidden.dtype != torch.bfloat16:
+        return None
+    return torch._weight_int4pack_mm_for_cpu(hidden.contiguous(), head.int4_weight, GROUP_SIZE,
+                                             head.int4_scales_zeros)
