@@ -31,13 +31,13 @@ run: install
 	$(VENV)/bin/pagoda serve $(MODEL) --host 127.0.0.1 --port $(PORT)
 
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	PAGODA_OMP_SPIN=0 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-chaos: install
-	PAGODA_CHAOS=1 PAGODA_CHAOS_REQUESTS=1000 $(PY) -m pytest -q tests/e2e/test_chaos.py $(PYTEST_ARGS)
+	PAGODA_OMP_SPIN=0 PAGODA_CHAOS=1 PAGODA_CHAOS_REQUESTS=1000 $(PY) -m pytest -q tests/e2e/test_chaos.py $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	PAGODA_OMP_SPIN=0 $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 bench: install
 	$(VENV)/bin/pagoda bench throughput --input-len 128 --output-len 128 --num-prompts 64

@@ -7,10 +7,15 @@ loads like any HF model directory and has a real chat template.
 
 from __future__ import annotations
 
+import os
 import pathlib
 
-import pytest
-import torch
+# Before torch loads: the suite runs many processes on few cores, where sleeping
+# OpenMP threads beat spinning ones (pagoda/__init__.py; `make test` sets it too).
+os.environ.setdefault("PAGODA_OMP_SPIN", "0")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # The worker-group tests' shared prompts and one-device `reference` (tests/distributed,
 # tests/executor): registered here so the reference is computed once per session.

@@ -10,12 +10,21 @@ FastAPI). The offline entry point mirrors vLLM's::
 
 import os
 
-# torch's OpenMP threads spin between ops by default. With several processes on few
-# cores (the local cluster, a shared CI box) the spinning steals the cores the model
-# needs: `pagoda bench throughput` measured 160 total tokens/s with spinning against
-# 742 without, on the same loaded 2-core machine. Effective only when pagoda is
-# imported before torch (the CLI and `from pagoda import LLM` are); users may override.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# torch's OpenMP threads between parallel regions (set before torch loads; effective
+# when pagoda is imported first, as the CLI and `from pagoda import LLM` do; a user's
+# own OMP_WAIT_POLICY or GOMP_SPINCOUNT always wins). A decode step runs hundreds of
+# small regions; threads that sleep between them pay a futex wake-up each time.
+# PAGODA_OMP_SPIN=1 (default): spin briefly (GOMP_SPINCOUNT), measured on a quiet
+# 2-core Zen 5: single-stream decode 49 -> 110 tokens/s, `pagoda bench throughput`
+# 822 -> 1134 total tokens/s. PAGODA_OMP_SPIN=0: sleep at once (OMP_WAIT_POLICY=PASSIVE),
+# for cores shared with other busy processes, where spinning threads wait on a
+# descheduled sibling: beside one busy process, 668 (passive) vs 234 tokens/s
+# (spinning). `make test` runs with 0 (the suite runs many processes on few cores).
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    if os.environ.get("PAGODA_OMP_SPIN", "1").strip().lower() in ("0", "false", "no", "off"):
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    else:
+        os.environ["GOMP_SPINCOUNT"] = "100000"
 
 from pagoda.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput,
                             EmbeddingOutput, EmbeddingRequestOutput, Logprob, PoolingOutput,
