@@ -100,3 +100,15 @@ def test_bad_speculative_config_is_refused(tiny_llama_dir):
         LLM(model=str(tiny_llama_dir), speculative_config={"method": "ngram"})
     with pytest.raises(ValueError, match="pipeline parallelism"):
         LLM(model=str(tiny_llama_dir), pipeline_parallel_size=2, speculative_config=SPEC)
+
+
+def test_bf16_greedy_is_unchanged_under_batch_invariance():
+    """In bf16 a verify step (k + 1 rows) may round a near-tie differently from a
+    one-row decode; --batch-invariant makes each row's arithmetic independent of the
+    step's shape, so speculation then leaves greedy tokens exactly as they were."""
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    kwargs = dict(dtype="bfloat16", batch_invariant=True, seed=0, max_model_len=512)
+    expected = [o.token_ids for o in _outputs(LLM(**kwargs), params)]
+    speculative = LLM(**kwargs, speculative_config=SPEC)
+    assert [o.token_ids for o in _outputs(speculative, params)] == expected
+    assert _spec_stats(speculative).num_accepted_tokens > 10
