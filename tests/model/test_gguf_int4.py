@@ -49,7 +49,7 @@ def test_small_steps_use_int4_and_large_steps_the_unchanged_bf16_weight():
     _, weights = q4_1_weights(96, 256)
     layer = Layer(weights.to(torch.bfloat16))
     before = layer.weight.detach().clone()
-    assert gguf_int4.pack_small_batch_int4(layer, pack_head=False) == 1
+    assert gguf_int4.pack_small_batch_int4(layer, head_form=None) == 1
     assert torch.equal(layer.weight, before)  # packing keeps the bf16 weight intact
     method = layer.quant_method
     x = torch.randn(3, 2 * 256, dtype=torch.bfloat16)[:, ::2]  # a strided view
@@ -92,3 +92,16 @@ def test_where_it_applies(tiny_llama_dir):
         resolved(model=str(tiny_llama_dir), gguf_int4=True)
     with pytest.raises(ValueError, match="bfloat16 only"):
         resolved(model=gguf, dtype="float32", gguf_int4=True)
+
+
+def test_a_q8_0_head_multiplies_from_per_row_int8_in_small_steps():
+    head = torch.nn.Module()
+    head.weight = torch.nn.Parameter(torch.randn(512, 64, dtype=torch.bfloat16),
+                                     requires_grad=False)
+    gguf_int4.attach_int8(head, head.weight)
+    hidden = torch.randn(3, 64, dtype=torch.bfloat16)
+    reference = F.linear(hidden, head.weight).float()
+    logits = gguf_int4.int4_logits(head, hidden).float()
+    assert (logits - reference).abs().max() < 0.02 * reference.abs().max()
+    big = torch.randn(gguf_int4.MAX_INT4_ROWS + 1, 64, dtype=torch.bfloat16)
+    assert gguf_int4.int4_logits(head, big) is None  # the caller's bf16 product

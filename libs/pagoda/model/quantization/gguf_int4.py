@@ -42,10 +42,12 @@ def available() -> bool:
     return hasattr(torch, "_weight_int4pack_mm_for_cpu")
 
 
-def gguf_4bit_parts(path: str) -> tuple[bool, bool]:
-    """(every layer matrix is 4-bit, the output head is 4-bit) for a GGUF file. A tied
-    head is the token embedding; SmolLM2's Q4_1 file keeps it in Q8_0, which 4 bits
-    would round, so it stays bf16."""
+def gguf_4bit_parts(path: str) -> tuple[bool, str | None]:
+    """(every layer matrix is 4-bit, the output head's packed form: "int4" for a 4-bit
+    head, "int8" for a Q8_0 one, None otherwise) for a GGUF file. A tied head is the
+    token embedding; SmolLM2's Q4_1 file keeps it in Q8_0: 4 bits would round it, so it
+    gets per-row int8 (its rounding is of the order of Q8_0's own, a step of at most
+    the row's largest block scale)."""
     from pagoda.model.gguf_loader import gguf_reader
 
     layers, head = set(), set()
@@ -58,7 +60,8 @@ def gguf_4bit_parts(path: str) -> tuple[bool, bool]:
         elif tensor.name.startswith(("output.", "token_embd.")):
             head.add(kind)
     four_bit = set(GGUF_4BIT_TYPES)
-    return bool(layers) and layers <= four_bit, bool(head) and head <= four_bit
+    head_form = "int4" if head and head <= four_bit else "int8" if head == {"Q8_0"} else None
+    return bool(layers) and layers <= four_bit, head_form
 
 
 def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,11 +114,20 @@ def attach_int4(layer: nn.Module, weight: torch.Tensor) -> None:
     layer.register_buffer("int4_scales_zeros", scales_zeros, persistent=False)
 
 
-def pack_small_batch_int4(model: nn.Module, pack_head: bool) -> int:
+def attach_int8(layer: nn.Module, weight: torch.Tensor) -> None:
+    """Per-row symmetric int8 (torch's `_weight_int8pack_mm` form)."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)
+    q = (w / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+    layer.register_buffer("int8_weight", q, persistent=False)
+    layer.register_buffer("int8_scales", scales.to(torch.bfloat16), persistent=False)
+
+
+def pack_small_batch_int4(model: nn.Module, head_form: str | None) -> int:
     """Give every unquantized bf16 CPU linear layer of `model` its packed copy and
-    switch it to `SmallBatchInt4Method`; with `pack_head`, the LM head (or the tied
-    embedding it reads) gets one too, read by its `compute_logits` through
-    `int4_logits`. Returns the
+    switch it to `SmallBatchInt4Method`; with a `head_form`, the LM head (or the tied
+    embedding it reads) gets a packed copy too ("int4" or per-row "int8"), read by its
+    `compute_logits` through `int4_logits`. Returns the
     number of layers packed."""
     packed = 0
     for module in model.modules():
@@ -127,9 +139,12 @@ def pack_small_batch_int4(model: nn.Module, pack_head: bool) -> int:
             packed += 1
     head = getattr(model, "lm_head", None) or getattr(getattr(model, "model", None),
                                                       "embed_tokens", None)
-    if pack_head and head is not None and hasattr(head, "compute_logits") \
+    if head_form and head is not None and hasattr(head, "compute_logits") \
             and packable(head.weight):
-        attach_int4(head, head.weight)
+        if head_form == "int4":
+            attach_int4(head, head.weight)
+        else:
+            attach_int8(head, head.weight)
         packed += 1
     logger.info("GGUF 4-bit weights: %d linear layers multiply from packed int4 in steps "
                 "of at most %d rows", packed, MAX_INT4_ROWS)
@@ -137,10 +152,13 @@ def pack_small_batch_int4(model: nn.Module, pack_head: bool) -> int:
 
 
 def int4_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
-    """The LM head's product from its packed copy, when it has one and the step is
-    small; None otherwise (the caller multiplies by the bf16 weight)."""
-    if getattr(head, "int4_weight", None) is None or hidden.shape[0] > MAX_INT4_ROWS \
-            or hidden.dtype != torch.bfloat16:
+    """The LM head's product from its packed copy (int4 or int8), when it has one and
+    the step is small; None otherwise (the caller multiplies by the bf16 weight)."""
+    if hidden.shape[0] > MAX_INT4_ROWS or hidden.dtype != torch.bfloat16:
         return None
-    return torch._weight_int4pack_mm_for_cpu(hidden.contiguous(), head.int4_weight, GROUP_SIZE,
-                                             head.int4_scales_zeros)
+    if getattr(head, "int4_weight", None) is not None:
+        return torch._weight_int4pack_mm_for_cpu(hidden.contiguous(), head.int4_weight,
+                                                 GROUP_SIZE, head.int4_scales_zeros)
+    if getattr(head, "int8_weight", None) is not None:
+        return torch._weight_int8pack_mm(hidden.contiguous(), head.int8_weight, head.int8_scales)
+    return None
