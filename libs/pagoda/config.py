@@ -163,19 +163,11 @@ class StructuredOutputsConfig:
               ) -> "StructuredOutputsConfig":
         """From the flag's JSON (or a dict); ValueError naming an unknown key, backend or
         reasoning parser."""
-        import json
-
+        from pagoda.json_flag import json_object
         from pagoda.reasoning import get_reasoning_parser
         from pagoda.structured_output.backend import resolve_backend_name
 
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise ValueError(f"--structured-outputs-config is not valid JSON: {exc}") from None
-        if not isinstance(value or {}, dict):
-            raise ValueError("--structured-outputs-config must be a JSON object")
-        value = dict(value or {})
+        value = json_object(value, "--structured-outputs-config") or {}
         known = {f for f in cls.__dataclass_fields__}
         unknown = sorted(set(value) - known)
         if unknown:

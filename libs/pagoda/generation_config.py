@@ -28,6 +28,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from pagoda.json_flag import json_object
+
 logger = logging.getLogger(__name__)
 
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -74,17 +76,7 @@ def load_generation_defaults(model_path: str | None, generation_config: str = "a
 
 def parse_override(value: str | Mapping[str, Any] | None) -> dict[str, Any]:
     """`--override-generation-config`'s JSON (a mapping passes through)."""
-    if value is None or value == "":
-        return {}
-    if isinstance(value, Mapping):
-        return dict(value)
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--override-generation-config is not JSON: {exc}") from None
-    if not isinstance(parsed, dict):
-        raise ValueError("--override-generation-config must be a JSON object")
-    return parsed
+    return json_object(value, "--override-generation-config") or {}
 
 
 def default_max_tokens(defaults: Mapping[str, Any], remaining: int) -> int:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from pagoda.json_flag import json_object
+
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 # The connector chooses the transport. PagodaConnector: chunked, checksummed gRPC
 # streaming between gpu-workers (CPU or GPU, any two processes or machines).
@@ -46,14 +48,9 @@ class KVTransferConfig:
     def from_json(cls, text: str | None) -> "KVTransferConfig":
         """Parse the flag's JSON; None or '' is the default (kv_both). ValueError on an
         unknown field or value, naming it."""
-        if not text:
+        data = json_object(text, "--kv-transfer-config")
+        if data is None:
             return cls()
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--kv-transfer-config is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise ValueError("--kv-transfer-config must be a JSON object")
         unknown = sorted(set(data) - {"kv_connector", "kv_role", *_VLLM_IGNORED})
         if unknown:
             raise ValueError(f"--kv-transfer-config: unknown field(s) {', '.join(unknown)}")

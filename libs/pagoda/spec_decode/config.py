@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+
+from pagoda.json_flag import json_object
 
 # vLLM's defaults when neither lookup bound is given.
 DEFAULT_PROMPT_LOOKUP = 5
@@ -30,15 +31,9 @@ class SpeculativeConfig:
     def parse(cls, value: dict | str | None) -> "SpeculativeConfig | None":
         """The config from the flag's JSON (or a dict); None when unset. ValueError
         names what is wrong, as vLLM's validation does."""
-        if value is None or value == "" or value == {}:
+        value = json_object(value, "--speculative-config")
+        if not value:
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"--speculative-config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError("--speculative-config must be a JSON object")
         unknown = sorted(set(value) - _KNOWN_KEYS)
         if unknown:
             raise ValueError(f"--speculative-config: unsupported key(s) {unknown}; Pagoda "
