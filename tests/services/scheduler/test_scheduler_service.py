@@ -272,7 +272,22 @@ def test_the_worker_refuses_a_plan_that_does_not_fit_and_applies_none_of_it(work
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         good = step(0, SchedulerOutput([new("a", [0])], CachedRequestData(), {"a": 3}, 3))
         assert list(good.model_runner_output.req_ids) == ["a"]  # step 0 was still free
+
+        def drafting(drafts, num_tokens=2, computed=3):
+            return SchedulerOutput([], CachedRequestData(["a"], [[]], [computed]),
+                                   {"a": num_tokens}, num_tokens,
+                                   scheduled_spec_decode_tokens=drafts)
+        bad_drafts = [drafting({"a": [10**8]}),  # outside the vocabulary
+                      drafting({"b": [5]}),  # for a request not in the step
+                      drafting({"a": [5] * 13}, num_tokens=14),  # past its one block
+                      drafting({"a": [5]}, computed=2)]  # not a decode (2 uncomputed)
+        for plan in bad_drafts:
+            with pytest.raises(grpc.RpcError) as info:
+                step(1, plan)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert step(1, SchedulerOutput([], CachedRequestData(["a"], [[]], [3]), {"a": 1}, 1))
+        verified = step(2, drafting({"a": [5, 6]}, num_tokens=3, computed=4))
+        assert 1 <= len(verified.model_runner_output.sampled_token_ids[0].token_ids) <= 3
 
 
 def test_a_request_its_worker_refuses_fails_alone(tiny_llama_dir):
