@@ -21,7 +21,7 @@ class ReplicaPlan:
     scheduler: str  # service names
     worker: str
     index: int  # the replica number LocalCluster groups processes by
-    kv_flags: list[str]  # --kv-transfer-config for both processes
+    kv_flags: list[str]  # --kv-transfer-config (and the pool's own TP) for both processes
 
 
 def add_role_args(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +32,11 @@ def add_role_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--decode-replicas", type=int, default=0,
                        help="Decode (kv_consumer) model replicas: they pull each prompt's KV "
                             "blocks from the prefill replica that computed it.")
+    for pool in ("prefill", "decode"):
+        group.add_argument(f"--{pool}-tensor-parallel-size", type=int, default=None,
+                           help=f"Tensor-parallel size of each {pool} replica (default: "
+                                "--tensor-parallel-size). Blocks travel whole, so prefill and "
+                                "decode replicas may be split differently.")
     group.add_argument("--kv-transfer-config", default=None,
                        help='vLLM\'s JSON for every colocated replica, e.g. {"kv_connector": '
                             '"PagodaConnector", "kv_role": "kv_both"}.')
@@ -52,6 +57,12 @@ def role_problem(args: argparse.Namespace) -> str | None:
     if p and args.data_parallel_size != 1:
         return ("--data-parallel-size means colocated replicas; use --prefill-replicas and "
                 "--decode-replicas for a disaggregated cluster, not both")
+    pool_tp = (args.prefill_tensor_parallel_size, args.decode_tensor_parallel_size)
+    if not p and pool_tp != (None, None):
+        return ("--prefill-tensor-parallel-size and --decode-tensor-parallel-size need "
+                "--prefill-replicas and --decode-replicas")
+    if any(tp is not None and tp < 1 for tp in pool_tp):
+        return "--prefill-tensor-parallel-size and --decode-tensor-parallel-size must be >= 1"
     if p and args.kv_transfer_config:
         return "--kv-transfer-config is set per role by --prefill-replicas/--decode-replicas"
     try:
@@ -62,15 +73,19 @@ def role_problem(args: argparse.Namespace) -> str | None:
 
 
 def plan_replicas(args: argparse.Namespace) -> list[ReplicaPlan]:
-    def kv(role: str) -> list[str]:
-        return ["--kv-transfer-config", KVTransferConfig(kv_role=role).to_json()]
+    def kv(role: str, tp: int | None = None) -> list[str]:
+        flags = ["--kv-transfer-config", KVTransferConfig(kv_role=role).to_json()]
+        # After the shared engine flags on the command line: the last value wins.
+        return flags + (["--tensor-parallel-size", str(tp)] if tp is not None else [])
 
     if args.prefill_replicas:
         plans = [ReplicaPlan(f"scheduler-prefill-{i}", f"gpu-worker-prefill-{i}", i,
-                             kv("kv_producer")) for i in range(args.prefill_replicas)]
+                             kv("kv_producer", args.prefill_tensor_parallel_size))
+                 for i in range(args.prefill_replicas)]
         base = len(plans)
         plans += [ReplicaPlan(f"scheduler-decode-{i}", f"gpu-worker-decode-{i}", base + i,
-                              kv("kv_consumer")) for i in range(args.decode_replicas)]
+                              kv("kv_consumer", args.decode_tensor_parallel_size))
+                  for i in range(args.decode_replicas)]
         return plans
     n = args.data_parallel_size
     flags = ["--kv-transfer-config", args.kv_transfer_config] if args.kv_transfer_config else []

@@ -16,8 +16,9 @@ harmless), so a dead decode replica strands nothing; the prefill side's reaper
 covers a dead gateway.
 
 The handshake: a prefill replica serves only decode replicas whose model and KV
-layout (dtype, block size, layers, KV heads, head size, layout, hash seed, tensor-
-parallel size) equal its own; a mismatch is logged once, naming both sides'
+layout (dtype, block size, the model's layers and KV heads, head size, layout, hash
+seed) equal its own (tensor- and pipeline-parallel shapes may differ: blocks travel
+whole, pagoda.kv_transfer.block_shares); a mismatch is logged once, naming both sides'
 values, when the gateway first sees the pair, and the prefill replica gets none of
 that decode replica's requests.
 """
@@ -44,7 +45,7 @@ from pagoda.services.gateway.router import RouteRequest
 
 logger = logging.getLogger(__name__)
 HANDSHAKE_FIELDS = ("kv_dtype", "block_size", "num_layers", "num_kv_heads", "head_dim",
-                    "layout", "prefix_hash_seed", "tensor_parallel_size")
+                    "layout", "prefix_hash_seed")
 
 
 def handshake_problem(prefill, decode) -> str | None:

@@ -5,13 +5,20 @@ worker to worker over a gRPC stream, one checksummed chunk per block.
                   ◄── written into its cache ◄── stream of BlockChunk{index, data, crc32}
 
 gRPC's flow control paces the stream: the sender blocks while the receiver's window
-is full, so neither side buffers more than a window. Blocks are read and written
-while steps run: the blocks served are pinned under a lease and the blocks written
-belong to no running request, so a step never reads or writes either.
+is full, so neither side buffers more than a window. A block travels whole (every layer and KV
+head of the model, pagoda.kv_transfer.block_shares) whatever either side's tensor-
+and pipeline-parallel shape, so a TP=1 prefill worker feeds a TP=2 decode group.
+
+A single-rank worker reads and writes blocks while steps run: the blocks served are
+pinned under a lease and the blocks written belong to no running request, so a step
+never reads or writes either. A worker group's export and import are collective
+calls on its ranks, like a step: they take `step_lock` (one call at a time), 16
+blocks per call, so a long pull interleaves with steps instead of stalling them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -25,10 +32,10 @@ from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc as
 from pagoda.services.common import grpc_channels
 from pagoda.services.common.kv_transfer_metrics import kv_transfer_metrics
 from pagoda.services.common.tracing import intercept
-from pagoda.worker.kv_blocks import export_block, import_blocks, kv_layout
+from pagoda.kv_transfer.block_shares import LAYOUT
 
 SERVICE_NAME = "pagoda.kv_transfer.v1.KvTransferService"
-IMPORT_BATCH = 16  # blocks written per indexed copy (~6 MB of SmolLM2's KV)
+IMPORT_BATCH = 16  # blocks per export or import call (~6 MB of SmolLM2's KV)
 MAX_SOURCE_CHANNELS = 64
 logger = logging.getLogger(__name__)
 
@@ -38,11 +45,12 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
     writes a block only after its checksum matched."""
 
     def __init__(self, executor, model: str, tensor_parallel_size: int,
-                 prefix_hash_seed: str) -> None:
+                 prefix_hash_seed: str, step_lock=None) -> None:
         self.executor = executor
         self.model = model
         self.tensor_parallel_size = tensor_parallel_size
         self.prefix_hash_seed = prefix_hash_seed
+        self.step_lock = step_lock if step_lock is not None else contextlib.nullcontext()
         self.epoch = uuid.uuid4().hex
         self._channels: dict[str, grpc.Channel] = {}  # source address -> channel, reused
         self._channels_lock = threading.Lock()
@@ -59,34 +67,53 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
                 channel = self._channels[address] = intercept(grpc_channels.channel(address))
             return channel
 
-    def _kv_caches(self, context):
-        runner = getattr(self.executor, "runner", None)
-        if runner is None or self.tensor_parallel_size != 1:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                          "KV transfer needs a single-rank worker (tensor-parallel size 1)")
-        if not runner.kv_caches:
+    def _geometry(self, context):
+        """(BlockShape, num_blocks); aborts when this worker cannot transfer KV yet."""
+        try:
+            geometry = self.executor.kv_cache_geometry()
+        except NotImplementedError as exc:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
+        if geometry is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the KV cache is not allocated")
-        return runner.kv_caches
+        return geometry
+
+    def _export(self, block_ids: list[int]) -> bytes:
+        with self.step_lock:
+            return self.executor.export_kv_blocks(block_ids)
+
+    def _import(self, block_ids, datas: list[bytes]) -> None:
+        if block_ids:
+            with self.step_lock:
+                self.executor.import_kv_blocks(list(block_ids), b"".join(datas))
 
     def GetKvLayout(self, request, context) -> pb.KvLayout:
-        layout = kv_layout(self._kv_caches(context))
+        shape, num_blocks = self._geometry(context)
         return pb.KvLayout(model=self.model, tensor_parallel_size=self.tensor_parallel_size,
-                           prefix_hash_seed=self.prefix_hash_seed, epoch=self.epoch, **layout)
+                           prefix_hash_seed=self.prefix_hash_seed, epoch=self.epoch,
+                           kv_dtype=str(shape.dtype).removeprefix("torch."),
+                           block_size=shape.block_size, num_layers=shape.num_layers,
+                           num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                           layout=LAYOUT, num_blocks=num_blocks)
 
     def PullBlocks(self, request: pb.PullBlocksRequest, context):
         if request.epoch != self.epoch:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"stale epoch {request.epoch!r}: this worker is {self.epoch!r}")
-        caches = self._kv_caches(context)
-        num_blocks = caches[0][0].shape[0]
-        for index, block_id in enumerate(request.block_ids):
+        shape, num_blocks = self._geometry(context)
+        ids = list(request.block_ids)
+        for block_id in ids:
             if not 0 <= block_id < num_blocks:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"no block {block_id}")
-            data = export_block(caches, block_id)
-            yield pb.BlockChunk(index=index, data=data, crc32=zlib.crc32(data))
+        size = shape.nbytes
+        for start in range(0, len(ids), IMPORT_BATCH):
+            data = self._export(ids[start:start + IMPORT_BATCH])
+            for offset in range(0, len(data), size):
+                block = data[offset:offset + size]
+                yield pb.BlockChunk(index=start + offset // size, data=block,
+                                    crc32=zlib.crc32(block))
 
     def FetchBlocks(self, request: pb.FetchBlocksRequest, context) -> pb.FetchBlocksResponse:
-        caches = self._kv_caches(context)
+        self._geometry(context)
         if len(request.remote_block_ids) != len(request.local_block_ids):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "remote and local ids differ in length")
         started = time.perf_counter()
@@ -97,6 +124,7 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
                                  epoch=request.source_epoch, lease_id=request.lease_id),
             timeout=request.timeout_s or None)
         pending: list[bytes] = []  # checked blocks not yet written, IMPORT_BATCH at most
+        local = request.local_block_ids
         try:
             for chunk in call:
                 if chunk.index != received or zlib.crc32(chunk.data) != chunk.crc32:
@@ -113,18 +141,15 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
                 num_bytes += len(chunk.data)
                 received += 1
                 if len(pending) == IMPORT_BATCH:
-                    import_blocks(caches, request.local_block_ids[received - len(pending):
-                                                                  received], pending)
+                    self._import(local[received - len(pending):received], pending)
                     pending = []
-            import_blocks(caches, request.local_block_ids[received - len(pending):received],
-                          pending)
+            self._import(local[received - len(pending):received], pending)
         except grpc.RpcError as exc:
             context.abort(exc.code(), f"pull from {request.source_address}: {exc.details()}")
-        except ValueError as exc:  # a block of another size: layouts differ
+        except ValueError as exc:  # a block of another size (layouts differ), a bad id
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        if received != len(request.local_block_ids):
-            context.abort(grpc.StatusCode.DATA_LOSS,
-                          f"got {received} of {len(request.local_block_ids)} blocks")
+        if received != len(local):
+            context.abort(grpc.StatusCode.DATA_LOSS, f"got {received} of {len(local)} blocks")
         metrics = kv_transfer_metrics()
         metrics.blocks.inc(received)
         metrics.bytes.inc(num_bytes)

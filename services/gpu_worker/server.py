@@ -42,7 +42,9 @@ def main(args: argparse.Namespace) -> int:
                         config.scheduler.max_model_len)  # sized by InitializeKvCache
     servicer = WorkerServicer(executor, config.model, config.dtype, config.device, ledger,
                               config.lora)
-    kv_transfer = kv_transfer_servicer(args, config, executor)
+    # A worker group's KV export/import is a collective call like a step: one at a time.
+    step_lock = servicer.step_lock if config.world_size > 1 else None
+    kv_transfer = kv_transfer_servicer(args, config, executor, step_lock)
     # Steps are sequential; a second thread answers GetWorkerInfo/health meanwhile
     # (and KV pulls: they never wait for a step).
     serve_sync("gpu-worker", args,
@@ -52,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def kv_transfer_servicer(args: argparse.Namespace, config, executor):
+def kv_transfer_servicer(args: argparse.Namespace, config, executor, step_lock=None):
     """The KV transport this worker serves (every role: a kv_both replica may also
     decode remotely prefilled requests), as serve_sync's triple."""
     from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc
@@ -62,5 +64,5 @@ def kv_transfer_servicer(args: argparse.Namespace, config, executor):
     role = kv_transfer_config(args)
     logger.info("KV role %s (%s)", role.kv_role, role.kv_connector)
     servicer = KvTransferServicer(executor, config.model, config.world_size,
-                                  config.cache.prefix_hash_seed)
+                                  config.cache.prefix_hash_seed, step_lock)
     return (kv_transfer_pb2_grpc.add_KvTransferServiceServicer_to_server, servicer, KV_SERVICE)

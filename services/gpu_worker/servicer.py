@@ -38,21 +38,21 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self.info = pb.GetWorkerInfoResponse(model=model, dtype=dtype, device=device)
         self.ledger = ledger
         self.lora_config = lora_config  # --enable-lora's settings, None without
-        self._lock = threading.Lock()
+        self.step_lock = threading.Lock()
         self._next_step: int | None = None  # None until the KV cache exists
 
     def GetWorkerInfo(self, request, context) -> pb.GetWorkerInfoResponse:
         return self.info
 
     def DetermineNumBlocks(self, request, context) -> pb.DetermineNumBlocksResponse:
-        with self._lock:
+        with self.step_lock:
             return pb.DetermineNumBlocksResponse(num_blocks=self.runner.determine_num_blocks())
 
     def InitializeKvCache(self, request: pb.InitializeKvCacheRequest, context
                           ) -> pb.InitializeKvCacheResponse:
         if request.num_blocks < 1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_blocks must be at least 1")
-        with self._lock:
+        with self.step_lock:
             self.runner.initialize_kv_cache(request.num_blocks)
             _forget_requests(self.runner)
             if self.ledger is not None:
@@ -63,7 +63,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
 
     def ExecuteModel(self, request: pb.ExecuteModelRequest, context: grpc.ServicerContext
                      ) -> pb.ExecuteModelResponse:
-        with self._lock:
+        with self.step_lock:
             if self._next_step is None or request.step_id != self._next_step:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"step {request.step_id} but expected {self._next_step}: "

@@ -60,8 +60,8 @@ class KvTransferHooks:
 def fetch_worker_layout(worker_addr: str, role: KVTransferConfig) -> kpb.KvLayout | None:
     """The gpu-worker's KV layout and epoch (its KV cache is allocated by then).
 
-    None when the worker cannot transfer KV (a tensor-parallel group) and this replica
-    has the default colocated role: it then serves as before, without transfers. A
+    None when the worker's executor cannot transfer KV (UNIMPLEMENTED) and this
+    replica has the default colocated role: it then serves as before, without transfers. A
     producer or consumer replica on such a worker is a start-up error."""
     try:
         with grpc_channels.channel(worker_addr) as channel:

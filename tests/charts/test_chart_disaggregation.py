@@ -199,9 +199,19 @@ def test_each_pool_has_its_own_resources_and_one_gpu_per_worker(chart):
                                                                        "memory": "1Gi"}
 
 
+def test_each_pool_has_its_own_tensor_parallel_size_and_gpu_count(chart):
+    engines = _engines(chart.template(values=(VALUES,), sets=(
+        "disaggregation.decode.tensorParallelSize=2",)))
+    for name, tp in (("pagoda-prefill", 1), ("pagoda-decode", 2)):
+        worker = engines[name].container("gpu-worker")
+        assert f"--tensor-parallel-size={tp}" in worker["args"]
+        assert f"--tensor-parallel-size={tp}" in engines[name].container("scheduler")["args"]
+        assert worker["resources"]["limits"]["nvidia.com/gpu"] == tp
+        assert ("--distributed-executor-backend=ray" in worker["args"]) == (tp > 1)
+
+
 @pytest.mark.parametrize(("settings", "message"), [
-    (("global.tensorParallelSize=2",), "single-rank gpu-workers"),
-    (("global.pipelineParallelSize=2",), "global.pipelineParallelSize to 1"),
+    (("disaggregation.decode.tensorParallelSize=-1",), "/disaggregation/decode"),
     (("scheduler.keda.enabled=true",), "do not apply to the prefill and decode pools"),
     (("disaggregation.kvLeaseTimeoutSeconds=10",), "must exceed kvTransferTimeoutSeconds"),
     (("disaggregation.prefill.autoscaling.enabled=true",

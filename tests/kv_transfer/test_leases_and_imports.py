@@ -4,14 +4,12 @@ when they cannot fit, and leave the pool full once released."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pagoda.core.block_hash import hash_request_tokens
 from pagoda.core.block_pool import BlockPool
 from pagoda.kv_transfer.config import KVTransferConfig
 from pagoda.kv_transfer.imports import commit_import, plan_import, release_import
 from pagoda.kv_transfer.leases import LeaseTable
-from pagoda.worker.kv_blocks import block_nbytes, export_block, import_block, import_blocks
 
 BS = 4
 
@@ -77,35 +75,6 @@ def test_failed_import_caches_nothing_and_a_full_pool_takes_nothing():
     pool.get_new_blocks(7)
     small = plan_import(pool, hashes, tokens)
     assert small.num_blocks == 1 and len(small.targets) == 1  # the leading run that fits
-
-
-def test_block_bytes_round_trip_between_caches():
-    src = [(torch.randn(3, BS, 2, 8), torch.randn(3, BS, 2, 8)) for _ in range(2)]
-    dst = [(torch.zeros(3, BS, 2, 8), torch.zeros(3, BS, 2, 8)) for _ in range(2)]
-    data = export_block(src, 1)
-    assert len(data) == block_nbytes(src)
-    import_block(dst, 2, data)
-    assert all(torch.equal(d[2], s[1]) for dl, sl in zip(dst, src) for d, s in zip(dl, sl))
-    assert not dst[0][0][1].any()  # only the target block was written
-    with pytest.raises(ValueError):
-        import_block(dst, 0, data[:-4])
-
-
-def test_many_blocks_import_at_once_like_one_by_one():
-    src = [(torch.randn(6, BS, 2, 8).to(torch.bfloat16), torch.randn(6, BS, 2, 8).to(torch.bfloat16))
-           for _ in range(3)]
-    one = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in src]
-    many = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in src]
-    pairs = [(0, 5), (3, 1), (4, 2)]  # source block -> target block, out of order
-    datas = [export_block(src, s) for s, _ in pairs]
-    for (_, target), data in zip(pairs, datas):
-        import_block(one, target, data)
-    import_blocks(many, [t for _, t in pairs], datas)
-    assert all(torch.equal(a, b) for la, lb in zip(one, many) for a, b in zip(la, lb))
-    assert torch.equal(many[2][1][5], src[2][1][0])
-    with pytest.raises(ValueError):  # one short block: nothing of the batch is written
-        import_blocks(many, [0, 3], [datas[0], datas[1][:-2]])
-    assert not many[0][0][0].any() and not many[0][0][3].any()
 
 
 def test_kv_transfer_config_parses_vllm_json_and_names_bad_values():

@@ -58,7 +58,8 @@ and "decode" with disaggregation.enabled. Comma-separated (splitList "," to rang
 {{/*
 The engine pools, as a JSON list (fromJsonArray), one per engine component: its name, KV
 role ("" colocated: the engine's default kv_both) and the values that may differ between
-pools. A pool value of 0 or {} takes the scheduler's / gpuWorker's.
+pools (tensor-parallel size included: KV blocks travel whole between differently split
+workers). A pool value of 0 or {} takes the scheduler's / gpuWorker's.
 */}}
 {{- define "pagoda.enginePools" -}}
 {{- $s := .Values.scheduler -}}
@@ -70,6 +71,7 @@ pools. A pool value of 0 or {} takes the scheduler's / gpuWorker's.
 {{- $pools = append $pools (dict "component" $name
       "kvRole" (ternary "kv_producer" "kv_consumer" (eq $name "prefill"))
       "replicas" $p.replicas "autoscaling" $p.autoscaling "keda" $p.keda "pdb" $p.pdb
+      "tensorParallelSize" ($p.tensorParallelSize | default $.Values.global.tensorParallelSize)
       "maxNumSeqs" ($p.maxNumSeqs | default $s.maxNumSeqs)
       "maxNumBatchedTokens" ($p.maxNumBatchedTokens | default $s.maxNumBatchedTokens)
       "resources" ($p.resources | default $s.resources)
@@ -80,6 +82,7 @@ pools. A pool value of 0 or {} takes the scheduler's / gpuWorker's.
 {{- else -}}
 {{- $pools = list (dict "component" "scheduler" "kvRole" ""
       "replicas" $s.replicas "autoscaling" $s.autoscaling "keda" $s.keda "pdb" $s.pdb
+      "tensorParallelSize" .Values.global.tensorParallelSize
       "maxNumSeqs" $s.maxNumSeqs "maxNumBatchedTokens" $s.maxNumBatchedTokens
       "resources" $s.resources "gpuWorkerResources" $w.resources
       "extraArgs" $s.extraArgs "gpuWorkerExtraArgs" $w.extraArgs) -}}
@@ -338,7 +341,7 @@ only the pool's batch limits differ between pools; the rest is set once for all 
 - --num-gpu-blocks-override={{ $s.numGpuBlocksOverride }}
 {{- end }}
 - --gpu-memory-utilization={{ $w.gpuMemoryUtilization }}
-- --tensor-parallel-size={{ $g.tensorParallelSize }}
+- --tensor-parallel-size={{ int $pool.tensorParallelSize }}
 - --pipeline-parallel-size={{ $g.pipelineParallelSize }}
 {{- with $g.lora }}
 {{- if .enabled }}

@@ -69,9 +69,6 @@ with a message naming the values, so no combination of values silently disagrees
 {{- with $v.disaggregation -}}
 {{- if .enabled -}}
 {{- $g := $v.global -}}
-{{- if gt (int (mul $g.tensorParallelSize $g.pipelineParallelSize)) 1 -}}
-{{- fail (printf "disaggregation: KV blocks move between single-rank gpu-workers today; set global.tensorParallelSize and global.pipelineParallelSize to 1 (got %v x %v), or disaggregation.enabled=false" $g.tensorParallelSize $g.pipelineParallelSize) -}}
-{{- end -}}
 {{- if or $v.scheduler.autoscaling.enabled $v.scheduler.keda.enabled -}}
 {{- fail "disaggregation: scheduler.autoscaling and scheduler.keda do not apply to the prefill and decode pools; use disaggregation.prefill/decode.autoscaling or .keda" -}}
 {{- end -}}

@@ -17,14 +17,19 @@ of waiting for a timeout, and the driver can report the cause.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import traceback
 import typing
 
+import torch
+
 from pagoda.config import EngineConfig
+from pagoda.kv_transfer.block_shares import (as_bytes, assemble, rank_share, read_share,
+                                             runner_geometry, runner_share, write_share)
 from pagoda.messages import ModelRunnerOutput, SchedulerOutput
 from pagoda.distributed.communication import (broadcast_bytes, min_over, recv_object,
-                                              send_object)
+                                              recv_tensor, send_object, send_tensor)
 from pagoda.distributed.wire_codec import WireError, dump, from_json, load, to_json
 from pagoda.distributed.process_group import (GroupInit, brief_error, configure_device,
                                               connect_store, is_peer_loss, join_group,
@@ -37,7 +42,8 @@ _RESULT_TAG = 7  # control-group tag of the output rank's step result
 # What the driver may ask a follower to run: RankWorker's collective methods. A call's
 # arguments travel typed by the method's own annotations (wire_codec), never pickled.
 CALLS = ("load_model", "determine_num_blocks", "initialize_kv_cache", "reset",
-         "execute_model", "memory_report")
+         "execute_model", "memory_report", "export_kv_blocks", "import_kv_blocks")
+_KV_TAG = 8  # control-group tag of a rank's share of exported KV blocks
 MemoryReport = dict[str, int]
 
 
@@ -56,6 +62,9 @@ class RankWorker:
         self.parallel = handles.parallel
         self.control = handles.control
         self.runner = ParallelModelRunner(config, self.parallel)
+        # Rank 0 only: the bytes `import_kv_blocks` broadcasts, set by the driver just
+        # before the call (KV bytes never travel as a call's typed arguments).
+        self.kv_payload: bytes | None = None
 
     def load_model(self) -> None:
         """Load this rank's share; returns once every rank has (so a rank that cannot
@@ -98,6 +107,37 @@ class RankWorker:
         world = self.parallel.world_size
         return [mine] + [recv_object(self.control, r, MemoryReport, _RESULT_TAG)
                          for r in range(1, world)]
+
+
+    def export_kv_blocks(self, block_ids: list[int]) -> bytes | None:
+        """At rank 0: whole blocks (pagoda.kv_transfer.block_shares), assembled from
+        every rank's share, which the others send it on the control group."""
+        mine = read_share(self.runner.kv_caches, block_ids)
+        if self.rank != 0:
+            send_tensor(mine.contiguous().view(torch.uint8).reshape(-1), self.control, 0,
+                        _KV_TAG).wait()
+            return None
+        shape, _ = runner_geometry(self.runner)
+        arch, parallel = self.runner.config.arch, self.parallel
+        shares = [(runner_share(self.runner), mine)]
+        for rank in range(1, parallel.world_size):
+            share = rank_share(arch.num_hidden_layers, arch.num_key_value_heads,
+                               parallel.tp_size, parallel.pp_size, rank)
+            dims = (len(block_ids), share.layer_end - share.layer_start, 2, shape.block_size,
+                    share.num_heads, shape.head_dim)
+            nbytes = math.prod(dims) * mine.element_size()
+            raw = recv_tensor((nbytes,), torch.uint8, "cpu", self.control, rank, _KV_TAG)
+            shares.append((share, raw.view(shape.dtype).view(dims)))
+        return as_bytes(assemble(shape, shares, len(block_ids)))
+
+    def import_kv_blocks(self, block_ids: list[int]) -> None:
+        """Every rank writes its share of the whole blocks rank 0 broadcasts."""
+        data = broadcast_bytes(self.kv_payload if self.rank == 0 else None, self.control, 0,
+                               self.rank)
+        self.kv_payload = None
+        shape, _ = runner_geometry(self.runner)
+        write_share(self.runner.kv_caches, block_ids, shape.blocks(data, len(block_ids)),
+                    runner_share(self.runner))
 
 
 def _argument_types(method: str) -> list:

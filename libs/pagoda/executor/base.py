@@ -31,6 +31,26 @@ class Executor(abc.ABC):
     def shutdown(self) -> None:
         """Release workers (no-op by default)."""
 
+    # KV transfer (prefill/decode disaggregation). Blocks travel as whole blocks, the
+    # model's every layer and KV head (pagoda.kv_transfer.block_shares), whatever the
+    # group's shape. An executor that cannot move blocks raises NotImplementedError.
+    def kv_cache_geometry(self):
+        """(BlockShape of one whole block, blocks in the cache), or None before the KV
+        cache is allocated."""
+        raise NotImplementedError(f"{type(self).__name__} cannot transfer KV blocks")
+
+    def export_kv_blocks(self, block_ids: list[int]) -> bytes:
+        """The whole blocks `block_ids`, concatenated. ValueError for an id outside the
+        cache. The caller keeps the blocks from being written meanwhile (a lease)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot transfer KV blocks")
+
+    def import_kv_blocks(self, block_ids: list[int], data: bytes) -> None:
+        """Write whole blocks (`export_kv_blocks` of an equal BlockShape) into
+        `block_ids`. ValueError, with nothing written, for an id outside the cache or
+        data that is not exactly that many blocks. The caller owns the target blocks
+        (no running request reads them)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot transfer KV blocks")
+
 
 class StepRejected(RuntimeError):
     """The worker refused a step before running any of it, because of one request

@@ -36,6 +36,7 @@ from pagoda.distributed.process_group import (GroupInit, brief_error, create_mas
                                               is_peer_loss, joined_ranks, recorded_errors)
 from pagoda.distributed.rank_worker import SHUTDOWN, RankWorker, broadcast_call
 from pagoda.executor.base import Executor, InsufficientResources, WorkerGroupFailed
+from pagoda.kv_transfer.block_shares import check_block_ids, runner_geometry
 from pagoda.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,30 @@ class WorkerGroupExecutor(Executor, abc.ABC):
     def memory_report(self) -> list[dict[str, int]]:
         """Bytes of parameters and KV cache held by each rank, in rank order."""
         return self._run("memory_report")
+
+    def kv_cache_geometry(self):
+        return None if self.worker is None else runner_geometry(self.worker.runner)
+
+    def export_kv_blocks(self, block_ids: list[int]) -> bytes:
+        """A collective call like a step: the caller serializes it with steps."""
+        self._check_block_ids(block_ids)
+        return self._run("export_kv_blocks", list(block_ids))
+
+    def import_kv_blocks(self, block_ids: list[int], data: bytes) -> None:
+        """A collective call like a step: the caller serializes it with steps."""
+        shape, _ = self._check_block_ids(block_ids)
+        shape.blocks(data, len(block_ids))  # the size, checked before any rank moves
+        self.worker.kv_payload = data
+        self._run("import_kv_blocks", list(block_ids))
+
+    def _check_block_ids(self, block_ids: list[int]):
+        """Checked at the driver, before the call is broadcast: a bad id fails the
+        transfer, never the group."""
+        geometry = self.kv_cache_geometry()
+        if geometry is None:
+            raise ValueError("the KV cache is not allocated")
+        check_block_ids(block_ids, geometry[1])
+        return geometry
 
     def check_health(self) -> bool:
         """False once the group failed or a follower is gone."""
