@@ -13,7 +13,7 @@ import argparse
 from dataclasses import dataclass
 
 from pagoda.kv_transfer.config import (DEFAULT_KV_LEASE_TIMEOUT_S, DEFAULT_KV_TRANSFER_TIMEOUT_S,
-                                       KVTransferConfig)
+                                       KV_CONNECTORS, KVTransferConfig)
 
 
 @dataclass
@@ -37,6 +37,11 @@ def add_role_args(parser: argparse.ArgumentParser) -> None:
                            help=f"Tensor-parallel size of each {pool} replica (default: "
                                 "--tensor-parallel-size). Blocks travel whole, so prefill and "
                                 "decode replicas may be split differently.")
+    group.add_argument("--kv-connector", default="PagodaConnector", choices=KV_CONNECTORS,
+                       help="How the decode replicas' workers pull KV blocks: "
+                            "PagodaConnector (gRPC streaming, checksummed) or "
+                            "PagodaDistConnector (a torch.distributed pair group: NCCL on "
+                            "CUDA, gloo on CPU).")
     group.add_argument("--kv-transfer-config", default=None,
                        help='vLLM\'s JSON for every colocated replica, e.g. {"kv_connector": '
                             '"PagodaConnector", "kv_role": "kv_both"}.')
@@ -63,6 +68,9 @@ def role_problem(args: argparse.Namespace) -> str | None:
                 "--prefill-replicas and --decode-replicas")
     if any(tp is not None and tp < 1 for tp in pool_tp):
         return "--prefill-tensor-parallel-size and --decode-tensor-parallel-size must be >= 1"
+    if not p and args.kv_connector != "PagodaConnector":
+        return ("--kv-connector applies to --prefill-replicas/--decode-replicas (use "
+                "--kv-transfer-config for colocated replicas)")
     if p and args.kv_transfer_config:
         return "--kv-transfer-config is set per role by --prefill-replicas/--decode-replicas"
     try:
@@ -74,7 +82,8 @@ def role_problem(args: argparse.Namespace) -> str | None:
 
 def plan_replicas(args: argparse.Namespace) -> list[ReplicaPlan]:
     def kv(role: str, tp: int | None = None) -> list[str]:
-        flags = ["--kv-transfer-config", KVTransferConfig(kv_role=role).to_json()]
+        config = KVTransferConfig(kv_connector=args.kv_connector, kv_role=role)
+        flags = ["--kv-transfer-config", config.to_json()]
         # After the shared engine flags on the command line: the last value wins.
         return flags + (["--tensor-parallel-size", str(tp)] if tp is not None else [])
 

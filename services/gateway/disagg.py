@@ -17,10 +17,10 @@ covers a dead gateway.
 
 The handshake: a prefill replica serves only decode replicas whose model and KV
 layout (dtype, block size, the model's layers and KV heads, head size, layout, hash
-seed) equal its own (tensor- and pipeline-parallel shapes may differ: blocks travel
-whole, pagoda.kv_transfer.block_shares); a mismatch is logged once, naming both sides'
-values, when the gateway first sees the pair, and the prefill replica gets none of
-that decode replica's requests.
+seed) and connector equal its own (tensor- and pipeline-parallel shapes may differ:
+blocks travel whole, pagoda.kv_transfer.block_shares); a mismatch is logged once,
+naming both sides' values, when the gateway first sees the pair, and the prefill
+replica gets none of that decode replica's requests.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from dataclasses import replace
 import grpc
 
 from pagoda import tracing
+from pagoda.kv_transfer.config import DIST_CONNECTOR
 from pagoda.kv_transfer.params import KVTransferParams
 from pagoda.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2 as kpb
@@ -54,6 +55,12 @@ def handshake_problem(prefill, decode) -> str | None:
     problems = []
     if prefill.model != decode.model:
         problems.append(f"model {prefill.model!r} vs {decode.model!r}")
+    if prefill.kv_connector != decode.kv_connector:  # each side's transport
+        problems.append(f"kv_connector {prefill.kv_connector!r} vs {decode.kv_connector!r}")
+    elif prefill.kv_connector == DIST_CONNECTOR and \
+            prefill.kv_layout.device_type != decode.kv_layout.device_type:  # NCCL vs gloo
+        problems.append(f"device_type {prefill.kv_layout.device_type!r} vs "
+                        f"{decode.kv_layout.device_type!r}")
     for name in HANDSHAKE_FIELDS:
         a, b = getattr(prefill.kv_layout, name), getattr(decode.kv_layout, name)
         if a != b:

@@ -26,13 +26,16 @@ import uuid
 import zlib
 
 import grpc
+import torch
 
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2 as pb
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc as pb_grpc
 from pagoda.services.common import grpc_channels
 from pagoda.services.common.kv_transfer_metrics import kv_transfer_metrics
 from pagoda.services.common.tracing import intercept
-from pagoda.kv_transfer.block_shares import LAYOUT
+from pagoda.kv_transfer.block_shares import LAYOUT, BlockShape, as_bytes
+from pagoda.kv_transfer.config import DIST_CONNECTOR
+from pagoda.services.gpu_worker.kv_dist import SEND_BATCH, DistTransport, status_of
 
 SERVICE_NAME = "pagoda.kv_transfer.v1.KvTransferService"
 IMPORT_BATCH = 16  # blocks per export or import call (~6 MB of SmolLM2's KV)
@@ -45,8 +48,14 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
     writes a block only after its checksum matched."""
 
     def __init__(self, executor, model: str, tensor_parallel_size: int,
-                 prefix_hash_seed: str, step_lock=None) -> None:
+                 prefix_hash_seed: str, step_lock=None, connector: str = "PagodaConnector",
+                 device: str = "cpu", bind_host: str = "127.0.0.1") -> None:
         self.executor = executor
+        self.connector = connector
+        self.device_type = torch.device(device).type
+        # Both sides of PagodaDistConnector; served whatever this worker's own connector
+        # (a pair needs both workers on it, which the gateway's handshake checks).
+        self.dist = DistTransport(torch.device(device), bind_host)
         self.model = model
         self.tensor_parallel_size = tensor_parallel_size
         self.prefix_hash_seed = prefix_hash_seed
@@ -79,12 +88,13 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
 
     def _export(self, block_ids: list[int]) -> bytes:
         with self.step_lock:
-            return self.executor.export_kv_blocks(block_ids)
+            return as_bytes(self.executor.export_kv_blocks(block_ids))
 
-    def _import(self, block_ids, datas: list[bytes]) -> None:
+    def _import(self, shape: BlockShape, block_ids, datas: list[bytes]) -> None:
         if block_ids:
+            blocks = shape.blocks(b"".join(datas), len(block_ids))
             with self.step_lock:
-                self.executor.import_kv_blocks(list(block_ids), b"".join(datas))
+                self.executor.import_kv_blocks(list(block_ids), blocks)
 
     def GetKvLayout(self, request, context) -> pb.KvLayout:
         shape, num_blocks = self._geometry(context)
@@ -93,17 +103,45 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
                            kv_dtype=str(shape.dtype).removeprefix("torch."),
                            block_size=shape.block_size, num_layers=shape.num_layers,
                            num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                           layout=LAYOUT, num_blocks=num_blocks)
+                           layout=LAYOUT, num_blocks=num_blocks,
+                           device_type=self.device_type)
 
-    def PullBlocks(self, request: pb.PullBlocksRequest, context):
-        if request.epoch != self.epoch:
+    def _check_epoch(self, epoch: str, context) -> None:
+        if epoch != self.epoch:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"stale epoch {request.epoch!r}: this worker is {self.epoch!r}")
-        shape, num_blocks = self._geometry(context)
-        ids = list(request.block_ids)
-        for block_id in ids:
+                          f"stale epoch {epoch!r}: this worker is {self.epoch!r}")
+
+    def _check_ids(self, block_ids, num_blocks: int, context) -> None:
+        for block_id in block_ids:
             if not 0 <= block_id < num_blocks:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"no block {block_id}")
+
+    def OpenDistGroup(self, request: pb.OpenDistGroupRequest, context
+                      ) -> pb.OpenDistGroupResponse:
+        self._check_epoch(request.epoch, context)
+        if not request.group_id or request.timeout_s < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a group id and a timeout >= 0")
+        return self.dist.open(request)
+
+    def SendBlocks(self, request: pb.SendBlocksRequest, context) -> pb.SendBlocksResponse:
+        self._check_epoch(request.epoch, context)
+        _, num_blocks = self._geometry(context)
+        self._check_ids(request.block_ids, num_blocks, context)
+        with self.step_lock:
+            blocks = self.executor.export_kv_blocks(list(request.block_ids))
+        try:
+            sent = self.dist.send(request, blocks)
+        except LookupError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except Exception as exc:  # noqa: BLE001 - the peer left or stalled: its pull fails
+            context.abort(status_of(exc), f"sending to the pair failed: {exc}")
+        return pb.SendBlocksResponse(num_bytes=sent)
+
+    def PullBlocks(self, request: pb.PullBlocksRequest, context):
+        self._check_epoch(request.epoch, context)
+        shape, num_blocks = self._geometry(context)
+        ids = list(request.block_ids)
+        self._check_ids(ids, num_blocks, context)
         size = shape.nbytes
         for start in range(0, len(ids), IMPORT_BATCH):
             data = self._export(ids[start:start + IMPORT_BATCH])
@@ -113,9 +151,11 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
                                     crc32=zlib.crc32(block))
 
     def FetchBlocks(self, request: pb.FetchBlocksRequest, context) -> pb.FetchBlocksResponse:
-        self._geometry(context)
+        shape, _ = self._geometry(context)
         if len(request.remote_block_ids) != len(request.local_block_ids):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "remote and local ids differ in length")
+        if self.connector == DIST_CONNECTOR:
+            return self._fetch_dist(request, context, shape)
         started = time.perf_counter()
         num_bytes = 0
         received = 0
@@ -141,17 +181,45 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
                 num_bytes += len(chunk.data)
                 received += 1
                 if len(pending) == IMPORT_BATCH:
-                    self._import(local[received - len(pending):received], pending)
+                    self._import(shape, local[received - len(pending):received], pending)
                     pending = []
-            self._import(local[received - len(pending):received], pending)
+            self._import(shape, local[received - len(pending):received], pending)
         except grpc.RpcError as exc:
             context.abort(exc.code(), f"pull from {request.source_address}: {exc.details()}")
         except ValueError as exc:  # a block of another size (layouts differ), a bad id
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         if received != len(local):
             context.abort(grpc.StatusCode.DATA_LOSS, f"got {received} of {len(local)} blocks")
-        metrics = kv_transfer_metrics()
-        metrics.blocks.inc(received)
-        metrics.bytes.inc(num_bytes)
-        metrics.seconds.observe(time.perf_counter() - started)
-        return pb.FetchBlocksResponse(num_blocks=received, num_bytes=num_bytes)
+        return _counted(received, num_bytes, started)
+
+    def _fetch_dist(self, request: pb.FetchBlocksRequest, context,
+                    shape: BlockShape) -> pb.FetchBlocksResponse:
+        """FetchBlocks over a pair group (kv_dist.py), SEND_BATCH blocks per tensor."""
+        started = time.perf_counter()
+        timeout = request.timeout_s or 30.0
+        deadline = time.monotonic() + timeout
+        stub = pb_grpc.KvTransferServiceStub(self._channel(request.source_address))
+        remote, local = list(request.remote_block_ids), list(request.local_block_ids)
+        num_bytes = 0
+        try:
+            pair = self.dist.pair(request.source_address, request.source_epoch, stub, timeout)
+            for start in range(0, len(remote), SEND_BATCH):
+                blocks = self.dist.receive(pair, stub, request, remote[start:start + SEND_BATCH],
+                                           shape, deadline)
+                with self.step_lock:
+                    self.executor.import_kv_blocks(local[start:start + SEND_BATCH], blocks)
+                num_bytes += blocks.numel() * blocks.element_size()
+        except ValueError as exc:  # another backend or block shape: layouts differ
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except Exception as exc:  # noqa: BLE001 - peer gone, stalled, refused: recompute
+            context.abort(status_of(exc), f"pull from {request.source_address} over "
+                                          f"{DIST_CONNECTOR}: {exc}")
+        return _counted(len(local), num_bytes, started)
+
+
+def _counted(num_blocks: int, num_bytes: int, started: float) -> pb.FetchBlocksResponse:
+    metrics = kv_transfer_metrics()
+    metrics.blocks.inc(num_blocks)
+    metrics.bytes.inc(num_bytes)
+    metrics.seconds.observe(time.perf_counter() - started)
+    return pb.FetchBlocksResponse(num_blocks=num_blocks, num_bytes=num_bytes)

@@ -64,5 +64,7 @@ def kv_transfer_servicer(args: argparse.Namespace, config, executor, step_lock=N
     role = kv_transfer_config(args)
     logger.info("KV role %s (%s)", role.kv_role, role.kv_connector)
     servicer = KvTransferServicer(executor, config.model, config.world_size,
-                                  config.cache.prefix_hash_seed, step_lock)
+                                  config.cache.prefix_hash_seed, step_lock,
+                                  connector=role.kv_connector, device=config.device,
+                                  bind_host=args.host)
     return (kv_transfer_pb2_grpc.add_KvTransferServiceServicer_to_server, servicer, KV_SERVICE)

@@ -103,3 +103,23 @@ def test_handshake_names_both_sides_values():
     problem = handshake_problem(info("p", 16, "float32"), info("d", 32, "bfloat16"))
     assert "block_size 16 vs 32" in problem and "kv_dtype 'float32' vs 'bfloat16'" in problem
     assert "prefill p" in problem and "decode d" in problem
+
+
+def test_handshake_compares_connectors_and_dist_devices_but_not_parallel_shapes():
+    from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
+    from pagoda.services.gateway.disagg import handshake_problem
+
+    def info(instance, connector="PagodaConnector", device="cpu", ranks=1):
+        msg = spb.GetModelInfoResponse(model="m", instance_id=instance, kv_connector=connector)
+        msg.kv_layout.device_type, msg.kv_layout.tensor_parallel_size = device, ranks
+        msg.kv_layout.num_kv_heads, msg.kv_layout.num_layers = 8, 4
+        return msg
+
+    assert handshake_problem(info("p", ranks=1), info("d", ranks=2)) is None
+    problem = handshake_problem(info("p"), info("d", "PagodaDistConnector"))
+    assert "kv_connector 'PagodaConnector' vs 'PagodaDistConnector'" in problem
+    dist = "PagodaDistConnector"
+    assert "device_type 'cuda' vs 'cpu'" in handshake_problem(info("p", dist, "cuda"),
+                                                             info("d", dist, "cpu"))
+    # The gRPC transport moves bytes: a CPU prefill worker may feed a GPU decode one.
+    assert handshake_problem(info("p", device="cpu"), info("d", device="cuda")) is None

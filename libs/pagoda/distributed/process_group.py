@@ -93,6 +93,14 @@ def _backend(store, prefix: str, rank: int, size: int, device_type: str,
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
+def pair_group(store, name: str, rank: int, device_type: str,
+               timeout: datetime.timedelta):
+    """A two-rank group on `store` under `name` (NCCL on CUDA, gloo on CPU), outside
+    any worker group: what two gpu-workers move KV blocks through
+    (PagodaDistConnector). Blocks until the other rank has joined or `timeout`."""
+    return _backend(store, name, rank, 2, device_type, timeout)
+
+
 def join_group(store, init: GroupInit, rank: int) -> GroupHandles:
     """Build this rank's groups; blocks until every rank of each group has joined."""
     pp_rank, tp_rank = rank_coordinates(rank, init.tp_size)

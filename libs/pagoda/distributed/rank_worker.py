@@ -112,7 +112,7 @@ class RankWorker:
     def export_kv_blocks(self, block_ids: list[int]) -> bytes | None:
         """At rank 0: whole blocks (pagoda.kv_transfer.block_shares), assembled from
         every rank's share, which the others send it on the control group."""
-        mine = read_share(self.runner.kv_caches, block_ids)
+        mine = read_share(self.runner.kv_caches, block_ids).cpu()
         if self.rank != 0:
             send_tensor(mine.contiguous().view(torch.uint8).reshape(-1), self.control, 0,
                         _KV_TAG).wait()

@@ -39,16 +39,18 @@ class Executor(abc.ABC):
         cache is allocated."""
         raise NotImplementedError(f"{type(self).__name__} cannot transfer KV blocks")
 
-    def export_kv_blocks(self, block_ids: list[int]) -> bytes:
-        """The whole blocks `block_ids`, concatenated. ValueError for an id outside the
-        cache. The caller keeps the blocks from being written meanwhile (a lease)."""
+    def export_kv_blocks(self, block_ids: list[int]):
+        """The whole blocks `block_ids` as one tensor [blocks, layers, 2, block_size,
+        KV heads, head_dim] (BlockShape), on the cache's device for a single rank, on
+        the CPU for a group. ValueError for an id outside the cache. The caller keeps
+        the blocks from being written meanwhile (a lease)."""
         raise NotImplementedError(f"{type(self).__name__} cannot transfer KV blocks")
 
-    def import_kv_blocks(self, block_ids: list[int], data: bytes) -> None:
-        """Write whole blocks (`export_kv_blocks` of an equal BlockShape) into
+    def import_kv_blocks(self, block_ids: list[int], blocks) -> None:
+        """Write whole blocks (as `export_kv_blocks` gives them, any device) into
         `block_ids`. ValueError, with nothing written, for an id outside the cache or
-        data that is not exactly that many blocks. The caller owns the target blocks
-        (no running request reads them)."""
+        blocks of another shape. The caller owns the target blocks (no running request
+        reads them)."""
         raise NotImplementedError(f"{type(self).__name__} cannot transfer KV blocks")
 
 

@@ -36,7 +36,7 @@ from pagoda.distributed.process_group import (GroupInit, brief_error, create_mas
                                               is_peer_loss, joined_ranks, recorded_errors)
 from pagoda.distributed.rank_worker import SHUTDOWN, RankWorker, broadcast_call
 from pagoda.executor.base import Executor, InsufficientResources, WorkerGroupFailed
-from pagoda.kv_transfer.block_shares import check_block_ids, runner_geometry
+from pagoda.kv_transfer.block_shares import as_bytes, check_block_ids, runner_geometry
 from pagoda.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -111,16 +111,16 @@ class WorkerGroupExecutor(Executor, abc.ABC):
     def kv_cache_geometry(self):
         return None if self.worker is None else runner_geometry(self.worker.runner)
 
-    def export_kv_blocks(self, block_ids: list[int]) -> bytes:
-        """A collective call like a step: the caller serializes it with steps."""
-        self._check_block_ids(block_ids)
-        return self._run("export_kv_blocks", list(block_ids))
-
-    def import_kv_blocks(self, block_ids: list[int], data: bytes) -> None:
+    def export_kv_blocks(self, block_ids: list[int]):
         """A collective call like a step: the caller serializes it with steps."""
         shape, _ = self._check_block_ids(block_ids)
-        shape.blocks(data, len(block_ids))  # the size, checked before any rank moves
-        self.worker.kv_payload = data
+        return shape.blocks(self._run("export_kv_blocks", list(block_ids)), len(block_ids))
+
+    def import_kv_blocks(self, block_ids: list[int], blocks) -> None:
+        """A collective call like a step: the caller serializes it with steps."""
+        shape, _ = self._check_block_ids(block_ids)
+        shape.check(blocks, len(block_ids))  # before any rank moves
+        self.worker.kv_payload = as_bytes(blocks)
         self._run("import_kv_blocks", list(block_ids))
 
     def _check_block_ids(self, block_ids: list[int]):

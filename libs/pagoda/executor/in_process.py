@@ -6,8 +6,8 @@ from pagoda.config import EngineConfig
 import logging
 
 from pagoda.executor.base import Executor, StepFailed
-from pagoda.kv_transfer.block_shares import (as_bytes, check_block_ids, read_share,
-                                             runner_geometry, runner_share, write_share)
+from pagoda.kv_transfer.block_shares import (check_block_ids, read_share, runner_geometry,
+                                             runner_share, write_share)
 from pagoda.messages import ModelRunnerOutput, SchedulerOutput
 from pagoda.worker.model_runner import ModelRunner
 
@@ -37,18 +37,18 @@ class InProcessExecutor(Executor):
     def kv_cache_geometry(self):
         return runner_geometry(self.runner)
 
-    def export_kv_blocks(self, block_ids: list[int]) -> bytes:
+    def export_kv_blocks(self, block_ids: list[int]):
         # One rank holds every layer and head: its share is the whole block.
-        # Runs beside steps (the gRPC transport's thread): the blocks are leased.
+        # Runs beside steps (the transport's thread): the blocks are leased.
         geometry = self._geometry()
         check_block_ids(block_ids, geometry[1])
-        return as_bytes(read_share(self.runner.kv_caches, block_ids))
+        return read_share(self.runner.kv_caches, block_ids)
 
-    def import_kv_blocks(self, block_ids: list[int], data: bytes) -> None:
+    def import_kv_blocks(self, block_ids: list[int], blocks) -> None:
         shape, num_blocks = self._geometry()
         check_block_ids(block_ids, num_blocks)
-        write_share(self.runner.kv_caches, block_ids, shape.blocks(data, len(block_ids)),
-                    runner_share(self.runner))
+        shape.check(blocks, len(block_ids))
+        write_share(self.runner.kv_caches, block_ids, blocks, runner_share(self.runner))
 
     def _geometry(self):
         geometry = runner_geometry(self.runner)

@@ -55,8 +55,17 @@ class BlockShape:
                              f"for {count} blocks")
         raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if count else \
             torch.empty(0, dtype=torch.uint8)
-        return raw.view(self.dtype).view(count, self.num_layers, 2, self.block_size,
-                                         self.num_kv_heads, self.head_dim)
+        return raw.view(self.dtype).view(self.dims(count))
+
+    def dims(self, count: int) -> tuple[int, ...]:
+        """[count, layers, 2, block_size, heads, head_dim]."""
+        return (count, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def check(self, blocks: torch.Tensor, count: int) -> None:
+        """ValueError unless `blocks` is `count` whole blocks of this shape and dtype."""
+        if tuple(blocks.shape) != self.dims(count) or blocks.dtype != self.dtype:
+            raise ValueError(f"expected {count} KV blocks of {self.dims(1)[1:]} "
+                             f"{self.dtype}; got {tuple(blocks.shape)} {blocks.dtype}")
 
 
 @dataclass(frozen=True)
@@ -80,13 +89,13 @@ def rank_share(num_layers: int, num_kv_heads: int, tp_size: int, pp_size: int,
 
 
 def read_share(kv_caches: Sequence, block_ids: Sequence[int]) -> torch.Tensor:
-    """This rank's share of `block_ids`, on the CPU:
+    """This rank's share of `block_ids`, on the cache's device:
     [len(block_ids), local layers, 2, block_size, local heads, head_dim]."""
     key = kv_caches[0][0]
     index = torch.tensor(list(block_ids), dtype=torch.long, device=key.device)
     per_layer = [torch.stack((k.index_select(0, index), v.index_select(0, index)), dim=1)
                  for k, v in kv_caches]
-    return torch.stack(per_layer, dim=1).cpu()
+    return torch.stack(per_layer, dim=1)
 
 
 def assemble(shape: BlockShape, shares: Sequence[tuple[RankShare, torch.Tensor]],
@@ -147,5 +156,5 @@ def check_block_ids(block_ids: Sequence[int], num_blocks: int) -> None:
 
 
 def as_bytes(blocks: torch.Tensor) -> bytes:
-    """A tensor's raw bytes (any dtype, bf16 and fp8 included)."""
-    return blocks.contiguous().view(torch.uint8).numpy().tobytes()
+    """A tensor's raw bytes (any dtype, bf16 and fp8 included; any device)."""
+    return blocks.contiguous().view(torch.uint8).cpu().numpy().tobytes()

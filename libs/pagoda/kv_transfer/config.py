@@ -19,7 +19,10 @@ from pagoda.json_flag import json_object
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 # The connector chooses the transport. PagodaConnector: chunked, checksummed gRPC
 # streaming between gpu-workers (CPU or GPU, any two processes or machines).
-KV_CONNECTORS = ("PagodaConnector",)
+# PagodaDistConnector: a torch.distributed pair group between the two gpu-workers,
+# NCCL on CUDA (device to device), gloo on CPU; gRPC carries only control messages.
+DIST_CONNECTOR = "PagodaDistConnector"
+KV_CONNECTORS = ("PagodaConnector", DIST_CONNECTOR)
 # vLLM's other fields: accepted so a vLLM config parses, ignored by this transport.
 _VLLM_IGNORED = ("engine_id", "kv_buffer_device", "kv_buffer_size", "kv_rank",
                  "kv_parallel_size", "kv_ip", "kv_port", "kv_connector_extra_config")
@@ -41,8 +44,8 @@ class KVTransferConfig:
                              f"{self.kv_role!r}")
         if self.kv_connector not in KV_CONNECTORS:
             raise ValueError(f"kv_connector {self.kv_connector!r} is not available; Pagoda "
-                             f"has {', '.join(KV_CONNECTORS)} (gRPC streaming between "
-                             f"gpu-workers)")
+                             f"has {', '.join(KV_CONNECTORS)} (gRPC streaming, or a "
+                             f"torch.distributed pair group, between gpu-workers)")
 
     @classmethod
     def from_json(cls, text: str | None) -> "KVTransferConfig":
