@@ -7,6 +7,8 @@ real CLI; the ci/ values file puts these manifests through lint and kubernetes-v
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 
@@ -134,10 +136,24 @@ def _callers_by_port(rendered, pod) -> dict[int, set[str]]:
         for rule in policy["spec"]["ingress"]:
             peers = {p["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
                      for p in rule.get("from", []) if "podSelector" in p}
-            for port in rule["ports"]:
+            for port in rule.get("ports", [{"port": "every"}]):
                 if peers:
                     out.setdefault(port["port"], set()).update(peers)
     return out
+
+
+def test_the_dist_connector_reaches_both_pools_and_opens_them_to_each_other(chart):
+    rendered = chart.template(values=(VALUES,),
+                              sets=("disaggregation.kvConnector=PagodaDistConnector",))
+    engines = _engines(rendered)
+    for name, other in (("pagoda-prefill", "decode"), ("pagoda-decode", "prefill")):
+        for container in ("scheduler", "gpu-worker"):
+            config = json.loads(_parse(engines[name].container(container)).kv_transfer_config)
+            assert config["kv_connector"] == "PagodaDistConnector"
+        # The pair group's store and connections use run-time ports.
+        assert _callers_by_port(rendered, engines[name])["every"] == {other}
+    default = chart.template(values=(VALUES,))
+    assert "every" not in _callers_by_port(default, _engines(default)["pagoda-decode"])
 
 
 @pytest.mark.parametrize("discovery", ["k8s", "dns"])

@@ -86,7 +86,8 @@ spec:
 {{- end -}}
 
 {{/*
-dict: ctx, component, restricted (list of dict port, from: list of components allowed),
+dict: ctx, component, restricted (list of dict port (0: every port), from: list of
+components allowed),
 inCluster (ports any pod of any namespace may reach, e.g. metrics for Prometheus),
 public (ports open to everyone, outside the cluster too: only the gateway's).
 */}}
@@ -106,10 +107,14 @@ spec:
   policyTypes: [Ingress]
   ingress:
     {{- range .restricted }}
+    {{- if .port }}
     - ports:
         - port: {{ .port }}
           protocol: TCP
       from:
+    {{- else }}
+    - from:  # every port
+    {{- end }}
         {{- range .from }}
         - podSelector:
             matchLabels:
