@@ -3,9 +3,15 @@
 
 from __future__ import annotations
 
+import grpc
 import httpx
 import psutil
 from serve_cluster import CLI_MODULE, ServeProcess, flag_value, wait_until
+
+from pagoda.messages import EngineCoreOutput, EngineCoreRequest
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
+from pagoda.services.common.protocol.scheduler import request_to_proto, response_to_output
 
 PREFILL_HEADER = "x-pagoda-prefill-instance"
 
@@ -49,3 +55,32 @@ def role_process(serve: ServeProcess, kind: str, role: str) -> psutil.Process:
 
 def role_address(serve: ServeProcess, kind: str, role: str) -> str:
     return f"127.0.0.1:{flag_value(role_process(serve, kind, role).cmdline(), '--port')}"
+
+
+def metric(serve: ServeProcess, name: str, **labels) -> float:
+    """A sample of the cluster's /metrics (the gateway merges its peers'), summed over
+    the series whose labels include `labels`."""
+    return sum(v for (n, ls), v in serve.scrape().items()
+               if n == name and all((k, val) in ls for k, val in labels.items()))
+
+
+def usage(address: str) -> float:
+    """A scheduler's KV cache usage (0: every block free or only cached)."""
+    with grpc.insecure_channel(address) as channel:
+        return spb_grpc.SchedulerServiceStub(channel).GetLoad(spb.GetLoadRequest(),
+                                                              timeout=10).kv_cache_usage
+
+
+def lease_records(store) -> dict[str, dict]:
+    """Every lease record in Redis: lease id -> its fields."""
+    return {key.decode().rsplit(":", 1)[1]: {k.decode(): v.decode()
+                                             for k, v in store.hgetall(key).items()}
+            for key in store.keys("pagoda:kv:*:lease:*")}
+
+
+def generate(address: str, request: EngineCoreRequest) -> list[EngineCoreOutput]:
+    """One request sent straight to a scheduler (as the gateway would): its outputs."""
+    with grpc.insecure_channel(address) as channel:
+        stream = spb_grpc.SchedulerServiceStub(channel).Generate(request_to_proto(request),
+                                                                 timeout=60)
+        return [response_to_output(request.request_id, message) for message in stream]
