@@ -72,6 +72,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # req_id -> the pooled vector of a pooling request whose prompt ran this step.
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
+    # req_id -> draft tokens a draft model proposes for its next step (speculative
+    # decoding with a draft model; the scheduler decides whether to verify them).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> "ModelRunnerOutput":

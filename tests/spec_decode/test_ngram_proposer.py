@@ -42,6 +42,9 @@ def test_config_defaults_and_vllm_spellings():
                                       "prompt_lookup_max": 4})
     assert (config.method, config.prompt_lookup_min, config.prompt_lookup_max) == ("ngram", 4, 4)
     assert SpeculativeConfig.parse(None) is None
+    draft = SpeculativeConfig.parse({"model": "org/draft", "num_speculative_tokens": 2})
+    assert (draft.method, draft.model, draft.uses_draft_model) == ("draft_model", "org/draft",
+                                                                   True)
 
 
 @pytest.mark.parametrize("value, message", [
@@ -50,7 +53,8 @@ def test_config_defaults_and_vllm_spellings():
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
      '"prompt_lookup_max": 2}', "prompt_lookup_min (4) must be <= prompt_lookup_max (2)"),
     ('{"method": "eagle", "num_speculative_tokens": 2}', "method 'eagle' is not supported"),
-    ('{"model": "org/draft", "num_speculative_tokens": 2}', "draft model 'org/draft'"),
+    ('{"method": "ngram", "model": "org/draft", "num_speculative_tokens": 2}',
+     "the ngram method takes none"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "foo": 1}', "unsupported key(s) ['foo']"),
 ])
 def test_config_errors_name_the_problem(value, message):

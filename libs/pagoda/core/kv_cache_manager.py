@@ -94,9 +94,11 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None,
-                       num_new_computed_tokens: int = 0) -> list[KVCacheBlock] | None:
-        """Make room for `num_new_tokens` more tokens after the computed ones, first
-        releasing the blocks that fell out of the sliding window.
+                       num_new_computed_tokens: int = 0,
+                       num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
+        """Make room for `num_new_tokens` more tokens after the computed ones, plus
+        `num_lookahead_tokens` slots after those (a draft model writes its proposals'
+        KV there), first releasing the blocks that fell out of the sliding window.
 
         Returns the newly allocated blocks, or None (and changes nothing) when the
         pool cannot supply them.
@@ -104,7 +106,8 @@ class KVCacheManager:
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_required = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_required = -(-(num_computed + num_new_tokens + num_lookahead_tokens)
+                         // self.block_size)
         num_to_allocate = num_required - len(blocks) - len(new_computed_blocks)
         # Out of the window: held blocks are released, hits are not taken at all.
         num_out = self.num_blocks_out_of_window(num_computed)

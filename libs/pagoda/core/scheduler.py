@@ -95,8 +95,11 @@ class Scheduler:
         self._pending_outputs: list[EngineCoreOutput] = []
         self.structured_output_manager = structured_output_manager
         spec = scheduler_config.speculative_config
-        self.spec_proposer = make_proposer(spec)
+        self.spec_proposer = make_proposer(spec)  # None with a draft model: the worker's
         self.spec_stats = SpecDecodingStats.for_config(spec)
+        # A draft model writes KV for its proposals after each request's tokens.
+        self.num_lookahead_tokens = (spec.num_speculative_tokens
+                                     if spec is not None and spec.uses_draft_model else 0)
 
     # ------------------------------------------------------------------ intake
     def add_request(self, core_request: EngineCoreRequest) -> Request:
@@ -182,7 +185,8 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = self._cap(num_new, budget)
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks, num_hit)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new, hit_blocks, num_hit, self.num_lookahead_tokens)
             if new_blocks is None:
                 break
             self.waiting.pop_request()
@@ -234,7 +238,8 @@ class Scheduler:
         (fcfs: latest admitted; priority: highest value, latest arrival) until it
         fits. None if `request` itself was preempted."""
         while True:
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new, num_lookahead_tokens=self.num_lookahead_tokens)
             if new_blocks is not None:
                 return new_blocks
             victim = (max(self.running, key=lambda r: (r.priority, r.arrival_time))
@@ -298,8 +303,8 @@ class Scheduler:
             if request.finish_reason is not None:
                 self.running.remove(request)
                 self._free_request(request)
-            elif self.spec_proposer is not None and new_token_ids:
-                self._propose(request)
+            elif self.spec_stats is not None and new_token_ids:
+                self._propose(request, runner_output.draft_token_ids.get(req_id))
         return outputs
 
     # ------------------------------------------------------------------ speculation
@@ -310,15 +315,24 @@ class Scheduler:
         request.num_computed_tokens -= num_drafts - num_accepted
         self.spec_stats.observe(num_drafts, num_accepted)
 
-    def _propose(self, request: Request) -> None:
-        """Drafts for the request's next step (none while the batch is too large for
-        speculation to pay, or for requests it cannot serve: `may_speculate`)."""
-        limit = self.config.speculative_config.disable_by_batch_size
+    def _propose(self, request: Request, worker_drafts: list[int] | None) -> None:
+        """Drafts for the request's next step: the n-gram proposer's, or the draft
+        model's from the worker (`worker_drafts`). None while the batch is too large
+        for speculation to pay, or for requests it cannot serve (`may_speculate`)."""
+        spec = self.config.speculative_config
+        limit = spec.disable_by_batch_size
         if (limit is not None and len(self.running) >= limit) or not may_speculate(request):
             return
         # Room for the drafts and the token after them within max_tokens.
         room = request.max_tokens - request.num_output_tokens - 1
-        request.spec_token_ids = self.spec_proposer.propose(request.all_token_ids, room)
+        if self.spec_proposer is not None:
+            request.spec_token_ids = self.spec_proposer.propose(request.all_token_ids, room)
+            return
+        drafts = (worker_drafts or [])[:max(min(room, spec.num_speculative_tokens), 0)]
+        # The worker is not trusted blindly: drafts stop at the first impossible token.
+        valid = next((i for i, t in enumerate(drafts) if not 0 <= t < spec.vocab_size),
+                     len(drafts))
+        request.spec_token_ids = drafts[:valid]
 
     # ------------------------------------------------------------------ grammars
     def _init_grammar(self, request: Request) -> None:

@@ -240,7 +240,7 @@ class EngineArgs:
                                           if pooling.runner == "generate" else 0),
             max_waiting_requests=self.max_waiting_requests, policy=self.scheduling_policy,
             max_loras=self.max_loras if self.enable_lora else None,
-            speculative_config=self._speculative_config(pooling.runner))
+            speculative_config=self._speculative_config(pooling.runner, arch))
         names = self.served_model_name
         if isinstance(names, str):
             names = [names]
@@ -297,7 +297,7 @@ class EngineArgs:
             raise ValueError(f"--gguf-int4: {why}")
         return why is None
 
-    def _speculative_config(self, runner: str):
+    def _speculative_config(self, runner: str, arch):
         from pagoda.spec_decode.config import SpeculativeConfig
 
         config = SpeculativeConfig.parse(self.speculative_config)
@@ -305,7 +305,23 @@ class EngineArgs:
             raise ValueError("--speculative-config applies to generation, not --runner pooling")
         if config is not None and self.pipeline_parallel_size > 1:
             raise ValueError("--speculative-config is not supported with pipeline parallelism")
-        return config
+        if config is None or not config.uses_draft_model:
+            return config
+        from pagoda.model.loader import load_arch_config, resolve_model_path
+
+        if self.tensor_parallel_size > 1:
+            raise ValueError("--speculative-config: a draft model runs on a single-rank "
+                             "worker (tensor_parallel_size 1)")
+        if self.enable_lora:
+            raise ValueError("--speculative-config: a draft model is not supported with "
+                             "--enable-lora")
+        path = resolve_model_path(config.model, None, self.download_dir)
+        draft = load_arch_config(path)
+        if draft.vocab_size != arch.vocab_size:
+            raise ValueError(f"--speculative-config: the draft model {config.model!r} has a "
+                             f"vocabulary of {draft.vocab_size} tokens, the target "
+                             f"{arch.vocab_size}: a draft model must share the tokenizer")
+        return dataclasses.replace(config, model=path, vocab_size=arch.vocab_size)
 
     def _lora_config(self):
         """The LoRA settings under --enable-lora (validated), else None."""

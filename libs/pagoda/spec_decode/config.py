@@ -12,13 +12,19 @@ _KNOWN_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max",
                "prompt_lookup_min", "disable_by_batch_size"}
 
 
+METHODS = ("ngram", "draft_model")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """n-gram (prompt lookup) speculation.
+    """n-gram (prompt lookup) or draft-model speculation.
 
-    Invariants: 1 <= prompt_lookup_min <= prompt_lookup_max; num_speculative_tokens >= 1.
+    Invariants: 1 <= prompt_lookup_min <= prompt_lookup_max; num_speculative_tokens >= 1;
+    `model` (a draft model's path or hub id) is set exactly when method is "draft_model".
     `disable_by_batch_size`: no drafts while this many requests or more run (at large
     batches the step is compute-bound and verifying drafts costs more than it saves).
+    `vocab_size`: the target's, filled in by the engine config for a draft model (the
+    scheduler drops worker drafts outside it).
     """
 
     num_speculative_tokens: int
@@ -26,6 +32,12 @@ class SpeculativeConfig:
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
     disable_by_batch_size: int | None = None
+    model: str | None = None
+    vocab_size: int | None = None
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
 
     @classmethod
     def parse(cls, value: dict | str | None) -> "SpeculativeConfig | None":
@@ -41,11 +53,19 @@ class SpeculativeConfig:
         method = value.get("method")
         model = value.get("model")
         if method is None and model in ("[ngram]", "ngram"):  # vLLM's older spelling
-            method = "ngram"
-        if method != "ngram":
-            what = f"method {method!r}" if method is not None else f"draft model {model!r}"
-            raise ValueError(f"--speculative-config: {what} is not supported; Pagoda "
-                             'implements {"method": "ngram"} (prompt lookup)')
+            method, model = "ngram", None
+        elif method is None and model is not None:  # vLLM: a model alone means a draft model
+            method = "draft_model"
+        if method not in METHODS:
+            raise ValueError(f"--speculative-config: method {method!r} is not supported; "
+                             'Pagoda implements {"method": "ngram"} (prompt lookup) and '
+                             '{"model": DRAFT} (a draft model of the same tokenizer)')
+        if method == "draft_model" and (not isinstance(model, str) or not model):
+            raise ValueError('--speculative-config: a draft model needs "model": its path '
+                             "or Hugging Face id")
+        if method == "ngram" and model is not None:
+            raise ValueError('--speculative-config: "model" names a draft model; the ngram '
+                             "method takes none")
         k = value.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError("--speculative-config: num_speculative_tokens must be a "
@@ -68,4 +88,4 @@ class SpeculativeConfig:
         if disable is not None and (not isinstance(disable, int) or disable < 2):
             raise ValueError("--speculative-config: disable_by_batch_size must be an integer "
                              f">= 2, got {disable!r}")
-        return cls(k, method, lookup_max, lookup_min, disable)
+        return cls(k, method, lookup_max, lookup_min, disable, model)

@@ -13,7 +13,9 @@ if TYPE_CHECKING:
 
 
 def make_proposer(config: SpeculativeConfig | None) -> NgramProposer | None:
-    if config is None:
+    """The scheduler's proposer; None without speculation or with a draft model (its
+    drafts come from the worker: spec_decode.draft_model)."""
+    if config is None or config.uses_draft_model:
         return None
     return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                          config.prompt_lookup_max)

@@ -47,6 +47,7 @@ class ModelRunner:
         self.pooler = None  # the model's Pooler under --runner pooling
         self.cuda_graphs = None  # DecodeCUDAGraphs on CUDA unless enforce_eager
         self.lora_manager = None  # pagoda.lora.manager.LoRAModelManager under --enable-lora
+        self.drafter = None  # spec_decode.draft_model.DraftModelRunner with a draft model
 
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
@@ -66,6 +67,11 @@ class ModelRunner:
             from pagoda.model.pooler import Pooler
 
             self.pooler = Pooler(self.config.pooler_config, self.model)
+        spec = self.config.scheduler.speculative_config
+        if spec is not None and spec.uses_draft_model:
+            from pagoda.spec_decode.draft_model import DraftModelRunner
+
+            self.drafter = DraftModelRunner(self.config, self.dtype, self.device)
         if self.config.lora is not None:
             from pagoda.lora.manager import LoRAModelManager
 
@@ -87,6 +93,8 @@ class ModelRunner:
             return -(-sched.max_num_batched_tokens // self.block_size) + sched.max_num_seqs
         per_block = kv_cache_bytes_per_block(self.config.arch, self.block_size,
                                              self.kv_cache_dtype, self.parallel)
+        if self.drafter is not None:  # each block id has a slot in both caches
+            per_block += self.drafter.bytes_per_block(self.kv_cache_dtype)
         if self.device.type == "cuda":
             # What the weights, the largest step's activations and everything else on the
             # card leave of the `gpu_memory_utilization` share goes to the KV cache.
@@ -146,6 +154,8 @@ class ModelRunner:
             return  # attention reads only the step's own keys and values
         self.kv_caches = allocate_kv_caches(self.config.arch, num_blocks, self.block_size,
                                             self.kv_cache_dtype, self.device, self.parallel)
+        if self.drafter is not None:
+            self.drafter.initialize_kv_cache(num_blocks, self.kv_cache_dtype)
         # Graphs capture a whole-model decode; a group's ranks run eagerly for now.
         if (self.device.type == "cuda" and not self.config.enforce_eager
                 and self.parallel.world_size == 1 and self.config.runner == "generate"
@@ -182,7 +192,26 @@ class ModelRunner:
         pooled = self._pool(inputs, hidden)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             self.states[req_id].num_computed_tokens += n
-        return ModelRunnerOutput(inputs.req_ids, sampled, logprobs, prompt_logprobs, pooled)
+        drafts = self._draft(inputs, sampled) if self.drafter is not None else {}
+        return ModelRunnerOutput(inputs.req_ids, sampled, logprobs, prompt_logprobs, pooled,
+                                 drafts)
+
+    def _draft(self, inputs: ModelInputs, sampled: list[list[int]]) -> dict[str, list[int]]:
+        """The draft model's KV for this step's tokens, then its proposals for the
+        requests that sampled and may be speculated on (spec_decode.draft_model)."""
+        self.drafter.observe(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        limit = self.drafter.disable_by_batch_size
+        if limit is not None and len(self.states) >= limit:
+            return {}
+        constrained = set(self._grammar[0]) if self._grammar is not None else set()
+        wanted = []
+        for req_id, tokens in zip(inputs.req_ids, sampled):
+            state = self.states[req_id]
+            params = state.sampling_params
+            # As the scheduler's may_speculate: no grammar, no seeded random stream.
+            if tokens and req_id not in constrained and (params.seed is None or params.is_greedy):
+                wanted.append((req_id, state.token_ids, state.block_ids))
+        return self.drafter.propose(wanted) if wanted else {}
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         md = inputs.attn_metadata

@@ -127,6 +127,8 @@ def model_runner_output_to_proto(out: ModelRunnerOutput) -> pb.ModelRunnerOutput
         logprobs_to_proto(lists, msg.prompt_logprobs[req_id])
     for req_id, data in out.pooler_output.items():
         pooled_data_to_proto(data, msg.pooler_output[req_id])
+    for req_id, tokens in out.draft_token_ids.items():
+        msg.draft_token_ids[req_id].token_ids.extend(tokens)
     return msg
 
 
@@ -137,4 +139,5 @@ def model_runner_output_from_proto(msg: pb.ModelRunnerOutput) -> ModelRunnerOutp
         logprobs={k: logprobs_from_proto(v) for k, v in msg.logprobs.items()},
         prompt_logprobs={k: logprobs_from_proto(v) for k, v in msg.prompt_logprobs.items()},
         pooler_output={k: pooled_data_from_proto(v) for k, v in msg.pooler_output.items()},
+        draft_token_ids={k: list(v.token_ids) for k, v in msg.draft_token_ids.items()},
     )
