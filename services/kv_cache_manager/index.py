@@ -149,6 +149,11 @@ class PrefixIndex:
             ns = namespace(model, block_size)
             for raw in self.redis.zrangebyscore(f"{ns}:instances", "-inf", f"({cutoff}"):
                 instance_id = raw.decode()
+                # Seen again since the scan (a restarted incarnation registered, its
+                # leases with it): it is alive, and dropping it would lose them.
+                seen = self.redis.zscore(f"{ns}:instances", instance_id)
+                if seen is None or seen >= cutoff:
+                    continue
                 n = self._drop_instance(ns, instance_id)
                 logger.warning("instance %s of %s: no heartbeat for %.0fs, dropped its %d "
                                "blocks", instance_id, model, self.heartbeat_timeout, n)

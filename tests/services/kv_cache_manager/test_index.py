@@ -133,3 +133,25 @@ def test_deregister_drops_the_instance_but_not_a_newer_epoch(redis_client):
     assert index.lookup(MODEL, 4, a) == {"s1": 4}
     assert index.deregister(MODEL, 4, "s1", "e2") == 4
     assert index.lookup(MODEL, 4, a) == {} and index.list_instances(MODEL, 4) == []
+
+
+def test_an_instance_seen_again_while_the_reaper_scans_is_kept(redis_client, monkeypatch):
+    """A restarted incarnation that registers between the reaper's scan and its drop
+    keeps its entries (and its leases): the reaper re-checks before dropping."""
+    now = [1000.0]
+    index = PrefixIndex(redis_client, heartbeat_timeout=5.0, clock=lambda: now[0])
+    a = hashes(list(range(16)))
+    index.apply(MODEL, 4, "s1", "e1", 0, [stored(a)])
+    now[0] += 6.0
+    scan = redis_client.zrangebyscore
+
+    def scan_then_register(*args, **kwargs):
+        found = scan(*args, **kwargs)
+        index.apply(MODEL, 4, "s1", "e2", 0, [stored(a[:2])])  # the new incarnation
+        return found
+
+    monkeypatch.setattr(redis_client, "zrangebyscore", scan_then_register)
+    assert index.reap() == []
+    monkeypatch.undo()
+    assert [i.instance_id for i in index.list_instances(MODEL, 4)] == ["s1"]
+    assert index.lookup(MODEL, 4, a) == {"s1": 2}
