@@ -31,6 +31,7 @@ from pagoda.services.common.grpc_channels import configure_from_args as configur
 from pagoda.services.common.redis_url import REDIS_PASSWORD_ENV, REDIS_URL_ENV
 from pagoda.services.gateway.middleware import add_http_args, http_flags
 from pagoda.services.gateway.lora_modules import add_lora_args, lora_flags
+from pagoda.services.gateway.prefix_pull import add_prefix_pull_args, prefix_pull_flags
 from pagoda.services.gateway.router import DEFAULT_POLICY, POLICIES
 from pagoda.services.tokenizer.server import add_template_limit_args, template_limit_flags
 from pagoda.services.gateway.serving_options import (add_serving_args, add_uvicorn_args,
@@ -81,6 +82,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              "300, 0: none): a replica whose step runs longer fails, and its "
                              "streams move to other replicas.")
     add_role_args(parser)
+    add_prefix_pull_args(parser.add_argument_group(
+        "cluster-wide prefix cache (passed to the gateway)"))
     group = parser.add_argument_group("engine (passed to the scheduler and the gpu-worker)")
     EngineArgs.add_cli_args(group)
     add_http_args(parser.add_argument_group("HTTP (passed to the gateway)"))
@@ -180,7 +183,7 @@ def build_services(args: argparse.Namespace, redis_url: str,
         redis_env[REDIS_PASSWORD_ENV] = redis_password
     gateway_env = {"PAGODA_API_KEY": args.api_key} if args.api_key else {}
     gateway_extra = (http_flags(args) + gateway_flags(args) + lora_flags(args)
-                     + generate_read_flags(args))
+                     + generate_read_flags(args) + prefix_pull_flags(args))
     services = [
         grpc_service("kv-cache-manager", "kv-cache-manager", env=redis_env),
         grpc_service("tokenizer", "tokenizer", *model_flags, *seed, *hub_flags(args),

@@ -27,6 +27,7 @@ from pagoda.services.gateway.metrics import (ObservabilityMiddleware, PeerMetric
                                              render_cluster_metrics)
 from pagoda.services.gateway.middleware import HttpOptions, install_http_middleware
 from pagoda.services.gateway.peers import Peers
+from pagoda.services.gateway.prefix_pull import PrefixPull, PrefixPullOptions
 from pagoda.services.gateway.router import DEFAULT_POLICY
 from pagoda.services.gateway.router_context import RoutingHeaderMiddleware
 from pagoda.services.gateway.serving_options import ServingOptions
@@ -135,13 +136,20 @@ def create_app(tokenizer_addr: str, scheduler_addrs: list[str],
                http_options: HttpOptions | None = None, router: str = DEFAULT_POLICY,
                on_fatal: Callable[[str], None] | None = None,
                options: ServingOptions | None = None,
-               loras: LoRARegistry | None = None) -> FastAPI:
+               loras: LoRARegistry | None = None,
+               prefix_pull: PrefixPullOptions | None = None) -> FastAPI:
     """`router`: the routing policy; `on_fatal`: called if the cluster cannot be
     served correctly (block hashes disagree, a --lora-modules adapter cannot run);
     `options`: vLLM's serving flags (serving_options.py; default: vLLM's defaults);
-    `loras`: the adapters served by name (lora_modules.py; default: none)."""
+    `loras`: the adapters served by name (lora_modules.py; default: none);
+    `prefix_pull`: --kv-prefix-pull (prefix_pull.py; default: off)."""
     state = GatewayState(None, list(served_model_names or []), api_key,
                          options or ServingOptions(), loras or LoRARegistry())
-    return build_app(state, lambda: Peers(tokenizer_addr, scheduler_addrs, router,
-                                          on_fatal=on_fatal),
-                     peer_metrics, kv_cache_manager_addr, http_options)
+
+    def make_peers() -> Peers:
+        peers = Peers(tokenizer_addr, scheduler_addrs, router, on_fatal=on_fatal)
+        if prefix_pull is not None and prefix_pull.enabled:
+            peers.prefix_pull = PrefixPull(peers, prefix_pull)
+        return peers
+
+    return build_app(state, make_peers, peer_metrics, kv_cache_manager_addr, http_options)

@@ -82,6 +82,12 @@ class GatewayMetrics:
             "Disaggregated choices whose decode replica computed the prompt itself, by why: "
             "no_prefill_replica, prefill_failed (the replicas' own transfer failures are "
             "pagoda_kv_transfer_fallbacks_total).", ["kind"], registry=registry)
+        self.kv_prefix_pulls = Counter(
+            "pagoda_gateway_kv_prefix_pulls",
+            "--kv-prefix-pull: requests sent with a lease on another replica's cached prefix "
+            "blocks (leased), or without one because the lease failed (lease_failed: the "
+            "replica is gone, slow or refused) or it held too few blocks (too_few_blocks). "
+            "The pulls themselves are pagoda_kv_transfer_*.", ["result"], registry=registry)
         self.peer_up = Gauge("pagoda_metrics_peer_up",
                              "1 if the last scrape of a peer's /metrics through the gateway "
                              "worked.", ["service", "peer"], registry=registry)
@@ -95,6 +101,8 @@ class GatewayMetrics:
             self.cached_tokens.labels(kind)
         for reason in MIGRATION_REASONS:
             self.migrations.labels(reason)
+        for result in ("leased", "lease_failed", "too_few_blocks"):
+            self.kv_prefix_pulls.labels(result)
 
     def observe_response(self, route: str, method: str, status: int, seconds: float,
                          completed: bool) -> None:

@@ -204,6 +204,7 @@ class Peers:
         self.discovery = discovery or Discovery(parse_scheduler_addrs(scheduler_addrs))
         self.schedulers = [SchedulerReplica(a) for a in self.discovery.static_addresses()]
         self.router = Router(router)
+        self.prefix_pull = None  # prefix_pull.PrefixPull with --kv-prefix-pull
         self.on_fatal = on_fatal
         self.fatal_error: str | None = None
         self._task: asyncio.Task | None = None

@@ -81,6 +81,15 @@ class RouteRequest:
 
 
 @dataclass
+class PrefixLookup:
+    """What the prefix index said of a routed prompt: its block hashes and, per
+    instance id, the leading blocks it holds (the index and recent routes)."""
+
+    block_hashes: list[bytes]
+    cached_blocks: dict[str, int]
+
+
+@dataclass
 class Route:
     """A replica chosen for a request, and the load reserved on it until `release`."""
 
@@ -89,6 +98,7 @@ class Route:
     predicted_cached_tokens: int | None = None  # None: the index was not asked
     pending_tokens: int = 0
     num_requests: int = 1
+    prefix: PrefixLookup | None = None  # None: the index was not asked or did not answer
     _released: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -153,7 +163,8 @@ class Router:
         now = time.monotonic()
         self._recent_counts[chosen.address] = (self.recent_requests(chosen.address, now) + 1.0,
                                                now)
-        return Route(chosen, self.policy, predicted, pending, request.num_requests)
+        return Route(chosen, self.policy, predicted, pending, request.num_requests,
+                     PrefixLookup(hashes, cached) if hashes is not None else None)
 
     def recent_requests(self, address: str, now: float) -> float:
         """Requests routed to `address` lately, each decayed by exp(-age / RECENT_TAU_S)."""

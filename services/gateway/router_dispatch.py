@@ -67,7 +67,9 @@ async def routed_deltas(peers: Peers, requests: Sequence[EngineCoreRequest],
             context.instance_id = replica.instance_id
         metrics.routing_decisions.labels(route.policy, replica.instance_id).inc()
         produced, actual = False, None
-        stream = open_streams(replica)
+        # --kv-prefix-pull: the replica, with a lease on another one's cached prefix.
+        pulling = peers.prefix_pull.wrap(route, request) if peers.prefix_pull else replica
+        stream = open_streams(pulling)
         try:
             async for delta in stream:
                 if not produced:

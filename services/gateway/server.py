@@ -11,6 +11,7 @@ from pagoda import envs, tracing
 from pagoda.services.common import grpc_channels
 from pagoda.services.common.logs import setup_logging
 from pagoda.services.gateway.lora_modules import add_lora_args, registry_from_args
+from pagoda.services.gateway.prefix_pull import PrefixPullOptions, add_prefix_pull_args
 from pagoda.services.gateway.router import DEFAULT_POLICY, POLICIES
 from pagoda.services.gateway.serving_options import (ServingOptions, add_serving_args,
                                                      add_uvicorn_args, uvicorn_kwargs)
@@ -36,6 +37,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-manager-addr", default="127.0.0.1:50054",
                         help="host:port of the kv-cache-manager (used by the KV-aware router "
                              "and the prefix-index probe; '' = none).")
+    add_prefix_pull_args(parser)  # --kv-prefix-pull: needs the kv-cache-manager's index
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="Names clients may use for the model (default: the scheduler's).")
     parser.add_argument("--api-key", default=envs.get("PAGODA_API_KEY"),
@@ -70,6 +72,9 @@ def main(args: argparse.Namespace) -> int:
     grpc_channels.configure_from_args(args)
     tracing.init_tracing("gateway", args.otlp_traces_endpoint)
     schedulers = [a.strip() for a in args.scheduler_addrs.split(",") if a.strip()]
+    if args.kv_prefix_pull and not args.kv_cache_manager_addr:
+        logger.warning("--kv-prefix-pull does nothing without the prefix index "
+                       "(--kv-cache-manager-addr)")
     fatal: list[str] = []
 
     def on_fatal(message: str) -> None:  # stop serving: uvicorn shuts down on SIGTERM
@@ -80,7 +85,8 @@ def main(args: argparse.Namespace) -> int:
     app = create_app(args.tokenizer_addr, schedulers, args.served_model_name, args.api_key,
                      args.kv_cache_manager_addr or None, PeerMetrics.parse_list(args.peer_metrics),
                      http_options=HttpOptions.from_args(args), router=args.router,
-                     on_fatal=on_fatal, options=options, loras=registry_from_args(args))
+                     on_fatal=on_fatal, options=options, loras=registry_from_args(args),
+                     prefix_pull=PrefixPullOptions.from_args(args))
     scheme = "https" if "ssl_certfile" in server_kwargs else "http"
     logger.info("gateway on %s://%s:%d (tokenizer %s, schedulers %s, router %s)", scheme,
                 args.host, args.port, args.tokenizer_addr, ", ".join(schedulers), args.router)

@@ -6,6 +6,10 @@ engine, get the prompt's blocks here, then let it find them as a prefix-cache hi
         ─► ReleaseLease at the prefill scheduler (valid?) ─► commit (engine thread):
         pulled blocks cached under their hashes ─► request submitted: prefix hit
 
+The params may cover only the prompt's leading blocks: a prefix pull (the gateway's
+--kv-prefix-pull) leases another replica's cached prefix for a request with no output
+yet, and the engine computes the rest of the prompt after the hit as usual.
+
 Whatever fails (the pull times out or breaks, the checksum, the lease expired, the
 prefill replica restarted: another epoch), the pulled blocks are discarded and the
 request is submitted anyway: the engine computes what it does not find, so the
@@ -75,7 +79,8 @@ class KvConsumer:
         return await asyncio.shield(done)
 
     async def prepare(self, request: EngineCoreRequest) -> None:
-        """Pull what the request's prefill left on the remote replica (if anything)."""
+        """Pull the blocks `kv_transfer_params` name (a remote prefill's, or another
+        replica's cached prefix) that this replica lacks, if any."""
         params = request.kv_transfer_params
         request.kv_transfer_params = None
         if params is None or not params.do_remote_prefill or not params.block_hashes:

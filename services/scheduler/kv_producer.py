@@ -5,6 +5,8 @@ where they are, free them when the decode side is done or nobody came.
         ─► complete{kv_transfer_params: blocks, lease, expiry, worker address, epochs}
     ReleaseLease(lease, epoch) ─► blocks back to the pool (valid: they were held)
     reaper, every second       ─► leases past --kv-lease-timeout freed
+    LeasePrefix(hashes, tokens) ─► the leading run still cached, pinned under a lease
+        (another replica pulls it instead of computing it: the gateway's --kv-prefix-pull)
 
 The pin happens on the engine thread in the same step that freed the request's
 blocks (the outputs callback runs before the next step), so they are still cached:
@@ -29,6 +31,7 @@ from pagoda.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2 as pb
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc as pb_grpc
 from pagoda.services.common.kv_transfer_metrics import kv_transfer_metrics
+from pagoda.services.common.protocol.kv_transfer import kv_params_to_proto
 
 logger = logging.getLogger(__name__)
 REAP_INTERVAL_S = 1.0
@@ -78,14 +81,33 @@ class KvProducer:
             if lease is None:
                 continue
             self.lease_journal([lease], [])
-            out.kv_transfer_params = KVTransferParams(
-                remote_instance_id=self.info.instance_id,
-                remote_scheduler_address=self.scheduler_address,
-                remote_worker_address=self.worker_address, remote_epoch=self.info.epoch,
-                remote_worker_epoch=self.worker_epoch, lease_id=lease.lease_id,
-                lease_expiry=lease.expiry, block_hashes=list(lease.block_hashes),
-                remote_block_ids=lease.block_ids, num_cached_tokens=out.num_cached_tokens)
+            out.kv_transfer_params = self._params(lease, out.num_cached_tokens)
         kv_transfer_metrics().leased_blocks.set(self.table.num_leased_blocks)
+
+    def lease_prefix(self, request_id: str, block_hashes: list[bytes], token_ids: list[int],
+                     min_blocks: int) -> KVTransferParams | None:
+        """Engine thread: lease the leading run of `block_hashes` cached here (their
+        tokens checked), or nothing when the run is shorter than `min_blocks` (evicted
+        since the index said otherwise: not worth a pull)."""
+        lease = self.table.pin(request_id, block_hashes, token_ids)
+        if lease is not None and len(lease.blocks) < max(1, min_blocks):
+            self.table.release(lease.lease_id)  # never journaled: nobody saw it
+            lease = None
+        if lease is None:
+            return None
+        self.lease_journal([lease], [])
+        kv_transfer_metrics().leased_blocks.set(self.table.num_leased_blocks)
+        return self._params(lease, len(lease.blocks) * self.info.block_size)
+
+    def _params(self, lease, num_cached_tokens: int) -> KVTransferParams:
+        """Where `lease`'s blocks are, for a decode replica to pull them."""
+        return KVTransferParams(
+            remote_instance_id=self.info.instance_id,
+            remote_scheduler_address=self.scheduler_address,
+            remote_worker_address=self.worker_address, remote_epoch=self.info.epoch,
+            remote_worker_epoch=self.worker_epoch, lease_id=lease.lease_id,
+            lease_expiry=lease.expiry, block_hashes=list(lease.block_hashes),
+            remote_block_ids=lease.block_ids, num_cached_tokens=num_cached_tokens)
 
     async def on_engine(self, fn):
         """Run `fn` on the engine thread; its result."""
@@ -137,6 +159,36 @@ class KvLeaseServicer(pb_grpc.KvLeaseServiceServicer):
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine did not answer")
         return pb.ReleaseLeaseResponse(valid=valid)
+
+    async def LeasePrefix(self, request: pb.LeasePrefixRequest, context
+                          ) -> pb.LeasePrefixResponse:
+        producer = self.producer
+        hashes, tokens = list(request.block_hashes), list(request.token_ids)
+        if len(tokens) != len(hashes) * producer.info.block_size:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{len(tokens)} tokens for {len(hashes)} blocks of "
+                                f"{producer.info.block_size}")
+        rid, min_blocks = request.request_id, request.min_blocks
+        made: list[KVTransferParams] = []
+
+        def lease() -> KVTransferParams | None:
+            params = producer.lease_prefix(rid, hashes, tokens, min_blocks)
+            made.extend([params] if params is not None else [])
+            return params
+
+        try:
+            params = await producer.on_engine(lease)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine did not answer")
+        except asyncio.CancelledError:
+            # The caller gave up (its deadline): free what the engine thread leases
+            # anyway, queued behind the leasing itself.
+            producer.engine.call_soon(lambda: made and producer._release(made[0].lease_id))
+            raise
+        reply = pb.LeasePrefixResponse()
+        if params is not None:
+            kv_params_to_proto(params, reply.kv_transfer_params)
+        return reply
 
     async def ListLeases(self, request, context) -> pb.ListLeasesResponse:
         table = self.producer.table
