@@ -158,6 +158,12 @@ class SchedulerReplica(Peer):
             self.load = await self.stub.GetLoad(spb.GetLoadRequest(), timeout=2.0)
         except grpc.RpcError:
             self.load = None  # load-aware routing then counts only our own requests
+            return
+        if self.load.epoch and self.load.epoch != self.info.epoch:
+            # Restarted between two polls (never seen down): a new incarnation, whose
+            # handshake and hash check must run again.
+            self.info = await self.stub.GetModelInfo(spb.GetModelInfoRequest(), timeout=5.0)
+            self.hashes_agree = None
 
     async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
         """The request's outputs; closing the iterator early cancels the call, which

@@ -185,7 +185,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             kv_cache_usage=s.kv_cache_usage, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
             serving=self.engine.failure is None and not self.draining, draining=self.draining,
-            lora_adapters=self.held_adapters.names())
+            lora_adapters=self.held_adapters.names(), epoch=self.model_info.epoch)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context
                            ) -> pb.GetModelInfoResponse:

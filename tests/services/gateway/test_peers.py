@@ -204,3 +204,35 @@ def test_without_the_index_no_hash_check_is_needed(peers_at):
             await peers.close()
 
     assert asyncio.run(run())
+
+
+def test_a_replica_restarted_between_two_polls_is_described_again(grpc_server_factory):
+    """Its epoch changed although no poll saw it down: the gateway reads its model info
+    again (a new incarnation's handshake and hash check), instead of keeping the old."""
+
+    class Restarting(HashingScheduler):
+        epoch = "e1"
+
+        def GetModelInfo(self, request, context):
+            info = super().GetModelInfo(request, context)
+            info.epoch = self.epoch
+            return info
+
+        def GetLoad(self, request, context):
+            return spb.GetLoadResponse(serving=True, epoch=self.epoch)
+
+    servicer = Restarting("seed")
+    server = grpc_server_factory(spb_grpc.add_SchedulerServiceServicer_to_server, servicer)
+
+    async def run():
+        from pagoda.services.gateway.peers import SchedulerReplica
+
+        replica = SchedulerReplica(server.address)
+        await replica.refresh()
+        first = replica.info.epoch
+        replica.hashes_agree = True
+        servicer.epoch = "e2"  # restarted: same address, up at every poll
+        await replica.refresh()
+        return first, replica.info.epoch, replica.hashes_agree
+
+    assert asyncio.run(run()) == ("e1", "e2", None)
