@@ -31,7 +31,7 @@ run: install
 	$(VENV)/bin/pagoda serve $(MODEL) --host 127.0.0.1 --port $(PORT)
 
 test: install
-	PAGODA_OMP_SPIN=0 $(PY) -m pytest -q $(PYTEST_ARGS)
+	PAGODA_OMP_SPIN=0 $(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 test-chaos: install
 	PAGODA_OMP_SPIN=0 PAGODA_CHAOS=1 PAGODA_CHAOS_REQUESTS=1000 $(PY) -m pytest -q tests/e2e/test_chaos.py $(PYTEST_ARGS)

@@ -1,8 +1,10 @@
 """PagodaDistConnector (a torch.distributed pair group between the two gpu-workers;
-gloo here, NCCL on CUDA): greedy outputs through 1 prefill + 1 decode replica equal a
-colocated cluster's, and its failures are defined outcomes with real processes: a
-stale epoch is refused, and a source worker killed for real fails the pull at once
-(no wait on the dead pair) and the request is then served by local prefill."""
+gloo here, NCCL on CUDA) into a decode replica split differently from its prefill
+replica (TP=1 -> TP=2: blocks travel whole, each decode rank writes its share):
+greedy outputs equal a colocated single-rank cluster's, and the failures are defined
+outcomes with real processes: a stale epoch is refused, and a source worker killed
+for real fails the pull at once (no wait on the dead pair) and the request is then
+served by local prefill. (A group's export is tests/executor/test_kv_blocks_group.py.)"""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc as
 pytestmark = pytest.mark.slow
 LONG = " ".join(f"word{i}" for i in range(120))  # ~ 250 tokens: many 16-token blocks
 PROMPTS = [("Hello there", 10), (LONG, 8), (LONG + " and then", 8)]
-DIST = ["--kv-connector", "PagodaDistConnector"]
+DIST = ["--kv-connector", "PagodaDistConnector", "--decode-tensor-parallel-size", "2",
+        "--distributed-executor-backend", "mp"]
 
 
 def complete(serve: ServeProcess, prompt: str, max_tokens: int) -> httpx.Response:
@@ -61,11 +64,20 @@ def pd(tiny_llama_dir, redis_server):
     serve.stop()
 
 
-def test_the_connector_is_on_both_command_lines(pd):
+def test_the_connector_and_each_pools_split_are_on_the_command_lines(pd):
     for kind in ("scheduler", "gpu-worker"):
-        for role in ("kv_producer", "kv_consumer"):
-            config = flag_value(role_process(pd, kind, role).cmdline(), "--kv-transfer-config")
-            assert '"kv_connector":"PagodaDistConnector"' in config
+        for role, tp in (("kv_producer", 1), ("kv_consumer", 2)):
+            cmd = role_process(pd, kind, role).cmdline()
+            assert '"kv_connector":"PagodaDistConnector"' in flag_value(cmd,
+                                                                         "--kv-transfer-config")
+            assert tensor_parallel_size(cmd) == tp
+
+
+def tensor_parallel_size(cmd: list[str]) -> int:
+    """The value argparse keeps: the flag's last occurrence (1 when absent)."""
+    if "--tensor-parallel-size" not in cmd:
+        return 1
+    return int(cmd[len(cmd) - cmd[::-1].index("--tensor-parallel-size")])
 
 
 def test_greedy_outputs_equal_colocated_and_blocks_move_on_the_pair(pd, colocated_texts):
