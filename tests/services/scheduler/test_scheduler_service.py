@@ -295,13 +295,17 @@ def test_a_request_its_worker_refuses_fails_alone(tiny_llama_dir):
     smaller vocabulary): that request fails INTERNAL, the requests that shared its
     steps are recomputed and still give the offline engine's tokens."""
     config = engine_config(tiny_llama_dir)
-    address, server = start_worker(config, ledger_vocab_size=1000)
+    expected = offline_tokens(tiny_llama_dir)
+    good = requests()
+    # The worker's vocabulary ends just past every token the good requests hold, prompt
+    # or output: one recomputed after the refusal comes back with its outputs, which
+    # must pass the same check (a fixed limit made this test fail now and then).
+    limit = 1 + max(max(r.prompt_token_ids + expected[r.request_id]) for r in good)
+    address, server = start_worker(config, ledger_vocab_size=limit)
     harness = SchedulerHarness(config, address)
     harness.engine._on_request_failed = harness.servicer.on_request_failed
     try:
-        expected = offline_tokens(tiny_llama_dir)
-        refused = EngineCoreRequest("refused", [5, 6, 3000], SamplingParams(max_tokens=4))
-        good = [r for r in requests() if max(r.prompt_token_ids) < 1000]
+        refused = EngineCoreRequest("refused", [5, 6, limit], SamplingParams(max_tokens=4))
         with ThreadPoolExecutor(max_workers=4) as pool:
             futures = [pool.submit(collect, harness.stub, r) for r in [refused, *good]]
             with pytest.raises(grpc.RpcError) as info:
