@@ -71,7 +71,8 @@ class KvConsumer:
             try:
                 result = fn()
             except Exception as exc:  # noqa: BLE001 (handed to the awaiting handler)
-                loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(exc))
+                # Bound now: `exc` is unset once this block ends, before the loop runs it.
+                loop.call_soon_threadsafe(lambda e=exc: done.done() or done.set_exception(e))
                 return
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
 

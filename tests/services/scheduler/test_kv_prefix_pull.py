@@ -152,3 +152,18 @@ def test_a_prefix_only_lease_is_pulled_minus_what_is_held_and_hits():
     assert sorted(b.block_id for b in hits[1:3]) == sorted(fetch.local_block_ids)
     consumer.finish("r")  # the plan's references dropped: every block evictable again
     assert pool.num_free_blocks == 16
+
+
+def test_an_error_on_the_engine_thread_reaches_the_awaiting_handler():
+    """A plan that raises on the engine thread fails the handler's await with that error
+    (it used to be lost, leaving the handler waiting forever)."""
+
+    def fail():
+        raise ValueError("no room")
+
+    async def run():
+        consumer = KvConsumer(InlineEngine(), pool_holding(1), info("r"), "127.0.0.1:1", 5.0)
+        return await asyncio.wait_for(consumer.on_engine(fail), 5)
+
+    with pytest.raises(ValueError, match="no room"):
+        asyncio.run(run())
