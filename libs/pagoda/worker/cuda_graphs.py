@@ -109,10 +109,13 @@ class DecodeCUDAGraphs:
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
     def can_run(self, attn_metadata: AttentionMetadata, num_tokens: int) -> bool:
-        """Pure-decode batches no larger than the largest captured size."""
+        """Pure-decode batches no larger than the largest captured size, whose block
+        tables fit the captured width (a draft model's lookahead slots can take a
+        request one block past max_model_len: that step runs eagerly)."""
         md = attn_metadata
         return (bool(self.graphs) and md.num_decodes == md.num_reqs == num_tokens
-                and select_graph_size(num_tokens, self.sizes) is not None)
+                and select_graph_size(num_tokens, self.sizes) is not None
+                and md.block_tables.shape[1] <= self.block_tables.shape[1])
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             attn_metadata: AttentionMetadata) -> torch.Tensor:
