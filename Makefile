@@ -9,7 +9,10 @@ PORT      ?= 8000
 MODEL     ?=
 PYTEST_ARGS ?=
 
-.PHONY: install proto run test test-chaos test-fast bench bench-routing bench-peers dashboards clean
+# cpu-kernels: Pagoda's fused C++ kernels for the bf16 CPU path, compiled once per machine
+# and source into ~/.cache/pagoda (~15 s; a no-op when built; the engine builds them on
+# first use otherwise and falls back to torch ops if it cannot).
+.PHONY: install cpu-kernels proto run test test-chaos test-fast bench bench-routing bench-peers dashboards clean
 
 install: $(STAMP)
 
@@ -24,22 +27,25 @@ $(STAMP): requirements.lock pyproject.toml
 	$(PY) tools/install_prometheus.py
 	@touch $(STAMP)
 
+cpu-kernels: $(STAMP)
+	@$(PY) -m pagoda.kernels.cpu.build > /dev/null
+
 proto:
 	$(PY) tools/gen_protos.py
 
-run: install
+run: install cpu-kernels
 	$(VENV)/bin/pagoda serve $(MODEL) --host 127.0.0.1 --port $(PORT)
 
-test: install
+test: install cpu-kernels
 	PAGODA_OMP_SPIN=0 $(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 test-chaos: install
 	PAGODA_OMP_SPIN=0 PAGODA_CHAOS=1 PAGODA_CHAOS_REQUESTS=1000 $(PY) -m pytest -q tests/e2e/test_chaos.py $(PYTEST_ARGS)
 
-test-fast: install
+test-fast: install cpu-kernels
 	PAGODA_OMP_SPIN=0 $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-bench: install
+bench: install cpu-kernels
 	$(VENV)/bin/pagoda bench throughput --input-len 128 --output-len 128 --num-prompts 64
 
 bench-routing: install

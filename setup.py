@@ -22,4 +22,6 @@ def find_packages() -> list[str]:
     return sorted(set(packages))
 
 
-setup(packages=find_packages(), package_dir=ROOTS)
+# The CPU kernels' C++ source is compiled where it runs (pagoda.kernels.cpu.build).
+setup(packages=find_packages(), package_dir=ROOTS,
+      package_data={"pagoda.kernels.cpu": ["csrc/*.cpp"]})

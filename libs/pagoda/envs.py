@@ -57,6 +57,10 @@ VARIABLES = {v.name: v for v in [
     EnvVar("PAGODA_BATCH_INVARIANT", "VLLM_BATCH_INVARIANT", _bool, False,
            "1: a request's greedy or seeded output does not depend on what else is in the "
            "batch, on chunking or on prefix-cache hits (--batch-invariant; CPU only)."),
+    EnvVar("PAGODA_CPU_KERNELS", None, _bool, True,
+           "0: the bf16 CPU path runs plain torch ops instead of Pagoda's fused C++ kernels "
+           "(RMSNorm, rotary, SiLU-and-mul, KV write, decode attention; built once per "
+           "machine into PAGODA_CACHE_DIR, ~/.cache/pagoda by default)."),
     EnvVar("PAGODA_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING", _bool,
            False, "1: the gateway serves POST /v1/load_lora_adapter and "
            "/v1/unload_lora_adapter (--allow-runtime-lora-updating)."),

@@ -38,7 +38,13 @@ def test_cpu_process_never_imports_triton():
         "ops.silu_and_mul(x)\n"
         "assert not ops.use_triton(x)\n"
         "assert ('triton' in sys.modules) == triton_before, 'triton imported on the CPU path'\n"
-        "assert not [m for m in sys.modules if m.startswith('pagoda.kernels')]\n"
+        "x = x.bfloat16()\n"  # the bf16 CPU path: Pagoda's C++ kernels, still no triton
+        "ops.rms_norm(x, torch.ones(8, dtype=x.dtype), 1e-5, x)\n"
+        "ops.silu_and_mul(x)\n"
+        "assert ('triton' in sys.modules) == triton_before, 'triton imported on the CPU path'\n"
+        "triton_modules = [m for m in sys.modules if m.startswith('pagoda.kernels')\n"
+        "                  and not m.startswith('pagoda.kernels.cpu') and m != 'pagoda.kernels']\n"
+        "assert not triton_modules, triton_modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

@@ -41,6 +41,7 @@ table entries are gathered and masked, and a masked NaN would still poison SDPA.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -138,16 +139,18 @@ def _prefill_plan(md: AttentionMetadata, i: int, block_size: int,
     return _PrefillPlan(start, end, key_start, table[columns], mask)
 
 
-def _make_plan(md: AttentionMetadata, block_size: int, window: int | None) -> _Plan:
+def _make_plan(md: AttentionMetadata, block_size: int, window: int | None,
+               with_decodes: bool) -> _Plan:
     decode_block_ids = decode_mask = None
-    if md.num_decodes:
+    if md.num_decodes and with_decodes:
         decode_block_ids, decode_mask = _decode_plan(md, block_size, window)
     prefills = [_prefill_plan(md, i, block_size, window)
                 for i in range(md.num_decodes, md.num_reqs)]
     return _Plan(decode_block_ids, decode_mask, prefills)
 
 
-def _get_plan(md: AttentionMetadata, block_size: int, window: int | None) -> _Plan:
+def _get_plan(md: AttentionMetadata, block_size: int, window: int | None,
+              with_decodes: bool = True) -> _Plan:
     # Memoised on the metadata object, which lives for exactly one step, so the
     # 30-odd layers of a model do not rebuild the same index tensors. Keyed by the
     # window: Gemma's local and global layers need different plans.
@@ -158,9 +161,9 @@ def _get_plan(md: AttentionMetadata, block_size: int, window: int | None) -> _Pl
             setattr(md, _PLAN_ATTR, plans)
         except AttributeError:  # a slotted/frozen metadata: correct, just rebuilt per layer
             pass
-    key = (block_size, window)
+    key = (block_size, window, with_decodes)
     if key not in plans:
-        plans[key] = _make_plan(md, block_size, window)
+        plans[key] = _make_plan(md, block_size, window, with_decodes)
     return plans[key]
 
 
@@ -257,18 +260,26 @@ def _prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     attn_metadata: AttentionMetadata, scale: float,
                     sliding_window: int | None = None,
-                    logits_soft_cap: float | None = None) -> torch.Tensor:
+                    logits_soft_cap: float | None = None,
+                    decode_kernel: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of query [T, H, D] over each request's cached context -> [T, H, D].
 
     The step's own keys/values must already be in the cache (`write_kv_cache`).
     Query head h reads KV head h // (H // num_kv_heads), as HF's `repeat_kv`. With
     `sliding_window` W a query at position p sees keys p - W < k <= p; with
     `logits_soft_cap` c each score s becomes c * tanh(s / c) (see module doc).
+    `decode_kernel` (`pagoda.kernels.cpu.paged_decode_attention`'s signature), when
+    given, computes the decodes straight over the cache instead of gather + SDPA.
     """
-    plan = _get_plan(attn_metadata, key_cache.shape[1], sliding_window)
     nd = attn_metadata.num_decodes
+    plan = _get_plan(attn_metadata, key_cache.shape[1], sliding_window,
+                     with_decodes=decode_kernel is None)
     outputs = []
-    if nd:
+    if nd and decode_kernel is not None:
+        outputs.append(decode_kernel(query[:nd], key_cache, value_cache,
+                                     attn_metadata.block_tables, attn_metadata.seq_lens, scale,
+                                     sliding_window, logits_soft_cap))
+    elif nd:
         outputs.append(_decode_attention(query[:nd], key_cache, value_cache, plan, scale,
                                          logits_soft_cap, attn_metadata.batch_invariant))
     for p in plan.prefills:

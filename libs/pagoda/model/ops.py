@@ -13,6 +13,11 @@ swaps `from pagoda.model.attention import paged_attention` for
     silu_and_mul       pagoda.model.layers.silu_and_mul
     gelu_tanh_and_mul  pagoda.model.layers.gelu_tanh_and_mul
 
+bf16 tensors on the CPU go to Pagoda's fused C++ kernels (`pagoda.kernels.cpu`: one
+pass instead of a chain of small torch calls; decode attention reads the paged cache
+in place) for every function but gelu_tanh_and_mul, and in paged_attention for decodes
+outside batch-invariant mode; other dtypes, or PAGODA_CPU_KERNELS=0, keep the torch path.
+
 An FP8 KV cache (`--kv-cache-dtype fp8`) goes through `fp8_kv_cache` first, on any
 device: writes quantize, attention reads the step's blocks dequantized.
 
@@ -28,6 +33,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from pagoda.kernels import cpu as cpu_kernels
 from pagoda.model import attention as torch_attention
 from pagoda.model import fp8_kv_cache
 from pagoda.model import layers as torch_layers
@@ -52,6 +58,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
         from pagoda.kernels.kv_cache import write_kv_cache as kernel
 
         return kernel(key, value, key_cache, value_cache, slot_mapping)
+    if cpu_kernels.applies(key) and key_cache.dtype == key.dtype:
+        return cpu_kernels.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
     return torch_attention.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
@@ -69,8 +77,15 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
         return kernel(query, key_cache, value_cache, attn_metadata, scale,
                       sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    decode_kernel = None
+    # Prefills stay on SDPA. Under batch invariance a prompt token's attention must not
+    # depend on whether its chunk had one token (a "decode") or more, so decodes stay
+    # on the SDPA path that mode makes round like the prefill one.
+    if (cpu_kernels.applies(query) and key_cache.dtype == query.dtype
+            and not attn_metadata.batch_invariant):
+        decode_kernel = cpu_kernels.paged_decode_attention
     return torch_attention.paged_attention(query, key_cache, value_cache, attn_metadata, scale,
-                                           sliding_window, logits_soft_cap)
+                                           sliding_window, logits_soft_cap, decode_kernel)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -89,6 +104,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         out, new_residual = kernel(x2, weight, eps, residual.reshape(-1, shape[-1]),
                                    unit_offset=unit_offset)
         return out.view(shape), new_residual.view(shape)
+    if cpu_kernels.applies(x) and weight.dtype == x.dtype:
+        return cpu_kernels.rms_norm(x, weight, eps, residual, unit_offset)
     if residual is not None:
         x = x + residual
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
@@ -112,6 +129,8 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
         half = cos.shape[-1] // 2  # narrower than head_dim / 2 under partial rotary
         return kernel(x, cos[:, :half], sin[:, half:])
+    if cpu_kernels.applies(x) and cos.dtype == x.dtype:
+        return cpu_kernels.rotary_embedding(x, cos, sin)
     return torch_rotary.apply_rotary(x, cos, sin)
 
 
@@ -122,6 +141,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
         shape = gate_up.shape
         return kernel(gate_up.reshape(-1, shape[-1])).view(*shape[:-1], shape[-1] // 2)
+    if cpu_kernels.applies(gate_up):
+        return cpu_kernels.silu_and_mul(gate_up)
     return torch_layers.silu_and_mul(gate_up)
 
 

@@ -1,0 +1,120 @@
+"""Fused C++ kernels for the bf16 CPU path (`csrc/pagoda_cpu_ops.cpp`).
+
+A decode step at a few rows is hundreds of small torch calls whose dispatch, allocation
+and thread wake-ups cost more than the arithmetic; each function here does one chain of
+them in one pass. `pagoda.model.ops` and `pagoda.model.attention` call them for bf16
+tensors on the CPU when `available()`; everything else (fp32, fp16, CUDA, an fp8 KV
+cache) keeps the torch path, which stays the reference the tests compare against.
+
+Contracts are those of the torch functions they replace (same arguments, same result
+up to the rounding of reductions, see the C++ file's header); every result row depends
+on its own inputs alone, so the kernels are batch invariant.
+
+`available()` loads the library on first use, compiling it if this machine has none
+(`build.py`; `make install` does that ahead). PAGODA_CPU_KERNELS=0 turns them off; a
+failed build logs one warning and leaves them off.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_loaded: bool | None = None  # None: not tried yet
+
+
+def available() -> bool:
+    """True when the kernels are loaded (compiling them first if needed)."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    with _lock:
+        if _loaded is None:
+            _loaded = _load()
+    return _loaded
+
+
+def _load() -> bool:
+    from pagoda import envs
+
+    if not envs.get("PAGODA_CPU_KERNELS"):
+        return False
+    from pagoda.kernels.cpu import build
+
+    try:
+        torch.ops.load_library(str(build.build()))
+    except Exception as exc:  # noqa: BLE001 - any failure means the torch path
+        logger.warning("Pagoda CPU kernels unavailable, using plain torch ops: %s", exc)
+        return False
+    return True
+
+
+class _RawOps:
+    """The library's ops as their C++ callables (`OpOverload._op`): the Python
+    `torch.ops` wrappers cost several microseconds a call, about a norm's whole work."""
+
+    def __init__(self) -> None:
+        namespace = torch.ops.pagoda_cpu
+        for name in ("rms_norm", "silu_and_mul", "rotary_embedding", "write_kv_cache",
+                     "paged_decode_attention"):
+            overload = getattr(namespace, name).default
+            setattr(self, name, getattr(overload, "_op", overload))
+
+
+_raw: _RawOps | None = None
+
+
+def _ops() -> _RawOps:
+    global _raw
+    if _raw is None:
+        _raw = _RawOps()
+    return _raw
+
+
+def applies(t: torch.Tensor) -> bool:
+    """True when calls on tensors like `t` go to these kernels."""
+    return t.dtype == torch.bfloat16 and t.device.type == "cpu" and available()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None,
+             unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pagoda.model.ops.rms_norm`: (norm(x + residual) * weight, x + residual)."""
+    out, total = _ops().rms_norm(x, residual, weight, eps, unit_offset)
+    return out, (x if residual is None else total)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] -> silu(gate) * up, [..., I]."""
+    return _ops().silu_and_mul(gate_up)
+
+
+def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`pagoda.model.rotary.apply_rotary`: x [T, heads, D] rotated, a new contiguous tensor."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return _ops().rotary_embedding(x, cos.contiguous(), signed_sin.contiguous())
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """`pagoda.model.attention.write_kv_cache`; a slot outside the cache raises."""
+    _ops().write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, sliding_window: int | None,
+                           logits_soft_cap: float | None) -> torch.Tensor:
+    """Decode attention of query [N, H, D] (one token per sequence, at position
+    seq_lens[i] - 1) straight over the paged caches -> [N, H, D]; sequence i's blocks
+    are block_tables[i]. A block id or length outside the cache raises."""
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        block_tables, seq_lens = block_tables.to(torch.int32), seq_lens.to(torch.int32)
+    return _ops().paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                                         scale, sliding_window or 0, logits_soft_cap or 0.0)
