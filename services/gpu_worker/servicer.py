@@ -14,6 +14,7 @@ from pagoda.executor.base import WorkerGroupFailed
 from pagoda.worker.plan_checks import PlanLedger, PlanRejected, load_adapters
 from pagoda.services.common.protocol.worker import model_runner_output_to_proto, scheduler_output_from_proto
 from pagoda.services.gpu_worker.metrics import worker_metrics
+from pagoda.services.gpu_worker.step_thread import StepThread
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self.ledger = ledger
         self.lora_config = lora_config  # --enable-lora's settings, None without
         self.step_lock = threading.Lock()
+        self.step_thread = StepThread()  # every model call: one OpenMP team, see step_thread.py
         self._next_step: int | None = None  # None until the KV cache exists
 
     def GetWorkerInfo(self, request, context) -> pb.GetWorkerInfoResponse:
@@ -46,14 +48,15 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
 
     def DetermineNumBlocks(self, request, context) -> pb.DetermineNumBlocksResponse:
         with self.step_lock:
-            return pb.DetermineNumBlocksResponse(num_blocks=self.runner.determine_num_blocks())
+            num_blocks = self.step_thread.run(self.runner.determine_num_blocks)
+            return pb.DetermineNumBlocksResponse(num_blocks=num_blocks)
 
     def InitializeKvCache(self, request: pb.InitializeKvCacheRequest, context
                           ) -> pb.InitializeKvCacheResponse:
         if request.num_blocks < 1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_blocks must be at least 1")
         with self.step_lock:
-            self.runner.initialize_kv_cache(request.num_blocks)
+            self.step_thread.run(self.runner.initialize_kv_cache, request.num_blocks)
             _forget_requests(self.runner)
             if self.ledger is not None:
                 self.ledger.reset(request.num_blocks)
@@ -71,7 +74,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             plan = self._checked_plan(request, context)
             try:
                 with worker_metrics().execute_model.time():
-                    output = self.runner.execute_model(plan)
+                    output = self.step_thread.run(self.runner.execute_model, plan)
             except WorkerGroupFailed as exc:  # a rank of a TP/PP group died: final
                 context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             except Exception as exc:  # noqa: BLE001 - the state may be half-applied

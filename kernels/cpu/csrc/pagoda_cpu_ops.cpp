@@ -46,6 +46,24 @@ inline __m512 load_bf16x16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// fp32 -> the fp32 value of its bf16 rounding (nearest even; NaN -> bf16's quiet NaN),
+// bit for bit what c10::BFloat16(float) gives.
+inline __m512 round16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  rounded = _mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC00000));
+  return _mm512_castsi512_ps(rounded);
+}
+
+// Stores an already-rounded (round16) vector as 16 bf16.
+inline void store_bf16x16(bf16* p, __m512 rounded) {
+  const __m256i half = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), half);
+}
+
 // e^x, Cephes' expf polynomial (about 1 ulp in fp32); inputs clamped to +-88.37.
 inline __m512 exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)),
@@ -137,6 +155,35 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x_in,
   const float feps = static_cast<float>(eps);
   at::parallel_for(0, rows, grain_rows(hidden * 4), [&](int64_t begin, int64_t end) {
     std::vector<float> s(hidden);
+#if defined(__AVX512F__)
+    if (hidden % 16 == 0) {
+      for (int64_t r = begin; r < end; ++r) {
+        const bf16* xr = xp + r * hidden;
+        __m512 squares = _mm512_setzero_ps();
+        for (int64_t j = 0; j < hidden; j += 16) {
+          __m512 v = load_bf16x16(xr + j);
+          if (res) {
+            v = round16(_mm512_add_ps(v, load_bf16x16(res + r * hidden + j)));
+            store_bf16x16(sp + r * hidden + j, v);
+          }
+          _mm512_storeu_ps(s.data() + j, v);
+          squares = _mm512_fmadd_ps(v, v, squares);
+        }
+        const __m512 inv = _mm512_set1_ps(
+            1.f / std::sqrt(_mm512_reduce_add_ps(squares) / hidden + feps));
+        bf16* orow = op + r * hidden;
+        for (int64_t j = 0; j < hidden; j += 16) {
+          const __m512 normed = _mm512_mul_ps(_mm512_loadu_ps(s.data() + j), inv);
+          const __m512 w = load_bf16x16(wp + j);
+          const __m512 y = unit_offset
+              ? _mm512_mul_ps(normed, _mm512_add_ps(_mm512_set1_ps(1.f), w))
+              : _mm512_mul_ps(w, round16(normed));
+          store_bf16x16(orow + j, round16(y));
+        }
+      }
+      return;
+    }
+#endif
     for (int64_t r = begin; r < end; ++r) {
       const bf16* xr = xp + r * hidden;
       for (int64_t j = 0; j < hidden; ++j) {
@@ -181,12 +228,11 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up_in) {
       bf16* o = op + r * inter;
       int64_t j = 0;
 #if defined(__AVX512F__)
-      alignas(64) float act[16];
       for (; j + 16 <= inter; j += 16) {
         const __m512 x = load_bf16x16(g + j);
         const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-        _mm512_store_ps(act, _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-        for (int64_t l = 0; l < 16; ++l) o[j + l] = round_bf16(f32(round_bf16(act[l])) * f32(u[j + l]));
+        const __m512 act = round16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+        store_bf16x16(o + j, round16(_mm512_mul_ps(act, load_bf16x16(u + j))));
       }
 #endif
       for (; j < inter; ++j) {
@@ -276,6 +322,77 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
     }
   }
 }
+
+#if defined(__AVX512F__)
+constexpr int64_t kMaxGroup = 16, kMaxChunks = 16;  // query heads per KV head; D / 16
+
+// All `group` query heads of one KV head of one sequence (D a multiple of 16, <= 256,
+// group <= kMaxGroup): each key and value row is loaded and widened once for the
+// group. q: [group][dim] fp32; scores: [group][count]; out: [group][dim] bf16 rows
+// `out_stride` apart. Same math as attend_one, per head.
+void attend_group(const float* q, int64_t group, const bf16* kc, const bf16* vc,
+                  const int32_t* table, int64_t first, int64_t len, int64_t block_size,
+                  int64_t token_stride, int64_t head_offset, int64_t dim, float scale,
+                  float cap, float* scores, bf16* out, int64_t out_stride) {
+  const int64_t chunks = dim / 16, count = len - first;
+  auto row = [&](const bf16* cache, int64_t k) {
+    return cache + (static_cast<int64_t>(table[k / block_size]) * block_size + k % block_size) *
+                       token_stride + head_offset;
+  };
+  float max_score[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) max_score[g] = -std::numeric_limits<float>::infinity();
+  __m512 keys[kMaxChunks];
+  for (int64_t k = first; k < len; ++k) {
+    const bf16* key = row(kc, k);
+    for (int64_t c = 0; c < chunks; ++c) keys[c] = load_bf16x16(key + 16 * c);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * dim;
+      __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qg), keys[0]);
+      for (int64_t c = 1; c < chunks; ++c)
+        sum = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), keys[c], sum);
+      float sc = _mm512_reduce_add_ps(sum) * scale;
+      if (cap > 0.f) sc = cap * std::tanh(sc / cap);
+      scores[g * count + (k - first)] = sc;
+      max_score[g] = std::max(max_score[g], sc);
+    }
+  }
+  float inv_total[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * count;
+    const __m512 vmax = _mm512_set1_ps(max_score[g]);
+    __m512 vtotal = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= count; k += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + k), vmax));
+      _mm512_storeu_ps(sg + k, e);
+      vtotal = _mm512_add_ps(vtotal, e);
+    }
+    if (k < count) {  // the tail, masked: lanes past `count` neither read nor written
+      const __mmask16 m = static_cast<__mmask16>((1u << (count - k)) - 1);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + k), vmax));
+      _mm512_mask_storeu_ps(sg + k, m, e);
+      vtotal = _mm512_add_ps(vtotal, _mm512_maskz_mov_ps(m, e));
+    }
+    inv_total[g] = 1.f / _mm512_reduce_add_ps(vtotal);
+  }
+  __m512 acc[kMaxGroup][kMaxChunks];
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t k = first; k < len; ++k) {
+    const bf16* value = row(vc, k);
+    for (int64_t c = 0; c < chunks; ++c) keys[c] = load_bf16x16(value + 16 * c);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * count + (k - first)]);
+      for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_fmadd_ps(p, keys[c], acc[g][c]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const __m512 inv = _mm512_set1_ps(inv_total[g]);
+    for (int64_t c = 0; c < chunks; ++c)
+      store_bf16x16(out + g * out_stride + 16 * c, round16(_mm512_mul_ps(acc[g][c], inv)));
+  }
+}
+#endif
 
 // Decode attention straight over the paged cache: query [N, H, D] (one token per
 // sequence), caches [NB, BS, Hkv, D], block_tables [>= N, W] and seq_lens [>= N] int32.
@@ -409,6 +526,27 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
   const int64_t q0 = query.stride(0), q1 = query.stride(1);
   const int64_t span = window > 0 ? std::min<int64_t>(max_len, window) : max_len;
+#if defined(__AVX512F__)
+  if (dim % 16 == 0 && dim / 16 <= kMaxChunks && group <= kMaxGroup) {
+    at::parallel_for(0, n * kv_heads, grain_rows(span * dim * 2 * group),
+                     [&](int64_t begin, int64_t end) {
+      std::vector<float> q(group * dim), scores(group * span);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t i = task / kv_heads, kvh = task % kv_heads;
+        const int64_t len = lp[i];
+        const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+        for (int64_t g = 0; g < group; ++g) {
+          const bf16* qrow = qp + i * q0 + (kvh * group + g) * q1;
+          for (int64_t d = 0; d < dim; ++d) q[g * dim + d] = f32(qrow[d]);
+        }
+        attend_group(q.data(), group, kc, vc, tp + i * table_stride, first, len, block_size,
+                     token_stride, kvh * dim, dim, fscale, cap, scores.data(),
+                     op + (i * heads + kvh * group) * dim, dim);
+      }
+    });
+    return out;
+  }
+#endif
   at::parallel_for(0, n * heads, grain_rows(span * dim * 2), [&](int64_t begin, int64_t end) {
     std::vector<float> q(dim), acc(dim), scores(span);
     for (int64_t task = begin; task < end; ++task) {

@@ -55,6 +55,12 @@ class ModelRunner:
         from pagoda.sample.sampler import Sampler
 
         torch.manual_seed(self.config.seed)
+        if self.device.type == "cpu":
+            from pagoda.kernels import cpu as cpu_kernels
+            from pagoda.worker import cpu_allocator
+
+            cpu_allocator.tune()
+            cpu_kernels.available()  # builds the fused kernels now, not in the first step
         self.model = load_model(self.config.model, self.config.arch, self.dtype, self.device,
                                 self.parallel, self.config.runner)
         if self.config.gguf_int4:
