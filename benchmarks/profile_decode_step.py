@@ -4,8 +4,8 @@
 
 64 requests with 128-token prompts are prefilled, then `--steps` decode steps of all 64 run
 under cProfile. Each C-level call's own time is put in a bucket by what it is: matmul
-(linear layers and the LM head, bf16 or int4), attention (SDPA and the paged-attention
-reads), gather (index_select/index_copy/cat/stack building K/V and inputs), sampling
+(linear layers and the LM head, bf16 or int4), attention (SDPA, the paged-attention
+reads, the fused CPU decode kernel), gather (index_select/index_copy/cat/stack building K/V and inputs), sampling
 (argmax/softmax/topk and the sampler's Python), norm/activation, other torch ops; the rest
 of the wall time is Python (the scheduler, input building, the model's module calls).
 Prints one JSON object: ms per step by bucket and their shares.
@@ -27,6 +27,14 @@ BUCKETS = {
     "sampling": ("argmax", "topk", "softmax", "sort", "multinomial", "uniform_", "exponential"),
     "norm/activation": ("rms_norm", "silu", "gelu", "mul", "add", "rsqrt"),
 }
+
+
+# pagoda.kernels.cpu's wrappers call the C++ ops through callables cProfile does not
+# see as C calls, so their own time is the kernels' time (plus a line of Python).
+CPU_KERNELS_FILE = "kernels/cpu/__init__.py"
+CPU_KERNEL_BUCKETS = {"paged_decode_attention": "attention", "write_kv_cache": "gather",
+                      "rms_norm": "norm/activation", "silu_and_mul": "norm/activation",
+                      "rotary_embedding": "norm/activation"}
 
 
 def bucket_of(name: str) -> str | None:
@@ -65,6 +73,9 @@ def main() -> int:
     totals = {bucket: 0.0 for bucket in BUCKETS}
     totals["other torch ops"] = 0.0
     for (file, _, name), (_, _, tottime, _, _) in pstats.Stats(profile).stats.items():
+        if file.endswith(CPU_KERNELS_FILE):  # the fused C++ kernels' calls count as theirs
+            totals[CPU_KERNEL_BUCKETS.get(name, "other torch ops")] += tottime
+            continue
         if file != "~":  # Python functions: their own time is Python
             if "sample" in file and "pagoda" in file:
                 totals["sampling"] += tottime

@@ -81,10 +81,13 @@ def serve_sync(
     max_workers: int = 8,
     on_stop: Callable[[], None] | None = None,
     grace: float = 5.0,
+    main_loop: Callable[[threading.Event], None] | None = None,
 ) -> None:
     """Run a thread-pool gRPC server with health checking until SIGTERM/SIGINT.
 
     `servicers`: (add_XServicer_to_server, servicer, full service name) triples.
+    `main_loop(stop)`, if given, runs on the calling thread while the server serves
+    and must return soon after `stop` is set (the gpu-worker's model calls).
     """
     stop = stop_event_on_signals()
     grpc_channels.configure_from_args(args)
@@ -104,6 +107,8 @@ def serve_sync(
     metrics = maybe_start_metrics(metrics_host(args), args.metrics_port,
                                   lambda: not stop.is_set())
     logger.info("%s listening on %s:%d", name, args.host, port)
+    if main_loop is not None:
+        main_loop(stop)
     stop.wait()
     health_servicer.enter_graceful_shutdown()
     server.stop(grace).wait()

@@ -30,6 +30,7 @@ def main(args: argparse.Namespace) -> int:
     from pagoda.engine.arg_utils import EngineArgs
     from pagoda.executor.factory import make_executor
     from pagoda.services.gpu_worker.servicer import WorkerServicer
+    from pagoda.services.gpu_worker.step_thread import StepThread
     from pagoda.worker.plan_checks import PlanLedger
 
     setup_logging("gpu-worker")
@@ -40,8 +41,9 @@ def main(args: argparse.Namespace) -> int:
     logger.info("loaded %s (%s on %s)", config.model, config.dtype, config.device)
     ledger = PlanLedger(0, config.cache.block_size, config.arch.vocab_size,
                         config.scheduler.max_model_len)  # sized by InitializeKvCache
+    step_thread = StepThread()  # served by this (main) thread: see step_thread.py
     servicer = WorkerServicer(executor, config.model, config.dtype, config.device, ledger,
-                              config.lora)
+                              config.lora, step_thread)
     # A worker group's KV export/import is a collective call like a step: one at a time.
     step_lock = servicer.step_lock if config.world_size > 1 else None
     kv_transfer = kv_transfer_servicer(args, config, executor, step_lock)
@@ -50,7 +52,8 @@ def main(args: argparse.Namespace) -> int:
     serve_sync("gpu-worker", args,
                [(pb_grpc.add_WorkerServiceServicer_to_server, servicer, SERVICE_NAME),
                 kv_transfer],
-               max_workers=8, on_stop=executor.shutdown)
+               max_workers=8, on_stop=executor.shutdown,
+               main_loop=step_thread.serve)
     return 0
 
 

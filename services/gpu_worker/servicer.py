@@ -34,21 +34,26 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     state behind, and the worker takes no step until the KV cache is set up again."""
 
     def __init__(self, runner, model: str, dtype: str, device: str,
-                 ledger: PlanLedger | None = None, lora_config=None) -> None:
+                 ledger: PlanLedger | None = None, lora_config=None,
+                 step_thread: StepThread | None = None) -> None:
         self.runner = runner
         self.info = pb.GetWorkerInfoResponse(model=model, dtype=dtype, device=device)
         self.ledger = ledger
         self.lora_config = lora_config  # --enable-lora's settings, None without
         self.step_lock = threading.Lock()
-        self.step_thread = StepThread()  # every model call: one OpenMP team, see step_thread.py
+        # Every model call on one thread (see step_thread.py); None: the calling one.
+        self.step_thread = step_thread
         self._next_step: int | None = None  # None until the KV cache exists
+
+    def _on_step_thread(self, fn, *args):
+        return fn(*args) if self.step_thread is None else self.step_thread.run(fn, *args)
 
     def GetWorkerInfo(self, request, context) -> pb.GetWorkerInfoResponse:
         return self.info
 
     def DetermineNumBlocks(self, request, context) -> pb.DetermineNumBlocksResponse:
         with self.step_lock:
-            num_blocks = self.step_thread.run(self.runner.determine_num_blocks)
+            num_blocks = self._on_step_thread(self.runner.determine_num_blocks)
             return pb.DetermineNumBlocksResponse(num_blocks=num_blocks)
 
     def InitializeKvCache(self, request: pb.InitializeKvCacheRequest, context
@@ -56,7 +61,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         if request.num_blocks < 1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_blocks must be at least 1")
         with self.step_lock:
-            self.step_thread.run(self.runner.initialize_kv_cache, request.num_blocks)
+            self._on_step_thread(self.runner.initialize_kv_cache, request.num_blocks)
             _forget_requests(self.runner)
             if self.ledger is not None:
                 self.ledger.reset(request.num_blocks)
@@ -74,7 +79,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             plan = self._checked_plan(request, context)
             try:
                 with worker_metrics().execute_model.time():
-                    output = self.step_thread.run(self.runner.execute_model, plan)
+                    output = self._on_step_thread(self.runner.execute_model, plan)
             except WorkerGroupFailed as exc:  # a rank of a TP/PP group died: final
                 context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             except Exception as exc:  # noqa: BLE001 - the state may be half-applied

@@ -1,5 +1,6 @@
-"""The gpu-worker's step thread: every model call on one thread, in order, results and
-exceptions handed back to the calling (gRPC pool) thread."""
+"""The gpu-worker's step thread: every model call runs on the thread serving the loop
+(the process's main thread in the worker), in turn; results and exceptions reach the
+calling gRPC pool thread; calls after a stop fail instead of hanging."""
 
 from __future__ import annotations
 
@@ -8,29 +9,39 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from pagoda.services.gpu_worker.step_thread import StepThread
+from pagoda.services.gpu_worker.step_thread import StepThread, StepThreadStopped
 
 
-def test_calls_from_many_threads_run_on_one_thread_in_turn():
+def _serving(step: StepThread) -> tuple[threading.Event, threading.Thread]:
+    stop = threading.Event()
+    loop = threading.Thread(target=step.serve, args=(stop, 0.05), name="serving")
+    loop.start()
+    return stop, loop
+
+
+def test_calls_from_many_threads_run_on_the_serving_thread_in_turn():
     step = StepThread()
     seen, running = [], []
 
     def work(i):
         running.append(i)
         assert len(running) == 1, "two calls overlapped"
-        seen.append(threading.get_ident())
+        seen.append(threading.current_thread().name)
         running.pop()
         return i * 2
 
     with ThreadPoolExecutor(8) as callers:  # like gRPC's handler pool
-        results = list(callers.map(lambda i: step.run(work, i), range(64)))
-    assert results == [i * 2 for i in range(64)]
-    assert len(set(seen)) == 1 and seen[0] != threading.get_ident()
-    step.shutdown()
+        pending = [callers.submit(step.run, work, i) for i in range(64)]  # queued before serving
+        stop, loop = _serving(step)
+        assert [p.result(timeout=10) for p in pending] == [i * 2 for i in range(64)]
+    assert set(seen) == {"serving"}
+    stop.set()
+    loop.join(5)
 
 
-def test_an_exception_reaches_the_caller_and_the_thread_lives_on():
+def test_an_exception_reaches_the_caller_and_the_loop_goes_on():
     step = StepThread()
+    stop, loop = _serving(step)
 
     def fail():
         raise KeyError("boom")
@@ -38,4 +49,8 @@ def test_an_exception_reaches_the_caller_and_the_thread_lives_on():
     with pytest.raises(KeyError, match="boom"):
         step.run(fail)
     assert step.run(lambda: 7) == 7
-    step.shutdown()
+    stop.set()
+    loop.join(5)
+    assert not loop.is_alive()
+    with pytest.raises(StepThreadStopped):  # after the stop: refused, not hung
+        step.run(lambda: 1)
