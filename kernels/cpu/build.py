@@ -4,8 +4,8 @@
 
 The library lands in `<cache>/cpu_kernels/<key>/pagoda_cpu_ops.so`, where <cache> is
 PAGODA_CACHE_DIR, else $XDG_CACHE_HOME/pagoda, else ~/.cache/pagoda, and <key> hashes
-the source, the flags, torch's version and the compiler's version: a change to any of
-them builds a new library beside the old one, and a library is never rebuilt in place.
+the source, the flags, torch's version, the compiler's version and the CPU's model and
+features: a change to any of them builds a new library beside the old one, and a library is never rebuilt in place.
 Invariants: a library path that exists is complete (it is compiled to a temporary name
 and renamed); two processes building at once serialise on a lock file, and the second
 finds the first one's result.
@@ -62,6 +62,17 @@ def _flags() -> list[str]:
             "-ltorch", "-ltorch_cpu", "-lc10"]
 
 
+def _cpu_features() -> str:
+    """This CPU's model and feature flags: a library built with -march=native elsewhere
+    (a shared home directory) must not load here."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    wanted = ("model name", "flags")
+    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
+
+
 def library_path() -> Path:
     """Where the library for this source, torch, compiler and flags lives (built or not)."""
     import torch
@@ -70,7 +81,7 @@ def library_path() -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()
     for part in (SOURCE.read_bytes(), torch.__version__.encode(), version.encode(),
-                 " ".join(_flags()).encode()):
+                 " ".join(_flags()).encode(), _cpu_features().encode()):
         digest.update(part)
     return cache_root() / "cpu_kernels" / digest.hexdigest()[:16] / LIBRARY_NAME
 
