@@ -19,12 +19,13 @@ BASE = ["--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", 
         "--block-size", "16"]
 
 
-def start_pd(model_dir: str, redis_url: str, *extra: str) -> ServeProcess:
+def start_pd(model_dir: str, redis_url: str, *extra: str,
+             env: dict[str, str] | None = None) -> ServeProcess:
     """The cluster, once its gateway routes prefills to the prefill replica: `pagoda serve`
     is up when a replica serves, and until the prefill replica passes its start-up checks
     too, requests fall back to local prefill (which would leave a test's counts short)."""
     serve = ServeProcess([model_dir, *BASE, "--redis-url", redis_url, "--prefill-replicas",
-                          "1", "--decode-replicas", "1", *extra])
+                          "1", "--decode-replicas", "1", *extra], env=env)
 
     def prefilled_remotely() -> bool:
         # A prompt shorter than a block: the prefill replica leases nothing, the request
