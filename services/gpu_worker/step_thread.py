@@ -29,7 +29,7 @@ T = TypeVar("T")
 
 
 class StepThreadStopped(RuntimeError):
-    """No thread is serving model calls (not started yet, or shutting down)."""
+    """The serving loop has stopped (the worker is shutting down): the call never ran."""
 
 
 class StepThread:
