@@ -61,6 +61,10 @@ VARIABLES = {v.name: v for v in [
            "0: the bf16 CPU path runs plain torch ops instead of Pagoda's fused C++ kernels "
            "(RMSNorm, rotary, SiLU-and-mul, KV write, decode attention; built once per "
            "machine into PAGODA_CACHE_DIR, ~/.cache/pagoda by default)."),
+    EnvVar("PAGODA_CPU_PACKED_WEIGHTS", None, _bool, True,
+           "0: bf16 linear layers on the CPU keep their plain weights (F.linear) instead of "
+           "oneDNN-prepacked ones (same results; the prepacked product skips a per-call "
+           "re-layout of the weight)."),
     EnvVar("PAGODA_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING", _bool,
            False, "1: the gateway serves POST /v1/load_lora_adapter and "
            "/v1/unload_lora_adapter (--allow-runtime-lora-updating)."),

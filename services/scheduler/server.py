@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import logging
 import signal
 import uuid
@@ -26,6 +27,9 @@ DEFAULT_PORT = 50052
 # (a long prefill on a slow CPU takes seconds), so only a hung worker reaches it.
 DEFAULT_EXECUTE_MODEL_TIMEOUT_S = 300.0
 SERVICE_NAME = "pagoda.scheduler.v1.SchedulerService"
+# Longest wait for the structured-output backend before reporting SERVING (it takes a
+# few seconds on a loaded 2-core machine).
+GRAMMAR_WARM_UP_WAIT_S = 60.0
 logger = logging.getLogger(__name__)
 
 
@@ -62,7 +66,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from pagoda.engine.arg_utils import EngineArgs
-    from pagoda.engine.engine_core import EngineCore
+    from pagoda.engine.engine_core import EngineCore, make_structured_output_manager
     from pagoda.services.scheduler.metrics import build_recorder
     from pagoda.services.scheduler.worker_executor import GrpcWorkerExecutor
 
@@ -72,10 +76,12 @@ def main(args: argparse.Namespace) -> int:
     config = EngineArgs.from_cli_args(args).create_engine_config()
     executor = GrpcWorkerExecutor(args.worker_addr,
                                   step_timeout=args.execute_model_timeout or None)
-    core = EngineCore(config, executor)
-    # The grammar backend (the tokenizer's vocabulary tables) loads in the background now,
-    # so the first structured-output request does not wait for it.
-    core.structured_output_manager.warm_up()
+    # The grammar backend (the tokenizer's vocabulary tables) loads in the background
+    # while EngineCore waits for the worker, so the first structured-output request does
+    # not wait for it; the replica reports SERVING once it is built (_serve).
+    grammar = make_structured_output_manager(config)
+    grammar.warm_up()
+    core = EngineCore(config, executor, grammar)
     info = model_info(config, args.instance_id or f"{args.host}:{args.port}")
     from pagoda.services.scheduler.kv_role import describe_role, fetch_worker_layout
     role = kv_transfer_config(args)
@@ -91,6 +97,21 @@ def main(args: argparse.Namespace) -> int:
             stats_thread.stop()
         tracing.shutdown_tracing()
     return 0
+
+
+async def _wait_for_grammar_backend(ready: concurrent.futures.Future) -> None:
+    """Before SERVING: a backend still loading (several seconds of tokenizer import and
+    parsing, holding the GIL) would slow this replica's first steps, and it is ready
+    soon. One that failed only fails the structured-output requests, each with the
+    error; one that takes longer than GRAMMAR_WARM_UP_WAIT_S keeps loading behind."""
+    try:
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(ready)),
+                               GRAMMAR_WARM_UP_WAIT_S)
+    except asyncio.TimeoutError:
+        logger.warning("the structured-output backend is still loading after %.0f s; "
+                       "serving without waiting for it", GRAMMAR_WARM_UP_WAIT_S)
+    except Exception as exc:  # noqa: BLE001 - reported, and again to each request
+        logger.warning("the structured-output backend failed to load: %s", exc)
 
 
 def model_info(config, instance_id: str) -> pb.GetModelInfoResponse:
@@ -157,6 +178,7 @@ async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,
     engine.start()
     reaper = (asyncio.ensure_future(servicer.kv_transfer.producer.reap_forever())
               if servicer.kv_transfer.producer is not None else None)
+    await _wait_for_grammar_backend(core.structured_output_manager.warm_up())
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, SERVING)
     stop, force = asyncio.Event(), asyncio.Event()

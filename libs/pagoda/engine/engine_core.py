@@ -28,13 +28,15 @@ class EngineCore:
     `finish_reason` (stop, length or abort).
     """
 
-    def __init__(self, config: EngineConfig, executor: Executor) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor,
+                 structured_output_manager: StructuredOutputManager | None = None) -> None:
         self.config = config
         self.executor = executor
         num_blocks = config.cache.num_gpu_blocks_override or executor.determine_num_blocks()
         executor.initialize_kv_cache(num_blocks)
         config.cache.num_blocks = num_blocks
-        self.structured_output_manager = make_structured_output_manager(config)
+        self.structured_output_manager = (structured_output_manager
+                                          or make_structured_output_manager(config))
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks,
                                    self.structured_output_manager)
         # The plan of the latest `step` (None if it scheduled nothing), for metrics

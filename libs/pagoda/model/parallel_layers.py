@@ -31,6 +31,7 @@ from torch import nn
 
 from pagoda.distributed.communication import all_reduce, gather
 from pagoda.distributed.parallel_state import SINGLE, ParallelContext, kv_head_start
+from pagoda.model import cpu_packed_weights
 from pagoda.model.layers import Embedding, empty_parameter
 from pagoda.model.quantization import new_linear_method
 from pagoda.model.quantization.base import LinearMethodBase, Slice, shard_attrs
@@ -233,7 +234,8 @@ class VocabParallelEmbedding(Embedding):
         """
         logits = int4_logits(self, hidden)  # a GGUF 4-bit head in a small CPU step
         if logits is None:
-            logits = F.linear(hidden, self.weight)
+            packed = self._buffers.get("packed_weight")  # a tied head's packed copy
+            logits = cpu_packed_weights.linear(hidden, self.weight if packed is None else packed)
         parallel = self.parallel
         if parallel.tp_size > 1:
             logits = gather(logits, parallel.tp_group, parallel.tp_size, parallel.tp_rank)

@@ -77,9 +77,10 @@ class StructuredOutputManager:
                              f"engine cannot tell where the reasoning ends.")
         return ids[0], ids[1], parser.starts_in_reasoning
 
-    def warm_up(self) -> None:
-        """Start building the backend now (a served scheduler), not at the first request."""
-        self._backend_future()
+    def warm_up(self) -> Future:
+        """Start building the backend now (a served scheduler), not at the first request;
+        the returned future is done when it is built (or failed: its requests fail)."""
+        return self._backend_future()
 
     def _backend_future(self) -> Future:
         with self._lock:

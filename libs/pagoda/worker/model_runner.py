@@ -51,6 +51,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
+        from pagoda.model import cpu_packed_weights
         from pagoda.model.loader import load_model
         from pagoda.sample.sampler import Sampler
 
@@ -63,11 +64,15 @@ class ModelRunner:
             cpu_kernels.available()  # builds the fused kernels now, not in the first step
         self.model = load_model(self.config.model, self.config.arch, self.dtype, self.device,
                                 self.parallel, self.config.runner)
+        pack_bf16 = cpu_packed_weights.applies(self.device, self.dtype)
         if self.config.gguf_int4:
             from pagoda.model.quantization import gguf_int4
 
-            gguf_int4.pack_small_batch_int4(self.model,
-                                            gguf_int4.gguf_4bit_parts(self.config.model)[1])
+            gguf_int4.pack_small_batch_int4(
+                self.model, gguf_int4.gguf_4bit_parts(self.config.model)[1],
+                gguf_int4.MAX_INT4_ROWS_PACKED if pack_bf16 else gguf_int4.MAX_INT4_ROWS)
+        if pack_bf16:
+            cpu_packed_weights.pack_linear_weights(self.model)
         self.sampler = Sampler()
         if self.config.pooler_config is not None:
             from pagoda.model.pooler import Pooler

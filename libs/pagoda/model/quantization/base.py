@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.model import cpu_packed_weights
+
 # One slice of a tensor: (dim, start, length), applied with `narrow`.
 Slice = tuple[int, int, int]
 
@@ -87,13 +89,14 @@ class LinearMethodBase(ABC):
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
-    """A plain `weight [out, in]` in the model dtype; `F.linear`."""
+    """A plain `weight [out, in]` in the model dtype (on a bf16 CPU, prepacked for
+    oneDNN after loading: `pagoda.model.cpu_packed_weights`); `F.linear`."""
 
     def create_weights(self, layer, input_size, output_size, full_input_size, params_dtype):
         layer.weight = shard_attrs(new_parameter(output_size, input_size, dtype=params_dtype), 0, 1)
 
     def apply(self, layer, x, bias=None):
-        return F.linear(x, layer.weight, bias)
+        return cpu_packed_weights.linear(x, layer.weight, bias)
 
 
 class QuantizationConfig(ABC):

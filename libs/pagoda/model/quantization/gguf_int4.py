@@ -4,9 +4,11 @@ A decode step of a few rows is bound by reading the weights: in bf16, SmolLM2-13
 linear layers read 268 MB per step; packed to 4 bits with a bf16 scale and zero per
 32 inputs they read 75 MB, and torch's `_weight_int4pack_mm_for_cpu` multiplies from
 that form directly (on this 2-core Zen 5: 2.5 ms against 10 ms for the 30 layers at one
-row). With many rows the step is compute-bound and the bf16 product wins (int4 is 14%
-slower at 32 rows), so each layer keeps both forms and picks by the step's row count
-(`MAX_INT4_ROWS`).
+row). With more rows the bf16 product wins, so each layer keeps both forms and picks
+by the step's row count: up to `MAX_INT4_ROWS` rows against `F.linear` (int4 is 14%
+slower at 32 rows), up to `MAX_INT4_ROWS_PACKED` against oneDNN-prepacked bf16 weights
+(`pagoda.model.cpu_packed_weights`, the default; 30 layers at 8 rows: 4.9 ms prepacked
+against 8.1 ms int4, at 1 row 3.6 against 2.3 ms).
 
 Why it is exact for Q4_1: llama.cpp's Q4_1 quantizer maps each block of 32 weights to
 `d * q + m` with `m` the block's minimum and `d = (max - min) / 15`, so the block's
@@ -32,8 +34,10 @@ from pagoda.model.quantization.base import LinearMethodBase, UnquantizedLinearMe
 
 logger = logging.getLogger(__name__)
 GROUP_SIZE = 32
-# Steps of at most this many rows use the 4-bit product (measured crossover ~20 rows).
+# Steps of at most this many rows use the 4-bit product: measured crossovers, ~20 rows
+# against F.linear's bf16 product and ~4 against the prepacked one.
 MAX_INT4_ROWS = 16
+MAX_INT4_ROWS_PACKED = 4
 # GGUF tensor types whose blocks are 32 weights of 4 bits with a scale (and min).
 GGUF_4BIT_TYPES = ("Q4_0", "Q4_1")
 
@@ -79,18 +83,19 @@ def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class SmallBatchInt4Method(LinearMethodBase):
-    """Wraps a layer's unquantized method: steps of at most `MAX_INT4_ROWS` rows
-    multiply from the packed 4-bit copy, larger ones from the bf16 weight."""
+    """Wraps a layer's unquantized method: steps of at most `max_rows` rows multiply
+    from the packed 4-bit copy, larger ones from the bf16 weight."""
 
-    def __init__(self, base: LinearMethodBase) -> None:
+    def __init__(self, base: LinearMethodBase, max_rows: int = MAX_INT4_ROWS) -> None:
         self.base = base
+        self.max_rows = max_rows
 
     def create_weights(self, layer, input_size, output_size, full_input_size, params_dtype):
         self.base.create_weights(layer, input_size, output_size, full_input_size, params_dtype)
 
     def apply(self, layer, x, bias=None):
         rows = x.numel() // x.shape[-1]
-        if rows > MAX_INT4_ROWS or x.dtype != torch.bfloat16:
+        if rows > self.max_rows or x.dtype != torch.bfloat16:
             return self.base.apply(layer, x, bias)
         # The kernel reads its input as a dense [rows, K] matrix: a strided view (a
         # slice of a fused projection's output) would be read wrongly. The buffers are
@@ -126,19 +131,21 @@ def attach_int8(layer: nn.Module, weight: torch.Tensor) -> None:
     layer.register_buffer("int8_scales", scales.to(torch.bfloat16), persistent=False)
 
 
-def pack_small_batch_int4(model: nn.Module, head_form: str | None) -> int:
+def pack_small_batch_int4(model: nn.Module, head_form: str | None,
+                          max_rows: int = MAX_INT4_ROWS) -> int:
     """Give every unquantized bf16 CPU linear layer of `model` its packed copy and
-    switch it to `SmallBatchInt4Method`; with a `head_form`, the LM head (or the tied
-    embedding it reads) gets a packed copy too ("int4" or per-row "int8"), read by its
-    `compute_logits` through `int4_logits`. Returns the
-    number of layers packed."""
+    switch it to `SmallBatchInt4Method` (4-bit for steps of at most `max_rows` rows);
+    with a `head_form`, the LM head (or the tied embedding it reads) gets a packed copy
+    too ("int4" or per-row "int8"), read by its `compute_logits` through `int4_logits`.
+    Runs before `cpu_packed_weights.pack_linear_weights`: it reads the plain weights.
+    Returns the number of layers packed."""
     packed = 0
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if type(method) is UnquantizedLinearMethod and packable(module.weight):
             attach_int4(module, module.weight)
             # Not set_quant_method: that makes new (empty) weights; these stay.
-            module.quant_method = SmallBatchInt4Method(method)
+            module.quant_method = SmallBatchInt4Method(method, max_rows)
             packed += 1
     head = getattr(model, "lm_head", None) or getattr(getattr(model, "model", None),
                                                       "embed_tokens", None)
@@ -148,16 +155,18 @@ def pack_small_batch_int4(model: nn.Module, head_form: str | None) -> int:
             attach_int4(head, head.weight)
         else:
             attach_int8(head, head.weight)
+        head.int4_max_rows = max_rows
         packed += 1
     logger.info("GGUF 4-bit weights: %d linear layers multiply from packed int4 in steps "
-                "of at most %d rows", packed, MAX_INT4_ROWS)
+                "of at most %d rows", packed, max_rows)
     return packed
 
 
 def int4_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
     """The LM head's product from its packed copy (int4 or int8), when it has one and
     the step is small; None otherwise (the caller multiplies by the bf16 weight)."""
-    if hidden.shape[0] > MAX_INT4_ROWS or hidden.dtype != torch.bfloat16:
+    if hidden.shape[0] > getattr(head, "int4_max_rows", MAX_INT4_ROWS) \
+            or hidden.dtype != torch.bfloat16:
         return None
     if getattr(head, "int4_weight", None) is not None:
         return torch._weight_int4pack_mm_for_cpu(hidden.contiguous(), head.int4_weight,
