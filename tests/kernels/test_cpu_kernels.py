@@ -130,6 +130,35 @@ def test_decode_attention_matches_fp32_and_is_batch_invariant(window, cap, head_
         assert torch.equal(alone[0], out[i])
 
 
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_decode_attention_splits_work_without_changing_a_bit(one_thread):
+    """Batches of at least 4 sequences a thread run a task per sequence (whole cache
+    rows), smaller ones a task per KV head: each row's result is the same bits."""
+    torch.manual_seed(1)
+    num_blocks, block_size, kv_heads, heads, head_dim = 96, 16, 2, 8, 64
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=BF16)
+    value_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=BF16)
+    lens = torch.tensor([1, 17, 100, 33, 160, 5, 64, 90], dtype=torch.int32)
+    tables = torch.randperm(num_blocks).int()[:len(lens) * 10].reshape(len(lens), 10)
+    query = torch.randn(len(lens), heads, head_dim, dtype=BF16)
+    out = cpu_kernels.paged_decode_attention(query, key_cache, value_cache, tables, lens,
+                                             0.125, None, None)
+    want = _dense_reference(query, key_cache, value_cache, tables, lens, 0.125, None, None)
+    torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=1e-2)
+    for i in range(len(lens)):
+        alone = cpu_kernels.paged_decode_attention(query[i:i + 1], key_cache, value_cache,
+                                                   tables[i:i + 1], lens[i:i + 1], 0.125,
+                                                   None, None)
+        assert torch.equal(alone[0], out[i])
+
+
 def test_decode_attention_refuses_ids_and_lengths_outside_the_cache():
     key_cache = torch.randn(4, 16, 1, 64, dtype=BF16)
     query = torch.randn(1, 2, 64, dtype=BF16)

@@ -325,71 +325,106 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
 
 #if defined(__AVX512F__)
 constexpr int64_t kMaxGroup = 16, kMaxChunks = 16;  // query heads per KV head; D / 16
+constexpr int64_t kPrefetchRows = 16;  // keys ahead that attend_heads prefetches
 
-// All `group` query heads of one KV head of one sequence (D a multiple of 16, <= 256,
-// group <= kMaxGroup): each key and value row is loaded and widened once for the
-// group. q: [group][dim] fp32; scores: [group][count]; out: [group][dim] bf16 rows
-// `out_stride` apart. Same math as attend_one, per head.
-void attend_group(const float* q, int64_t group, const bf16* kc, const bf16* vc,
-                  const int32_t* table, int64_t first, int64_t len, int64_t block_size,
-                  int64_t token_stride, int64_t head_offset, int64_t dim, float scale,
-                  float cap, float* scores, bf16* out, int64_t out_stride) {
-  const int64_t chunks = dim / 16, count = len - first;
+// KV heads [h0, h1) of one sequence, each with its `group` query heads (D a multiple of
+// 16, <= 256; group <= kMaxGroup). q: [(h1 - h0) * group][dim] fp32, the query heads in
+// order; scores: [(h1 - h0) * group][count] scratch; out: the first query head's bf16
+// row, the others `out_stride` apart. Same math as attend_one, per query head: a key
+// row is loaded and widened once per KV head for its whole group.
+//
+// Memory: a token's row in the cache holds every KV head, so taking all of a sequence's
+// heads in one task reads each key row whole and in order (twice the DRAM throughput of
+// reading one head's 128-byte piece of each row). The rows are scattered over blocks of
+// a cache far larger than the CPU's and the hardware prefetchers do not follow the
+// block table, so rows are prefetched kPrefetchRows keys ahead: keys into L1, values
+// into L2 for the second pass (a sequence's values fit in L2 many times over). A query
+// head's result does not depend on [h0, h1): per head the arithmetic and its order are
+// the same, so the task split never changes an output bit.
+void attend_heads(const float* q, int64_t h0, int64_t h1, int64_t group, const bf16* kc,
+                  const bf16* vc, const int32_t* table, int64_t first, int64_t len,
+                  int64_t block_size, int64_t token_stride, int64_t dim, float scale,
+                  float cap, float* scores, float* max_score, float* inv_total, bf16* out,
+                  int64_t out_stride) {
+  const int64_t chunks = dim / 16, count = len - first, rows = (h1 - h0) * group;
   auto row = [&](const bf16* cache, int64_t k) {
     return cache + (static_cast<int64_t>(table[k / block_size]) * block_size + k % block_size) *
-                       token_stride + head_offset;
+                       token_stride + h0 * dim;
   };
-  float max_score[kMaxGroup];
-  for (int64_t g = 0; g < group; ++g) max_score[g] = -std::numeric_limits<float>::infinity();
+  const int64_t span_bytes = (h1 - h0) * dim * static_cast<int64_t>(sizeof(bf16));
+  auto prefetch = [&](const bf16* cache, int64_t k, int64_t bytes, auto hint) {
+    const char* p = reinterpret_cast<const char*>(row(cache, k));
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, hint);
+  };
+  for (int64_t k = first; k < std::min(len, first + kPrefetchRows); ++k) {
+    prefetch(kc, k, span_bytes, _MM_HINT_T0);
+    prefetch(vc, k, span_bytes, _MM_HINT_T1);
+  }
+  for (int64_t r = 0; r < rows; ++r) max_score[r] = -std::numeric_limits<float>::infinity();
   __m512 keys[kMaxChunks];
   for (int64_t k = first; k < len; ++k) {
-    const bf16* key = row(kc, k);
-    for (int64_t c = 0; c < chunks; ++c) keys[c] = load_bf16x16(key + 16 * c);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = q + g * dim;
-      __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qg), keys[0]);
-      for (int64_t c = 1; c < chunks; ++c)
-        sum = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), keys[c], sum);
-      float sc = _mm512_reduce_add_ps(sum) * scale;
-      if (cap > 0.f) sc = cap * std::tanh(sc / cap);
-      scores[g * count + (k - first)] = sc;
-      max_score[g] = std::max(max_score[g], sc);
+    if (k + kPrefetchRows < len) {
+      prefetch(kc, k + kPrefetchRows, span_bytes, _MM_HINT_T0);
+      prefetch(vc, k + kPrefetchRows, span_bytes, _MM_HINT_T1);
+    }
+    const bf16* key_row = row(kc, k);
+    for (int64_t h = 0; h < h1 - h0; ++h) {
+      const bf16* key = key_row + h * dim;
+      for (int64_t c = 0; c < chunks; ++c) keys[c] = load_bf16x16(key + 16 * c);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = h * group + g;
+        const float* qg = q + r * dim;
+        __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qg), keys[0]);
+        for (int64_t c = 1; c < chunks; ++c)
+          sum = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), keys[c], sum);
+        float sc = _mm512_reduce_add_ps(sum) * scale;
+        if (cap > 0.f) sc = cap * std::tanh(sc / cap);
+        scores[r * count + (k - first)] = sc;
+        max_score[r] = std::max(max_score[r], sc);
+      }
     }
   }
-  float inv_total[kMaxGroup];
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores + g * count;
-    const __m512 vmax = _mm512_set1_ps(max_score[g]);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = scores + r * count;
+    const __m512 vmax = _mm512_set1_ps(max_score[r]);
     __m512 vtotal = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 16 <= count; k += 16) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + k), vmax));
-      _mm512_storeu_ps(sg + k, e);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + k), vmax));
+      _mm512_storeu_ps(sr + k, e);
       vtotal = _mm512_add_ps(vtotal, e);
     }
     if (k < count) {  // the tail, masked: lanes past `count` neither read nor written
       const __mmask16 m = static_cast<__mmask16>((1u << (count - k)) - 1);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + k), vmax));
-      _mm512_mask_storeu_ps(sg + k, m, e);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sr + k), vmax));
+      _mm512_mask_storeu_ps(sr + k, m, e);
       vtotal = _mm512_add_ps(vtotal, _mm512_maskz_mov_ps(m, e));
     }
-    inv_total[g] = 1.f / _mm512_reduce_add_ps(vtotal);
+    inv_total[r] = 1.f / _mm512_reduce_add_ps(vtotal);
   }
-  __m512 acc[kMaxGroup][kMaxChunks];
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t k = first; k < len; ++k) {
-    const bf16* value = row(vc, k);
-    for (int64_t c = 0; c < chunks; ++c) keys[c] = load_bf16x16(value + 16 * c);
-    for (int64_t g = 0; g < group; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * count + (k - first)]);
-      for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_fmadd_ps(p, keys[c], acc[g][c]);
+  const int64_t head_bytes = dim * static_cast<int64_t>(sizeof(bf16));
+  for (int64_t h = 0; h < h1 - h0; ++h) {
+    __m512 acc[kMaxGroup][kMaxChunks];
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t k = first; k < len; ++k) {
+      if (k + kPrefetchRows < len) {
+        const char* p = reinterpret_cast<const char*>(row(vc, k + kPrefetchRows) + h * dim);
+        for (int64_t b = 0; b < head_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+      }
+      const bf16* value = row(vc, k) + h * dim;
+      for (int64_t c = 0; c < chunks; ++c) keys[c] = load_bf16x16(value + 16 * c);
+      for (int64_t g = 0; g < group; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[(h * group + g) * count + (k - first)]);
+        for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_fmadd_ps(p, keys[c], acc[g][c]);
+      }
     }
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    const __m512 inv = _mm512_set1_ps(inv_total[g]);
-    for (int64_t c = 0; c < chunks; ++c)
-      store_bf16x16(out + g * out_stride + 16 * c, round16(_mm512_mul_ps(acc[g][c], inv)));
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 inv = _mm512_set1_ps(inv_total[h * group + g]);
+      for (int64_t c = 0; c < chunks; ++c)
+        store_bf16x16(out + (h * group + g) * out_stride + 16 * c,
+                      round16(_mm512_mul_ps(acc[g][c], inv)));
+    }
   }
 }
 #endif
@@ -528,20 +563,27 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   const int64_t span = window > 0 ? std::min<int64_t>(max_len, window) : max_len;
 #if defined(__AVX512F__)
   if (dim % 16 == 0 && dim / 16 <= kMaxChunks && group <= kMaxGroup) {
-    at::parallel_for(0, n * kv_heads, grain_rows(span * dim * 2 * group),
+    // A task is a whole sequence (every KV head: whole cache rows, see attend_heads)
+    // when there are enough sequences to keep every thread busy, else one KV head of
+    // one. Outputs are the same bits either way.
+    const bool whole = n >= 4 * at::get_num_threads();
+    const int64_t per_task = whole ? kv_heads : 1;
+    at::parallel_for(0, n * kv_heads / per_task, grain_rows(span * dim * 2 * group * per_task),
                      [&](int64_t begin, int64_t end) {
-      std::vector<float> q(group * dim), scores(group * span);
+      std::vector<float> q(per_task * group * dim), scores(per_task * group * span),
+          max_score(per_task * group), inv_total(per_task * group);
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t i = task / kv_heads, kvh = task % kv_heads;
+        const int64_t i = task * per_task / kv_heads, h0 = task * per_task % kv_heads;
         const int64_t len = lp[i];
         const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-        for (int64_t g = 0; g < group; ++g) {
-          const bf16* qrow = qp + i * q0 + (kvh * group + g) * q1;
-          for (int64_t d = 0; d < dim; ++d) q[g * dim + d] = f32(qrow[d]);
+        for (int64_t r = 0; r < per_task * group; ++r) {
+          const bf16* qrow = qp + i * q0 + (h0 * group + r) * q1;
+          for (int64_t d = 0; d < dim; ++d) q[r * dim + d] = f32(qrow[d]);
         }
-        attend_group(q.data(), group, kc, vc, tp + i * table_stride, first, len, block_size,
-                     token_stride, kvh * dim, dim, fscale, cap, scores.data(),
-                     op + (i * heads + kvh * group) * dim, dim);
+        attend_heads(q.data(), h0, h0 + per_task, group, kc, vc, tp + i * table_stride, first,
+                     len, block_size, token_stride, dim, fscale, cap, scores.data(),
+                     max_score.data(), inv_total.data(), op + (i * heads + h0 * group) * dim,
+                     dim);
       }
     });
     return out;
