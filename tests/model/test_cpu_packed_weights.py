@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagoda.model import cpu_packed_weights
+from pagoda.model import cpu_packed_weights, prepack_cpu_weights
 from pagoda.model.kv_cache import allocate_kv_caches
 
 pytestmark = pytest.mark.skipif(not cpu_packed_weights.available(),
@@ -59,7 +59,7 @@ def test_a_packed_model_gives_the_same_logits(tiny_llama_dir, paged_sequences):
     packed = load_model(tiny_llama_dir, arch, torch.bfloat16)
     table = packed.model.embed_tokens.weight.detach().clone()
     # 3 layers x (qkv, o, gate_up, down) and the tied head's copy.
-    assert cpu_packed_weights.pack_linear_weights(packed) == 13
+    assert prepack_cpu_weights.pack_linear_weights(packed) == 13
     layer = packed.model.layers[0]
     assert layer.self_attn.qkv_proj.weight.is_mkldnn and layer.mlp.down_proj.weight.is_mkldnn
     # The tied embedding still looks tokens up in its plain table; its copy is packed.
@@ -69,7 +69,7 @@ def test_a_packed_model_gives_the_same_logits(tiny_llama_dir, paged_sequences):
     for want, got in zip(forward_logits(plain, steps, paged_sequences),
                          forward_logits(packed, steps, paged_sequences)):
         assert torch.equal(want, got)
-    assert cpu_packed_weights.pack_linear_weights(packed) == 0  # packing twice is a no-op
+    assert prepack_cpu_weights.pack_linear_weights(packed) == 0  # packing twice is a no-op
 
 
 def test_an_untied_head_is_packed_in_place():
@@ -80,7 +80,7 @@ def test_an_untied_head_is_packed_in_place():
     model.lm_head.weight.copy_(torch.randn(512, 64))
     hidden = torch.randn(5, 64, dtype=torch.bfloat16)
     want = model.lm_head.compute_logits(hidden)
-    assert cpu_packed_weights.pack_linear_weights(model) == 1
+    assert prepack_cpu_weights.pack_linear_weights(model) == 1
     assert model.lm_head.weight.is_mkldnn  # no plain copy left behind
     assert "packed_weight" not in model.lm_head._buffers
     assert torch.equal(model.lm_head.compute_logits(hidden), want)
@@ -96,7 +96,7 @@ def test_gguf_int4_layers_pack_their_large_step_weight():
     layer.quant_method = UnquantizedLinearMethod()
     plain = layer.weight.detach().clone()
     gguf_int4.pack_small_batch_int4(layer, None, gguf_int4.MAX_INT4_ROWS_PACKED)
-    assert cpu_packed_weights.pack_linear_weights(layer) == 1
+    assert prepack_cpu_weights.pack_linear_weights(layer) == 1
     method = layer.quant_method
     big = torch.randn(gguf_int4.MAX_INT4_ROWS_PACKED + 1, 256, dtype=torch.bfloat16)
     assert torch.equal(method.apply(layer, big), F.linear(big, plain))

@@ -9,7 +9,7 @@ the same oneDNN kernel, so results are bit-equal to `F.linear`'s at every row co
 (and as batch invariant as it is); `tests/model/test_cpu_packed_weights.py` checks
 that with `torch.equal`.
 
-Invariants, once `pack_linear_weights(model)` has run:
+Invariants, once `prepack_cpu_weights.pack_linear_weights(model)` has run:
 - A packed layer's `weight` is the packed tensor (`weight.is_mkldnn`), the same shape
   and dtype as before; the plain copy is freed, so packing costs no memory. Only
   `linear()` (which `UnquantizedLinearMethod.apply` and the LM head call) can multiply
@@ -24,15 +24,10 @@ Invariants, once `pack_linear_weights(model)` has run:
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from pagoda import envs
-
-logger = logging.getLogger(__name__)
 
 
 def available() -> bool:
@@ -59,54 +54,3 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     """A plain bf16 [out, in] weight in oneDNN's layout (the row-count hint only picks
     among equivalent layouts; products are the same at any row count)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
-
-
-def _packable(weight: object) -> bool:
-    return (isinstance(weight, torch.Tensor) and not weight.is_mkldnn and weight.dim() == 2
-            and weight.device.type == "cpu" and weight.dtype == torch.bfloat16)
-
-
-def _multiplies_plain_weight(method: object) -> bool:
-    """The layer's method ends in `UnquantizedLinearMethod.apply` (directly, or as the
-    large-step half of GGUF's small-step int4 method)."""
-    from pagoda.model.quantization.base import UnquantizedLinearMethod
-
-    return type(method) is UnquantizedLinearMethod \
-        or type(getattr(method, "base", None)) is UnquantizedLinearMethod
-
-
-def pack_linear_weights(model: nn.Module) -> int:
-    """Pack every unquantized bf16 CPU linear layer of `model` and its LM head (see the
-    module docstring); returns the number of tensors packed."""
-    packed = 0
-    for module in model.modules():
-        if _multiplies_plain_weight(getattr(module, "quant_method", None)) \
-                and _packable(getattr(module, "weight", None)):
-            module.weight = nn.Parameter(pack(module.weight), requires_grad=False)
-            packed += 1
-    head = _lm_head(model)
-    if head is not None and _packable(head.weight) and "packed_weight" not in head._buffers:
-        if _reads_plain_table(head):
-            head.register_buffer("packed_weight", pack(head.weight), persistent=False)
-        else:
-            head.weight = nn.Parameter(pack(head.weight), requires_grad=False)
-        packed += 1
-    logger.info("CPU bf16: %d weights prepacked for oneDNN", packed)
-    return packed
-
-
-def _lm_head(model: nn.Module) -> nn.Module | None:
-    """The module whose `compute_logits` makes the logits: `lm_head`, or the tied
-    embedding (`model.embed_tokens`) when there is none."""
-    head = getattr(model, "lm_head", None)
-    if head is None:
-        head = getattr(getattr(model, "model", None), "embed_tokens", None)
-    return head if hasattr(head, "compute_logits") else None
-
-
-def _reads_plain_table(head: nn.Module) -> bool:
-    """The head also looks tokens up (a tied embedding); a `ParallelLMHead`, untied or
-    a last pipeline stage's copy of the tied embedding, is only multiplied by."""
-    from pagoda.model.parallel_layers import ParallelLMHead
-
-    return not isinstance(head, ParallelLMHead)

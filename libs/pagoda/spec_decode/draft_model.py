@@ -33,7 +33,7 @@ class DraftModelRunner:
     tokens, so a block id means the same slots in both caches."""
 
     def __init__(self, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> None:
-        from pagoda.model import cpu_packed_weights
+        from pagoda.model import cpu_packed_weights, prepack_cpu_weights
         from pagoda.model.loader import load_arch_config, load_model
 
         spec = config.scheduler.speculative_config
@@ -43,7 +43,7 @@ class DraftModelRunner:
         self.arch.max_model_len = config.scheduler.max_model_len
         self.model = load_model(spec.model, self.arch, dtype, device)
         if cpu_packed_weights.applies(device, dtype):
-            cpu_packed_weights.pack_linear_weights(self.model)
+            prepack_cpu_weights.pack_linear_weights(self.model)
         self.device = device
         self.block_size = config.cache.block_size
         self.batch_invariant = config.batch_invariant

@@ -51,7 +51,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
-        from pagoda.model import cpu_packed_weights
+        from pagoda.model import cpu_packed_weights, prepack_cpu_weights
         from pagoda.model.loader import load_model
         from pagoda.sample.sampler import Sampler
 
@@ -72,7 +72,7 @@ class ModelRunner:
                 self.model, gguf_int4.gguf_4bit_parts(self.config.model)[1],
                 gguf_int4.MAX_INT4_ROWS_PACKED if pack_bf16 else gguf_int4.MAX_INT4_ROWS)
         if pack_bf16:
-            cpu_packed_weights.pack_linear_weights(self.model)
+            prepack_cpu_weights.pack_linear_weights(self.model)
         self.sampler = Sampler()
         if self.config.pooler_config is not None:
             from pagoda.model.pooler import Pooler

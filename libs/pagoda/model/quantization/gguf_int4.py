@@ -137,7 +137,7 @@ def pack_small_batch_int4(model: nn.Module, head_form: str | None,
     switch it to `SmallBatchInt4Method` (4-bit for steps of at most `max_rows` rows);
     with a `head_form`, the LM head (or the tied embedding it reads) gets a packed copy
     too ("int4" or per-row "int8"), read by its `compute_logits` through `int4_logits`.
-    Runs before `cpu_packed_weights.pack_linear_weights`: it reads the plain weights.
+    Runs before `prepack_cpu_weights.pack_linear_weights`: it reads the plain weights.
     Returns the number of layers packed."""
     packed = 0
     for module in model.modules():
