@@ -78,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
                                   step_timeout=args.execute_model_timeout or None)
     # The grammar backend (the tokenizer's vocabulary tables) loads in the background
     # while EngineCore waits for the worker, so the first structured-output request does
-    # not wait for it; the replica reports SERVING once it is built (_serve).
+    # not wait for it; the replica starts serving once it is built (below).
     grammar = make_structured_output_manager(config)
     grammar.warm_up()
     core = EngineCore(config, executor, grammar)
@@ -89,6 +89,9 @@ def main(args: argparse.Namespace) -> int:
     describe_role(info, role, layout)
     args.kv_role_config, args.kv_worker_layout = role, layout
     recorder, stats_thread = build_recorder(config, args)
+    # Before anything of the replica is reachable (the port, the cluster index): once it
+    # takes requests it must be able to drain them on SIGTERM at once.
+    wait_for_grammar_backend(grammar.warm_up())
     try:
         asyncio.run(_serve(args, core, info, config.arch.eos_token_ids, recorder))
     finally:
@@ -99,15 +102,14 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _wait_for_grammar_backend(ready: concurrent.futures.Future) -> None:
-    """Before SERVING: a backend still loading (several seconds of tokenizer import and
+def wait_for_grammar_backend(ready: concurrent.futures.Future) -> None:
+    """Before serving: a backend still loading (several seconds of tokenizer import and
     parsing, holding the GIL) would slow this replica's first steps, and it is ready
     soon. One that failed only fails the structured-output requests, each with the
     error; one that takes longer than GRAMMAR_WARM_UP_WAIT_S keeps loading behind."""
     try:
-        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(ready)),
-                               GRAMMAR_WARM_UP_WAIT_S)
-    except asyncio.TimeoutError:
+        ready.result(timeout=GRAMMAR_WARM_UP_WAIT_S)
+    except concurrent.futures.TimeoutError:
         logger.warning("the structured-output backend is still loading after %.0f s; "
                        "serving without waiting for it", GRAMMAR_WARM_UP_WAIT_S)
     except Exception as exc:  # noqa: BLE001 - reported, and again to each request
@@ -178,7 +180,6 @@ async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,
     engine.start()
     reaper = (asyncio.ensure_future(servicer.kv_transfer.producer.reap_forever())
               if servicer.kv_transfer.producer is not None else None)
-    await _wait_for_grammar_backend(core.structured_output_manager.warm_up())
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, SERVING)
     stop, force = asyncio.Event(), asyncio.Event()
