@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import signal
 import tempfile
+import time
 
 import grpc
 import httpx
@@ -20,6 +21,7 @@ from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb
 from pagoda.services.bench.routing import extra_gateway
 from pagoda.services.cli import serve
 from pagoda.services.cli.local_cluster import LocalCluster, ServiceProcess
+from pagoda.services.gateway.peers import HEALTH_POLL_S
 from pagoda.services.common.redis_server import free_port
 from pagoda.services.kv_cache_manager.index import PrefixIndex
 from serve_cluster import wait_until
@@ -68,6 +70,10 @@ class RoutingCluster:
         except Exception:
             self.stop()
             raise RuntimeError(f"cluster did not come up:\n{self.log_tail()}") from None
+        # Every service answers SERVING, but the gateways route to a replica only from
+        # their next health poll on (every HEALTH_POLL_S once ready): tests that count
+        # which replica served need both known.
+        time.sleep(2 * HEALTH_POLL_S)
         return self
 
     def stop(self) -> None:
