@@ -27,8 +27,8 @@ DEFAULT_PORT = 50052
 # (a long prefill on a slow CPU takes seconds), so only a hung worker reaches it.
 DEFAULT_EXECUTE_MODEL_TIMEOUT_S = 300.0
 SERVICE_NAME = "pagoda.scheduler.v1.SchedulerService"
-# Longest wait for the structured-output backend before reporting SERVING (it takes a
-# few seconds on a loaded 2-core machine).
+# Longest wait for the structured-output backend before the replica opens its port (it
+# takes a few seconds on a loaded 2-core machine).
 GRAMMAR_WARM_UP_WAIT_S = 60.0
 logger = logging.getLogger(__name__)
 

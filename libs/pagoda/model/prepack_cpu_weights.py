@@ -14,6 +14,7 @@ from torch import nn
 from pagoda.model.cpu_packed_weights import pack
 from pagoda.model.parallel_layers import ParallelLMHead
 from pagoda.model.quantization.base import UnquantizedLinearMethod
+from pagoda.model.quantization.gguf_int4 import logits_head
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def pack_linear_weights(model: nn.Module) -> int:
                 and _packable(getattr(module, "weight", None)):
             module.weight = nn.Parameter(pack(module.weight), requires_grad=False)
             packed += 1
-    head = _lm_head(model)
+    head = logits_head(model)
     if head is not None and _packable(head.weight) and "packed_weight" not in head._buffers:
         if _reads_plain_table(head):
             head.register_buffer("packed_weight", pack(head.weight), persistent=False)
@@ -49,15 +50,6 @@ def pack_linear_weights(model: nn.Module) -> int:
         packed += 1
     logger.info("CPU bf16: %d weights prepacked for oneDNN", packed)
     return packed
-
-
-def _lm_head(model: nn.Module) -> nn.Module | None:
-    """The module whose `compute_logits` makes the logits: `lm_head`, or the tied
-    embedding (`model.embed_tokens`) when there is none."""
-    head = getattr(model, "lm_head", None)
-    if head is None:
-        head = getattr(getattr(model, "model", None), "embed_tokens", None)
-    return head if hasattr(head, "compute_logits") else None
 
 
 def _reads_plain_table(head: nn.Module) -> bool:

@@ -147,10 +147,8 @@ def pack_small_batch_int4(model: nn.Module, head_form: str | None,
             # Not set_quant_method: that makes new (empty) weights; these stay.
             module.quant_method = SmallBatchInt4Method(method, max_rows)
             packed += 1
-    head = getattr(model, "lm_head", None) or getattr(getattr(model, "model", None),
-                                                      "embed_tokens", None)
-    if head_form and head is not None and hasattr(head, "compute_logits") \
-            and packable(head.weight):
+    head = logits_head(model)
+    if head_form and head is not None and packable(head.weight):
         if head_form == "int4":
             attach_int4(head, head.weight)
         else:
@@ -160,6 +158,15 @@ def pack_small_batch_int4(model: nn.Module, head_form: str | None,
     logger.info("GGUF 4-bit weights: %d linear layers multiply from packed int4 in steps "
                 "of at most %d rows", packed, max_rows)
     return packed
+
+
+def logits_head(model: nn.Module) -> nn.Module | None:
+    """The module whose `compute_logits` makes the logits: `lm_head`, or the tied
+    embedding (`model.embed_tokens`) when there is none."""
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        head = getattr(getattr(model, "model", None), "embed_tokens", None)
+    return head if hasattr(head, "compute_logits") else None
 
 
 def int4_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
