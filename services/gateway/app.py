@@ -14,24 +14,27 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 import pagoda
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
-from pagoda.services.gateway import lora_routes, openai_routes, pooling_routes
-from pagoda.services.gateway import responses_api, server_routes
-from pagoda.services.gateway.auth import APIKeyMiddleware
-from pagoda.services.gateway.http_metrics import HttpMetricsMiddleware
-from pagoda.services.gateway.lora_modules import LoRARegistry
-from pagoda.services.gateway.body_limit import BodySizeLimitMiddleware
+from pagoda.services.gateway.auth.api_key import APIKeyMiddleware
+from pagoda.services.gateway.disagg.prefix_pull import PrefixPull, PrefixPullOptions
 from pagoda.services.gateway.errors import from_grpc_error, install_error_handlers
-from pagoda.services.gateway.openai_models import (DetokenizeRequest, TokenizeChatRequest,
-                                                   TokenizeCompletionRequest)
-from pagoda.services.gateway.metrics import (ObservabilityMiddleware, PeerMetrics,
-                                             render_cluster_metrics)
-from pagoda.services.gateway.middleware import HttpOptions, install_http_middleware
-from pagoda.services.gateway.peers import Peers
-from pagoda.services.gateway.prefix_pull import PrefixPull, PrefixPullOptions
-from pagoda.services.gateway.router import DEFAULT_POLICY
-from pagoda.services.gateway.router_context import RoutingHeaderMiddleware
+from pagoda.services.gateway.limits.body_limit import BodySizeLimitMiddleware
+from pagoda.services.gateway.lora import routes as lora_routes
+from pagoda.services.gateway.lora.registry import LoRARegistry
+from pagoda.services.gateway.observability.http_metrics import HttpMetricsMiddleware
+from pagoda.services.gateway.observability.metrics import (ObservabilityMiddleware, PeerMetrics,
+                                                           render_cluster_metrics)
+from pagoda.services.gateway.openai import routes as openai_routes
+from pagoda.services.gateway.openai.request_models import (DetokenizeRequest, TokenizeChatRequest,
+                                                           TokenizeCompletionRequest)
+from pagoda.services.gateway.openai.responses_api import routes as responses_api
+from pagoda.services.gateway.pooling import routes as pooling_routes
+from pagoda.services.gateway.routing.context import RoutingHeaderMiddleware
+from pagoda.services.gateway.routing.peers import Peers
+from pagoda.services.gateway.routing.router import DEFAULT_POLICY
 from pagoda.services.gateway.serving_options import ServingOptions
 from pagoda.services.gateway.state import GatewayState
+from pagoda.services.gateway.web import server_routes
+from pagoda.services.gateway.web.cors_request_id import HttpOptions, install_http_middleware
 
 
 def build_app(state: GatewayState, make_peers: Callable[[], Peers],
