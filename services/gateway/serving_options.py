@@ -37,8 +37,10 @@ from typing import Any
 from pagoda.config import DEFAULT_MAX_LOGPROBS
 from pagoda.generation_config import (default_max_tokens, load_generation_defaults,
                                       parse_override)
+from pagoda.reasoning import get_reasoning_parser
 from pagoda.services.gateway.limits.request_limits import RequestLimits, add_limit_args
 from pagoda.services.gateway.openai.responses_api.store import DEFAULT_MAX_STORED_RESPONSES
+from pagoda.services.gateway.openai.tool_parsers import get_tool_parser
 
 request_logger = logging.getLogger("pagoda.services.gateway.requests")
 # Sampling fields a generation config may fill (max_tokens is resolved separately).
@@ -104,9 +106,6 @@ class ServingOptions:
 
     def check_parsers(self) -> None:
         """Unknown parser names, or auto tool choice without a parser: ValueError at start-up."""
-        from pagoda.reasoning import get_reasoning_parser
-        from pagoda.services.gateway.openai.tool_parsers import get_tool_parser
-
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
         if self.tool_call_parser:

@@ -4,6 +4,7 @@ is parsed."""
 from __future__ import annotations
 
 from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagoda.services.gateway.errors import error_body
@@ -48,8 +49,6 @@ class BodySizeLimitMiddleware:
                 await self._refuse(scope, receive, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        from starlette.responses import JSONResponse
-
         response = JSONResponse(error_body(_too_large(self.max_bytes), 413), status_code=413,
                                 headers={"Connection": "close"})
         await response(scope, receive, send)

@@ -21,6 +21,8 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pagoda.services.gateway.errors import APIError
+
 
 MAX_JSON_DEPTH = 32
 
@@ -72,16 +74,12 @@ class RequestLimits:
                       f"{len(messages)} messages", "max-messages")
         for param, value in {"messages": messages, **free_form}.items():
             if json_depth(value, MAX_JSON_DEPTH + 1) > MAX_JSON_DEPTH:
-                from pagoda.services.gateway.errors import APIError
-
                 raise APIError(f"{param} is nested more than {MAX_JSON_DEPTH} levels deep.",
                                param=param)
 
     @staticmethod
     def _at_most(value: int, limit: int, param: str, what: str, flag: str) -> None:
         if value > limit:
-            from pagoda.services.gateway.errors import APIError
-
             raise APIError(f"The request asks for {what}; this server allows at most "
                            f"{limit} (--{flag}).", param=param)
 

@@ -21,6 +21,8 @@ import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from pagoda.services.gateway.routing.discovery_k8s import EndpointSliceWatch
+
 logger = logging.getLogger(__name__)
 DNS_REFRESH_S = 5.0
 # (host, port) -> getaddrinfo-style records; injectable for tests.
@@ -179,8 +181,6 @@ class Discovery:
                 pass
 
         if self._watch_factory is None:
-            from pagoda.services.gateway.routing.discovery_k8s import EndpointSliceWatch
-
             self._watch_factory = EndpointSliceWatch
         for target in pending:
             watch = self._watch_factory(target.k8s_namespace, target.host, on_change)

@@ -48,7 +48,7 @@ def serving_addresses(endpoint_slice) -> list[str]:
 def load_api_client():
     """A kubernetes ApiClient: in-cluster service account, else kubeconfig. Raises
     when neither is available."""
-    from kubernetes import client, config
+    from kubernetes import client, config  # lazy: kubernetes is optional (k8s:// only)
 
     configuration = client.Configuration()
     try:
@@ -100,7 +100,7 @@ class EndpointSliceWatch:
 
     def _run(self) -> None:
         try:
-            from kubernetes import client
+            from kubernetes import client  # lazy: kubernetes is optional (k8s:// only)
 
             api = client.DiscoveryV1Api(load_api_client())
         except Exception as exc:  # no in-cluster config and no kubeconfig
@@ -147,7 +147,7 @@ class EndpointSliceWatch:
 
     def _follow(self, api, version: str) -> None:
         """Apply watch events until the server ends the watch (then list again)."""
-        from kubernetes import watch
+        from kubernetes import watch  # lazy: kubernetes is optional (k8s:// only)
 
         self._watch = watch.Watch()
         if self._stop.is_set():  # stop() ran before this watch existed

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from starlette.datastructures import MutableHeaders
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:  # the CLI imports this module to build its parser: keep it light
@@ -118,8 +119,6 @@ def _client_request_id(scope: Scope) -> str | None:
 
 def install_http_middleware(app: "FastAPI", options: HttpOptions | None) -> None:
     """Add last (after the app's other middleware): these two wrap everything."""
-    from starlette.middleware.cors import CORSMiddleware
-
     options = options or HttpOptions()
     app.add_middleware(RequestIdMiddleware)
     app.add_middleware(CORSMiddleware, allow_origins=options.allowed_origins,
