@@ -98,8 +98,8 @@ def create_app(tokenizer_addr: str, scheduler_addrs: list[str],
     """`router`: the routing policy; `on_fatal`: called if the cluster cannot be
     served correctly (block hashes disagree, a --lora-modules adapter cannot run);
     `options`: vLLM's serving flags (serving_options.py; default: vLLM's defaults);
-    `loras`: the adapters served by name (lora_modules.py; default: none);
-    `prefix_pull`: --kv-prefix-pull (prefix_pull.py; default: off)."""
+    `loras`: the adapters served by name (lora/registry.py; default: none);
+    `prefix_pull`: --kv-prefix-pull (disagg/prefix_pull.py; default: off)."""
     state = GatewayState(None, list(served_model_names or []), api_key,
                          options or ServingOptions(), loras or LoRARegistry())
 

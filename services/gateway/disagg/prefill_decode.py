@@ -7,7 +7,7 @@
            ◄─ the remaining tokens
 
 `DisaggregatedReplica` wraps the decode replica the router chose and looks like it to
-choices.py, so migration, stop strings, logprobs and usage work unchanged. Whatever
+generation/choices.py, so migration, stop strings, logprobs and usage work unchanged. Whatever
 goes wrong on the prefill side before the first token (no prefill replica, it
 refused, it died) the decode replica prefills locally: the client sees no error and
 the fallback is counted. The lease is always released by the gateway when the choice

@@ -177,7 +177,7 @@ async def _migrating_outputs(replica: SchedulerReplica, choice: ChoiceRoute,
                                     "it.", replica.address)
             except ReplicaRefused as error_:
                 if migration is None or not (choice.generated or migration.started):
-                    raise  # nothing streamed yet: router_dispatch.py retries the whole request
+                    raise  # nothing streamed yet: routing/dispatch.py retries the whole request
                 error = error_
             except ReplicaLost as error_:
                 if migration is None:

@@ -12,7 +12,7 @@ the text so far carry over; usage counts each token once, as it reaches the clie
 `Migration` is shared by the choices of one HTTP request: the replicas that failed
 it are excluded for all of them, and `started` tells a choice refused at its first
 attempt whether the request already streamed (then it re-routes alone; before that
-router_dispatch.py retries the whole request). Each choice may migrate at most
+routing/dispatch.py retries the whole request). Each choice may migrate at most
 `--migration-limit` times (default 3); past that, or with no replica left, it fails
 with the error that ended its last replica. Migrations are counted by reason in
 `pagoda_gateway_migrations_total`.

@@ -1,4 +1,4 @@
-"""413 for a request body over `--max-request-body-bytes` (limits.py), before any of it
+"""413 for a request body over `--max-request-body-bytes` (request_limits.py), before any of it
 is parsed."""
 
 from __future__ import annotations

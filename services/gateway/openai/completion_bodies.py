@@ -1,7 +1,7 @@
 """OpenAI response bodies and SSE framing, built as plain dicts (cheap per chunk).
 
 Non-streamed bodies are assembled here from each choice's accumulated deltas
-(`ChoiceText`); streamed chunks are in `chunks.py`.
+(`ChoiceText`); streamed chunks are in `completion_chunks.py`.
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ def check_chat_request(state: GatewayState, body) -> None:
     """What a chat body (completions or /tokenize) may bring: its own chat template only
     when the operator trusts request templates (vLLM's --trust-request-chat-template;
     it then travels in chat_template_kwargs), and messages and free-form fields within
-    the limits (limits.py). Raises APIError (400)."""
+    the limits (limits/request_limits.py). Raises APIError (400)."""
     kwargs = dict(body.chat_template_kwargs or {})
     template = getattr(body, "chat_template", None)
     if template is not None or "chat_template" in kwargs:

@@ -1,7 +1,7 @@
 """Turn one pooling HTTP request into scheduler requests and collect their vectors.
 
 An input list of N texts (or N text pairs) becomes N pooling requests, routed together
-to one replica like the choices of a completion (router_dispatch.py: another replica
+to one replica like the choices of a completion (routing/dispatch.py: another replica
 if it refuses before answering). Each request's `Generate` stream is a single
 `complete` carrying its vector. Inputs are tokenized by the tokenizer service, which
 also truncates them (`truncate_prompt_tokens`) and encodes text pairs with their token

@@ -14,7 +14,7 @@ import contextvars
 from dataclasses import dataclass
 
 INSTANCE_HEADER = "x-pagoda-instance"
-# The prefill replica of a disaggregated request (disagg.py); absent when colocated.
+# The prefill replica of a disaggregated request (disagg/prefill_decode.py); absent when colocated.
 PREFILL_INSTANCE_HEADER = "x-pagoda-prefill-instance"
 SESSION_HEADER = "x-session-id"
 

@@ -8,7 +8,7 @@ the Kubernetes API.
   replicas join and leave with their readiness, as fast as DNS caches allow).
   `dns://authority/name:port` is accepted too; the authority is ignored;
 - `k8s://namespace/service:port`: every serving endpoint of the Service's
-  EndpointSlices, watched through the Kubernetes API (router_discovery_k8s.py): a pod
+  EndpointSlices, watched through the Kubernetes API (discovery_k8s.py): a pod
   marked for deletion stops getting requests at once. Until the API has answered,
   the Service's DNS name `service.namespace.svc` stands in.
 """

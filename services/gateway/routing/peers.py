@@ -3,14 +3,14 @@
 The gateway starts before its peers may be up (as in Kubernetes): a background
 task keeps polling their health, model info and load, and `/health` answers 503
 until the tokenizer and at least one routable scheduler serve. Replicas come
-from `--scheduler-addrs` (router_discovery.py: fixed addresses, or DNS names
+from `--scheduler-addrs` (discovery.py: fixed addresses, or DNS names
 re-resolved every few seconds); one that joins is routable after its first
 successful poll (<= HEALTH_POLL_S), one that leaves DNS or stops serving gets no
 new request, and its channel closes once its last request has ended. With
 `k8s://` discovery a change in the Service's endpoints wakes the poll at once.
 
 When routing uses the prefix index, each replica must first prove that its block
-hashes equal the tokenizer's (router_check.py); a mismatch before the gateway
+hashes equal the tokenizer's (block_hash_check.py); a mismatch before the gateway
 was ever ready is fatal (`on_fatal`), later it only keeps that replica out.
 """
 
@@ -43,11 +43,11 @@ from pagoda.services.gateway.routing.router import DEFAULT_POLICY, Router
 logger = logging.getLogger(__name__)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 HEALTH_POLL_S = 1.0
-# Failures before any output that another replica may retry (router_dispatch.py).
+# Failures before any output that another replica may retry (dispatch.py).
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 # Failures after output that end the replica's part, not the request: it died, stopped
 # answering (keepalive, bounded reads) or drained out of time; the request migrates
-# (migration.py). CANCELLED here is the server's doing: the gateway reads no call it
+# (generation/migration.py). CANCELLED here is the server's doing: the gateway reads no call it
 # cancelled itself.
 MIGRATABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED)
 
@@ -133,7 +133,8 @@ class SchedulerReplica(Peer):
             else self.address
 
     def is_routable(self) -> bool:
-        """Routable for a whole request (a kv_producer replica only prefills: disagg.py)."""
+        """Routable for a whole request (a kv_producer replica only prefills:
+        disagg/prefill_decode.py)."""
         return (self.serving and self.info is not None and self.hashes_agree is True
                 and not self.removed and self.info.kv_role != "kv_producer")
 

@@ -3,7 +3,7 @@
 `PrefixIndexClient` asks the kv-cache-manager for each instance's longest cached
 run of a prompt's block hashes (`LookupPrefix`). The hashes come with the
 prompt's tokenization (`Tokenize` returns them: the schedulers' function and
-seed, checked at start-up by router_check.py), so a text or chat prompt costs no
+seed, checked at start-up by block_hash_check.py), so a text or chat prompt costs no
 extra call; only a prompt the client sent as token ids is hashed here, through
 `Tokenize` too. If either is unavailable it answers None and the router
 weighs load alone; after an UNAVAILABLE it does not ask again for

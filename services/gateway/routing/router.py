@@ -7,7 +7,7 @@ kv_aware (the default) picks the replica with the lowest cost, in tokens of work
             + REQUEST_COST_TOKENS x requests on r               # live load, requests
             + prompt tokens x excess_share(r) / IMBALANCE_TOLERANCE   # herding guard
 
-Cached tokens come from the cluster prefix index (router_prefix.py), looked up
+Cached tokens come from the cluster prefix index (prefix_index.py), looked up
 with the block hashes the tokenizer returned with the prompt's tokens, and bridged
 by the routes this gateway made in the last seconds. Requests on r are the larger of
 what this gateway has in flight there (counted the moment it routes, so a burst
@@ -72,7 +72,7 @@ class RouteRequest:
     # The first prompt's block hashes from its tokenization; None for a prompt sent
     # as token ids (the index client then hashes it when it needs the hashes).
     block_hashes: Sequence[bytes] | None = None
-    # The LoRA adapter it runs with (router_lora.py prefers replicas holding it).
+    # The LoRA adapter it runs with (lora_placement.py prefers replicas holding it).
     lora_request: LoRARequest | None = None
 
     @property
@@ -120,7 +120,7 @@ class Route:
 class Router:
     """Invariant: `route` returns a replica that was routable when the route began
     (one that stopped serving during the index lookup is skipped unless none is
-    left: the retry in router_dispatch.py covers it), and reserves its load before
+    left: the retry in dispatch.py covers it), and reserves its load before
     returning (no await between the choice and the reservation), so concurrent
     routes see each other."""
 

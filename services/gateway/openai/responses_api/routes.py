@@ -1,7 +1,7 @@
 """POST /v1/responses and GET /v1/responses/{id}: OpenAI's Responses API on the chat path.
 
 A request becomes chat messages (instructions, the stored conversation of
-`previous_response_id`, the input) and a chat completion (responses_models.py), which
+`previous_response_id`, the input) and a chat completion (models.py), which
 is tokenized, routed and generated exactly as /v1/chat/completions does. The answer is
 one assistant message item; streamed, it is OpenAI's event sequence:
 
@@ -13,7 +13,7 @@ one assistant message item; streamed, it is OpenAI's event sequence:
 each an SSE `event:` line with its JSON `data:` (carrying `sequence_number`, 0, 1,
 ...). Errors found before generation starts are a plain HTTP error; a failure later
 is an `error` event that ends the stream. With `store` (the default) the finished
-response and its conversation go to the bounded store (response_store.py), where
+response and its conversation go to the bounded store (store.py), where
 `previous_response_id` and GET find them.
 """
 
