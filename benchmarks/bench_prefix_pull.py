@@ -45,7 +45,7 @@ def flag(argv: list[str], name: str) -> str:
 
 
 def _rendezvous(key: str, address: str) -> int:
-    from pagoda.services.gateway.router import _rendezvous as rendezvous
+    from pagoda.services.gateway.routing.router import _rendezvous as rendezvous
 
     return rendezvous(key, address)
 

@@ -22,10 +22,10 @@ from typing import Any
 from pagoda.outputs import EmbeddingRequestOutput, PoolingRequestOutput
 from pagoda.pooling_params import PoolingParams
 from pagoda.services.gateway.errors import APIError
-from pagoda.services.gateway.generation import check_prompt
-from pagoda.services.gateway.pooling_models import EmbeddingRequest
-from pagoda.services.gateway.pooling_routes import encode_vector
-from pagoda.services.gateway.responses import Usage
+from pagoda.services.gateway.generation.fan_out import check_prompt
+from pagoda.services.gateway.openai.completion_bodies import Usage
+from pagoda.services.gateway.pooling.request_models import EmbeddingRequest
+from pagoda.services.gateway.pooling.routes import encode_vector
 
 GENERATION_ONLY = ("The model does not support Embeddings API: it generates text (serve a "
                    "pooling model, or this one with --runner pooling).")

@@ -33,13 +33,14 @@ from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer.truncation import truncate_prompt
 from pagoda.services.cli.batch_embeddings import embedding_body, embedding_prompts
 from pagoda.services.gateway.errors import APIError, validation_message
-from pagoda.services.gateway.generation import check_prompt, resolve_max_tokens
-from pagoda.services.gateway.logprobs import Candidate, TokenLogprob
-from pagoda.services.gateway.pooling_models import EmbeddingRequest
-from pagoda.services.gateway.openai_models import (ChatCompletionRequest, CompletionRequest,
-                                                   SamplingFields)
-from pagoda.services.gateway.responses import (ChoiceText, LogprobsFormat, ResponseHeader, Usage,
-                                               chat_body, completion_body)
+from pagoda.services.gateway.generation.fan_out import check_prompt, resolve_max_tokens
+from pagoda.services.gateway.openai.completion_bodies import (ChoiceText, LogprobsFormat,
+                                                              ResponseHeader, Usage, chat_body,
+                                                              completion_body)
+from pagoda.services.gateway.openai.logprobs import Candidate, TokenLogprob
+from pagoda.services.gateway.openai.request_models import (ChatCompletionRequest, CompletionRequest,
+                                                           SamplingFields)
+from pagoda.services.gateway.pooling.request_models import EmbeddingRequest
 from pagoda.services.gateway.serving_options import ServingOptions
 from pagoda.tokenizer.chat import normalize_messages, render_chat_template
 

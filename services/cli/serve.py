@@ -29,10 +29,10 @@ from pagoda.services.common.grpc_channels import (GrpcTLS, Keepalive, add_genera
                                                   generate_read_flags)
 from pagoda.services.common.grpc_channels import configure_from_args as configure_grpc_tls
 from pagoda.services.common.redis_url import REDIS_PASSWORD_ENV, REDIS_URL_ENV
-from pagoda.services.gateway.middleware import add_http_args, http_flags
-from pagoda.services.gateway.lora_modules import add_lora_args, lora_flags
-from pagoda.services.gateway.prefix_pull import add_prefix_pull_args, prefix_pull_flags
-from pagoda.services.gateway.router import DEFAULT_POLICY, POLICIES
+from pagoda.services.gateway.disagg.prefix_pull import add_prefix_pull_args, prefix_pull_flags
+from pagoda.services.gateway.lora.registry import add_lora_args, lora_flags
+from pagoda.services.gateway.routing.router import DEFAULT_POLICY, POLICIES
+from pagoda.services.gateway.web.cors_request_id import add_http_args, http_flags
 from pagoda.services.tokenizer.server import add_template_limit_args, template_limit_flags
 from pagoda.services.gateway.serving_options import (add_serving_args, add_uvicorn_args,
                                                      gateway_flags)

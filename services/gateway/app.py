@@ -1,4 +1,7 @@
-"""The gateway's FastAPI app: OpenAI routes plus health, models, version, tokenize."""
+"""The gateway's FastAPI app, wired: every room's routes and middleware, in their order.
+
+No route is defined here; each lives in its room (see README.md's map).
+"""
 
 from __future__ import annotations
 
@@ -6,32 +9,30 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
-import grpc
 import httpx
 from fastapi import FastAPI
-from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 import pagoda
-from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
-from pagoda.services.gateway import lora_routes, openai_routes, pooling_routes
-from pagoda.services.gateway import responses_api, server_routes
-from pagoda.services.gateway.auth import APIKeyMiddleware
-from pagoda.services.gateway.http_metrics import HttpMetricsMiddleware
-from pagoda.services.gateway.lora_modules import LoRARegistry
-from pagoda.services.gateway.body_limit import BodySizeLimitMiddleware
-from pagoda.services.gateway.errors import from_grpc_error, install_error_handlers
-from pagoda.services.gateway.openai_models import (DetokenizeRequest, TokenizeChatRequest,
-                                                   TokenizeCompletionRequest)
-from pagoda.services.gateway.metrics import (ObservabilityMiddleware, PeerMetrics,
-                                             render_cluster_metrics)
-from pagoda.services.gateway.middleware import HttpOptions, install_http_middleware
-from pagoda.services.gateway.peers import Peers
-from pagoda.services.gateway.prefix_pull import PrefixPull, PrefixPullOptions
-from pagoda.services.gateway.router import DEFAULT_POLICY
-from pagoda.services.gateway.router_context import RoutingHeaderMiddleware
+from pagoda.services.gateway.auth.api_key import APIKeyMiddleware
+from pagoda.services.gateway.disagg.prefix_pull import PrefixPull, PrefixPullOptions
+from pagoda.services.gateway.errors import install_error_handlers
+from pagoda.services.gateway.limits.body_limit import BodySizeLimitMiddleware
+from pagoda.services.gateway.lora import routes as lora_routes
+from pagoda.services.gateway.lora.registry import LoRARegistry
+from pagoda.services.gateway.observability.http_metrics import HttpMetricsMiddleware
+from pagoda.services.gateway.observability.metrics import ObservabilityMiddleware, PeerMetrics
+from pagoda.services.gateway.observability.routes import monitoring_router
+from pagoda.services.gateway.openai import routes as openai_routes
+from pagoda.services.gateway.openai import tokenize_routes
+from pagoda.services.gateway.openai.responses_api import routes as responses_api
+from pagoda.services.gateway.pooling import routes as pooling_routes
+from pagoda.services.gateway.routing.context import RoutingHeaderMiddleware
+from pagoda.services.gateway.routing.peers import Peers
+from pagoda.services.gateway.routing.router import DEFAULT_POLICY
 from pagoda.services.gateway.serving_options import ServingOptions
 from pagoda.services.gateway.state import GatewayState
+from pagoda.services.gateway.web import server_routes
+from pagoda.services.gateway.web.cors_request_id import HttpOptions, install_http_middleware
 
 
 def build_app(state: GatewayState, make_peers: Callable[[], Peers],
@@ -79,52 +80,8 @@ def build_app(state: GatewayState, make_peers: Callable[[], Peers],
     app.add_middleware(ObservabilityMiddleware)
     app.add_middleware(HttpMetricsMiddleware)  # http_requests_total etc. (vLLM's names)
     install_http_middleware(app, http_options)  # CORS and X-Request-Id wrap everything
-
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if state.peers.is_healthy() else 503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        body = (await render_cluster_metrics(peer_metrics, scraper) if scraper is not None
-                else generate_latest(REGISTRY))
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/version")
-    async def version() -> dict:
-        return {"version": pagoda.__version__}
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeChatRequest | TokenizeCompletionRequest) -> dict:
-        state.check_model(body.model)
-        if isinstance(body, TokenizeChatRequest):
-            openai_routes.check_chat_request(state, body)
-            _, chat = openai_routes.chat_input(body.messages, body.add_generation_prompt,
-                                               body.continue_final_message,
-                                               body.chat_template_kwargs)
-            request = tpb.TokenizeRequest(chat=chat, return_token_strs=body.return_token_strs)
-        else:
-            request = tpb.TokenizeRequest(prompt=body.prompt,
-                                          add_special_tokens=body.add_special_tokens,
-                                          return_token_strs=body.return_token_strs)
-        reply = await openai_routes.tokenize(state, request)
-        result = {"count": len(reply.token_ids), "max_model_len": state.peers.model_info()
-                  .max_model_len, "tokens": list(reply.token_ids)}
-        if body.return_token_strs:
-            result["token_strs"] = list(reply.token_strs)
-        return result
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
-        state.check_model(body.model)
-        state.peers.tokenizer_info()
-        try:
-            reply = await state.peers.tokenizer.stub.Detokenize(
-                tpb.DetokenizeRequest(token_ids=body.tokens, skip_special_tokens=False),
-                timeout=60.0)
-        except grpc.RpcError as exc:
-            raise from_grpc_error(exc, "tokenizer") from None
-        return {"prompt": reply.text}
+    app.include_router(monitoring_router(peer_metrics, scraper))  # /health, /metrics, /version
+    app.include_router(tokenize_routes.router)  # /tokenize, /detokenize
 
     return app
 
@@ -141,8 +98,8 @@ def create_app(tokenizer_addr: str, scheduler_addrs: list[str],
     """`router`: the routing policy; `on_fatal`: called if the cluster cannot be
     served correctly (block hashes disagree, a --lora-modules adapter cannot run);
     `options`: vLLM's serving flags (serving_options.py; default: vLLM's defaults);
-    `loras`: the adapters served by name (lora_modules.py; default: none);
-    `prefix_pull`: --kv-prefix-pull (prefix_pull.py; default: off)."""
+    `loras`: the adapters served by name (lora/registry.py; default: none);
+    `prefix_pull`: --kv-prefix-pull (disagg/prefix_pull.py; default: off)."""
     state = GatewayState(None, list(served_model_names or []), api_key,
                          options or ServingOptions(), loras or LoRARegistry())
 

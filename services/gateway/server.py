@@ -10,11 +10,13 @@ import signal
 from pagoda import envs, tracing
 from pagoda.services.common import grpc_channels
 from pagoda.services.common.logs import setup_logging
-from pagoda.services.gateway.lora_modules import add_lora_args, registry_from_args
-from pagoda.services.gateway.prefix_pull import PrefixPullOptions, add_prefix_pull_args
-from pagoda.services.gateway.router import DEFAULT_POLICY, POLICIES
+from pagoda.services.gateway.disagg.prefix_pull import PrefixPullOptions, add_prefix_pull_args
+from pagoda.services.gateway.lora.registry import add_lora_args, registry_from_args
+from pagoda.services.gateway.observability.metrics import PeerMetrics
+from pagoda.services.gateway.routing.router import DEFAULT_POLICY, POLICIES
 from pagoda.services.gateway.serving_options import (ServingOptions, add_serving_args,
                                                      add_uvicorn_args, uvicorn_kwargs)
+from pagoda.services.gateway.web.cors_request_id import HttpOptions, add_http_args
 
 DEFAULT_PORT = 8000
 logger = logging.getLogger(__name__)
@@ -51,8 +53,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     grpc_channels.add_keepalive_args(parser)
     grpc_channels.add_generate_read_args(parser)  # how long a silent replica is waited for
     tracing.add_cli_args(parser)
-    from pagoda.services.gateway.middleware import add_http_args
-
     add_http_args(parser)  # CORS: --allowed-origins, --allowed-methods, ...
     add_serving_args(parser)  # vLLM's: --max-logprobs, --enable-log-requests, ...
     add_uvicorn_args(parser)  # vLLM's: --ssl-*, --root-path, --uvicorn-log-level
@@ -60,11 +60,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    # lazy: every `pagoda` command imports this module for its flags; the server
+    # (uvicorn, the FastAPI app and all its routes) loads only when the gateway runs.
     import uvicorn
 
-    from pagoda.services.gateway.app import create_app
-    from pagoda.services.gateway.metrics import PeerMetrics
-    from pagoda.services.gateway.middleware import HttpOptions
+    from pagoda.services.gateway.app import create_app  # lazy: as uvicorn, above
 
     setup_logging("gateway")
     options = ServingOptions.from_args(args)  # a bad --generation-config fails here

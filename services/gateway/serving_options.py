@@ -15,13 +15,14 @@
     `--max-log-len` characters/ids.
 Pagoda's own, for a cluster that serves the outside world:
   * `--migration-limit N` (default 3): how often one choice may move to another replica
-    when its replica goes away mid-stream (migration.py); 0 ends it with an error instead;
+    when its replica goes away mid-stream (generation/migration.py); 0 ends it with an error
+    instead;
   * `--shutdown-grace-period S`: on SIGTERM, seconds in-flight streams get to finish
     (the chart derives it from the pod's terminationGracePeriodSeconds);
   * `--trust-request-chat-template` (vLLM's): without it a request that brings its own
     chat template gets a 400;
   * `--metrics-require-key`: /metrics asks for the API key too;
-  * the request limits (limits.py).
+  * the request limits (limits/request_limits.py).
 `add_uvicorn_args`/`uvicorn_kwargs`: `--ssl-keyfile`, `--ssl-certfile`, `--ssl-ca-certs`,
 `--ssl-cert-reqs` (HTTPS), `--root-path` (behind a path-prefix proxy),
 `--uvicorn-log-level` and `--disable-uvicorn-access-log`, handed to uvicorn as vLLM does.
@@ -37,8 +38,10 @@ from typing import Any
 from pagoda.config import DEFAULT_MAX_LOGPROBS
 from pagoda.generation_config import (default_max_tokens, load_generation_defaults,
                                       parse_override)
-from pagoda.services.gateway.response_store import DEFAULT_MAX_STORED_RESPONSES
-from pagoda.services.gateway.limits import RequestLimits, add_limit_args
+from pagoda.reasoning import get_reasoning_parser
+from pagoda.services.gateway.limits.request_limits import RequestLimits, add_limit_args
+from pagoda.services.gateway.openai.responses_api.store import DEFAULT_MAX_STORED_RESPONSES
+from pagoda.services.gateway.openai.tool_parsers import get_tool_parser
 
 request_logger = logging.getLogger("pagoda.services.gateway.requests")
 # Sampling fields a generation config may fill (max_tokens is resolved separately).
@@ -66,14 +69,14 @@ class ServingOptions:
     enable_force_include_usage: bool = False
     enable_log_requests: bool = False
     max_log_len: int | None = None
-    # The Responses API's bounded store (response_store.py); 0: `store` is ignored.
+    # The Responses API's bounded store (openai/responses_api/store.py); 0: `store` is ignored.
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
     migration_limit: int = DEFAULT_MIGRATION_LIMIT
     shutdown_grace_period: float = DEFAULT_SHUTDOWN_GRACE_S
     trust_request_chat_template: bool = False
     metrics_require_key: bool = False
     limits: RequestLimits = field(default_factory=RequestLimits)
-    # Tools and reasoning (tools.py, chat_output.py): --enable-auto-tool-choice with
+    # Tools and reasoning (openai/tools.py, openai/chat_output.py): --enable-auto-tool-choice with
     # --tool-call-parser NAME, --reasoning-parser NAME.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
@@ -104,9 +107,6 @@ class ServingOptions:
 
     def check_parsers(self) -> None:
         """Unknown parser names, or auto tool choice without a parser: ValueError at start-up."""
-        from pagoda.reasoning import get_reasoning_parser
-        from pagoda.services.gateway.tool_parsers import get_tool_parser
-
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
         if self.tool_call_parser:

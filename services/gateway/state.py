@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from pagoda.lora.request import LoRARequest
 from pagoda.services.gateway.errors import APIError
-from pagoda.services.gateway.lora_modules import LoRARegistry
-from pagoda.services.gateway.peers import Peers
+from pagoda.services.gateway.lora.registry import LoRARegistry
+from pagoda.services.gateway.routing.peers import Peers
 from pagoda.services.gateway.serving_options import ServingOptions
 
 

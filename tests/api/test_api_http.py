@@ -10,7 +10,7 @@ import pytest
 from api_fakes import MAX_MODEL_LEN, Gateway
 
 from pagoda.services.cli.main import build_parser
-from pagoda.services.gateway.middleware import HttpOptions, http_flags, parse_list
+from pagoda.services.gateway.web.cors_request_id import HttpOptions, http_flags, parse_list
 
 KEY = "sekret-key"
 ORIGIN = "https://app.example"

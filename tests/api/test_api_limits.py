@@ -13,7 +13,7 @@ import pytest
 from api_fakes import ENGINE_ERROR_TOKEN, QUEUE_FULL_TOKEN, Gateway
 
 from pagoda.services.gateway.errors import from_grpc_error
-from pagoda.services.gateway.limits import RequestLimits, json_depth
+from pagoda.services.gateway.limits.request_limits import RequestLimits, json_depth
 from pagoda.services.gateway.serving_options import ServingOptions
 
 KEY = "k-limits"

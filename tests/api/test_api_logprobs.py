@@ -190,7 +190,8 @@ def test_chat_echo_prepends_the_continued_message(client, stream):
 
 
 def test_infinite_logprobs_are_clamped_in_json():
-    from pagoda.services.gateway.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
+    from pagoda.services.gateway.openai.logprobs import (TokenLogprob, chat_logprobs,
+                                                         completion_logprobs)
 
     tokens = [TokenLogprob(5, "a", float("-inf"), 9)]
     assert completion_logprobs(tokens, 0)["token_logprobs"] == [-9999.0]

@@ -76,7 +76,7 @@ def test_allowed_token_ids_travel_and_are_checked(client, last_request):
 
 
 def test_unknown_fields_are_ignored_with_a_warning(gateway, client, caplog):
-    with caplog.at_level(logging.WARNING, logger="pagoda.services.gateway.openai_models"):
+    with caplog.at_level(logging.WARNING, logger="pagoda.services.gateway.openai.request_models"):
         out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
                                              extra_body={"frobnicate": 3, "use_beam_search": 0})
     assert out.choices[0].message.content

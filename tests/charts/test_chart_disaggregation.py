@@ -158,7 +158,7 @@ def test_the_dist_connector_reaches_both_pools_and_opens_them_to_each_other(char
 
 @pytest.mark.parametrize("discovery", ["k8s", "dns"])
 def test_the_gateway_discovers_both_pools(chart, discovery):
-    from pagoda.services.gateway.router_discovery import parse_scheduler_addrs
+    from pagoda.services.gateway.routing.discovery import parse_scheduler_addrs
 
     rendered = chart.template(values=(VALUES,),
                               sets=(f"gateway.schedulerDiscovery={discovery}",))

@@ -30,7 +30,7 @@ from pagoda.services.bench.routing import extra_gateway
 from pagoda.services.cli import serve
 from pagoda.services.cli.local_cluster import LocalCluster
 from pagoda.services.common.redis_server import free_port
-from pagoda.services.gateway.router import _rendezvous
+from pagoda.services.gateway.routing.router import _rendezvous
 
 pytestmark = pytest.mark.slow
 BS = 16

@@ -92,7 +92,7 @@ def test_kv_transfer_config_parses_vllm_json_and_names_bad_values():
 
 def test_handshake_names_both_sides_values():
     from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
-    from pagoda.services.gateway.disagg import handshake_problem
+    from pagoda.services.gateway.disagg.prefill_decode import handshake_problem
 
     def info(instance, block_size, dtype):
         msg = spb.GetModelInfoResponse(model="m", instance_id=instance)
@@ -107,7 +107,7 @@ def test_handshake_names_both_sides_values():
 
 def test_handshake_compares_connectors_and_dist_devices_but_not_parallel_shapes():
     from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
-    from pagoda.services.gateway.disagg import handshake_problem
+    from pagoda.services.gateway.disagg.prefill_decode import handshake_problem
 
     def info(instance, connector="PagodaConnector", device="cpu", ranks=1):
         msg = spb.GetModelInfoResponse(model="m", instance_id=instance, kv_connector=connector)

@@ -134,7 +134,7 @@ def test_gateway_and_service_metrics_count_exactly(traffic):
     assert t.delta("pagoda_tokenizer_tokens_total", operation="Tokenize") == \
         sum(s.prompt_tokens for s in t.sent)
     # One Tokenize per request, plus two (with and without a salt) for each run of the
-    # gateway's hash self-check (router_check.py) that fell in the window.
+    # gateway's hash self-check (routing/block_hash_check.py) that fell in the window.
     extra = t.delta("pagoda_tokenizer_latency_seconds_count", operation="Tokenize") - len(t.sent)
     assert extra >= 0 and extra % 2 == 0, extra
     assert t.delta("pagoda_worker_execute_model_seconds_count") > 0

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 
 from pagoda.metrics.engine_metrics import EngineMetrics
 from pagoda.services.common.kv_transfer_metrics import KvTransferMetrics
-from pagoda.services.gateway.metrics import GatewayMetrics
+from pagoda.services.gateway.observability.metrics import GatewayMetrics
 from pagoda.services.gpu_worker.metrics import WorkerMetrics
 from pagoda.services.kv_cache_manager.metrics import KvIndexMetrics
 from pagoda.services.scheduler.metrics import KvPublisherMetrics

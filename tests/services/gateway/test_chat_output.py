@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from pagoda.reasoning import get_reasoning_parser
-from pagoda.services.gateway.chat_output import ChatOutput
-from pagoda.services.gateway.tool_parsers import get_tool_parser
+from pagoda.services.gateway.openai.chat_output import ChatOutput
+from pagoda.services.gateway.openai.tool_parsers import get_tool_parser
 
 TEXT = ('I should look up the weather. <tool_call> is the format.</think>\n\n'
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')

@@ -8,7 +8,7 @@ import asyncio
 
 from pagoda.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagoda.sampling_params import SamplingParams
-from pagoda.services.gateway.choices import _finish_with_last_tokens
+from pagoda.services.gateway.generation.choices import _finish_with_last_tokens
 
 EOS, STOP_ID = 2, 7
 

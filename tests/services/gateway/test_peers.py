@@ -17,9 +17,8 @@ from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
 from pagoda.services.common.protocol.scheduler import hash_blocks
 from pagoda.services.common.redis_server import free_port
-from pagoda.services.gateway.peers import Peers
-from pagoda.services.gateway.router_discovery import (Discovery, Target,
-                                                      parse_scheduler_addrs)
+from pagoda.services.gateway.routing.discovery import Discovery, Target, parse_scheduler_addrs
+from pagoda.services.gateway.routing.peers import Peers
 from pagoda.services.tokenizer.servicer import TokenizerServicer
 
 
@@ -225,7 +224,7 @@ def test_a_replica_restarted_between_two_polls_is_described_again(grpc_server_fa
     server = grpc_server_factory(spb_grpc.add_SchedulerServiceServicer_to_server, servicer)
 
     async def run():
-        from pagoda.services.gateway.peers import SchedulerReplica
+        from pagoda.services.gateway.routing.peers import SchedulerReplica
 
         replica = SchedulerReplica(server.address)
         await replica.refresh()

@@ -17,11 +17,11 @@ from pagoda.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagoda.sampling_params import SamplingParams
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2 as kpb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
-from pagoda.services.gateway import prefix_pull
-from pagoda.services.gateway.metrics import gateway_metrics
-from pagoda.services.gateway.prefix_pull import (PrefixPull, PrefixPullOptions,
-                                                 PrefixPullReplica, choose_source)
-from pagoda.services.gateway.router import PrefixLookup, Route, RouteRequest
+from pagoda.services.gateway.disagg import prefix_pull
+from pagoda.services.gateway.disagg.prefix_pull import (PrefixPull, PrefixPullOptions,
+                                                        PrefixPullReplica, choose_source)
+from pagoda.services.gateway.observability.metrics import gateway_metrics
+from pagoda.services.gateway.routing.router import PrefixLookup, Route, RouteRequest
 
 BS = 16
 PROMPT = list(range(1000, 1000 + 10 * BS + 3))  # 10 full blocks, all usable

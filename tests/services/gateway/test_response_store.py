@@ -2,7 +2,7 @@
 
 import pytest
 
-from pagoda.services.gateway.response_store import ResponseStore, StoredResponse
+from pagoda.services.gateway.openai.responses_api.store import ResponseStore, StoredResponse
 
 
 def item(n: int) -> StoredResponse:

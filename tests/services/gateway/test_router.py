@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from pagoda.core.block_hash import hash_request_tokens
-from pagoda.services.gateway.router import Router, RouteRequest, usable_cached_tokens
+from pagoda.services.gateway.routing.router import Router, RouteRequest, usable_cached_tokens
 
 BLOCK = 16
 

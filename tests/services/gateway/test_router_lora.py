@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from pagoda.services.gateway.router_lora import AdapterPlacement
+from pagoda.services.gateway.routing.lora_placement import AdapterPlacement
 
 
 def replica(address: str, held=(), waiting: int = 0, max_cpu_loras: int = 2):

@@ -9,7 +9,7 @@ import pytest
 
 from pagoda.services.cli.main import build_parser
 from pagoda.services.gateway.errors import APIError
-from pagoda.services.gateway.openai_models import ChatCompletionRequest
+from pagoda.services.gateway.openai.request_models import ChatCompletionRequest
 from pagoda.services.gateway.serving_options import (ServingOptions, gateway_flags, route_path,
                                                      uvicorn_kwargs)
 

@@ -6,7 +6,7 @@ import pytest
 
 from pagoda.sampling_params import StructuredOutputsParams
 from pagoda.services.gateway.errors import APIError
-from pagoda.services.gateway.openai_models import ChatCompletionRequest, CompletionRequest
+from pagoda.services.gateway.openai.request_models import ChatCompletionRequest, CompletionRequest
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pagoda.services.gateway.errors import APIError
-from pagoda.services.gateway.openai_models import ChatCompletionRequest
-from pagoda.services.gateway.tools import AUTO_NEEDS_FLAGS, plan_tools
+from pagoda.services.gateway.openai.request_models import ChatCompletionRequest
+from pagoda.services.gateway.openai.tools import AUTO_NEEDS_FLAGS, plan_tools
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 DEFS = {"Unit": {"enum": ["c", "f"]}}

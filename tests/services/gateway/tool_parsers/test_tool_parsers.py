@@ -12,9 +12,9 @@ import random
 
 import pytest
 
-from pagoda.services.gateway.chat_output import ChatOutput
-from pagoda.services.gateway.tool_parsers import PARSERS, get_tool_parser
-from pagoda.services.gateway.tool_parsers.forced import NamedToolParser, RequiredToolParser
+from pagoda.services.gateway.openai.chat_output import ChatOutput
+from pagoda.services.gateway.openai.tool_parsers import PARSERS, get_tool_parser
+from pagoda.services.gateway.openai.tool_parsers.forced import NamedToolParser, RequiredToolParser
 
 WEATHER = {"city": "Paris", "unit": "celsius"}
 NESTED = {"q": "a \"quoted\" }{ string", "filters": {"tags": ["x", "y"], "n": 3}}

@@ -1,0 +1,44 @@
+"""The routes monitors read: GET /health, /metrics and /version.
+
+* `/health`: 200 while the tokenizer and a routable scheduler serve, else 503 (the
+  probes' route: no API key, as auth/api_key.py lists);
+* `/metrics`: this gateway's registry, or with `--peer-metrics` the whole local
+  cluster's (`render_cluster_metrics`, metrics.py), in Prometheus' text format;
+* `/version`: `{"version": pagoda.__version__}`.
+
+One router for the three, registered in this order, after every other room's routes.
+"""
+
+from __future__ import annotations
+
+import httpx
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+import pagoda
+from pagoda.services.gateway.observability.metrics import PeerMetrics, render_cluster_metrics
+
+
+def monitoring_router(peer_metrics: list[PeerMetrics] | None,
+                      scraper: httpx.AsyncClient | None) -> APIRouter:
+    """`scraper`: the client that reads the peers' /metrics (None: this gateway's
+    registry alone); its owner, the app's lifespan, closes it."""
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health(request: Request) -> Response:
+        healthy = request.app.state.gateway.peers.is_healthy()
+        return Response(status_code=200 if healthy else 503)
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        body = (await render_cluster_metrics(peer_metrics, scraper) if scraper is not None
+                else generate_latest(REGISTRY))
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @router.get("/version")
+    async def version() -> dict:
+        return {"version": pagoda.__version__}
+
+    return router

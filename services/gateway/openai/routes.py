@@ -1,0 +1,291 @@
+"""POST /v1/completions and /v1/chat/completions, streamed (SSE) and not."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import AsyncIterator
+
+import grpc
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pagoda.reasoning import get_reasoning_parser
+from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
+from pagoda.services.common.protocol.tokenizer import chat_input_to_proto
+from pagoda.services.gateway.errors import APIError, from_grpc_error, internal_error_message
+from pagoda.services.gateway.generation.fan_out import Generation, Prompt, new_request_id
+from pagoda.services.gateway.openai.chat_output import ChatOutput
+from pagoda.services.gateway.openai.completion_bodies import (DONE, ChoiceText, LogprobsFormat,
+                                                              ResponseHeader, chat_body,
+                                                              completion_body, sse)
+from pagoda.services.gateway.openai.completion_chunks import (ChatChunks, ChunkRenderer,
+                                                              CompletionChunks)
+from pagoda.services.gateway.openai.request_fields import apply_prompt_fields
+from pagoda.services.gateway.openai.request_models import (ChatCompletionRequest, CompletionRequest,
+                                                           SamplingFields)
+from pagoda.services.gateway.openai.tools import plan_tools
+from pagoda.services.gateway.state import GatewayState
+from pagoda.tokenizer.chat import normalize_messages
+
+logger = logging.getLogger(__name__)
+router = APIRouter()
+# How often a non-streamed request checks that its client is still there.
+DISCONNECT_POLL_S = 0.5
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request):
+    state: GatewayState = request.app.state.gateway
+    model = state.check_model(body.model)
+    lora = state.lora_request(model)
+    body.check_common(state.options.max_logprobs)
+    num_prompts = count_prompts(body.prompt)
+    state.options.limits.check_prompts(num_prompts)
+    state.options.limits.check_sampling(body, num_prompts)
+    prompts = await tokenize_prompts(state, body.prompt, body.cache_salt,
+                                     body.add_special_tokens, lora.cache_key if lora else "")
+    await apply_prompt_fields(state, body, prompts, tokenize)  # truncation, bad words
+    if body.echo:
+        await fill_prompt_texts(state, prompts, body.skip_special_tokens)
+    rid, unique = _request_id(request, "cmpl")
+    max_tokens = state.fill_defaults(body, body.max_tokens, prompts)  # --generation-config
+    gen = Generation(state.peers, rid, prompts, body, max_tokens, "prompt", unique,
+                     echo_only=body.echo and body.max_tokens == 0, lora_request=lora)
+    state.options.on_generation(gen)  # usage details, request log
+    head = ResponseHeader(gen.request_id, model)
+    fmt = LogprobsFormat(body.num_logprobs(), body.return_tokens_as_token_ids)
+    echoes = [p.text or "" for p in prompts] if body.echo else None
+    if body.stream:
+        return await stream_response(gen, CompletionChunks(*_renderer_args(head, fmt, gen, body),
+                                                           echoes=echoes), body, request)
+    choices = await collect(gen, request)
+    per_choice = [echoes[i // body.n] for i in range(len(choices))] if echoes else None
+    return JSONResponse(completion_body(head, choices, gen.usage, fmt, per_choice))
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+    state: GatewayState = request.app.state.gateway
+    model = state.check_model(body.model)
+    lora = state.lora_request(model)
+    body.check_common(state.options.max_logprobs)
+    state.options.limits.check_sampling(body, 1)
+    check_chat_request(state, body)
+    output = chat_output(state, body)
+    messages, chat = chat_input(body.messages, body.add_generation_prompt,
+                                body.continue_final_message, body.chat_template_kwargs,
+                                body.tools, body.documents)
+    reply = await tokenize(state, tpb.TokenizeRequest(
+        chat=chat, block_size=state.peers.routing_block_size(), cache_salt=body.cache_salt or "",
+        add_special_tokens=body.add_special_tokens, lora_key=lora.cache_key if lora else ""))
+    rid, unique = _request_id(request, "chatcmpl")
+    prompt = Prompt(list(reply.token_ids), reply.prompt, _hashes(reply))
+    await apply_prompt_fields(state, body, [prompt], tokenize)  # truncation, bad words
+    max_tokens = state.fill_defaults(body, body.requested_max_tokens(), [prompt])
+    gen = Generation(state.peers, rid, [prompt], body, max_tokens, "messages", unique,
+                     lora_request=lora)
+    state.options.on_generation(gen)
+    head = ResponseHeader(gen.request_id, model)
+    fmt = LogprobsFormat(body.num_logprobs(), body.return_tokens_as_token_ids)
+    echo = _chat_echo(messages) if body.echo else ""
+    if body.stream:
+        return await stream_response(gen, ChatChunks(*_renderer_args(head, fmt, gen, body),
+                                                     echo=echo, output=output), body, request)
+    choices = await collect(gen, request)
+    return JSONResponse(chat_body(head, choices, gen.usage, fmt, echo, output))
+
+
+def chat_output(state: GatewayState, body: ChatCompletionRequest) -> ChatOutput:
+    """The reasoning and tool-call stages of the answer (tools.py checks the tools and
+    tool_choice: a 400 for anything malformed). A tool format made of special tokens
+    needs them in the text (vLLM's adjust_request)."""
+    plan = plan_tools(body, state.options.auto_tool_parser)
+    if plan.mode == "auto" and plan.parser.keeps_special_tokens:
+        body.skip_special_tokens = False
+    reasoning = state.options.reasoning_parser
+    return ChatOutput(get_reasoning_parser(reasoning) if reasoning else None, plan.parser)
+
+
+def _request_id(request: Request, prefix: str) -> tuple[str, bool]:
+    """(response id, whether it is unique): built from the X-Request-Id middleware's id;
+    a client's own id may repeat, so the scheduler's ids then get a random suffix."""
+    base = getattr(request.state, "request_id", None)
+    from_client = bool(getattr(request.state, "request_id_from_client", False))
+    return new_request_id(prefix, base), not from_client
+
+
+def _renderer_args(head: ResponseHeader, fmt: LogprobsFormat, gen: Generation,
+                   body: SamplingFields) -> tuple:
+    continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+    return head, fmt, [len(p.token_ids) for p in gen.prompts], gen.n, continuous
+
+
+def chat_input(messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
+               chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+               documents: list[dict] | None = None) -> tuple[list[dict], tpb.ChatInput]:
+    """(the normalized messages, the tokenizer's typed chat input); a 400 naming the
+    field (messages, tools, chat_template_kwargs) for invalid input."""
+    try:
+        messages = normalize_messages(messages)
+        return messages, chat_input_to_proto(messages, add_generation_prompt,
+                                             continue_final_message, chat_template_kwargs, tools,
+                                             documents)
+    except ValueError as exc:
+        param = re.match(r"\w+", str(exc))
+        raise APIError(str(exc), param=param.group(0) if param else "messages") from None
+
+
+def count_prompts(prompt) -> int:
+    """Prompts in a completions `prompt`: a string or a list of token ids is one."""
+    if isinstance(prompt, str) or not prompt or all(isinstance(p, int) for p in prompt):
+        return 1
+    return len(prompt)
+
+
+UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template "
+                      "is not set. Refused request with untrusted chat template.")
+
+
+def check_chat_request(state: GatewayState, body) -> None:
+    """What a chat body (completions or /tokenize) may bring: its own chat template only
+    when the operator trusts request templates (vLLM's --trust-request-chat-template;
+    it then travels in chat_template_kwargs), and messages and free-form fields within
+    the limits (limits/request_limits.py). Raises APIError (400)."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    template = getattr(body, "chat_template", None)
+    if template is not None or "chat_template" in kwargs:
+        if not state.options.trust_request_chat_template:
+            raise APIError(UNTRUSTED_TEMPLATE, param="chat_template")
+        if template is not None:
+            body.chat_template_kwargs = {**kwargs, "chat_template": template}
+    state.options.limits.check_messages(body.messages, chat_template_kwargs=kwargs,
+                                        tools=getattr(body, "tools", None))
+
+
+def _hashes(reply: tpb.TokenizeResponse) -> list[bytes] | None:
+    """The prompt's block hashes, if the tokenization was asked for them."""
+    return list(reply.block_hashes) if reply.block_hashes else None
+
+
+def _chat_echo(messages: list[dict]) -> str:
+    """vLLM's chat echo: the last message's content when it is the assistant's own."""
+    last = messages[-1]
+    return (last.get("content") or "") if last.get("role") == "assistant" else ""
+
+
+async def tokenize(state: GatewayState, request: tpb.TokenizeRequest) -> tpb.TokenizeResponse:
+    state.peers.tokenizer_info()  # 503 until the tokenizer serves
+    try:
+        return await state.peers.tokenizer.stub.Tokenize(request, timeout=60.0)
+    except grpc.RpcError as exc:
+        raise from_grpc_error(exc, "tokenizer") from None
+
+
+async def tokenize_prompts(state: GatewayState, prompt, cache_salt: str | None = None,
+                           add_special_tokens: bool = True, lora_key: str = ""
+                           ) -> list[Prompt]:
+    """A string, a list of strings, token ids, or a list of token-id lists. The first
+    prompt (the one routing looks at) comes back with its block hashes (keyed by the
+    salt and the LoRA adapter's `lora_key`) when routing wants them and it was text;
+    a prompt given as ids is not sent anywhere here."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError("The prompt cannot be empty.", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [Prompt(list(prompt))]
+
+    async def one(p, block_size: int) -> Prompt:
+        if not isinstance(p, str):
+            return Prompt(list(p))
+        reply = await tokenize(state, tpb.TokenizeRequest(
+            prompt=p, add_special_tokens=add_special_tokens, block_size=block_size,
+            cache_salt=cache_salt or "", lora_key=lora_key))
+        return Prompt(list(reply.token_ids), p, _hashes(reply))
+
+    block_size = state.peers.routing_block_size()
+    return list(await asyncio.gather(*(one(p, block_size if i == 0 else 0)
+                                       for i, p in enumerate(prompt))))
+
+
+async def fill_prompt_texts(state: GatewayState, prompts: list[Prompt],
+                            skip_special_tokens: bool) -> None:
+    """Give prompts sent as token ids their text (what `echo` shows)."""
+    vocab = state.peers.tokenizer_info().vocab_size
+    for p in prompts:
+        if p.text is not None or not p.token_ids or not all(0 <= t < vocab for t in p.token_ids):
+            continue  # an invalid prompt is rejected by Generation with a clearer message
+        try:
+            reply = await state.peers.tokenizer.stub.Detokenize(
+                tpb.DetokenizeRequest(token_ids=p.token_ids,
+                                      skip_special_tokens=skip_special_tokens), timeout=60.0)
+        except grpc.RpcError as exc:
+            raise from_grpc_error(exc, "tokenizer") from None
+        p.text = reply.text
+
+
+async def collect(gen: Generation, request: Request) -> list[ChoiceText]:
+    """Run a non-streamed request to the end (or until its client leaves)."""
+
+    async def run() -> list[ChoiceText]:
+        choices = [ChoiceText() for _ in range(gen.num_choices)]
+        async for delta in gen.deltas():
+            choices[delta.index].add(delta)
+        return choices
+
+    return await until_disconnected(run(), request)
+
+
+async def until_disconnected(awaitable, request: Request):
+    """Await `awaitable`, or cancel it if the client goes away (cancelling closes the
+    scheduler streams, which aborts the requests and frees their KV blocks)."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise APIError("The client disconnected.", 499)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def stream_response(gen: Generation, renderer: ChunkRenderer, body: SamplingFields,
+                          request: Request) -> StreamingResponse:
+    """SSE of every delta, then usage (if asked) and `data: [DONE]`.
+
+    The first delta is awaited before the response starts, so errors found on
+    submission (bad input, no replica, a full queue) are a plain HTTP error, not an
+    SSE event. A later failure is an error event, then `data: [DONE]`. A client
+    that leaves aborts the request: while it waits for the first token (here) or
+    mid-stream (Starlette cancels `events`).
+    """
+    deltas = gen.deltas()
+    first = await until_disconnected(anext(deltas), request)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage
+                         or request.app.state.gateway.options.enable_force_include_usage)
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            for chunk in renderer.chunks(first):
+                yield sse(chunk)
+            async for delta in deltas:
+                for chunk in renderer.chunks(delta):
+                    yield sse(chunk)
+            if include_usage:
+                yield sse(renderer.usage_chunk(gen.usage))
+        except APIError as exc:
+            yield sse(exc.body())
+        except Exception as exc:  # noqa: BLE001 (the client gets an error event, never a hang)
+            logger.exception("stream failed")
+            yield sse(APIError(internal_error_message(exc), 500).body())
+        finally:
+            await deltas.aclose()
+        yield DONE
+
+    return StreamingResponse(events(), media_type="text/event-stream")

@@ -1,0 +1,233 @@
+"""Which scheduler replica serves a request: `--router round_robin|least_loaded|kv_aware|session`.
+
+kv_aware (the default) picks the replica with the lowest cost, in tokens of work:
+
+    cost(r) = prompt tokens - tokens r holds cached              # prefill r would do
+            + PENDING_WEIGHT x prefill tokens queued on r       # live load, tokens
+            + REQUEST_COST_TOKENS x requests on r               # live load, requests
+            + prompt tokens x excess_share(r) / IMBALANCE_TOLERANCE   # herding guard
+
+Cached tokens come from the cluster prefix index (prefix_index.py), looked up
+with the block hashes the tokenizer returned with the prompt's tokens, and bridged
+by the routes this gateway made in the last seconds. Requests on r are the larger of
+what this gateway has in flight there (counted the moment it routes, so a burst
+sees its own earlier picks) and what r last reported (GetLoad: every gateway's).
+Queued prefill counts below one (PENDING_WEIGHT): the scheduler batches queued
+prefills together, so they delay a newcomer less than its own prefill would.
+
+The herding guard: a replica that holds popular prefixes serves cheap cache hits,
+so it looks lightly loaded and would attract ever more new prefixes too, until
+it holds more than its cache fits. `excess_share(r)` is how far r's share of
+recently routed requests (decayed over RECENT_TAU_S) is above the fair share,
+relative to it; at IMBALANCE_TOLERANCE (30% above fair) it outweighs a whole
+cached prompt. So new prefixes go where fewer requests went lately, and a
+prefix stays where it is cached until its replica is clearly over its share.
+Ties are broken at random. Without the index (Redis or the kv-cache-manager
+down) the cached term is 0 for all: load-based routing.
+
+least_loaded: fewest requests, then fewest pending tokens. session: the same
+session (the `X-Session-Id` header, else the body's `user`) always lands on the
+same replica while it serves (rendezvous hashing, so a replica leaving moves
+only its own sessions); no session: least-loaded. round_robin: in turn.
+
+The constants were chosen with `pagoda bench routing` (16 prefixes x 4 users,
+2 replicas each caching about half): see the gateway README.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pagoda.lora.request import LoRARequest
+from pagoda.services.gateway.errors import APIError
+from pagoda.services.gateway.routing.lora_placement import AdapterPlacement
+from pagoda.services.gateway.routing.prefix_index import PrefixIndexClient, RecentRoutes
+
+POLICIES = ("round_robin", "least_loaded", "kv_aware", "session")
+DEFAULT_POLICY = "kv_aware"
+# What one request in progress costs a replica, in prefill-token equivalents: its
+# decode steps share the batch with everyone else's prefill.
+REQUEST_COST_TOKENS = 64
+PENDING_WEIGHT = 0.25  # per queued prefill token (batched with ours, so below 1)
+IMBALANCE_TOLERANCE = 0.3  # share above fair at which a whole cached prompt is outweighed
+RECENT_TAU_S = 5.0  # decay of the recent-requests count
+RECENT_PRIOR = 4.0  # requests added to every count: keeps shares calm while traffic is light
+
+
+@dataclass
+class RouteRequest:
+    """What the router needs of one HTTP request (all its choices go to one replica)."""
+
+    prompt_token_ids: Sequence[int]  # the first prompt: prefix affinity
+    num_prompt_tokens: int           # every choice's prompt: load
+    num_requests: int = 1
+    cache_salt: str = ""
+    session_key: str | None = None
+    # The first prompt's block hashes from its tokenization; None for a prompt sent
+    # as token ids (the index client then hashes it when it needs the hashes).
+    block_hashes: Sequence[bytes] | None = None
+    # The LoRA adapter it runs with (lora_placement.py prefers replicas holding it).
+    lora_request: LoRARequest | None = None
+
+    @property
+    def lora_key(self) -> str:
+        return self.lora_request.cache_key if self.lora_request else ""
+
+
+@dataclass
+class PrefixLookup:
+    """What the prefix index said of a routed prompt: its block hashes and, per
+    instance id, the leading blocks it holds (the index and recent routes)."""
+
+    block_hashes: list[bytes]
+    cached_blocks: dict[str, int]
+
+
+@dataclass
+class Route:
+    """A replica chosen for a request, and the load reserved on it until `release`."""
+
+    replica: object  # peers.SchedulerReplica
+    policy: str
+    predicted_cached_tokens: int | None = None  # None: the index was not asked
+    pending_tokens: int = 0
+    num_requests: int = 1
+    prefix: PrefixLookup | None = None  # None: the index was not asked or did not answer
+    _released: bool = field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.replica.num_in_flight += self.num_requests
+        self.replica.num_pending_tokens += self.pending_tokens
+
+    def prefill_done(self) -> None:
+        """The first output arrived: its prompt no longer waits for prefill."""
+        self.replica.num_pending_tokens -= self.pending_tokens
+        self.pending_tokens = 0
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.prefill_done()
+            self.replica.num_in_flight -= self.num_requests
+
+
+class Router:
+    """Invariant: `route` returns a replica that was routable when the route began
+    (one that stopped serving during the index lookup is skipped unless none is
+    left: the retry in dispatch.py covers it), and reserves its load before
+    returning (no await between the choice and the reservation), so concurrent
+    routes see each other."""
+
+    def __init__(self, policy: str = DEFAULT_POLICY, index: PrefixIndexClient | None = None,
+                 rng: random.Random | None = None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown router {policy!r}; choose from {', '.join(POLICIES)}")
+        self.policy = policy
+        self.index = index
+        self.recent_routes = RecentRoutes()
+        self.adapters = AdapterPlacement()
+        self.rng = rng or random.Random()
+        self._turn = itertools.count()
+        self._recent_counts: dict[str, tuple[float, float]] = {}  # address -> (count, when)
+
+    async def route(self, replicas: Sequence, request: RouteRequest, tokenizer_stub=None,
+                    exclude: frozenset[str] = frozenset()) -> Route:
+        """Pick a replica among `replicas` (SchedulerReplica) minus `exclude` (addresses);
+        503 if none can take the request."""
+        live = [r for r in replicas if r.is_routable() and r.address not in exclude]
+        if not live:
+            raise APIError("No scheduler replica is available.", 503)
+        adapter = request.lora_request.lora_name if request.lora_request else None
+        if adapter:
+            live = self.adapters.candidates(live, adapter)
+        cached, hashes = {}, None
+        if self.index is not None and tokenizer_stub is not None:
+            cached, hashes = await self._cached_tokens(live, request, tokenizer_stub)
+            live = [r for r in live if r.is_routable()] or live  # the await let time pass
+        chosen = self._choose(live, request, cached)
+        if adapter:
+            self.adapters.record(chosen.address, adapter)
+        block_size = chosen.info.block_size
+        predicted = None
+        if hashes is not None:
+            predicted = usable_cached_tokens(len(request.prompt_token_ids),
+                                             cached.get(chosen.instance_id, 0), block_size)
+            self.recent_routes.record(hashes, chosen.instance_id, time.monotonic())
+        pending = max(0, request.num_prompt_tokens - (predicted or 0) * request.num_requests)
+        now = time.monotonic()
+        self._recent_counts[chosen.address] = (self.recent_requests(chosen.address, now) + 1.0,
+                                               now)
+        return Route(chosen, self.policy, predicted, pending, request.num_requests,
+                     PrefixLookup(hashes, cached) if hashes is not None else None)
+
+    def recent_requests(self, address: str, now: float) -> float:
+        """Requests routed to `address` lately, each decayed by exp(-age / RECENT_TAU_S)."""
+        count, at = self._recent_counts.get(address, (0.0, now))
+        return count * math.exp(-(now - at) / RECENT_TAU_S)
+
+    def excess_share(self, live: list, now: float) -> dict[str, float]:
+        """address -> how far its recent share is above the fair one (0 if not above)."""
+        recent = {r.address: self.recent_requests(r.address, now) + RECENT_PRIOR for r in live}
+        fair = sum(recent.values()) / len(recent)
+        return {address: max(0.0, n / fair - 1.0) for address, n in recent.items()}
+
+    def _choose(self, live: list, request: RouteRequest, cached: dict[str, int]):
+        if self.policy == "round_robin":
+            ordered = sorted(live, key=lambda r: r.address)
+            return ordered[next(self._turn) % len(ordered)]
+        if self.policy == "session" and request.session_key:
+            return max(live, key=lambda r: _rendezvous(request.session_key, r.address))
+        if self.policy == "kv_aware":
+            prompt_len = len(request.prompt_token_ids)
+            excess = self.excess_share(live, time.monotonic())
+            costs = {r.address: kv_cost(r, prompt_len, cached.get(r.instance_id, 0),
+                                        excess[r.address]) for r in live}
+            best = min(costs.values())
+            return self.rng.choice([r for r in live if costs[r.address] == best])
+        key = {r.address: (r.num_requests(), r.num_pending_tokens) for r in live}
+        best = min(key.values())
+        return self.rng.choice([r for r in live if key[r.address] == best])
+
+    async def _cached_tokens(self, live: list, request: RouteRequest, tokenizer_stub
+                             ) -> tuple[dict[str, int], list[bytes] | None]:
+        """instance id -> cached leading blocks (index and recent routes), and the
+        prompt's block hashes (None when the index could not be asked)."""
+        info = live[0].info  # one model and block size per cluster (the chart sets both once)
+        found = await self.index.lookup(tokenizer_stub, request.prompt_token_ids,
+                                        request.block_hashes, request.cache_salt, info.model,
+                                        info.block_size, request.lora_key)
+        if found is None:
+            return {}, None
+        hashes, blocks = found
+        for instance, n in self.recent_routes.cached_blocks(hashes, time.monotonic()).items():
+            blocks[instance] = max(n, blocks.get(instance, 0))
+        return blocks, hashes
+
+    async def close(self) -> None:
+        if self.index is not None:
+            await self.index.close()
+
+
+def kv_cost(replica, prompt_len: int, cached_blocks: int, excess_share: float = 0.0) -> float:
+    """The kv_aware cost of sending a prompt to `replica` (see the module docstring)."""
+    cached = usable_cached_tokens(prompt_len, cached_blocks, replica.info.block_size)
+    return (prompt_len - cached + PENDING_WEIGHT * replica.num_pending_tokens
+            + REQUEST_COST_TOKENS * replica.num_requests()
+            + prompt_len * excess_share / IMBALANCE_TOLERANCE)
+
+
+def usable_cached_tokens(prompt_len: int, cached_blocks: int, block_size: int) -> int:
+    """Tokens a scheduler can take from its cache: whole blocks, never the prompt's
+    last token (it must be computed to sample the first output)."""
+    return min(cached_blocks, (prompt_len - 1) // block_size) * block_size
+
+
+def _rendezvous(session_key: str, address: str) -> int:
+    digest = hashlib.blake2b(f"{session_key}|{address}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
