@@ -35,14 +35,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.config import DEFAULT_MAX_LOGPROBS
+from pagoda.generation_config import FIELDS as GENERATION_FIELDS
 from pagoda.generation_config import (default_max_tokens, load_generation_defaults,
                                       parse_override)
 from pagoda.services.gateway.response_store import DEFAULT_MAX_STORED_RESPONSES
 from pagoda.services.gateway.limits import RequestLimits, add_limit_args
 
 request_logger = logging.getLogger("pagoda.services.gateway.requests")
-# Sampling fields a generation config may fill (max_tokens is resolved separately).
-_FILLABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# Sampling fields a generation config may fill (max_tokens is resolved separately);
+# the library's one list of them, so a new field is named once.
+_FILLABLE = tuple(name for name in GENERATION_FIELDS.values() if name != "max_tokens")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # Flags that exist on the engine too: `pagoda serve` defines them once (EngineArgs)
 # and passes them on; the gateway on its own defines them here.
