@@ -131,8 +131,7 @@ def test_validate_runs_exactly_once_per_wire_request(monkeypatch):
     assert len(calls) == 1  # the constructor's, none here
 
 
-def test_n_and_finite_floats_from_the_wire():
-    refused(wire(n=2), "n must be 1 in a scheduler request", from_wire=True)
+def test_finite_floats_from_the_wire():
     refused(wire(temperature=math.inf), "temperature must be a finite number", from_wire=True)
     refused(wire(repetition_penalty=math.inf), "repetition_penalty must be a finite",
             from_wire=True)

@@ -37,7 +37,7 @@ def check_request(request: EngineCoreRequest, config: EngineConfig, *,
                   from_wire: bool = False) -> None:
     """Raise ValueError for anything in `request` this engine must not run. `from_wire`:
     the request was decoded from a message, so its params skipped their constructor's
-    checks and its id, `n` and float fields are checked too (the gateway's pydantic
+    checks and its id and float fields are checked too (the gateway's pydantic
     model refuses inf and NaN; a message straight to the scheduler may not)."""
     vocab = config.arch.vocab_size
     if from_wire:
@@ -211,14 +211,12 @@ def check_logit_bias(bias: dict[int, float], vocab_size: int) -> None:
 
 def _check_wire_params(params: SamplingParams) -> None:
     """What the constructor would have checked (a wire decoder skipped it), once; and
-    what the gateway's HTTP model refuses before params exist: n > 1 (the gateway fans
-    out) and inf or NaN in any float field (found by type: a new field needs no edit)."""
+    what the gateway's HTTP model refuses before params exist: inf or NaN in any float
+    field (found by type: a new field needs no edit). `n` never travels (the gateway
+    fans out): a decoded request has n = 1."""
     params.validate()
     if params.structured_outputs is not None:
         params.structured_outputs.validate()
-    if params.n != 1:
-        raise ValueError(f"n must be 1 in a scheduler request (the gateway fans out), "
-                         f"got {params.n}.")
     for f in fields(params):
         value = getattr(params, f.name)
         if isinstance(value, float) and not math.isfinite(value):

@@ -17,9 +17,9 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from pagoda.sampling_params import check_bad_words
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
 from pagoda.services.gateway.errors import APIError
-from pagoda.sampling_params import check_bad_words
 from pagoda.tokenizer.bad_words import bad_word_texts, bad_words_token_ids
 from pagoda.tokenizer.truncation import truncate_prompt
 
