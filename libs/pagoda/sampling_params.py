@@ -1,8 +1,11 @@
 """Sampling parameters, with vLLM's field names, defaults and validation.
 
-Validated once, where a request enters the system: the constructor (the gateway's
-HTTP body, the offline `LLM`). A wire decoder rebuilds already-validated params
-with `from_validated`, which normalises but does not check again.
+Validated once per trust boundary: the constructor checks its own values (the
+gateway's HTTP body, the offline `LLM`); a wire decoder rebuilds params with
+`from_validated`, which normalises but does not check, and the receiving boundary
+runs `validate()` once in its request check (`pagoda.request_checks`, the
+scheduler). Checks against the model (vocabulary, lengths, --max-logprobs) are
+`pagoda.request_checks`'; the worker trusts its scheduler for both.
 """
 
 from __future__ import annotations
@@ -108,10 +111,12 @@ class StructuredOutputsParams:
 class SamplingParams:
     """How to sample the completion(s) of one prompt.
 
-    Invariant: an instance has passed `validate()`, here (the constructor) or in the
-    process that sent it (`from_validated`); every invalid value raises `ValueError`
-    whose message names the field (e.g. ``temperature``). A new field needs no
-    converter code: the wire converters go by `dataclasses.fields` and field name.
+    Invariant: an instance has passed `validate()`, here (the constructor) or at the
+    trust boundary that decoded it (`from_validated`, then `pagoda.request_checks`);
+    every invalid value raises `ValueError` whose message names the field (e.g.
+    ``temperature``). A new field needs no converter code: the wire converters go by
+    `dataclasses.fields` and field name (libs/pagoda/README.md, "Adding a sampling
+    parameter").
     """
 
     n: int = 1
@@ -232,8 +237,7 @@ class SamplingParams:
                    "allowed_token_ids is not None and empty!")
             _check(all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
                    "allowed_token_ids", "allowed_token_ids contains out-of-vocab token id!")
-        _check(all(isinstance(w, str) and w for w in self.bad_words or ()), "bad_words",
-               "bad_words must be a list of non-empty strings.")
+        check_bad_words(self.bad_words or ())
         _check(all(isinstance(w, list) and w and all(isinstance(t, int) and t >= 0 for t in w)
                    for w in self.bad_words_token_ids or ()), "bad_words_token_ids",
                "bad_words_token_ids must be non-empty lists of token ids.")
@@ -251,6 +255,13 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def check_bad_words(bad_words: list[str]) -> None:
+    """The rule on `bad_words` as a client writes them (the gateway checks them before
+    it encodes them, ahead of building the params)."""
+    _check(all(isinstance(w, str) and w for w in bad_words), "bad_words",
+           "bad_words must be a list of non-empty strings.")
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:

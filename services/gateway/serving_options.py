@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.config import DEFAULT_MAX_LOGPROBS
+from pagoda.generation_config import FIELDS as GENERATION_FIELDS
 from pagoda.generation_config import (default_max_tokens, load_generation_defaults,
                                       parse_override)
 from pagoda.reasoning import get_reasoning_parser
@@ -44,8 +45,9 @@ from pagoda.services.gateway.openai.responses_api.store import DEFAULT_MAX_STORE
 from pagoda.services.gateway.openai.tool_parsers import get_tool_parser
 
 request_logger = logging.getLogger("pagoda.services.gateway.requests")
-# Sampling fields a generation config may fill (max_tokens is resolved separately).
-_FILLABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# Sampling fields a generation config may fill (max_tokens is resolved separately);
+# the library's one list of them, so a new field is named once.
+_FILLABLE = tuple(name for name in GENERATION_FIELDS.values() if name != "max_tokens")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # Flags that exist on the engine too: `pagoda serve` defines them once (EngineArgs)
 # and passes them on; the gateway on its own defines them here.

@@ -15,9 +15,9 @@ import grpc
 
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as pb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from pagoda.engine.request_checks import check_lora, check_request
 from pagoda.lora.request import LoRARequest
 from pagoda.messages import EngineCoreOutput
+from pagoda.request_checks import check_lora, check_request
 from pagoda.services.common.protocol.scheduler import (MIGRATION_REASON_KEY, hash_blocks,
                                                        outputs_to_responses, request_from_proto)
 from pagoda.services.scheduler.engine_loop import EngineLoop, QueueFull
@@ -44,8 +44,8 @@ class _RequestStream:
 class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     """Invariant: a request is in `_streams` from its acceptance until its handler
     exits; a handler that exits before the request finished aborts it. Every request
-    is checked (`check_request`) before the engine sees it: a bad one is refused
-    INVALID_ARGUMENT and the replica serves on."""
+    is checked once (`check_request`, the replica's trust boundary) before the engine
+    sees it: a bad one is refused INVALID_ARGUMENT and the replica serves on."""
 
     def __init__(self, engine: EngineLoop, model_info: pb.GetModelInfoResponse,
                  default_eos_token_ids: list[int]) -> None:
@@ -111,7 +111,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             core_request = request_from_proto(request)
             if not core_request.eos_token_ids:
                 core_request.eos_token_ids = list(self.default_eos)
-            check_request(core_request, self.engine.core.config)
+            check_request(core_request, self.engine.core.config, from_wire=True)
         except (ValueError, TypeError, AssertionError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         rid = core_request.request_id

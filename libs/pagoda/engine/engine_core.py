@@ -50,7 +50,8 @@ class EngineCore:
                     config.cache.block_size, num_blocks * config.cache.block_size)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        validate_request(request, self.config, self.scheduler.kv_cache_manager.pool.num_blocks)
+        """Queue a request its caller has checked (`pagoda.request_checks.check_request`:
+        the scheduler service and the offline `LLMEngine`, once each)."""
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -130,65 +131,10 @@ def make_structured_output_manager(config: EngineConfig) -> StructuredOutputMana
     vocabulary tables) is loaded only when a constraint or a reasoning parser needs it."""
 
     def load_tokenizer():
+        # lazy: transformers, loaded only when a grammar or a reasoning parser needs it
         from pagoda.tokenizer.loader import load_tokenizer as load
 
         return load(config.model, config.tokenizer)
 
     return StructuredOutputManager(config.structured_outputs, config.arch.vocab_size,
                                    load_tokenizer, config.arch.eos_token_ids)
-
-
-def validate_request(request: EngineCoreRequest, config: EngineConfig, num_blocks: int) -> None:
-    """Reject what could never be served, with vLLM's wording, before it is queued."""
-    num_prompt = len(request.prompt_token_ids)
-    max_len = config.scheduler.max_model_len
-    if num_prompt == 0:
-        raise ValueError("The prompt cannot be empty.")
-    if request.priority != 0 and config.scheduler.policy != "priority":
-        raise ValueError(f"Got priority {request.priority} but Priority scheduling is not "
-                         f"enabled.")
-    vocab = config.arch.vocab_size
-    bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"Token id {bad[0]} is out of vocabulary (vocab size {vocab}).")
-    if validate_pooling_request(request, config):
-        pass  # prefill only: the prompt may fill the whole context
-    elif num_prompt >= max_len:
-        raise ValueError(
-            f"The decoder prompt (length {num_prompt}) is longer than the maximum model length "
-            f"of {max_len}. Make sure that `max_model_len` is no smaller than the number of "
-            f"text tokens plus one.")
-    # A request that can never fit the KV cache would be preempted forever.
-    max_total = min(num_prompt + (request.sampling_params.max_tokens or max_len), max_len)
-    window = config.cache.sliding_window
-    if window is not None:  # blocks before the window are released as it runs
-        max_total = min(max_total, window - 1 + config.scheduler.max_num_batched_tokens
-                        + 2 * config.cache.block_size)
-    capacity = num_blocks * config.cache.block_size
-    if max_total > capacity:
-        raise ValueError(f"The request needs up to {max_total} tokens of KV cache, more than "
-                         f"this replica holds ({capacity} tokens).")
-
-
-def validate_pooling_request(request: EngineCoreRequest, config: EngineConfig) -> bool:
-    """True for a pooling request, whose params are then completed for the model
-    (`PoolingParams.verify`); ValueError for a request the runner cannot serve (a
-    generation request on a pooling model, or the reverse) or a prompt too long."""
-    params = request.pooling_params
-    if config.runner != "pooling":
-        if params is not None:
-            raise ValueError("This model generates text (--runner generate); it does not "
-                             "answer pooling requests (embeddings, classification, scores).")
-        return False
-    if params is None:
-        raise ValueError("This model is a pooling model (--runner pooling): it answers "
-                         "embedding, classification and score requests, not text generation.")
-    pooler = config.pooler_config
-    params.verify(params.task or pooler.task, pooler, config.served_model_name[0]
-                  if config.served_model_name else config.model)
-    num_prompt, max_len = len(request.prompt_token_ids), config.scheduler.max_model_len
-    if num_prompt > max_len:
-        raise ValueError(f"This model's maximum context length is {max_len} tokens. However, "
-                         f"you requested {num_prompt} tokens in the input for embedding "
-                         "generation. Please reduce the length of the input.")
-    return True

@@ -15,10 +15,10 @@ from pagoda.messages import EngineCoreRequest, FinishReason
 from pagoda.engine.engine_core import EngineCore
 from pagoda.executor.factory import make_executor
 from pagoda.engine.output_processor import OutputProcessor, ParentRequest
-from pagoda.engine.request_checks import check_logprobs_limit, check_lora
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from pagoda.pooling_params import PREFILL_ONLY, PoolingParams
+from pagoda.request_checks import check_request
 from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -46,21 +46,25 @@ class LLMEngine:
                 raise ValueError("Either a prompt or prompt_token_ids is required.")
             prompt_token_ids = self.tokenizer.encode(prompt)
         request_id = request_id or str(next(self._ids))
-        check_lora(lora_request, self.config)
         if isinstance(params, PoolingParams):
-            self.core.add_request(EngineCoreRequest(request_id, list(prompt_token_ids),
-                                                    PREFILL_ONLY, cache_salt=cache_salt,
-                                                    pooling_params=params, priority=priority))
+            request = EngineCoreRequest(request_id, list(prompt_token_ids), PREFILL_ONLY,
+                                        cache_salt=cache_salt, pooling_params=params,
+                                        priority=priority)
+            check_request(request, self.config)
+            self.core.add_request(request)
             self._pooling[request_id] = list(prompt_token_ids)
             return request_id
-        check_logprobs_limit(params, self.config.max_logprobs)
         prompt_token_ids, params = apply_prompt_fields(prompt_token_ids, params, self.tokenizer,
                                                        self.config.scheduler.max_model_len,
                                                        self.config.arch.vocab_size)
+        eos = self.config.arch.eos_token_ids
+        # The n children differ only in their ids and seeds: one check covers them all.
+        check_request(EngineCoreRequest(request_id, list(prompt_token_ids), params, eos,
+                                        cache_salt=cache_salt, priority=priority,
+                                        lora_request=lora_request), self.config)
         parent = ParentRequest(request_id, prompt, list(prompt_token_ids), params)
         child_ids = self.output_processor.add_request(parent)
-        eos = self.config.arch.eos_token_ids
-        try:
+        try:  # the scheduler still refuses a duplicate id or a grammar it cannot compile
             for index, child_id in enumerate(child_ids):
                 child_params = params
                 if params.n > 1 and params.seed is not None:
@@ -116,7 +120,7 @@ def apply_prompt_fields(prompt_token_ids: list[int], params: SamplingParams, tok
                         max_model_len: int, vocab_size: int) -> tuple[list[int], SamplingParams]:
     """What the gateway does where it tokenizes, done here for offline requests:
     `truncate_prompt_tokens` keeps the prompt's last tokens, `bad_words` become
-    `bad_words_token_ids`, and `allowed_token_ids` must lie in the vocabulary."""
+    `bad_words_token_ids` (`check_request` then checks the request once)."""
     from pagoda.tokenizer.bad_words import bad_words_token_ids
     from pagoda.tokenizer.truncation import truncate_prompt
 
@@ -126,6 +130,4 @@ def apply_prompt_fields(prompt_token_ids: list[int], params: SamplingParams, tok
         params = params.clone(bad_words_token_ids=bad_words_token_ids(
             params.bad_words, lambda text: tokenizer.encode(text, add_special_tokens=False),
             vocab_size) or None)
-    if params.allowed_token_ids and not all(t < vocab_size for t in params.allowed_token_ids):
-        raise ValueError("allowed_token_ids contains out-of-vocab token id!")
     return prompt_token_ids, params

@@ -1,12 +1,19 @@
 """A worker's check of each step's plan before anything of it is applied.
 
 The model runner trusts its plan: a block id past the cache, a token id past the
-vocabulary, a diff for a request it never saw or a logprobs count past the vocabulary
-would raise deep inside a step (after some state was already changed) or, worse,
-silently read another request's KV. `PlanLedger` mirrors what the worker holds for
+vocabulary (an out-of-range embedding index: on a GPU a device assert that ends the
+process), a position past `max_model_len`, a diff for a request it never saw would
+raise deep inside a step (after some state was already changed) or, worse, silently
+read another request's KV. `PlanLedger` mirrors what the worker holds for
 each request (known tokens, blocks, computed tokens) from the plans it accepted and
 the tokens it sampled, and `check` refuses a plan that does not fit it, naming the
 request at fault (`PlanRejected`), before the runner sees any of it.
+
+Only the plan's own invariants live here (step ids in the servicer; block ids, token
+spans, draft rows, token ids and lengths against the model's tables here). A request's
+rules (sampling params, logprobs, per-token tables) are the scheduler's, checked once
+at its trust boundary (`pagoda.request_checks`); a value they let through that still
+fails a step is the step-recovery path's (`pagoda.core.step_quarantine`).
 
 Invariant: between steps the ledger equals the runner's request states in the
 numbers it keeps; `check` changes nothing, `record` is called once per executed step.
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagoda.lora.adapter import check_adapter
 from pagoda.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 
@@ -104,7 +112,7 @@ class PlanLedger:
 
     # ---------------------------------------------------------------- parts
     def _check_new(self, data: NewRequestData, num_scheduled: int) -> None:
-        rid, params = data.req_id, data.sampling_params
+        rid = data.req_id
         tokens = [*data.prompt_token_ids, *data.output_token_ids]
         if not data.prompt_token_ids or len(tokens) > self.max_model_len:
             raise PlanRejected(f"{len(tokens)} tokens do not fit the model length", rid)
@@ -113,14 +121,6 @@ class PlanLedger:
         self._check_blocks(data.block_ids, rid)
         self._check_span(rid, len(tokens), len(data.block_ids), data.num_computed_tokens,
                          num_scheduled)
-        try:
-            params.validate()
-        except ValueError as exc:
-            raise PlanRejected(f"sampling params: {exc}", rid) from None
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.vocab_size:
-                raise PlanRejected(f"{name} of {value} is more than the vocabulary", rid)
 
     def _check_blocks(self, block_ids: list[int], req_id: str) -> None:
         if any(not 0 <= b < self.num_blocks for b in block_ids):
@@ -160,8 +160,6 @@ def load_adapters(executor, lora_config, plan: SchedulerOutput) -> None:
     large or malformed adapter refuses the plan naming its request (PlanRejected)
     instead of failing the step midway. `lora_config` is None without --enable-lora.
     A multi-rank group's ranks load in their step; here the cheap check covers it."""
-    from pagoda.lora.adapter import check_adapter
-
     manager = getattr(getattr(executor, "runner", None), "lora_manager", None)
     for data in plan.scheduled_new_reqs:
         lora = data.lora_request

@@ -16,8 +16,9 @@ and no code here. Invariant (checked on import): every dataclass field is in the
 engine message, in `DecodeOptions`, or in `GATEWAY_ONLY`, so a field that no
 message carries fails loudly instead of silently staying at its default.
 
-Decoding does not validate again (`SamplingParams.from_validated`): the gateway
-did, and every later hop trusts it.
+Decoding does not validate (`SamplingParams.from_validated`): the scheduler, a
+trust boundary, validates what it decoded once in its request check
+(`pagoda.request_checks`); the tokenizer and the worker trust their senders.
 """
 
 from __future__ import annotations
@@ -152,8 +153,8 @@ def structured_outputs_from_proto(msg: cpb.StructuredOutputsParams
 
 
 def sampling_params_from_proto(msg: cpb.SamplingParams) -> SamplingParams:
-    """The engine's params, not validated again; fields the engine never reads (the
-    text fields, n) keep their defaults."""
+    """The engine's params, not validated here (the receiver's request check does);
+    fields the engine never reads (the text fields, n) keep their defaults."""
     return SamplingParams.from_validated(**_read(msg, ENGINE_FIELDS))
 
 

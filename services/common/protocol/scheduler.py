@@ -65,8 +65,8 @@ def request_to_proto(req: EngineCoreRequest) -> pb.GenerateRequest:
 
 
 def request_from_proto(msg: pb.GenerateRequest) -> EngineCoreRequest:
-    """The sampling params are not validated again (the gateway did); a malformed
-    LoRA request raises ValueError."""
+    """The sampling params are not validated here (the scheduler's request check does,
+    once); a malformed LoRA request raises ValueError."""
     pooling = msg.HasField("pooling_params")
     return EngineCoreRequest(
         request_id=msg.request_id,

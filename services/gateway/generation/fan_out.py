@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import pagoda.request_checks as request_checks
 from pagoda.lora.request import LoRARequest
 from pagoda.messages import EngineCoreRequest
 from pagoda.services.gateway.disagg.prefill_decode import disaggregation_of
@@ -145,10 +146,9 @@ class Generation:
 
 
 def check_prompt(token_ids: list[int], vocab_size: int, param: str) -> None:
-    """400 for an empty prompt or a token id outside the tokenizer's vocabulary."""
-    if not token_ids:
-        raise APIError("The prompt cannot be empty.", param=param)
-    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise APIError(f"Token id {bad} is out of vocabulary (vocab size {vocab_size}).",
-                       param=param)
+    """400 for an empty prompt or a token id outside the tokenizer's vocabulary (the
+    library's rule, `pagoda.request_checks.check_prompt`)."""
+    try:
+        request_checks.check_prompt(token_ids, vocab_size)
+    except ValueError as exc:
+        raise APIError(str(exc), param=param) from None

@@ -17,6 +17,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from pagoda.sampling_params import check_bad_words
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
 from pagoda.services.gateway.errors import APIError
 from pagoda.tokenizer.bad_words import bad_word_texts, bad_words_token_ids
@@ -47,8 +48,10 @@ async def apply_prompt_fields(state: Any, body: Any, prompts: Sequence[Any],
 
 async def encode_bad_words(state: Any, bad_words: list[str],
                            tokenize: Tokenize) -> list[list[int]]:
-    if not all(isinstance(w, str) and w for w in bad_words):
-        raise APIError("bad_words must be a list of non-empty strings.", param="bad_words")
+    try:
+        check_bad_words(bad_words)  # SamplingParams' rule, needed before they are encoded
+    except ValueError as exc:
+        raise APIError(str(exc), param="bad_words") from None
     texts = bad_word_texts(bad_words)
     replies = await asyncio.gather(*(tokenize(state, tpb.TokenizeRequest(
         prompt=text, add_special_tokens=False)) for text in texts))

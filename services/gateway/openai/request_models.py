@@ -17,6 +17,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from pagoda.config import DEFAULT_MAX_LOGPROBS
+from pagoda.request_checks import MAX_LOGIT_BIAS, check_allowed_token_ids, check_logit_bias
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.services.gateway.errors import APIError
 from pagoda.services.gateway.openai.structured_outputs import request_structured_outputs
@@ -29,8 +30,6 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = DEFAULT_MAX_LOGPROBS
 # OpenAI's limit on `n` (also keeps one request from flooding a scheduler).
 MAX_N = 128
-# OpenAI's (and vLLM's) bound on a logit bias.
-MAX_LOGIT_BIAS = 100.0
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
@@ -169,12 +168,14 @@ class SamplingFields(_Body):
         self._bad_words_token_ids = sequences or None
 
     def _allowed_token_ids(self, vocab_size: int) -> list[int] | None:
-        if self.allowed_token_ids and not all(t < vocab_size for t in self.allowed_token_ids):
-            raise APIError("allowed_token_ids contains out-of-vocab token id!",
-                           param="allowed_token_ids")
+        if self.allowed_token_ids:
+            _library_rule(check_allowed_token_ids, self.allowed_token_ids, vocab_size,
+                          param="allowed_token_ids")
         return self.allowed_token_ids
 
     def _logit_bias(self, vocab_size: int) -> dict[int, float] | None:
+        """Keys parsed as token ids, values clamped to ±MAX_LOGIT_BIAS (vLLM's API
+        clamps; the library refuses what is still out of range)."""
         if not self.logit_bias:
             return None
         bias = {}
@@ -184,9 +185,7 @@ class SamplingFields(_Body):
             except ValueError:
                 raise APIError(f"logit_bias keys must be token ids, got {key!r}.",
                                param="logit_bias") from None
-            if not 0 <= token_id < vocab_size:
-                raise APIError(f"token_id {token_id} in logit_bias is out of vocabulary "
-                               f"(vocab size {vocab_size}).", param="logit_bias")
+            _library_rule(check_logit_bias, {token_id: 0.0}, vocab_size, param="logit_bias")
             bias[token_id] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, value))
         return bias
 
@@ -282,6 +281,14 @@ def _check_unicode(text: str, param: str) -> None:
     except UnicodeEncodeError:
         raise APIError(f"{param} is not valid Unicode (an unpaired surrogate).",
                        param=param) from None
+
+
+def _library_rule(check, *args, param: str) -> None:
+    """Run one of `pagoda.request_checks`' rules; its ValueError is a 400 naming `param`."""
+    try:
+        check(*args)
+    except ValueError as exc:
+        raise APIError(str(exc), param=param) from None
 
 
 def _param_of(message: str) -> str | None:

@@ -9,7 +9,7 @@
 A wrong type or value (an `encoding_format` that is not "float" or "base64") is a 400
 through the app's validation handler, never a 422. What depends on the served model
 (dimensions on a non-matryoshka model, the context length) is checked by the engine
-(`PoolingParams.verify`, `validate_request`), the one place both paths share.
+(`PoolingParams.verify` in `pagoda.request_checks`), the one place both paths share.
 """
 
 from __future__ import annotations

@@ -212,11 +212,13 @@ def _typed_but_wrong() -> list[tuple[str, spb.GenerateRequest]]:
     """Well-formed protobuf, sent straight to a scheduler, that no gateway would send."""
     from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
 
-    def req(rid="bad", prompt=(5, 6, 7), output=(), **params):
+    def req(rid="bad", prompt=(5, 6, 7), output=(), eos=(2,), priority=0, pooling=None,
+            **params):
         fields = dict(temperature=0.0, top_p=1.0, max_tokens=4, repetition_penalty=1.0)
         fields.update(params)
         return spb.GenerateRequest(request_id=rid, prompt_token_ids=list(prompt),
-                                   output_token_ids=list(output), eos_token_ids=[2],
+                                   output_token_ids=list(output), eos_token_ids=list(eos),
+                                   priority=priority, pooling_params=pooling,
                                    sampling_params=cpb.SamplingParams(**fields))
 
     return [
@@ -233,6 +235,14 @@ def _typed_but_wrong() -> list[tuple[str, spb.GenerateRequest]]:
         ("min_tokens", req(min_tokens=10)),
         ("allowed_token_ids", req(allowed_token_ids=[5, 10**9])),
         ("bad_words", req(bad_words_token_ids=[cpb.TokenIdList(token_ids=[7, -3])])),
+        # The rules that were the engine core's second check, now the one check's.
+        ("The prompt cannot be empty.", req(prompt=())),
+        ("Priority scheduling is not enabled", req(priority=3)),
+        ("does not answer pooling requests", req(pooling=cpb.PoolingParams(task="embed"))),
+        ("eos_token_ids", req(eos=(10**9,))),
+        ("request_id", req(rid="x" * 513)),
+        ("temperature must be a finite number", req(temperature=float("inf"))),
+        ("top_p", req(top_p=0.0)),
     ]
 
 
