@@ -51,7 +51,8 @@ class PoolingReplica:
         self.servicer.bind_loop(self.loop)
         scheduler_addr = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result()
         self.engine.start()
-        self.url, self.gateway, self.gateway_thread = run_gateway(tokenizer_addr, scheduler_addr)
+        self.gateway = run_gateway(tokenizer_addr, scheduler_addr)
+        self.url = self.gateway.url
 
     def _serve(self, add_fn, servicer) -> str:
         server = grpc.server(ThreadPoolExecutor(max_workers=8))
@@ -71,8 +72,7 @@ class PoolingReplica:
         return f"127.0.0.1:{port}"
 
     def close(self) -> None:
-        self.gateway.should_exit = True
-        self.gateway_thread.join(10)
+        self.gateway.stop()
         asyncio.run_coroutine_threadsafe(self.server.stop(None), self.loop).result()
         self.engine.stop()
         self.core.shutdown()
