@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from app_server import AppServer
-from grpc_health.v1 import health, health_pb2_grpc
+from grpc_servers import start_grpc_server
 
 from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
@@ -129,13 +128,9 @@ class Peers:
                                           self.scheduler)
 
     def _serve(self, add_fn, servicer) -> str:
-        server = grpc.server(ThreadPoolExecutor(max_workers=16))
-        add_fn(servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
+        server, address = start_grpc_server(add_fn, servicer, max_workers=16)
         self._servers.append(server)
-        return f"127.0.0.1:{port}"
+        return address
 
     def stop(self) -> None:
         for server in self._servers:

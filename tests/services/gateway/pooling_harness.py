@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from gateway_harness import run_gateway
 from grpc_health.v1 import health, health_pb2_grpc
+from grpc_servers import start_grpc_server
 
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.engine_core import EngineCore
@@ -55,13 +55,9 @@ class PoolingReplica:
         self.url = self.gateway.url
 
     def _serve(self, add_fn, servicer) -> str:
-        server = grpc.server(ThreadPoolExecutor(max_workers=8))
-        add_fn(servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
+        server, address = start_grpc_server(add_fn, servicer)
         self._sync_servers.append(server)
-        return f"127.0.0.1:{port}"
+        return address
 
     async def _start(self) -> str:
         self.server = grpc.aio.server()
