@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 from api_strategies import REQUESTS
-from serve_cluster import ServeProcess, flag_value, scheduler_load, wait_until
+from serve_cluster import ServeProcess, flag_value, wait_until
 from hypothesis import HealthCheck, event, given, settings
 
 from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
@@ -41,13 +41,6 @@ def cluster(tiny_llama_dir):
                               "--redis-url", redis.url])
         yield serve
         assert serve.stop() == 0, serve.stderr_text()[-3000:]
-
-
-@pytest.fixture(scope="module")
-def load(cluster):
-    """() -> the scheduler's GetLoadResponse."""
-    address = cluster.scheduler_address()
-    return lambda: scheduler_load(address, timeout=5)
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import threading
 import httpx
 import openai
 import pytest
-from serve_cluster import ServeProcess, scheduler_load, wait_until
+from serve_cluster import ServeProcess, wait_until
 
 from pagoda.tokenizer.bad_words import bad_words_token_ids
 
@@ -31,13 +31,6 @@ def cluster(tiny_llama_dir):
                           "--scheduling-policy", "priority"])
     yield serve
     assert serve.stop() == 0, serve.stderr_text()[-3000:]
-
-
-@pytest.fixture(scope="module")
-def load(cluster):
-    """() -> the scheduler's GetLoadResponse."""
-    address = cluster.scheduler_address()
-    return lambda: scheduler_load(address, timeout=5)
 
 
 @pytest.fixture
