@@ -22,6 +22,7 @@ from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
+from pagoda.services.common import grpc_channels
 from pagoda.services.common.protocol.scheduler import MIGRATION_REASON_KEY
 from pagoda.services.gateway.app import create_app
 from pagoda.services.gateway.serving_options import ServingOptions
@@ -210,8 +211,6 @@ def test_a_replica_that_stops_answering_loses_its_choice_to_another(gateway, scr
                                                                     monkeypatch):
     """A replica that keeps its connection but sends nothing: the gateway's bounded read
     gives up on it (here after 1 s instead of 300) and the choice moves on."""
-    from pagoda.services.common import grpc_channels
-
     monkeypatch.setattr(grpc_channels, "GENERATE_READ_TIMEOUT_S", 1.0)
     replicas = [ScriptReplica(name, script, fail_at=5, stall=True) for name in "ab"]
     try:
