@@ -16,10 +16,13 @@ import sys
 import threading
 import time
 
+import grpc
 import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
 from pagoda.services.common.redis_server import free_port
 
 URL_RE = re.compile(r"Pagoda is serving .* at (https?://\S+/v1)")
@@ -38,6 +41,13 @@ def wait_until(predicate, timeout: float, interval: float = 0.05):
 
 def flag_value(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
+
+
+def scheduler_load(address: str, timeout: float = 10.0) -> spb.GetLoadResponse:
+    """The load of the scheduler at `address` (host:port), over a channel of its own."""
+    with grpc.insecure_channel(address) as channel:
+        return spb_grpc.SchedulerServiceStub(channel).GetLoad(spb.GetLoadRequest(),
+                                                              timeout=timeout)
 
 
 class ServeProcess:
@@ -105,6 +115,10 @@ class ServeProcess:
 
     def service_args(self, name: str) -> list[str]:
         return psutil.Process(self.service_pid(name)).cmdline()
+
+    def scheduler_address(self) -> str:
+        """host:port of the (first) scheduler's gRPC server."""
+        return f"127.0.0.1:{flag_value(self.service_args('scheduler'), '--port')}"
 
     def scrape(self) -> dict[tuple[str, frozenset], float]:
         """The gateway's /metrics (the whole cluster's) as {(sample, labels): value}."""

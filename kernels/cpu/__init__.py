@@ -17,10 +17,13 @@ failed build logs one warning and leaves them off.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 
 import torch
+
+from pagoda.kernels.cpu import build
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +43,10 @@ def available() -> bool:
 
 
 def _load() -> bool:
-    from pagoda import envs
+    import pagoda.envs as envs  # lazy: kernels sit below the library; this one flag is read once
 
     if not envs.get("PAGODA_CPU_KERNELS"):
         return False
-    from pagoda.kernels.cpu import build
-
     try:
         torch.ops.load_library(str(build.build()))
     except Exception as exc:  # noqa: BLE001 - any failure means the torch path
@@ -66,14 +67,11 @@ class _RawOps:
             setattr(self, name, getattr(overload, "_op", overload))
 
 
-_raw: _RawOps | None = None
-
-
+@functools.cache
 def _ops() -> _RawOps:
-    global _raw
-    if _raw is None:
-        _raw = _RawOps()
-    return _raw
+    """The op table, built on first use (after `available()` loaded the library); two
+    threads that race here build equal tables, so no lock is needed."""
+    return _RawOps()
 
 
 def applies(t: torch.Tensor) -> bool:

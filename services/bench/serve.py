@@ -24,6 +24,9 @@ import random
 import statistics
 import time
 
+import httpx
+
+from pagoda.bench.stats import percentile
 from pagoda.services.bench.datasets import (BenchRequest, arrival_times, random_requests,
                                             sharegpt_requests)
 from pagoda.services.bench.stream import RequestResult, request_body, send_request
@@ -112,9 +115,7 @@ def build_requests(args: argparse.Namespace, tokenizer) -> tuple[list[BenchReque
 
 
 async def bench(args: argparse.Namespace) -> dict:
-    import httpx
-
-    from pagoda.tokenizer.loader import load_tokenizer
+    from pagoda.tokenizer.loader import load_tokenizer  # lazy: transformers, seconds to load
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limit = args.max_concurrency or args.num_prompts
@@ -195,14 +196,6 @@ def summarize(args: argparse.Namespace, model: str, tokenizer_id: str,
     if len(ok) < len(results):
         summary["first_error"] = next(r.error for r in results if not r.ok)
     return summary
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ from pagoda.pooling_params import PoolingParams
 from pagoda.services.gateway.errors import APIError
 from pagoda.services.gateway.generation.fan_out import check_prompt
 from pagoda.services.gateway.openai.completion_bodies import Usage
+from pagoda.services.gateway.pooling.fan_out import input_items, truncation_limit
 from pagoda.services.gateway.pooling.request_models import EmbeddingRequest
 from pagoda.services.gateway.pooling.routes import encode_vector
 
@@ -39,12 +40,8 @@ def embedding_prompts(body: EmbeddingRequest, ctx: Any) -> list[tuple[list[int],
     if ctx.pooling_task != "embed":
         raise APIError(f"The model does not support Embeddings API (its task is "
                        f"{ctx.pooling_task!r}).")
-    inputs = [body.input] if isinstance(body.input, str) else list(body.input)
-    if not inputs:
-        raise APIError("The input cannot be empty.", param="input")
-    if all(isinstance(x, int) for x in inputs):
-        inputs = [inputs]  # one input given as token ids
-    max_length = _max_length(body.truncate_prompt_tokens, ctx.max_model_len)
+    inputs = input_items(body.input)
+    max_length = truncation_limit(body.truncate_prompt_tokens, ctx.max_model_len)
     prompts = []
     for value in inputs:
         if isinstance(value, str):
@@ -56,22 +53,6 @@ def embedding_prompts(body: EmbeddingRequest, ctx: Any) -> list[tuple[list[int],
         check_prompt(ids, ctx.vocab_size, "input")
         prompts.append((ids, body.pooling_params()))  # one per request: the engine fills it in
     return prompts
-
-
-def _max_length(truncate: int | None, max_model_len: int) -> int | None:
-    """The tokenizer's limit for `truncate_prompt_tokens` (None: none); vLLM's checks."""
-    if truncate is None:
-        return None
-    if truncate == -1:
-        return max_model_len
-    if truncate == 0:
-        raise APIError("truncate_prompt_tokens must be -1 (the context length) or positive, "
-                       "got 0.", param="truncate_prompt_tokens")
-    if truncate > max_model_len:
-        raise APIError(f"truncate_prompt_tokens value ({truncate}) is greater than "
-                       f"max_model_len ({max_model_len}). Please, select a smaller truncation "
-                       "size.", param="truncate_prompt_tokens")
-    return truncate
 
 
 def embedding_body(body: EmbeddingRequest, model: str, outputs: list[PoolingRequestOutput],

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
+from pagoda.services.common.metrics_server import one_per_process
+
 TRANSFER_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                     5.0, 10.0, 30.0]
 
@@ -39,12 +41,7 @@ class KvTransferMetrics:
                                    registry=registry)
 
 
-_metrics: KvTransferMetrics | None = None
-
-
+@one_per_process
 def kv_transfer_metrics() -> KvTransferMetrics:
     """The process's KvTransferMetrics, in the default registry (created on first use)."""
-    global _metrics
-    if _metrics is None:
-        _metrics = KvTransferMetrics()
-    return _metrics
+    return KvTransferMetrics()

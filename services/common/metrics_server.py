@@ -1,20 +1,45 @@
-"""A tiny HTTP server for a gRPC service's `/metrics` and `/health`.
+"""A tiny HTTP server for a gRPC service's `/metrics` and `/health`, and
+`one_per_process`, which every service's metrics getter uses.
 
 The gRPC health protocol is what peers use; this endpoint is for Prometheus and
 for HTTP probes (Kubernetes, `curl`). It runs in a daemon thread and costs
-nothing until scraped.
+nothing until scraped. It serves the default registry, where each service keeps
+its metrics object, one per process.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
+from typing import TypeVar
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def one_per_process(make: Callable[[], T]) -> Callable[[], T]:
+    """Decorator: `make()` runs on the first call, under a lock; every call returns that
+    one object. Metrics need this: Prometheus takes a name once per registry, so a
+    second object in the default registry raises, and so would two threads that both
+    asked first."""
+    lock = threading.Lock()
+    made: list[T] = []
+
+    @functools.wraps(make)
+    def get() -> T:
+        if not made:
+            with lock:
+                if not made:
+                    made.append(make())
+        return made[0]
+
+    return get
 
 
 class MetricsServer:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import inspect
 
 import grpc
@@ -164,6 +165,34 @@ def _record(span, exc: BaseException) -> None:
     span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
 
 
+@contextlib.contextmanager
+def _server_span_scope(details: grpc.HandlerCallDetails):
+    """One handler call's SERVER span: yields the context that makes it current; an
+    exception that escapes is recorded on it, and the span ends when the block does."""
+    span, parent = _server_span(details)
+    try:
+        yield trace.set_span_in_context(span, parent)
+    except Exception as exc:
+        _record(span, exc)
+        raise
+    finally:
+        span.end()
+
+
+@contextlib.contextmanager
+def _current(ctx):
+    """`ctx` current for the block. A streaming handler attaches it around each step
+    only, never across a yield, where the consumer's own context must be current."""
+    token = otel_context.attach(ctx)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
+_DONE = object()  # the end of a handler's response stream
+
+
 class ServerInterceptor(grpc.ServerInterceptor):
     """Sync servers: unary-request handlers run inside a SERVER span."""
 
@@ -182,39 +211,21 @@ class ServerInterceptor(grpc.ServerInterceptor):
     @staticmethod
     def _wrap_unary(behavior, details):
         def wrapper(request, context):
-            span, parent = _server_span(details)
-            token = otel_context.attach(trace.set_span_in_context(span, parent))
-            try:
+            with _server_span_scope(details) as ctx, _current(ctx):
                 return behavior(request, context)
-            except Exception as exc:
-                _record(span, exc)
-                raise
-            finally:
-                otel_context.detach(token)
-                span.end()
         return wrapper
 
     @staticmethod
     def _wrap_stream(behavior, details):
         def wrapper(request, context):
-            span, parent = _server_span(details)
-            ctx = trace.set_span_in_context(span, parent)
-            try:
+            with _server_span_scope(details) as ctx:
                 responses = behavior(request, context)
-                while True:  # the span is current only while the handler runs
-                    token = otel_context.attach(ctx)
-                    try:
-                        item = next(responses)
-                    except StopIteration:
+                while True:
+                    with _current(ctx):
+                        item = next(responses, _DONE)
+                    if item is _DONE:
                         return
-                    finally:
-                        otel_context.detach(token)
                     yield item
-            except Exception as exc:
-                _record(span, exc)
-                raise
-            finally:
-                span.end()
         return wrapper
 
 
@@ -236,16 +247,8 @@ class AioServerInterceptor(grpc.aio.ServerInterceptor):
 
 def _aio_wrap_unary(behavior, details):
     async def wrapper(request, context):
-        span, parent = _server_span(details)
-        token = otel_context.attach(trace.set_span_in_context(span, parent))
-        try:
+        with _server_span_scope(details) as ctx, _current(ctx):
             return await behavior(request, context)
-        except Exception as exc:
-            _record(span, exc)
-            raise
-        finally:
-            otel_context.detach(token)
-            span.end()
     return wrapper
 
 
@@ -254,25 +257,17 @@ def _aio_wrap_stream(behavior, details):
         return _aio_wrap_unary(behavior, details)
 
     async def wrapper(request, context):
-        span, parent = _server_span(details)
-        ctx = trace.set_span_in_context(span, parent)
-        responses = behavior(request, context)
-        try:
-            while True:  # attach only around each step: never across a yield
-                token = otel_context.attach(ctx)
-                try:
-                    item = await responses.__anext__()
-                except StopAsyncIteration:
-                    return
-                finally:
-                    otel_context.detach(token)
-                yield item
-        except Exception as exc:
-            _record(span, exc)
-            raise
-        finally:
-            await responses.aclose()
-            span.end()
+        with _server_span_scope(details) as ctx:
+            responses = behavior(request, context)
+            try:
+                while True:
+                    with _current(ctx):
+                        item = await anext(responses, _DONE)
+                    if item is _DONE:
+                        return
+                    yield item
+            finally:
+                await responses.aclose()
     return wrapper
 
 

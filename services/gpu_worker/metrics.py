@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram
 
+from pagoda.services.common.metrics_server import one_per_process
+
 STEP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                 30.0]
 
@@ -20,12 +22,7 @@ class WorkerMetrics:
                                        buckets=STEP_BUCKETS, registry=registry)
 
 
-_metrics: WorkerMetrics | None = None
-
-
+@one_per_process
 def worker_metrics() -> WorkerMetrics:
     """The process's WorkerMetrics, in the default registry (created on first use)."""
-    global _metrics
-    if _metrics is None:
-        _metrics = WorkerMetrics()
-    return _metrics
+    return WorkerMetrics()

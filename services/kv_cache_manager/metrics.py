@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
+from pagoda.services.common.metrics_server import one_per_process
+
 EVENT_KINDS = ("stored", "removed", "cleared")
 RESYNC_REASONS = ("restart", "gap", "unknown_instance")
 DROP_REASONS = ("heartbeat", "deregistered")
@@ -70,12 +72,7 @@ class KvIndexMetrics:
             self.redis_errors.labels(operation)
 
 
-_metrics: KvIndexMetrics | None = None
-
-
+@one_per_process
 def kv_index_metrics() -> KvIndexMetrics:
     """The process's KvIndexMetrics, in the default registry (created on first use)."""
-    global _metrics
-    if _metrics is None:
-        _metrics = KvIndexMetrics()
-    return _metrics
+    return KvIndexMetrics()

@@ -14,6 +14,8 @@ from contextlib import contextmanager
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
+from pagoda.services.common.metrics_server import one_per_process
+
 OPERATIONS = ("Tokenize", "Detokenize", "DecodeStream")
 LATENCY_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                    0.5, 1.0, 2.5]
@@ -39,15 +41,10 @@ class TokenizerMetrics:
             self.latency.labels(operation).observe(time.perf_counter() - start)
 
 
-_metrics: TokenizerMetrics | None = None
-
-
+@one_per_process
 def tokenizer_metrics() -> TokenizerMetrics:
     """The process's TokenizerMetrics, in the default registry (created on first use)."""
-    global _metrics
-    if _metrics is None:
-        _metrics = TokenizerMetrics()
-    return _metrics
+    return TokenizerMetrics()
 
 
 def timed(operation: str):

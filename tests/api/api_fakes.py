@@ -12,19 +12,16 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import httpx
-import uvicorn
-from grpc_health.v1 import health, health_pb2_grpc
+from app_server import AppServer
+from grpc_servers import start_grpc_server
 
 from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
-from pagoda.services.common.redis_server import free_port
 from pagoda.services.gateway.app import create_app
 from pagoda.services.tokenizer.servicer import TokenizerServicer
 
@@ -131,45 +128,19 @@ class Peers:
                                           self.scheduler)
 
     def _serve(self, add_fn, servicer) -> str:
-        server = grpc.server(ThreadPoolExecutor(max_workers=16))
-        add_fn(servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
+        server, address = start_grpc_server(add_fn, servicer, max_workers=16)
         self._servers.append(server)
-        return f"127.0.0.1:{port}"
+        return address
 
     def stop(self) -> None:
         for server in self._servers:
             server.stop(None)
 
 
-class Gateway:
+class Gateway(AppServer):
     """The gateway app under uvicorn in a thread, pointed at `peers`."""
 
     def __init__(self, peers: Peers, **app_kwargs) -> None:
         self.peers = peers
         self.scheduler = peers.scheduler
-        port = free_port()
-        app = create_app(peers.tokenizer_addr, [peers.scheduler_addr], **app_kwargs)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{port}"
-        self._wait_healthy()
-
-    def _wait_healthy(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError("gateway did not become healthy")
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+        super().__init__(create_app(peers.tokenizer_addr, [peers.scheduler_addr], **app_kwargs))

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-
 import openai
 import pytest
 from api_fakes import Gateway, Peers
-
+from serve_cluster import scheduler_load
 
 
 @pytest.fixture(scope="module")
@@ -33,3 +32,11 @@ def client(gateway):
 def last_request(gateway):
     """The last GenerateRequest the fake scheduler received."""
     return lambda: gateway.scheduler.requests[-1]
+
+
+@pytest.fixture(scope="module")
+def load(cluster):
+    """() -> the GetLoadResponse of the scheduler of the module's own `cluster` fixture
+    (a real cluster's tests)."""
+    address = cluster.scheduler_address()
+    return lambda: scheduler_load(address, timeout=5)

@@ -19,8 +19,11 @@ from api_strategies import REQUESTS
 from serve_cluster import ServeProcess, flag_value, wait_until
 from hypothesis import HealthCheck, event, given, settings
 
+from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
+from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as wpb
+from pagoda.services._proto.pagoda.worker.v1 import worker_pb2_grpc as wpb_grpc
 from pagoda.services.common.redis_server import PrivateRedis
 
 pytestmark = pytest.mark.slow
@@ -38,16 +41,6 @@ def cluster(tiny_llama_dir):
                               "--redis-url", redis.url])
         yield serve
         assert serve.stop() == 0, serve.stderr_text()[-3000:]
-
-
-@pytest.fixture(scope="module")
-def load(cluster):
-    """() -> the scheduler's GetLoadResponse."""
-    port = flag_value(cluster.service_args("scheduler"), "--port")
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    stub = spb_grpc.SchedulerServiceStub(channel)
-    yield lambda: stub.GetLoad(spb.GetLoadRequest(), timeout=5)
-    channel.close()
 
 
 @pytest.fixture
@@ -263,12 +256,8 @@ def test_many_bad_requests_then_good_ones(cluster, client, load):
 def test_typed_but_wrong_grpc_messages_straight_to_the_services(cluster, client, load):
     """A caller inside the network (or a bug) sends well-typed nonsense straight to the
     scheduler and the gpu-worker: each message gets its error, the cluster serves on."""
-    from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
-    from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as wpb
-    from pagoda.services._proto.pagoda.worker.v1 import worker_pb2_grpc as wpb_grpc
-
     scheduler_args = cluster.service_args("scheduler")
-    scheduler = f"127.0.0.1:{flag_value(scheduler_args, '--port')}"
+    scheduler = cluster.scheduler_address()
     worker = flag_value(scheduler_args, "--worker-addr")
     params = cpb.SamplingParams(temperature=0.0, top_p=1.0, max_tokens=4,
                                 repetition_penalty=1.0)

@@ -5,22 +5,14 @@ from __future__ import annotations
 
 import pytest
 from api_fakes import MODEL, SCRIPT
+from completion_result import completion_result
 
 
 def served(client, stream: bool, **params):
     """(text, finish_reason, stop_reason, completion_tokens) of one completion."""
     kwargs = dict(model=MODEL, prompt="Hi", max_tokens=19, stop=params.pop("stop"),
                   extra_body=params)
-    if not stream:
-        out = client.completions.create(**kwargs)
-        choice = out.choices[0]
-        return choice.text, choice.finish_reason, choice.model_extra["stop_reason"], \
-            out.usage.completion_tokens
-    chunks = list(client.completions.create(**kwargs, stream=True,
-                                            stream_options={"include_usage": True}))
-    last = [c.choices[0] for c in chunks if c.choices][-1]
-    return ("".join(c.choices[0].text for c in chunks if c.choices), last.finish_reason,
-            last.model_extra["stop_reason"], chunks[-1].usage.completion_tokens)
+    return completion_result(client, stream, **kwargs)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import threading
 
-import grpc
 import httpx
 import openai
 import pytest
-from serve_cluster import ServeProcess, flag_value, wait_until
+from serve_cluster import ServeProcess, wait_until
 
-from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
-from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
 from pagoda.tokenizer.bad_words import bad_words_token_ids
 
 pytestmark = pytest.mark.slow
@@ -34,15 +31,6 @@ def cluster(tiny_llama_dir):
                           "--scheduling-policy", "priority"])
     yield serve
     assert serve.stop() == 0, serve.stderr_text()[-3000:]
-
-
-@pytest.fixture(scope="module")
-def load(cluster):
-    port = flag_value(cluster.service_args("scheduler"), "--port")
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    stub = spb_grpc.SchedulerServiceStub(channel)
-    yield lambda: stub.GetLoad(spb.GetLoadRequest(), timeout=5)
-    channel.close()
 
 
 @pytest.fixture

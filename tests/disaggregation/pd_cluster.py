@@ -6,10 +6,9 @@ from __future__ import annotations
 import grpc
 import httpx
 import psutil
-from serve_cluster import CLI_MODULE, ServeProcess, flag_value, wait_until
+from serve_cluster import CLI_MODULE, ServeProcess, flag_value, scheduler_load, wait_until
 
 from pagoda.messages import EngineCoreOutput, EngineCoreRequest
-from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
 from pagoda.services.common.protocol.scheduler import request_to_proto, response_to_output
 
@@ -67,9 +66,7 @@ def metric(serve: ServeProcess, name: str, **labels) -> float:
 
 def usage(address: str) -> float:
     """A scheduler's KV cache usage (0: every block free or only cached)."""
-    with grpc.insecure_channel(address) as channel:
-        return spb_grpc.SchedulerServiceStub(channel).GetLoad(spb.GetLoadRequest(),
-                                                              timeout=10).kv_cache_usage
+    return scheduler_load(address).kv_cache_usage
 
 
 def lease_records(store) -> dict[str, dict]:

@@ -5,14 +5,10 @@ error and the same greedy text, and no block stays leased or in use."""
 
 from __future__ import annotations
 
-import grpc
 import openai
 import pytest
-from pd_cluster import role_address, role_process, start_pd
+from pd_cluster import role_address, role_process, start_pd, usage
 from serve_cluster import wait_until
-
-from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
-from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
 
 pytestmark = pytest.mark.slow
 PROMPT = " ".join(f"token{i}" for i in range(60))
@@ -45,12 +41,6 @@ def failures(serve) -> dict:
             for (n, ls), v in serve.scrape().items()
             if n in ("pagoda_kv_transfer_failures_total", "pagoda_kv_transfer_fallbacks_total",
                      "pagoda_gateway_disagg_fallbacks_total", "pagoda_kv_transfer_blocks_total")}
-
-
-def usage(address: str) -> float:
-    with grpc.insecure_channel(address) as channel:
-        return spb_grpc.SchedulerServiceStub(channel).GetLoad(spb.GetLoadRequest(),
-                                                              timeout=10).kv_cache_usage
 
 
 def test_stalled_transfer_is_recomputed_and_counted(pd):

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 import redis
-from pd_cluster import role_address, start_pd
+from pd_cluster import role_address, start_pd, usage
 from serve_cluster import wait_until
 
 from pagoda.kv_transfer.params import KVTransferParams
@@ -22,7 +22,6 @@ from pagoda.messages import EngineCoreRequest
 from pagoda.sampling_params import SamplingParams
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2 as kpb
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc as kpb_grpc
-from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
 from pagoda.services.common.protocol.scheduler import request_to_proto, response_to_output
 
@@ -49,12 +48,6 @@ def lease_records(store) -> dict[str, dict]:
     return {key.decode().rsplit(":", 1)[1]: {k.decode(): v.decode()
                                              for k, v in store.hgetall(key).items()}
             for key in store.keys("pagoda:kv:*:lease:*")}
-
-
-def usage(address: str) -> float:
-    with grpc.insecure_channel(address) as channel:
-        return spb_grpc.SchedulerServiceStub(channel).GetLoad(spb.GetLoadRequest(),
-                                                              timeout=10).kv_cache_usage
 
 
 def live_leases(pd) -> list[str]:

@@ -7,7 +7,7 @@ import secrets
 
 import httpx
 import pytest
-from observability.obs_harness import OtlpCollector
+from observability.obs_harness import collector  # noqa: F401 (a fixture)
 from pd_cluster import start_pd
 from serve_cluster import wait_until
 
@@ -17,13 +17,6 @@ FETCH = "pagoda.kv_transfer.v1.KvTransferService/FetchBlocks"
 PULL = "pagoda.kv_transfer.v1.KvTransferService/PullBlocks"
 GENERATE = "pagoda.scheduler.v1.SchedulerService/Generate"
 SERVER, CLIENT = 2, 3  # OTLP span kinds
-
-
-@pytest.fixture(scope="module")
-def collector():
-    server = OtlpCollector()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

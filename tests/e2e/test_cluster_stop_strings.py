@@ -5,6 +5,7 @@ finish_reason, stop_reason and token count the offline `LLM` gives."""
 from __future__ import annotations
 
 import pytest
+from completion_result import completion_result
 
 from pagoda import LLM, SamplingParams
 
@@ -37,16 +38,7 @@ def offline(llm, **params):
 def served(client, stream: bool, stop=None, **extra):
     kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0,
                   stop=stop, extra_body={"ignore_eos": True, **extra})
-    if not stream:
-        out = client.completions.create(**kwargs)
-        choice = out.choices[0]
-        return choice.text, choice.finish_reason, choice.model_extra["stop_reason"], \
-            out.usage.completion_tokens
-    chunks = list(client.completions.create(**kwargs, stream=True,
-                                            stream_options={"include_usage": True}))
-    last = [c.choices[0] for c in chunks if c.choices][-1]
-    return ("".join(c.choices[0].text for c in chunks if c.choices), last.finish_reason,
-            last.model_extra["stop_reason"], chunks[-1].usage.completion_tokens)
+    return completion_result(client, stream, **kwargs)
 
 
 def test_min_tokens_with_a_stop_string_served_as_offline(llm, unconstrained, tiny_client):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ import httpx
 import openai
 import pytest
 import redis
-from serve_cluster import flag_value, wait_until
+from serve_cluster import flag_value, scheduler_load, wait_until
 
 from pagoda.config import DEFAULT_PREFIX_HASH_SEED
 from pagoda.core.block_hash import hash_request_tokens
@@ -136,16 +137,10 @@ def test_bench_serve_prints_one_json_line(tiny_cluster):
     assert result["base_url"] == tiny_cluster.url[:-3] and result["model_id"] == "tiny"
 
 
-def _scheduler_stub(cluster):
-    import grpc
-
-    from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
-    from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
-
-    scheduler = cluster.service_args("scheduler")
-    channel = grpc.insecure_channel(f"127.0.0.1:{flag_value(scheduler, '--port')}")
-    stub = spb_grpc.SchedulerServiceStub(channel)
-    return channel, lambda: stub.GetLoad(spb.GetLoadRequest(), timeout=10)
+def _scheduler_load(cluster):
+    """() -> the cluster's scheduler's GetLoadResponse."""
+    address = cluster.scheduler_address()
+    return lambda: scheduler_load(address)
 
 
 def _aborted(cluster) -> float:
@@ -158,7 +153,7 @@ def test_client_disconnect_aborts_the_request(tiny_cluster):
     """A streaming client that closes its connection mid-stream aborts its request: the
     engine counts it as aborted (it would otherwise end by length after 1000 tokens) and
     the scheduler holds nothing afterwards."""
-    channel, load = _scheduler_stub(tiny_cluster)
+    load = _scheduler_load(tiny_cluster)
     aborted_before = _aborted(tiny_cluster)
     body = {"model": "tiny", "prompt": "Go on forever", "max_tokens": 1000, "ignore_eos": True,
             "stream": True}
@@ -171,14 +166,11 @@ def test_client_disconnect_aborts_the_request(tiny_cluster):
     assert wait_until(lambda: load().num_running == 0, timeout=60)
     assert wait_until(lambda: _aborted(tiny_cluster) == aborted_before + 1, timeout=30)
     assert load().num_waiting == 0
-    channel.close()
 
 
 def test_non_streamed_request_is_aborted_when_its_client_leaves(tiny_cluster):
     """The same for a non-streamed request: the client leaves while the engine runs it."""
-    import socket
-
-    channel, load = _scheduler_stub(tiny_cluster)
+    load = _scheduler_load(tiny_cluster)
     payload = json.dumps({"model": "tiny", "prompt": "Go on", "max_tokens": 1000,
                           "ignore_eos": True}).encode()
     sock = socket.create_connection(("127.0.0.1", tiny_cluster.port), timeout=60)
@@ -192,4 +184,3 @@ def test_non_streamed_request_is_aborted_when_its_client_leaves(tiny_cluster):
     # Nothing is held afterwards. (Whether it ended as aborted or ran out its 1000 tokens
     # first depends on machine speed; the streamed test above checks the abort itself.)
     assert wait_until(lambda: load().kv_cache_usage == 0, timeout=30)
-    channel.close()

@@ -7,7 +7,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from obs_harness import OtlpCollector, Prometheus
+from obs_harness import Prometheus, collector  # noqa: F401 (a fixture)
 from serve_cluster import ServeProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,13 +35,6 @@ def prometheus_binary() -> str:
         pytest.fail("no prometheus binary and tools/install_prometheus.py could not install "
                     "one; set PROMETHEUS=/path/to/prometheus")
     return str(path)
-
-
-@pytest.fixture(scope="module")
-def collector():
-    server = OtlpCollector()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import httpx
+import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as tpb
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as tpb_grpc
 
@@ -106,6 +107,15 @@ class OtlpCollector(tpb_grpc.TraceServiceServicer):
 
     def stop(self) -> None:
         self.server.stop(None)
+
+
+@pytest.fixture(scope="module")
+def collector():
+    """An OtlpCollector for one test module's cluster to export to (stopped after it).
+    A module uses it by importing the name."""
+    server = OtlpCollector()
+    yield server
+    server.stop()
 
 
 DASHBOARDS = Path(__file__).resolve().parents[2] / "charts" / "pagoda" / "dashboards"

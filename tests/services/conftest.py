@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import grpc
-from grpc_health.v1 import health, health_pb2_grpc
 import pytest
-
+from grpc_servers import start_grpc_server
 
 
 class Served(NamedTuple):
@@ -25,15 +23,11 @@ def _grpc_servers():
     servers, channels = [], []
 
     def start(add_fn, servicer) -> Served:
-        server = grpc.server(ThreadPoolExecutor(max_workers=8))
-        add_fn(servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
+        server, address = start_grpc_server(add_fn, servicer)
         servers.append(server)
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        channel = grpc.insecure_channel(address)
         channels.append(channel)
-        return Served(channel, f"127.0.0.1:{port}", server)
+        return Served(channel, address, server)
 
     try:
         yield start

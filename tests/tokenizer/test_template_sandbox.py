@@ -19,6 +19,12 @@ TOOLS = [{"type": "function", "function": {"name": "f", "description": "d",
                                            "parameters": {"type": "object", "properties": {}}}}]
 
 
+def render_with(tokenizer, template: str) -> str:
+    """The first conversation rendered with `template` as the request's chat template."""
+    return render_chat_template(tokenizer, CONVERSATIONS[0], True, False,
+                                {"chat_template": template})
+
+
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
 def test_the_models_template_renders_as_transformers_renders_it(smollm2_tokenizer, conversation):
     tok = smollm2_tokenizer
@@ -38,12 +44,10 @@ def test_transformers_globals_and_tags_work(smollm2_tokenizer):
     template = ("{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
                 "{% generation %}{{ m | tojson }}{% endgeneration %}{% endfor %}"
                 "{{ ns.n }}{{ dict(a=1)['a'] }}{{ 7 * 7 }}{{ bos_token }}")
-    out = render_chat_template(smollm2_tokenizer, CONVERSATIONS[0], True, False,
-                               {"chat_template": template})
+    out = render_with(smollm2_tokenizer, template)
     assert out == '{"role": "user", "content": "Hi"}' + "1149" + smollm2_tokenizer.bos_token
     with pytest.raises(ValueError, match="no assistant here"):
-        render_chat_template(smollm2_tokenizer, CONVERSATIONS[0], True, False,
-                             {"chat_template": "{{ raise_exception('no assistant here') }}"})
+        render_with(smollm2_tokenizer, "{{ raise_exception('no assistant here') }}")
 
 
 @pytest.mark.parametrize("template", [
@@ -63,8 +67,7 @@ def test_transformers_globals_and_tags_work(smollm2_tokenizer):
 ])
 def test_a_template_cannot_build_huge_values(smollm2_tokenizer, template):
     with pytest.raises(ValueError):
-        render_chat_template(smollm2_tokenizer, CONVERSATIONS[0], True, False,
-                             {"chat_template": template})
+        render_with(smollm2_tokenizer, template)
 
 
 def test_a_template_that_runs_too_long_is_stopped(smollm2_tokenizer, monkeypatch):
@@ -72,8 +75,7 @@ def test_a_template_that_runs_too_long_is_stopped(smollm2_tokenizer, monkeypatch
     loops = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
              "{% endfor %}")
     with pytest.raises(ValueError, match="to render"):
-        render_chat_template(smollm2_tokenizer, CONVERSATIONS[0], True, False,
-                             {"chat_template": loops})
+        render_with(smollm2_tokenizer, loops)
 
 
 @pytest.mark.parametrize("template", [
@@ -84,8 +86,7 @@ def test_a_template_that_runs_too_long_is_stopped(smollm2_tokenizer, monkeypatch
 ])
 def test_the_sandbox_keeps_python_out_of_reach(smollm2_tokenizer, template):
     with pytest.raises(ValueError):
-        render_chat_template(smollm2_tokenizer, CONVERSATIONS[0], True, False,
-                             {"chat_template": template})
+        render_with(smollm2_tokenizer, template)
 
 
 def test_limits_given_to_a_render_apply_to_it_and_the_defaults_elsewhere(smollm2_tokenizer):
@@ -100,8 +101,7 @@ def test_limits_given_to_a_render_apply_to_it_and_the_defaults_elsewhere(smollm2
         with pytest.raises(ValueError, match="more than 2000 characters"):
             render_chat_template(smollm2_tokenizer, long_message, True, False, {})
         with pytest.raises(ValueError, match="more than 0.2 s to render"):
-            render_chat_template(smollm2_tokenizer, CONVERSATIONS[0], True, False,
-                                 {"chat_template": loops})
+            render_with(smollm2_tokenizer, loops)
     assert "x" * 3000 in render_chat_template(smollm2_tokenizer, long_message, True, False, {})
     assert template_sandbox.current_limits() == template_sandbox.TemplateLimits()
 

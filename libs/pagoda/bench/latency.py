@@ -17,14 +17,17 @@ import json
 import statistics
 import time
 
+from pagoda.bench.stats import percentile
+from pagoda.bench.throughput import offline_llm, synthetic_prompts
+from pagoda.engine.arg_utils import EngineArgs
+from pagoda.sampling_params import SamplingParams
+
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("latency", help="Offline latency of one batch, end to end.",
                                    description=__doc__.split("\n\n")[0])
-    from pagoda.engine.arg_utils import EngineArgs
-
     EngineArgs.add_cli_args(parser)
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=128)
@@ -54,28 +57,13 @@ def summarize(args: argparse.Namespace, model: str, latencies: list[float]) -> d
     }
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default, as vLLM uses)."""
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
 def run(args: argparse.Namespace) -> int:
-    from pagoda import LLM, SamplingParams
-    from pagoda.bench.throughput import synthetic_prompts
-    from pagoda.engine.arg_utils import EngineArgs
-
-    engine_args = EngineArgs.from_cli_args(args)
-    if engine_args.max_model_len is None:
-        engine_args.max_model_len = max(2048, args.input_len + args.output_len)
-    llm = LLM(**vars(engine_args))
+    llm = offline_llm(args)
     config = llm.llm_engine.config
     params = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, ignore_eos=True,
                             max_tokens=args.output_len)
     prompts = synthetic_prompts(args.batch_size, args.input_len, config.arch.vocab_size,
-                                seed=engine_args.seed)
+                                seed=args.seed)
 
     def run_to_completion() -> float:
         llm.llm_engine.core.reset_prefix_cache()

@@ -11,12 +11,17 @@ import argparse
 import json
 import random
 import time
+from typing import TYPE_CHECKING
+
+from pagoda.engine.arg_utils import EngineArgs
+from pagoda.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagoda.entrypoints.llm import LLM
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("throughput", help="Offline engine throughput on synthetic prompts.")
-    from pagoda.engine.arg_utils import EngineArgs
-
     EngineArgs.add_cli_args(parser)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -32,14 +37,20 @@ def synthetic_prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> 
     return [[rng.randrange(100, vocab_size) for _ in range(length)] for _ in range(num)]
 
 
-def run(args: argparse.Namespace) -> int:
-    from pagoda import LLM, SamplingParams
-    from pagoda.engine.arg_utils import EngineArgs
+def offline_llm(args: argparse.Namespace) -> LLM:
+    """The offline engine the command line describes (`EngineArgs` flags), its context
+    at least 2048 tokens and the benchmark's `--input-len` + `--output-len` unless
+    `--max-model-len` is given."""
+    from pagoda import LLM  # lazy: torch and the model code, only when a benchmark runs
 
     engine_args = EngineArgs.from_cli_args(args)
     if engine_args.max_model_len is None:
         engine_args.max_model_len = max(2048, args.input_len + args.output_len)
-    llm = LLM(**vars(engine_args))
+    return LLM(**vars(engine_args))
+
+
+def run(args: argparse.Namespace) -> int:
+    llm = offline_llm(args)
     config = llm.llm_engine.config
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     if args.warmup:

@@ -11,8 +11,7 @@ One more parser is one module with a `ReasoningParser` subclass, listed in `PARS
 
 from __future__ import annotations
 
-import importlib
-
+from pagoda.named_classes import named_class
 from pagoda.reasoning.base import ReasoningParser, ReasoningStream
 
 # Name (vLLM's) -> "module:class".
@@ -24,11 +23,7 @@ PARSERS = {
 
 def get_reasoning_parser(name: str) -> ReasoningParser:
     """The parser called `name`; ValueError listing the known names otherwise."""
-    if name not in PARSERS:
-        raise ValueError(f"Unknown reasoning parser {name!r}; Pagoda has "
-                         f"{', '.join(sorted(PARSERS))}.")
-    module, cls = PARSERS[name].split(":")
-    return getattr(importlib.import_module(module), cls)()
+    return named_class("reasoning parser", PARSERS, name)()
 
 
 __all__ = ["PARSERS", "ReasoningParser", "ReasoningStream", "get_reasoning_parser"]

@@ -24,6 +24,8 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, S
 from starlette.routing import Match
 from starlette.types import Message, Receive, Scope, Send
 
+from pagoda.services.common.metrics_server import one_per_process
+
 EXCLUDED_HANDLERS = frozenset({"/metrics", "/health", "/load", "/ping", "/version",
                                "/server_info"})
 LOWR_BUCKETS = (0.1, 0.5, 1)
@@ -54,15 +56,10 @@ class HttpMetrics:
                                      "Otherwise ignored.", ["handler"], registry=registry)
 
 
-_metrics: HttpMetrics | None = None
-
-
+@one_per_process
 def http_metrics() -> HttpMetrics:
     """The process's HttpMetrics, in the default registry (created on first use)."""
-    global _metrics
-    if _metrics is None:
-        _metrics = HttpMetrics()
-    return _metrics
+    return HttpMetrics()
 
 
 def handler_of(scope: Scope) -> str:

@@ -32,6 +32,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 
 from pagoda import tracing
 from pagoda.metrics.aggregate import render
+from pagoda.services.common.metrics_server import one_per_process
 from pagoda.services.gateway.serving_options import route_path
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/tokenize",
@@ -115,15 +116,10 @@ class GatewayMetrics:
                 self.rejected.labels(REJECT_REASONS[status]).inc()
 
 
-_metrics: GatewayMetrics | None = None
-
-
+@one_per_process
 def gateway_metrics() -> GatewayMetrics:
     """The process's GatewayMetrics, in the default registry (created on first use)."""
-    global _metrics
-    if _metrics is None:
-        _metrics = GatewayMetrics()
-    return _metrics
+    return GatewayMetrics()
 
 
 def route_of(path: str) -> str:

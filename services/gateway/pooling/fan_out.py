@@ -81,31 +81,45 @@ def response_id(request, prefix: str) -> tuple[str, bool]:
 
 
 def _max_length(state: GatewayState, truncate: int | None) -> int:
-    """The tokenizer's limit for `truncate_prompt_tokens` (0: none); vLLM's checks."""
+    """The tokenizer's limit for `truncate_prompt_tokens` (0: none)."""
     if truncate is None:
         return 0
-    max_len = state.peers.model_info().max_model_len
+    return truncation_limit(truncate, state.peers.model_info().max_model_len)
+
+
+def truncation_limit(truncate: int | None, max_model_len: int) -> int | None:
+    """The tokenizer's limit for `truncate_prompt_tokens` (None: none); vLLM's checks,
+    as APIError. The gateway and `pagoda run-batch` both use it."""
+    if truncate is None:
+        return None
     if truncate == -1:
-        return max_len
+        return max_model_len
     if truncate == 0:
         raise APIError("truncate_prompt_tokens must be -1 (the context length) or positive, "
                        "got 0.", param="truncate_prompt_tokens")
-    if truncate > max_len:
+    if truncate > max_model_len:
         raise APIError(f"truncate_prompt_tokens value ({truncate}) is greater than "
-                       f"max_model_len ({max_len}). Please, select a smaller truncation size.",
-                       param="truncate_prompt_tokens")
+                       f"max_model_len ({max_model_len}). Please, select a smaller truncation "
+                       "size.", param="truncate_prompt_tokens")
     return truncate
+
+
+def input_items(value) -> list:
+    """A pooling request's `input` as a list of items (texts or token-id lists): one
+    text, or one prompt given as token ids, becomes a list of one. 400 for none."""
+    items = [value] if isinstance(value, str) else list(value)
+    if not items:
+        raise APIError("The input cannot be empty.", param="input")
+    if all(isinstance(x, int) for x in items):
+        items = [items]  # one input given as token ids
+    return items
 
 
 async def tokenize_inputs(state: GatewayState, value, truncate: int | None,
                           add_special_tokens: bool = True) -> list[PoolingInput]:
     """Text, texts, token ids or lists of token ids -> tokenized inputs (the first with
     its block hashes when routing wants them). 400 for no input."""
-    items = [value] if isinstance(value, str) else list(value)
-    if not items:
-        raise APIError("The input cannot be empty.", param="input")
-    if all(isinstance(x, int) for x in items):
-        items = [items]  # one input given as token ids
+    items = input_items(value)
     max_length = _max_length(state, truncate)
     block_size = state.peers.routing_block_size()
 

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-import httpx
+import threading
+import time
 
-from pagoda.services.common.metrics_server import MetricsServer, maybe_start_metrics
+import httpx
+from prometheus_client import CollectorRegistry, Counter
+
+from pagoda.services.common.metrics_server import (MetricsServer, maybe_start_metrics,
+                                                   one_per_process)
 from pagoda.services.common.redis_server import free_port
 
 
@@ -24,3 +29,22 @@ def test_metrics_and_health_follow_the_service_state():
 
 def test_port_zero_means_off():
     assert maybe_start_metrics("127.0.0.1", 0, lambda: True) is None
+
+
+def test_one_per_process_builds_once_even_when_threads_race():
+    registry = CollectorRegistry()
+    built = []
+
+    @one_per_process
+    def metrics():
+        time.sleep(0.05)  # widen the window in which a second thread could also build
+        built.append(Counter("pagoda_test_once", "A metric registered once.",
+                             registry=registry))
+        return built[-1]
+
+    threads = [threading.Thread(target=metrics) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(built) == 1 and metrics() is built[0]

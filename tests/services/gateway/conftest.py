@@ -22,7 +22,6 @@ def peers(smollm2_tokenizer, grpc_server_factory_module):
 
 @pytest.fixture(scope="module")
 def gateway(peers):
-    url, server, thread = run_gateway(peers[0], peers[1])
-    yield Gateway(url, peers[2])
-    server.should_exit = True
-    thread.join(10)
+    server = run_gateway(peers[0], peers[1])
+    yield Gateway(server.url, peers[2])
+    server.stop()

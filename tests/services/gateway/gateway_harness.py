@@ -6,12 +6,11 @@ import threading
 import time
 
 import grpc
-import uvicorn
+from app_server import AppServer
 
 from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
-from pagoda.services.common.redis_server import free_port
 from pagoda.services.gateway.app import create_app
 
 SCRIPT = " The answer is forty two. END of the story, and then some more words follow here."
@@ -59,23 +58,7 @@ class Gateway:
         self.scheduler = scheduler
 
 
-def run_gateway(tokenizer_addr: str, scheduler_addr: str, api_key: str | None = None):
-    port = free_port()
-    app = create_app(tokenizer_addr, [scheduler_addr], None, api_key)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    import httpx
-
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    else:
-        raise RuntimeError("gateway did not become healthy")
-    return url, server, thread
+def run_gateway(tokenizer_addr: str, scheduler_addr: str, api_key: str | None = None
+                ) -> AppServer:
+    """The gateway over one tokenizer and one scheduler, healthy."""
+    return AppServer(create_app(tokenizer_addr, [scheduler_addr], None, api_key))

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from gateway_harness import run_gateway
 from grpc_health.v1 import health, health_pb2_grpc
+from grpc_servers import start_grpc_server
 
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.engine_core import EngineCore
@@ -51,16 +51,13 @@ class PoolingReplica:
         self.servicer.bind_loop(self.loop)
         scheduler_addr = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result()
         self.engine.start()
-        self.url, self.gateway, self.gateway_thread = run_gateway(tokenizer_addr, scheduler_addr)
+        self.gateway = run_gateway(tokenizer_addr, scheduler_addr)
+        self.url = self.gateway.url
 
     def _serve(self, add_fn, servicer) -> str:
-        server = grpc.server(ThreadPoolExecutor(max_workers=8))
-        add_fn(servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
+        server, address = start_grpc_server(add_fn, servicer)
         self._sync_servers.append(server)
-        return f"127.0.0.1:{port}"
+        return address
 
     async def _start(self) -> str:
         self.server = grpc.aio.server()
@@ -71,8 +68,7 @@ class PoolingReplica:
         return f"127.0.0.1:{port}"
 
     def close(self) -> None:
-        self.gateway.should_exit = True
-        self.gateway_thread.join(10)
+        self.gateway.stop()
         asyncio.run_coroutine_threadsafe(self.server.stop(None), self.loop).result()
         self.engine.stop()
         self.core.shutdown()

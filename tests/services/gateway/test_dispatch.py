@@ -3,19 +3,15 @@ header, session stickiness."""
 
 from __future__ import annotations
 
-import threading
-import time
-
 import grpc
 import httpx
 import pytest
-import uvicorn
+from app_server import AppServer
 
 from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
-from pagoda.services.common.redis_server import free_port
 from pagoda.services.gateway.app import create_app
 from pagoda.services.tokenizer.servicer import TokenizerServicer
 
@@ -59,31 +55,12 @@ def gateway(grpc_server_factory, smollm2_tokenizer):
                                         TokenizerServicer(smollm2_tokenizer, "m", [2]))
         addresses = [grpc_server_factory(spb_grpc.add_SchedulerServiceServicer_to_server,
                                          r).address for r in replicas]
-        port = free_port()
-        app = create_app(tokenizer.address, addresses, router=router)
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                               log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        servers.append((server, thread))
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while not _healthy(url):
-            assert time.monotonic() < deadline, "gateway did not become healthy"
-            time.sleep(0.05)
-        return url
+        servers.append(AppServer(create_app(tokenizer.address, addresses, router=router)))
+        return servers[-1].url
 
     yield start
-    for server, thread in servers:
-        server.should_exit = True
-        thread.join(10)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
+    for server in servers:
+        server.stop()
 
 
 def test_a_draining_replica_refuses_and_the_request_lands_elsewhere(gateway):

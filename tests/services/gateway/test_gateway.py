@@ -159,7 +159,8 @@ def test_tokenize_and_detokenize_shapes(gateway, smollm2_tokenizer):
 
 
 def test_api_key_guards_v1_routes_only(peers):
-    url, server, thread = run_gateway(peers[0], peers[1], api_key="sekret")
+    server = run_gateway(peers[0], peers[1], api_key="sekret")
+    url = server.url
     try:
         assert httpx.get(f"{url}/v1/models").status_code == 401
         assert httpx.get(f"{url}/v1/models",
@@ -169,5 +170,4 @@ def test_api_key_guards_v1_routes_only(peers):
         assert httpx.get(f"{url}/health").status_code == 200
         assert httpx.get(f"{url}/metrics").status_code == 200
     finally:
-        server.should_exit = True
-        thread.join(10)
+        server.stop()

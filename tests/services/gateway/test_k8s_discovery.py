@@ -15,13 +15,12 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
 import pytest
 from gateway_harness import FakeScheduler
-from grpc_health.v1 import health, health_pb2_grpc
+from grpc_servers import start_grpc_server
 from k8s_stand_in import KubeAPIStandIn, endpoint
 from serve_cluster import wait_until
 
@@ -178,12 +177,8 @@ class NamedScheduler(FakeScheduler):
 
 
 def _serve_at(ip: str, port: int, servicer) -> grpc.Server:
-    server = grpc.server(ThreadPoolExecutor(max_workers=8))
-    spb_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
-    assert server.add_insecure_port(f"{ip}:{port}") == port
-    server.start()
-    return server
+    return start_grpc_server(spb_grpc.add_SchedulerServiceServicer_to_server, servicer,
+                             f"{ip}:{port}")[0]
 
 
 def test_the_gateway_routes_by_the_watched_endpoints(api, tmp_path, smollm2_tokenizer,

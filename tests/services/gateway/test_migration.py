@@ -15,15 +15,15 @@ import time
 import grpc
 import httpx
 import pytest
-import uvicorn
+from app_server import AppServer
 from prometheus_client import REGISTRY
 
 from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
+from pagoda.services.common import grpc_channels
 from pagoda.services.common.protocol.scheduler import MIGRATION_REASON_KEY
-from pagoda.services.common.redis_server import free_port
 from pagoda.services.gateway.app import create_app
 from pagoda.services.gateway.serving_options import ServingOptions
 from pagoda.services.tokenizer.servicer import TokenizerServicer
@@ -101,25 +101,14 @@ def gateway(grpc_server_factory, smollm2_tokenizer):
                                         TokenizerServicer(smollm2_tokenizer, "m", [EOS]))
         addresses = [grpc_server_factory(spb_grpc.add_SchedulerServiceServicer_to_server,
                                          r).address for r in replicas]
-        port = free_port()
         app = create_app(tokenizer.address, addresses, router="round_robin",
                          options=ServingOptions(**options))
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                               log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        servers.append((server, thread))
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while not _all_routable(url, len(replicas)):
-            assert time.monotonic() < deadline, "gateway did not become healthy"
-            time.sleep(0.05)
-        return url
+        servers.append(AppServer(app, ready=lambda url: _all_routable(url, len(replicas))))
+        return servers[-1].url
 
     yield start
-    for server, thread in servers:
-        server.should_exit = True
-        thread.join(10)
+    for server in servers:
+        server.stop()
 
 
 def _all_routable(url: str, n: int) -> bool:
@@ -222,8 +211,6 @@ def test_a_replica_that_stops_answering_loses_its_choice_to_another(gateway, scr
                                                                     monkeypatch):
     """A replica that keeps its connection but sends nothing: the gateway's bounded read
     gives up on it (here after 1 s instead of 300) and the choice moves on."""
-    from pagoda.services.common import grpc_channels
-
     monkeypatch.setattr(grpc_channels, "GENERATE_READ_TIMEOUT_S", 1.0)
     replicas = [ScriptReplica(name, script, fail_at=5, stall=True) for name in "ab"]
     try:

@@ -11,6 +11,7 @@ import time
 import grpc
 import httpx
 import pytest
+from grpc_servers import start_grpc_server
 
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
@@ -18,7 +19,7 @@ from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb
 from pagoda.services.common.protocol.scheduler import hash_blocks
 from pagoda.services.common.redis_server import free_port
 from pagoda.services.gateway.routing.discovery import Discovery, Target, parse_scheduler_addrs
-from pagoda.services.gateway.routing.peers import Peers
+from pagoda.services.gateway.routing.peers import Peers, SchedulerReplica
 from pagoda.services.tokenizer.servicer import TokenizerServicer
 
 
@@ -98,16 +99,8 @@ def test_dns_names_are_re_resolved_and_a_failure_keeps_the_last_answer():
 
 
 def _serve_scheduler_at(host: str, port: int, servicer) -> grpc.Server:
-    from concurrent.futures import ThreadPoolExecutor
-
-    from grpc_health.v1 import health, health_pb2_grpc
-
-    server = grpc.server(ThreadPoolExecutor(max_workers=4))
-    spb_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
-    assert server.add_insecure_port(f"{host}:{port}") == port
-    server.start()
-    return server
+    return start_grpc_server(spb_grpc.add_SchedulerServiceServicer_to_server, servicer,
+                             f"{host}:{port}", max_workers=4)[0]
 
 
 def test_dns_replicas_join_and_leave_the_gateway(peers_at):
@@ -224,8 +217,6 @@ def test_a_replica_restarted_between_two_polls_is_described_again(grpc_server_fa
     server = grpc_server_factory(spb_grpc.add_SchedulerServiceServicer_to_server, servicer)
 
     async def run():
-        from pagoda.services.gateway.routing.peers import SchedulerReplica
-
         replica = SchedulerReplica(server.address)
         await replica.refresh()
         first = replica.info.epoch

@@ -7,8 +7,7 @@ then constrained by a JSON schema built from the tools, so it always parses.
 
 from __future__ import annotations
 
-import importlib
-
+from pagoda.named_classes import named_class
 from pagoda.services.gateway.openai.tool_parsers.base import (CallSoFar, ParsedOutput,
                                                               ToolCallStream, ToolParser,
                                                               tool_call_id)
@@ -24,11 +23,7 @@ PARSERS = {
 
 def get_tool_parser(name: str) -> ToolParser:
     """The parser called `name`; ValueError listing the known names otherwise."""
-    if name not in PARSERS:
-        raise ValueError(f"Unknown tool-call parser {name!r}; Pagoda has "
-                         f"{', '.join(sorted(PARSERS))}.")
-    module, cls = PARSERS[name].split(":")
-    return getattr(importlib.import_module(module), cls)()
+    return named_class("tool-call parser", PARSERS, name)()
 
 
 __all__ = ["PARSERS", "CallSoFar", "ParsedOutput", "ToolCallStream", "ToolParser",
