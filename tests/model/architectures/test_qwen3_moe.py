@@ -28,8 +28,9 @@ def test_qwen3_moe_greedy_and_logprobs_match_transformers(tmp_path, smollm2_toke
     path = save_tiny_checkpoint(tmp_path, qwen3_moe_config(norm_topk_prob=norm_topk_prob),
                                 smollm2_tokenizer)
     arch = load_arch_config(path)
-    assert (arch.num_experts, arch.moe_intermediate_size, arch.dense_mlp_layers,
-            arch.norm_topk_prob) == (4, 32, (1,), norm_topk_prob)
+    moe = arch.moe
+    assert (moe.num_experts, moe.intermediate_size, moe.dense_mlp_layers,
+            moe.norm_topk_prob) == (4, 32, (1,), norm_topk_prob)
     model = load_model(path, arch, torch.float32)
     assert [type(layer.mlp) for layer in model.model.layers] == [SparseMoeBlock, GatedMLP,
                                                                  SparseMoeBlock]
