@@ -40,4 +40,4 @@ def test_qwen3_moe_greedy_and_logprobs_match_transformers(tmp_path, smollm2_toke
 def test_decoder_sparse_step_makes_the_other_layers_dense(tmp_path, smollm2_tokenizer):
     config = qwen3_moe_config(num_hidden_layers=4, mlp_only_layers=[], decoder_sparse_step=2)
     path = save_tiny_checkpoint(tmp_path, config, smollm2_tokenizer)
-    assert load_arch_config(path).dense_mlp_layers == (0, 2)
+    assert load_arch_config(path).moe.dense_mlp_layers == (0, 2)
