@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagoda.json_flag import json_object
 from pagoda.lora.config import LoRAConfig
+from pagoda.reasoning import get_reasoning_parser
 from pagoda.spec_decode.config import SpeculativeConfig
 
 # The prefix-cache hash seed. Every process of the cluster must use the same one,
@@ -190,8 +192,8 @@ class StructuredOutputsConfig:
               ) -> "StructuredOutputsConfig":
         """From the flag's JSON (or a dict); ValueError naming an unknown key, backend or
         reasoning parser."""
-        from pagoda.json_flag import json_object
-        from pagoda.reasoning import get_reasoning_parser
+        # lazy: pagoda.structured_output's package imports this module (its manager reads
+        # StructuredOutputsConfig): a cycle at import time.
         from pagoda.structured_output.backend import resolve_backend_name
 
         value = json_object(value, "--structured-outputs-config") or {}
