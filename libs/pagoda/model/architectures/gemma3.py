@@ -41,8 +41,9 @@ class Gemma3Settings(GemmaSettings):
         gemma = GemmaSettings.from_hf_config(hf_config, arch)
         _, _, local_theta, local_scaling = _rope_per_layer_type(hf_config)
         # transformers ignores `attn_logit_softcapping` in Gemma 3 too.
-        return cls(gemma.query_pre_attn_scalar, None, gemma.final_logit_softcapping,
-                   local_theta, local_scaling)
+        return cls(query_pre_attn_scalar=gemma.query_pre_attn_scalar,
+                   final_logit_softcapping=gemma.final_logit_softcapping,
+                   local_rope_theta=local_theta, local_rope_scaling=local_scaling)
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
