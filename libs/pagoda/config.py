@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagoda.json_flag import json_object
 from pagoda.lora.config import LoRAConfig
+from pagoda.reasoning import get_reasoning_parser
 from pagoda.spec_decode.config import SpeculativeConfig
 
 # The prefix-cache hash seed. Every process of the cluster must use the same one,
@@ -23,16 +25,61 @@ SLIDING_ATTENTION = "sliding_attention"  # HF `layer_types` value of a windowed 
 FULL_ATTENTION = "full_attention"
 
 
+@dataclass(frozen=True)
+class SlidingWindowConfig:
+    """Sliding-window attention: a windowed layer attends to its last `window` tokens
+    (itself included), as transformers' mask does.
+
+    A shared feature, not a family's own setting: Mistral, Phi-3, Qwen2/3 and Gemma 2/3
+    all window, and code outside the model reads it (the KV cache manager frees the
+    blocks behind the window, `kv_cache_window`), so it must not live in any one
+    family's settings. Invariant: `window` > 0; `layer_types` is None (every layer
+    slides) or has one entry per layer, each `SLIDING_ATTENTION` or `FULL_ATTENTION`,
+    at least one sliding (a config with none has no `SlidingWindowConfig`).
+    """
+
+    window: int
+    layer_types: tuple[str, ...] | None = None
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The window of layer `layer_idx`, or None when it attends to the whole context."""
+        if self.layer_types is None or self.layer_types[layer_idx] == SLIDING_ATTENTION:
+            return self.window
+        return None
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A sparse mixture-of-experts MLP: a router picks `num_experts_per_tok` of
+    `num_experts` experts per token.
+
+    A shared feature, not a family's own setting: Mixtral and Qwen3-MoE both route, and
+    the parallel set-up reads it (expert parallelism needs an expert per rank; experts
+    split like a dense MLP otherwise). `intermediate_size` is each expert's (Mixtral:
+    the model's `intermediate_size`); `norm_topk_prob` renormalises the top-k routing
+    weights to sum to 1 (Mixtral always, Qwen-MoE per its config); the layers in
+    `dense_mlp_layers` run a dense MLP of the model's `intermediate_size` instead.
+    """
+
+    num_experts: int
+    num_experts_per_tok: int
+    intermediate_size: int
+    norm_topk_prob: bool = True
+    dense_mlp_layers: tuple[int, ...] = ()
+
+
 @dataclass
 class ModelArchConfig:
-    """Architecture of a Llama-shaped decoder, read from config.json (or a GGUF file).
+    """Architecture of a decoder (or encoder), read from config.json (or a GGUF file).
 
-    The fields up to `architecture` are common to every architecture; the ones after it
-    default to "plain Llama" and are set by the architectures that differ (Gemma's
-    soft-capping and attention scale, Phi-3's partial rotary, per-layer sliding windows).
-    Invariant: `layer_types` is None or has one entry per layer, each
-    `SLIDING_ATTENTION` or `FULL_ATTENTION`; a sliding layer attends to its last
-    `sliding_window` tokens (itself included), as transformers' mask does.
+    Only what every family has, plus the shared features that several families and
+    code outside the model read: `sliding_window` (`SlidingWindowConfig`) and `moe`
+    (`MoEConfig`), None when the model has none. What one family alone needs (Gemma's
+    soft-capping, Phi-3's partial rotary, BERT's token types...) is that family's own
+    settings dataclass, declared in its file under `pagoda.model.architectures`, parsed
+    by its `ModelArchitecture.settings` and carried opaquely in `family_settings`
+    (None when the family declares none or the source had no config.json: a GGUF file).
+    Nothing outside the family's file reads `family_settings`.
     """
 
     vocab_size: int
@@ -47,47 +94,29 @@ class ModelArchConfig:
     rope_scaling: dict | None = None  # HF `rope_scaling` / `rope_parameters` (type != default)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2 uses q/k/v biases
+    attention_bias: bool = False  # q/k/v (and o_proj) biases; Qwen2 always has q/k/v ones
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     architecture: str = "LlamaForCausalLM"
     hidden_act: str = "silu"
-    sliding_window: int | None = None
-    layer_types: tuple[str, ...] | None = None  # None: every layer full (or every layer
-    # sliding when `sliding_window` is set and the architecture names no pattern)
-    partial_rotary_factor: float = 1.0  # fraction of head_dim that rotates (Phi-4-mini 0.75)
-    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma)
-    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
-    final_logit_softcapping: float | None = None  # the same on the logits (Gemma 2)
-    # RoPE of the sliding layers when it differs from the global one (Gemma 3's local base).
-    local_rope_theta: float | None = None
-    local_rope_scaling: dict | None = None
     # The engine's context length, when known: longrope picks its long or short factors
     # by it once, for every position (vLLM's rule), so keys and queries always agree.
     max_model_len: int | None = None
-    # Mixture of experts (0 experts: a dense MLP). `norm_topk_prob`: the top-k routing
-    # weights are renormalised to sum to 1 (Mixtral always; Qwen-MoE per its config).
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    norm_topk_prob: bool = True
-    moe_intermediate_size: int = 0  # each expert's; 0: intermediate_size (Mixtral)
-    dense_mlp_layers: tuple[int, ...] = ()  # layers with a dense MLP in a MoE model
     # config.json's `quantization_config` (or the one `--quantization` asks for),
     # resolved by `pagoda.model.quantization.resolve_quantization`; None: unquantized.
     quantization_config: dict | None = None
-    # Encoders (BERT): segment (token type) embeddings and the LayerNorm epsilon;
-    # sequence-classification heads (cross-encoders): their number of outputs.
-    type_vocab_size: int = 0
-    layer_norm_eps: float = 1e-12
+    # A sequence-classification head's outputs (any *ForSequenceClassification; the
+    # shared pooler config names them); 0 for every other model.
     num_labels: int = 0
+    sliding_window: SlidingWindowConfig | None = None
+    moe: MoEConfig | None = None
+    family_settings: object | None = None
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The window of layer `layer_idx`, or None when it attends to the whole context."""
         if self.sliding_window is None:
             return None
-        if self.layer_types is None or self.layer_types[layer_idx] == SLIDING_ATTENTION:
-            return self.sliding_window
-        return None
+        return self.sliding_window.layer_window(layer_idx)
 
     @property
     def kv_cache_sliding_window(self) -> int | None:
@@ -163,8 +192,8 @@ class StructuredOutputsConfig:
               ) -> "StructuredOutputsConfig":
         """From the flag's JSON (or a dict); ValueError naming an unknown key, backend or
         reasoning parser."""
-        from pagoda.json_flag import json_object
-        from pagoda.reasoning import get_reasoning_parser
+        # lazy: pagoda.structured_output's package imports this module (its manager reads
+        # StructuredOutputsConfig): a cycle at import time.
         from pagoda.structured_output.backend import resolve_backend_name
 
         value = json_object(value, "--structured-outputs-config") or {}

@@ -94,12 +94,13 @@ def test_greedy_tokens_equal_transformers(moe_dirs, model, tp, expert_parallel):
 
 
 def test_expert_parallel_needs_an_expert_per_rank():
-    from pagoda.config import ModelArchConfig
+    from pagoda.config import ModelArchConfig, MoEConfig
     from pagoda.distributed.parallel_state import validate_parallel_config
 
     arch = ModelArchConfig(vocab_size=10, hidden_size=64, intermediate_size=32,
                            num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
-                           head_dim=8, num_experts=2, num_experts_per_tok=1)
+                           head_dim=8, moe=MoEConfig(num_experts=2, num_experts_per_tok=1,
+                                                     intermediate_size=32))
     validate_parallel_config(arch, 4, 1)  # each expert split 4 ways: fine
     with pytest.raises(ValueError, match=r"Number of experts \(2\) must be at least the "
                                          r"tensor parallel size \(4\)"):

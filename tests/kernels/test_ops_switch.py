@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from pagoda.config import ModelArchConfig
+from pagoda.config import ModelArchConfig, SlidingWindowConfig
 from pagoda.kernels.testing import random_paged_batch, relative_error
 from pagoda.model import attention, layers, ops, rotary
 from pagoda.model.architectures import gemma2, gemma3, llama
@@ -81,10 +81,13 @@ def test_attention_ops_agree_between_paths(triton_device):
 
 # Gemma 2: a 3-token window on alternate layers, soft-capped scores and logits, Gemma
 # norms, GeGLU; Gemma 3: windows, per-head q/k norms, a local RoPE base.
-GEMMA2 = dict(hidden_act="gelu_pytorch_tanh", sliding_window=3,
-              layer_types=("sliding_attention", "full_attention"), query_pre_attn_scalar=12.0,
-              attn_logit_softcapping=1.5, final_logit_softcapping=4.0)
-GEMMA3 = dict(GEMMA2, attn_logit_softcapping=None, local_rope_theta=100.0)
+GEMMA2 = dict(hidden_act="gelu_pytorch_tanh",
+              sliding_window=SlidingWindowConfig(3, ("sliding_attention", "full_attention")),
+              family_settings=gemma2.GemmaSettings(query_pre_attn_scalar=12.0,
+                                                   attn_logit_softcapping=1.5,
+                                                   final_logit_softcapping=4.0))
+GEMMA3 = dict(GEMMA2, family_settings=gemma3.Gemma3Settings(
+    query_pre_attn_scalar=12.0, final_logit_softcapping=4.0, local_rope_theta=100.0))
 MODELS = {"llama": (llama.LlamaForCausalLM, {}), "gemma2": (gemma2.Gemma2ForCausalLM, GEMMA2),
           "gemma3": (gemma3.Gemma3ForCausalLM, GEMMA3)}
 

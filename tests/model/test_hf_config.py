@@ -55,6 +55,6 @@ def test_activation_partial_rotary_and_phi3_longrope_keys(tmp_path):
     arch = parse(tmp_path, architectures=["Phi3ForCausalLM"], hidden_act="silu",
                  partial_rotary_factor=0.75, original_max_position_embeddings=64,
                  rope_scaling={"type": "su", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6})
-    assert arch.hidden_act == "silu" and arch.partial_rotary_factor == 0.75
+    assert arch.hidden_act == "silu" and arch.family_settings.partial_rotary_factor == 0.75
     assert arch.rope_scaling == {"rope_type": "longrope", "short_factor": [1.0] * 6,
                                  "long_factor": [2.0] * 6, "original_max_position_embeddings": 64}

@@ -1,5 +1,6 @@
 """The model registry: every HF name is registered, unknown ones are refused by name, and
-an architecture added outside the registry loads through the normal loader."""
+an architecture added outside the registry, settings of its own included, loads through
+the normal loader."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import textwrap
 import pytest
 import torch
 
-from pagoda.model.arch_spec import ModelArchitecture
+from pagoda.model.arch_spec import ModelArchitecture, family_settings
+from pagoda.config import ModelArchConfig
+from pagoda.model.architectures.gemma2 import GemmaSettings
 from pagoda.model.architectures.llama import LlamaForCausalLM
 from pagoda.model.architectures.qwen2 import Qwen2ForCausalLM
 from pagoda.model.kv_cache import allocate_kv_caches
@@ -135,6 +138,57 @@ def test_registered_architecture_loads_through_the_normal_loader(
     torch.testing.assert_close(logits[0], logits[1], atol=0, rtol=0)
 
 
+@dataclasses.dataclass(frozen=True)
+class ScaledSettings:
+    """A setting no other family has: the logits are multiplied by `logit_scale`."""
+
+    logit_scale: float = 1.0
+
+    @classmethod
+    def from_hf_config(cls, hf_config: dict, arch) -> ScaledSettings:
+        return cls(float(hf_config.get("logit_scale", 1.0)))
+
+
+class ScaledForCausalLM(LlamaForCausalLM):
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return super().compute_logits(hidden) * family_settings(self.arch,
+                                                                ScaledSettings).logit_scale
+
+
+def test_a_family_declares_its_own_settings_without_touching_the_shared_config(
+        tmp_path, tiny_llama_dir, tiny_llama, paged_sequences):
+    MODEL_REGISTRY.register(ModelArchitecture("ScaledForCausalLM", ScaledForCausalLM,
+                                              settings=ScaledSettings))
+    try:
+        path = write_model_dir(tmp_path / "m", tiny_llama_dir,
+                               architectures=["ScaledForCausalLM"], logit_scale=2.0)
+        arch = load_arch_config(path)
+        model = load_model(path, arch, torch.float32)
+    finally:
+        MODEL_REGISTRY.unregister("ScaledForCausalLM")
+    assert arch.family_settings == ScaledSettings(2.0)
+    seqs = paged_sequences(num_blocks=8, block_size=4)
+    seqs.add("a", list(range(100, 111)))
+    input_ids, positions, md = seqs.step([("a", 11)])
+    logits = []
+    for m in (model, tiny_llama):
+        kv = allocate_kv_caches(m.arch, 8, 4, torch.float32, "cpu")
+        with torch.inference_mode():
+            logits.append(m.compute_logits(m(input_ids, positions, kv, md)))
+    torch.testing.assert_close(logits[0], 2.0 * logits[1], atol=0, rtol=0)
+
+
+def test_family_settings_default_when_absent_and_refuse_another_familys():
+    arch = ModelArchConfig(
+        vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+        num_attention_heads=1, num_key_value_heads=1, head_dim=8)
+    assert family_settings(arch, ScaledSettings) == ScaledSettings()  # a GGUF file: defaults
+    arch.family_settings = ScaledSettings(3.0)
+    assert family_settings(arch, ScaledSettings).logit_scale == 3.0
+    with pytest.raises(TypeError, match="carries ScaledSettings, not GemmaSettings"):
+        family_settings(arch, GemmaSettings)
+
+
 def test_a_second_registration_of_a_name_is_refused(throwaway_registered):
     with pytest.raises(ValueError, match="'ThrowawayForCausalLM' from register\\(\\) is already"):
         MODEL_REGISTRY.register(ModelArchitecture("ThrowawayForCausalLM", LlamaForCausalLM))
@@ -143,7 +197,9 @@ def test_a_second_registration_of_a_name_is_refused(throwaway_registered):
 
 
 ONE_FILE_ARCHITECTURE = '''
-from pagoda.model.arch_spec import ModelArchitecture
+from pagoda.model.arch_spec import ModelArchitecture, family_settings
+from pagoda.config import ModelArchConfig
+from pagoda.model.architectures.gemma2 import GemmaSettings
 from pagoda.model.architectures.llama import LlamaForCausalLM
 
 

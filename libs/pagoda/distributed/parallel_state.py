@@ -132,14 +132,15 @@ def validate_parallel_config(arch: ModelArchConfig, tp_size: int, pp_size: int,
     if arch.intermediate_size % tp_size:
         raise ValueError(f"Intermediate size ({arch.intermediate_size}) must be divisible by "
                          f"tensor parallel size ({tp_size}).")
-    moe_inter = arch.moe_intermediate_size
+    moe_inter = arch.moe.intermediate_size if arch.moe else 0
     if moe_inter and not enable_expert_parallel and moe_inter % tp_size:
         raise ValueError(f"MoE intermediate size ({moe_inter}) must be divisible by tensor "
                          f"parallel size ({tp_size}) without expert parallelism.")
     # With expert parallelism every rank needs an expert; on a dense model the flag
     # does nothing (as in vLLM).
-    if enable_expert_parallel and 0 < arch.num_experts < tp_size:
-        raise ValueError(f"Number of experts ({arch.num_experts}) must be at least the "
+    num_experts = arch.moe.num_experts if arch.moe else 0
+    if enable_expert_parallel and 0 < num_experts < tp_size:
+        raise ValueError(f"Number of experts ({num_experts}) must be at least the "
                          f"tensor parallel size ({tp_size}).")
     if pp_size > arch.num_hidden_layers:
         raise ValueError(f"Pipeline parallel size ({pp_size}) must not exceed the number of "

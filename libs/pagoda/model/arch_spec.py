@@ -1,5 +1,6 @@
-"""What an architecture file declares: `ModelArchitecture` (one per HF class name) and
-`GGUFLayout` (llama.cpp's tensor names for it).
+"""What an architecture file declares: `ModelArchitecture` (one per HF class name),
+`GGUFLayout` (llama.cpp's tensor names for it) and, when the family has settings of its
+own, a `FamilySettings` dataclass that its layers read back with `family_settings`.
 
 Kept apart from `registry` so dependencies point one way: architecture files import
 this module, the registry imports this module and (lazily) the architecture files.
@@ -10,10 +11,39 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from pagoda.config import ModelArchConfig
+
+SettingsT = TypeVar("SettingsT")
+
+
+class FamilySettings(Protocol):
+    """A family's own settings: a frozen dataclass in its architecture file, every field
+    defaulted (a GGUF file or a config built in code carries none: the defaults apply).
+    It travels in `ModelArchConfig.family_settings`, pickled with the config to every
+    rank, so it holds plain values only."""
+
+    @classmethod
+    def from_hf_config(cls, hf_config: dict, arch: ModelArchConfig) -> FamilySettings:
+        """Parse config.json (`arch`: the common fields, after `update_arch_config`)."""
+        ...
+
+
+def family_settings(arch: ModelArchConfig, settings_cls: type[SettingsT]) -> SettingsT:
+    """The family settings `arch` carries, or `settings_cls()` when it carries none.
+
+    TypeError when it carries another family's (a subclass counts: Gemma 3's settings
+    extend Gemma 2's, whose layers it reuses).
+    """
+    settings = arch.family_settings
+    if settings is None:
+        return settings_cls()
+    if not isinstance(settings, settings_cls):
+        raise TypeError(f"{arch.architecture} carries {type(settings).__name__}, "
+                        f"not {settings_cls.__name__}")
+    return settings
 
 
 @dataclass(frozen=True)
@@ -53,9 +83,11 @@ class ModelArchitecture:
     `model_cls(arch, dtype, parallel)` builds one rank's share of the model; it has
     `forward`, `compute_logits`, `load_weights(HF-named tensors)` (its class attribute
     `packed_modules_mapping` says which HF tensors it fuses) and
-    `needs_checkpoint_tensor`. `update_arch_config` adjusts what the common
-    config.json parser read (a field the HF config leaves implicit, say); GGUF files
-    carry no config.json and skip it. `gguf_layouts` maps each GGUF
+    `needs_checkpoint_tensor`. `update_arch_config` adjusts the common fields the
+    config.json parser read (one the HF config leaves implicit, say); `settings` (a
+    `FamilySettings` class) then parses the family's own settings into
+    `ModelArchConfig.family_settings`. GGUF files carry no config.json and skip both.
+    `gguf_layouts` maps each GGUF
     `general.architecture` this class runs to that format's tensor names.
     Invariant: `hf_name` is the registry key; several entries may share a `model_cls`.
     """
@@ -63,6 +95,7 @@ class ModelArchitecture:
     hf_name: str
     model_cls: type
     update_arch_config: ConfigHook | None = None
+    settings: type[FamilySettings] | None = None
     gguf_layouts: Mapping[str, GGUFLayout] = field(default_factory=dict)
 
     @property

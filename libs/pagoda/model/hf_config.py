@@ -1,16 +1,20 @@
 """ModelArchConfig from an HF model directory (config.json, generation_config.json).
 
-The fields every Llama-shaped config spells the same way are read here; the registry
-says whether the architecture runs at all, and its `update_arch_config` hook adds
-what that architecture's config leaves implicit.
+The fields every Llama-shaped config spells the same way, and the shared features
+(sliding window), are read here; the registry says whether the architecture runs at
+all, its `update_arch_config` hook adds what that architecture's config leaves
+implicit, and its `settings` class parses the family's own settings. Nothing here
+names a family or one of its settings.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
-from pagoda.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelArchConfig
+from pagoda.config import (FULL_ATTENTION, SLIDING_ATTENTION, ModelArchConfig,
+                           SlidingWindowConfig)
 from pagoda.model.registry import MODEL_REGISTRY
 from pagoda.model.rotary import normalize_rope_scaling
 
@@ -49,14 +53,8 @@ def _rope(config: dict) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
-def _partial_rotary_factor(config: dict) -> float:
-    params = config.get("rope_parameters") or {}
-    return float(config.get("partial_rotary_factor") or params.get("partial_rotary_factor")
-                 or 1.0)
-
-
-def _sliding_window(config: dict) -> tuple[int | None, tuple[str, ...] | None]:
-    """(window, per-layer types) as transformers reads them; (None, None) without a window.
+def _sliding_window(config: dict) -> SlidingWindowConfig | None:
+    """The window and per-layer types as transformers reads them; None without a window.
 
     `layer_types` (transformers >= 4.53) names each layer; older configs leave it out:
     then every layer slides (Mistral, Phi-3), except Qwen2's rule (layers from
@@ -64,15 +62,16 @@ def _sliding_window(config: dict) -> tuple[int | None, tuple[str, ...] | None]:
     """
     window = config.get("sliding_window")
     if not window or config.get("use_sliding_window") is False:
-        return None, None
+        return None
     layer_types = config.get("layer_types")
     if layer_types is None and "max_window_layers" in config:
         first = config["max_window_layers"]
         layer_types = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION
                        for i in range(config["num_hidden_layers"])]
     if layer_types is not None and SLIDING_ATTENTION not in layer_types:
-        return None, None
-    return int(window), tuple(layer_types) if layer_types is not None else None
+        return None
+    return SlidingWindowConfig(int(window),
+                               tuple(layer_types) if layer_types is not None else None)
 
 
 def arch_config_from_hf_dir(model_dir: str) -> ModelArchConfig:
@@ -86,7 +85,6 @@ def arch_config_from_hf_dir(model_dir: str) -> ModelArchConfig:
     generation = _read_json(generation_path) if os.path.exists(generation_path) else {}
     num_heads = config["num_attention_heads"]
     rope_theta, rope_scaling = _rope(config)
-    sliding_window, layer_types = _sliding_window(config)
     arch = ModelArchConfig(
         vocab_size=config["vocab_size"],
         hidden_size=config["hidden_size"],
@@ -105,8 +103,10 @@ def arch_config_from_hf_dir(model_dir: str) -> ModelArchConfig:
         eos_token_id=_merge_eos(config.get("eos_token_id"), generation.get("eos_token_id")),
         architecture=spec.hf_name,
         hidden_act=config.get("hidden_act") or config.get("hidden_activation") or "silu",
-        sliding_window=sliding_window,
-        layer_types=layer_types,
-        partial_rotary_factor=_partial_rotary_factor(config),
+        sliding_window=_sliding_window(config),
     )
-    return spec.update_arch_config(config, arch) if spec.update_arch_config else arch
+    if spec.update_arch_config:
+        arch = spec.update_arch_config(config, arch)
+    if spec.settings:
+        arch = dataclasses.replace(arch, family_settings=spec.settings.from_hf_config(config, arch))
+    return arch

@@ -25,6 +25,7 @@ process can be pointed at another endpoint, cache or offline mode (tests do).
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
 import re
@@ -88,6 +89,8 @@ def download(repo_id: str, revision: str | None = None, download_dir: str | None
     tokenizer service needs no weights). Raises ModelNotFoundError, GatedModelError or
     ValueError (unknown revision, no weights in the repo), each naming `repo_id`.
     """
+    # lazy: huggingface_hub and its HTTP client load only for a model from the Hub (a
+    # local path never needs them).
     import httpx2  # huggingface_hub's HTTP client
     from huggingface_hub import errors
 
@@ -136,7 +139,7 @@ def download(repo_id: str, revision: str | None = None, download_dir: str | None
 
 
 def _from_hub(repo_id: str, revision: str, cache_dir: str, kind: Kind) -> str:
-    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+    from huggingface_hub import HfApi, hf_hub_download, snapshot_download  # lazy: Hub only
 
     endpoint, token = _endpoint(), os.environ.get("HF_TOKEN") or None
     info = HfApi(endpoint=endpoint, token=token).model_info(repo_id, revision=revision)
@@ -157,6 +160,7 @@ def _from_hub(repo_id: str, revision: str, cache_dir: str, kind: Kind) -> str:
 
 def _from_cache(repo_id: str, revision: str, cache_dir: str, kind: Kind, where: str) -> str:
     """HF_HUB_OFFLINE: the same files from the cache, chosen from the cached file listing."""
+    # lazy: huggingface_hub loads only for a model from the Hub.
     from huggingface_hub import get_cached_repo_tree, snapshot_download
     from huggingface_hub.errors import CachedRepoTreeNotFoundError, LocalEntryNotFoundError
 
@@ -186,8 +190,6 @@ def _from_cache(repo_id: str, revision: str, cache_dir: str, kind: Kind, where: 
 
 def _files_to_fetch(repo_id: str, names: list[str], kind: Kind, fetch_index) -> list[str]:
     """The repo files serving reads: config and tokenizer files, and the weights."""
-    import fnmatch
-
     root = [n for n in names if "/" not in n]
     wanted = [n for n in root if any(fnmatch.fnmatchcase(n, p)
                                      for p in (*CONFIG_FILES, *TOKENIZER_FILES, *POOLING_FILES))]

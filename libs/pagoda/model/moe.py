@@ -36,6 +36,7 @@ from pagoda.distributed.communication import all_reduce
 from pagoda.distributed.parallel_state import SINGLE, ParallelContext, expert_range
 from pagoda.model import ops
 from pagoda.model.layers import empty_parameter
+from pagoda.model.quantization import current_quant_config
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int,
@@ -68,8 +69,6 @@ class FusedMoE(nn.Module):
                  checkpoint_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
                  round_weights: bool = False) -> None:
         super().__init__()
-        from pagoda.model.quantization import current_quant_config
-
         quant = current_quant_config()
         if quant is not None:
             raise ValueError(f"{quant.name} quantization of mixture-of-experts layers is not "
@@ -128,7 +127,7 @@ class FusedMoE(nn.Module):
         if self.round_weights:
             weights = weights.to(x.dtype)
         if ops.use_triton(x):
-            from pagoda.kernels.fused_moe import fused_experts
+            from pagoda.kernels.fused_moe import fused_experts  # lazy: triton, CUDA only
         else:
             fused_experts = experts_by_group
         pair_out = fused_experts(x, ids, self.w13_weight, self.w2_weight, self.expert_start)

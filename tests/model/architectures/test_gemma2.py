@@ -7,8 +7,8 @@ from transformers import Gemma2Config
 
 from arch_parity import (VOCAB_SIZE, assert_matches_transformers, random_prompts,
                          save_tiny_checkpoint)
-from pagoda.config import FULL_ATTENTION, SLIDING_ATTENTION
-from pagoda.model.architectures.gemma2 import Gemma2ForCausalLM, gemma2_arch_config
+from pagoda.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelArchConfig, SlidingWindowConfig
+from pagoda.model.architectures.gemma2 import Gemma2ForCausalLM, GemmaSettings, gemma2_arch_config
 from pagoda.model.loader import load_arch_config
 from pagoda.model.registry import MODEL_REGISTRY
 
@@ -24,7 +24,8 @@ def test_gemma2_greedy_and_logprobs_match_transformers(tmp_path, smollm2_tokeniz
     path = save_tiny_checkpoint(tmp_path, config, smollm2_tokenizer)
     arch = load_arch_config(path)
     assert MODEL_REGISTRY.resolve(arch.architecture).model_cls is Gemma2ForCausalLM
-    assert arch.layer_types == (SLIDING_ATTENTION, FULL_ATTENTION) * 2
+    assert arch.sliding_window.layer_types == (SLIDING_ATTENTION, FULL_ATTENTION) * 2
+    assert arch.family_settings == GemmaSettings(24.0, 2.0, 3.0)
     assert arch.kv_cache_sliding_window is None  # the global layers need every block
     assert arch.hidden_act == "gelu_pytorch_tanh" and arch.tie_word_embeddings
     llm = assert_matches_transformers(path, random_prompts([5, 23, 41]), 16)
@@ -33,13 +34,12 @@ def test_gemma2_greedy_and_logprobs_match_transformers(tmp_path, smollm2_tokeniz
 
 def test_gemma2_config_without_layer_types_alternates_from_a_sliding_layer():
     # Checkpoints saved before transformers named `layer_types` (google/gemma-2-2b).
-    from pagoda.config import ModelArchConfig
-
     arch = ModelArchConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=3,
                            num_attention_heads=1, num_key_value_heads=1, head_dim=8,
-                           sliding_window=4096)
-    arch = gemma2_arch_config({"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
-                               "final_logit_softcapping": 30.0,
-                               "hidden_activation": "gelu_pytorch_tanh"}, arch)
+                           sliding_window=SlidingWindowConfig(4096))
+    hf_config = {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
+                 "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh"}
+    arch = gemma2_arch_config(hf_config, arch)
     assert [arch.layer_sliding_window(i) for i in range(3)] == [4096, None, 4096]
-    assert arch.query_pre_attn_scalar == 256 and arch.attn_logit_softcapping == 50.0
+    settings = GemmaSettings.from_hf_config(hf_config, arch)
+    assert settings.query_pre_attn_scalar == 256 and settings.attn_logit_softcapping == 50.0

@@ -24,7 +24,7 @@ def test_mistral_sliding_window_greedy_and_logprobs_match_transformers(tmp_path,
                                                                       smollm2_tokenizer):
     path = mistral_dir(tmp_path, smollm2_tokenizer)
     arch = load_arch_config(path)
-    assert arch.sliding_window == WINDOW and arch.kv_cache_sliding_window == WINDOW
+    assert arch.sliding_window.window == WINDOW and arch.kv_cache_sliding_window == WINDOW
     # Prompts up to 5x the window, chunked by 16 tokens, then decoded past it.
     llm = assert_matches_transformers(path, random_prompts([5, 23, 41]), 20)
     assert llm.llm_engine.config.cache.sliding_window == WINDOW

@@ -21,7 +21,8 @@ def test_mixtral_greedy_and_logprobs_match_transformers(tmp_path, smollm2_tokeni
     path = save_tiny_checkpoint(tmp_path, config, smollm2_tokenizer)
     arch = load_arch_config(path)
     assert MODEL_REGISTRY.resolve(arch.architecture).model_cls is MixtralForCausalLM
-    assert (arch.num_experts, arch.num_experts_per_tok, arch.norm_topk_prob) == (4, 2, True)
+    assert (arch.moe.num_experts, arch.moe.num_experts_per_tok, arch.moe.norm_topk_prob,
+            arch.moe.intermediate_size) == (4, 2, True, 32)
     experts = load_model(path, arch, torch.float32).model.layers[0].mlp.experts
     # Every expert's gate and up rows stacked, and its down projection: all held here.
     assert experts.w13_weight.shape == (4, 64, 64) and experts.w2_weight.shape == (4, 64, 32)

@@ -46,6 +46,7 @@ def test_phi3_longrope_matches_transformers(tmp_path, smollm2_tokenizer, max_mod
     path = phi3_dir(tmp_path, smollm2_tokenizer, original_max_position_embeddings=ORIGINAL_MAX,
                     rope_parameters=longrope(0.75), sliding_window=None)
     arch = load_arch_config(path)
-    assert arch.rope_scaling["rope_type"] == "longrope" and arch.partial_rotary_factor == 0.75
+    assert arch.rope_scaling["rope_type"] == "longrope"
+    assert arch.family_settings.partial_rotary_factor == 0.75
     assert arch.rope_scaling["original_max_position_embeddings"] == ORIGINAL_MAX
     assert_matches_transformers(path, random_prompts(lengths), 8, max_model_len=max_model_len)

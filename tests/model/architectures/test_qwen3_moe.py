@@ -28,8 +28,9 @@ def test_qwen3_moe_greedy_and_logprobs_match_transformers(tmp_path, smollm2_toke
     path = save_tiny_checkpoint(tmp_path, qwen3_moe_config(norm_topk_prob=norm_topk_prob),
                                 smollm2_tokenizer)
     arch = load_arch_config(path)
-    assert (arch.num_experts, arch.moe_intermediate_size, arch.dense_mlp_layers,
-            arch.norm_topk_prob) == (4, 32, (1,), norm_topk_prob)
+    moe = arch.moe
+    assert (moe.num_experts, moe.intermediate_size, moe.dense_mlp_layers,
+            moe.norm_topk_prob) == (4, 32, (1,), norm_topk_prob)
     model = load_model(path, arch, torch.float32)
     assert [type(layer.mlp) for layer in model.model.layers] == [SparseMoeBlock, GatedMLP,
                                                                  SparseMoeBlock]
@@ -39,4 +40,4 @@ def test_qwen3_moe_greedy_and_logprobs_match_transformers(tmp_path, smollm2_toke
 def test_decoder_sparse_step_makes_the_other_layers_dense(tmp_path, smollm2_tokenizer):
     config = qwen3_moe_config(num_hidden_layers=4, mlp_only_layers=[], decoder_sparse_step=2)
     path = save_tiny_checkpoint(tmp_path, config, smollm2_tokenizer)
-    assert load_arch_config(path).dense_mlp_layers == (0, 2)
+    assert load_arch_config(path).moe.dense_mlp_layers == (0, 2)

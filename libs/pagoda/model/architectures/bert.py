@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,7 @@ from torch import nn
 
 from pagoda.config import ModelArchConfig
 from pagoda.distributed.parallel_state import SINGLE, ParallelContext
-from pagoda.model.arch_spec import ModelArchitecture
+from pagoda.model.arch_spec import ModelArchitecture, family_settings
 from pagoda.model.attention_metadata import AttentionMetadata
 from pagoda.model.encoder_attention import check_whole_prompts, encoder_attention
 from pagoda.model.layers import Embedding, Linear, empty_parameter
@@ -40,6 +41,19 @@ _ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tan
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 # Checkpoint tensors computed rather than loaded (transformers saves the position ids).
 _IGNORED = ("embeddings.position_ids",)
+
+
+@dataclass(frozen=True)
+class BertSettings:
+    """`type_vocab_size`: segment (token type) embeddings; `layer_norm_eps`: the epsilon of
+    every LayerNorm."""
+
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+
+    @classmethod
+    def from_hf_config(cls, hf_config: dict, arch: ModelArchConfig) -> BertSettings:
+        return cls(hf_config.get("type_vocab_size", 2), hf_config.get("layer_norm_eps", 1e-12))
 
 
 class LayerNorm(nn.Module):
@@ -61,10 +75,11 @@ class BertEmbeddings(nn.Module):
         super().__init__()
         self.word_embeddings = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, dtype,
                                                       parallel)
+        settings = family_settings(arch, BertSettings)
         self.position_embeddings = Embedding(arch.max_position_embeddings, arch.hidden_size, dtype)
-        self.token_type_embeddings = Embedding(max(arch.type_vocab_size, 1), arch.hidden_size,
+        self.token_type_embeddings = Embedding(max(settings.type_vocab_size, 1), arch.hidden_size,
                                                dtype)
-        self.LayerNorm = LayerNorm(arch.hidden_size, arch.layer_norm_eps, dtype)
+        self.LayerNorm = LayerNorm(arch.hidden_size, settings.layer_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 token_type_ids: torch.Tensor) -> torch.Tensor:
@@ -97,8 +112,9 @@ class BertAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, heads, heads, True,
                                           dtype, parallel)
         self.num_heads = self.qkv_proj.num_local_heads
-        self.output = BertOutput(heads * arch.head_dim, arch.hidden_size, arch.layer_norm_eps,
-                                 dtype, parallel)
+        self.output = BertOutput(heads * arch.head_dim, arch.hidden_size,
+                                 family_settings(arch, BertSettings).layer_norm_eps, dtype,
+                                 parallel)
 
     def forward(self, hidden: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -127,8 +143,9 @@ class BertLayer(nn.Module):
         super().__init__()
         self.attention = BertAttention(arch, dtype, parallel)
         self.intermediate = BertIntermediate(arch, dtype, parallel)
-        self.output = BertOutput(arch.intermediate_size, arch.hidden_size, arch.layer_norm_eps,
-                                 dtype, parallel)
+        self.output = BertOutput(arch.intermediate_size, arch.hidden_size,
+                                 family_settings(arch, BertSettings).layer_norm_eps, dtype,
+                                 parallel)
 
     def forward(self, hidden: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         attended = self.attention(hidden, md)
@@ -245,16 +262,13 @@ def _without_ignored(weights: Iterable[tuple[str, torch.Tensor]]
 
 
 def bert_arch_config(config: dict, arch: ModelArchConfig) -> ModelArchConfig:
-    """BERT's own config keys: token types, LayerNorm epsilon, GELU; only absolute
-    position embeddings are supported."""
+    """BERT's activation (GELU unless named); only absolute position embeddings are
+    supported."""
     kind = config.get("position_embedding_type", "absolute")
     if kind != "absolute":
         raise ValueError(f"BERT with position_embedding_type={kind!r} is not supported "
                          "(only 'absolute')")
-    return dataclasses.replace(
-        arch, type_vocab_size=config.get("type_vocab_size", 2),
-        layer_norm_eps=config.get("layer_norm_eps", 1e-12),
-        hidden_act=config.get("hidden_act", "gelu"))
+    return dataclasses.replace(arch, hidden_act=config.get("hidden_act", "gelu"))
 
 
 def bert_classifier_arch_config(config: dict, arch: ModelArchConfig) -> ModelArchConfig:
@@ -264,7 +278,8 @@ def bert_classifier_arch_config(config: dict, arch: ModelArchConfig) -> ModelArc
 
 
 ARCHITECTURES = (
-    ModelArchitecture("BertModel", BertModel, update_arch_config=bert_arch_config),
+    ModelArchitecture("BertModel", BertModel, update_arch_config=bert_arch_config,
+                      settings=BertSettings),
     ModelArchitecture("BertForSequenceClassification", BertForSequenceClassification,
-                      update_arch_config=bert_classifier_arch_config),
+                      update_arch_config=bert_classifier_arch_config, settings=BertSettings),
 )

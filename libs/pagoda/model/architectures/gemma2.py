@@ -6,7 +6,8 @@ What differs from Llama, each as in transformers' `modeling_gemma2.py`:
   norms: before and after attention, before and after the MLP ("sandwich");
 - GeGLU MLP (`gelu_pytorch_tanh`);
 - attention scale `query_pre_attn_scalar ** -0.5`, scores soft-capped as
-  `50 * tanh(s / 50)` (`attn_logit_softcapping`), logits as `30 * tanh(l / 30)`;
+  `50 * tanh(s / 50)` (`attn_logit_softcapping`), logits as `30 * tanh(l / 30)`
+  (these three are `GemmaSettings`);
 - even layers attend to a sliding window (4096), odd layers to everything
   (`layer_types`). Since the global layers read every block, the KV cache keeps
   them all (`ModelArchConfig.kv_cache_sliding_window` is None).
@@ -15,16 +16,38 @@ What differs from Llama, each as in transformers' `modeling_gemma2.py`:
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from pagoda.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelArchConfig
-from pagoda.model.arch_spec import ModelArchitecture
+from pagoda.model.arch_spec import ModelArchitecture, family_settings
 from pagoda.model.architectures.llama import LlamaForCausalLM, LlamaModel
 from pagoda.model.attention_metadata import AttentionMetadata
 from pagoda.model.decoder_layer import GatedMLP, KVCache, PagedSelfAttention, fused_add_norm
 from pagoda.model.layers import GemmaRMSNorm
+
+
+@dataclass(frozen=True)
+class GemmaSettings:
+    """Gemma's attention and logit numerics. `query_pre_attn_scalar`: the attention scale
+    is its -1/2 power (None: head_dim's); a soft cap C bounds x as `C * tanh(x / C)`,
+    on attention scores (`attn_logit_softcapping`) and logits (`final_logit_softcapping`);
+    None: no cap."""
+
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+
+    @classmethod
+    def from_hf_config(cls, hf_config: dict, arch: ModelArchConfig) -> GemmaSettings:
+        return cls(float(hf_config.get("query_pre_attn_scalar") or arch.head_dim),
+                   hf_config.get("attn_logit_softcapping"),
+                   hf_config.get("final_logit_softcapping"))
+
+    def attention_scale(self, head_dim: int) -> float:
+        return (self.query_pre_attn_scalar or head_dim) ** -0.5
 
 
 class GemmaModel(LlamaModel):
@@ -76,11 +99,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     model_cls = GemmaModel
 
     def make_attention(self, layer_idx: int) -> nn.Module:
-        arch = self.arch
+        arch, settings = self.arch, family_settings(self.arch, GemmaSettings)
         return PagedSelfAttention(arch, self.dtype, arch.attention_bias, arch.attention_bias,
-                                  self.parallel, scale=arch.query_pre_attn_scalar ** -0.5,
+                                  self.parallel, scale=settings.attention_scale(arch.head_dim),
                                   sliding_window=arch.layer_sliding_window(layer_idx),
-                                  logits_soft_cap=arch.attn_logit_softcapping)
+                                  logits_soft_cap=settings.attn_logit_softcapping)
 
     def make_decoder_layer(self, layer_idx: int) -> nn.Module:
         arch = self.arch
@@ -90,7 +113,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = super().compute_logits(hidden)
-        cap = self.arch.final_logit_softcapping
+        cap = family_settings(self.arch, GemmaSettings).final_logit_softcapping
         if logits is None or cap is None:
             return logits
         return torch.tanh(logits / cap) * cap
@@ -98,22 +121,20 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
 def gemma_arch_config(hf_config: dict, arch: ModelArchConfig,
                       sliding_window_pattern: int) -> ModelArchConfig:
-    """What Gemma configs leave implicit or spell their own way. Without `layer_types`,
-    every `sliding_window_pattern`-th layer is global, the others slide."""
-    layer_types = arch.layer_types
-    if arch.sliding_window is not None and layer_types is None:
-        layer_types = tuple(SLIDING_ATTENTION if (i + 1) % sliding_window_pattern
-                            else FULL_ATTENTION for i in range(arch.num_hidden_layers))
+    """The common fields Gemma configs leave implicit or spell their own way. Without
+    `layer_types`, every `sliding_window_pattern`-th layer is global, the others slide."""
+    sliding = arch.sliding_window
+    if sliding is not None and sliding.layer_types is None:
+        sliding = dataclasses.replace(sliding, layer_types=tuple(
+            SLIDING_ATTENTION if (i + 1) % sliding_window_pattern else FULL_ATTENTION
+            for i in range(arch.num_hidden_layers)))
     if hf_config.get("use_bidirectional_attention"):
         raise ValueError("Gemma with use_bidirectional_attention (an embedding model) is not "
                          "supported: Pagoda serves causal language models")
     return dataclasses.replace(
-        arch, layer_types=layer_types,
+        arch, sliding_window=sliding,
         hidden_act=hf_config.get("hidden_activation") or arch.hidden_act,
-        tie_word_embeddings=hf_config.get("tie_word_embeddings", True),
-        query_pre_attn_scalar=float(hf_config.get("query_pre_attn_scalar") or arch.head_dim),
-        attn_logit_softcapping=hf_config.get("attn_logit_softcapping"),
-        final_logit_softcapping=hf_config.get("final_logit_softcapping"))
+        tie_word_embeddings=hf_config.get("tie_word_embeddings", True))
 
 
 def gemma2_arch_config(hf_config: dict, arch: ModelArchConfig) -> ModelArchConfig:
@@ -122,5 +143,5 @@ def gemma2_arch_config(hf_config: dict, arch: ModelArchConfig) -> ModelArchConfi
 
 ARCHITECTURES = (
     ModelArchitecture("Gemma2ForCausalLM", Gemma2ForCausalLM,
-                      update_arch_config=gemma2_arch_config),
+                      update_arch_config=gemma2_arch_config, settings=GemmaSettings),
 )

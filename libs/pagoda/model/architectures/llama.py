@@ -34,14 +34,16 @@ class LlamaModel(nn.Module):
 
     Invariant: the first stage holds `embed_tokens`, the last holds `norm`; a stage
     holds layers `[start_layer, end_layer)` (built by `make_layer(index)`) and gets one
-    KV cache per held layer. Sliding-window layers take their RoPE from
-    `local_rotary_emb` when the architecture gives them their own (Gemma 3).
+    KV cache per held layer. Every layer rotates with `rotary_emb`, except the
+    sliding-window layers when the architecture gives them their own
+    (`local_rotary_emb`: Gemma 3's local base).
     """
 
     norm_cls: type[RMSNorm] = RMSNorm  # of the final norm
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, parallel: ParallelContext,
-                 make_layer: Callable[[int], nn.Module]) -> None:
+                 make_layer: Callable[[int], nn.Module], rotary_emb: RotaryEmbedding,
+                 local_rotary_emb: RotaryEmbedding | None = None) -> None:
         super().__init__()
         self.start_layer, self.end_layer = stage_layer_range(
             arch.num_hidden_layers, parallel.pp_size, parallel.pp_rank)
@@ -55,17 +57,10 @@ class LlamaModel(nn.Module):
         self.stage_layers = list(self.layers)[self.start_layer:self.end_layer]
         self.norm = (self.norm_cls(arch.hidden_size, arch.rms_norm_eps, dtype)
                      if parallel.is_last_stage else None)
-        rotary_dim = int(arch.head_dim * arch.partial_rotary_factor)
-        self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling,
-                                          arch.max_position_embeddings, rotary_dim,
-                                          arch.max_model_len)
-        self.local_rotary_emb = None
-        if arch.local_rope_theta is not None:
-            self.local_rotary_emb = RotaryEmbedding(
-                arch.head_dim, arch.local_rope_theta, arch.local_rope_scaling,
-                arch.max_position_embeddings, rotary_dim, arch.max_model_len)
+        self.rotary_emb = rotary_emb
+        self.local_rotary_emb = local_rotary_emb
         self.stage_uses_local_rope = [
-            self.local_rotary_emb is not None and arch.layer_sliding_window(i) is not None
+            local_rotary_emb is not None and arch.layer_sliding_window(i) is not None
             for i in range(self.start_layer, self.end_layer)]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -117,9 +112,15 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         self.dtype = dtype
         self.parallel = parallel
-        self.model = self.model_cls(arch, dtype, parallel, self.make_decoder_layer)
+        self.model = self.model_cls(arch, dtype, parallel, self.make_decoder_layer,
+                                    *self.make_rotary_embeddings())
         if parallel.is_last_stage and not (arch.tie_word_embeddings and parallel.is_first_stage):
             self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, dtype, parallel)
+
+    def make_rotary_embeddings(self) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
+        """(RoPE of every layer, RoPE of the sliding-window layers when theirs differs, else
+        None); subclasses change them (Phi-3's partial rotary, Gemma 3's local base)."""
+        return rotary_embedding(self.arch), None
 
     def make_attention(self, layer_idx: int) -> nn.Module:
         # Llama's `attention_bias` covers q/k/v and o_proj alike.
@@ -173,6 +174,13 @@ class LlamaForCausalLM(nn.Module):
             weights = _embedding_as_lm_head(weights)
             tied = False
         load_named_weights(self, weights, skip_lm_head=tied, held_elsewhere=self.held_elsewhere)
+
+
+def rotary_embedding(arch: ModelArchConfig, rotary_dim: int | None = None) -> RotaryEmbedding:
+    """The model's RoPE; a `rotary_dim` below head_dim rotates only the leading dims of
+    each head (partial rotary)."""
+    return RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling,
+                           arch.max_position_embeddings, rotary_dim, arch.max_model_len)
 
 
 def _embedding_as_lm_head(weights: Iterable[tuple[str, torch.Tensor]]

@@ -2,7 +2,7 @@
 
 Each layer's MLP is `pagoda.model.moe.SparseMoeBlock`: a router over
 `num_local_experts` experts and the top `num_experts_per_tok` of them per token, their
-weights always renormalised to sum to 1. Checkpoints name the block
+weights always renormalised to sum to 1 (the shared `MoEConfig`). Checkpoints name the block
 `block_sparse_moe` and an expert's projections `w1` (gate), `w3` (up), `w2` (down);
 the module is called `mlp` here (as in transformers >= 5), so names are mapped on load.
 Under tensor parallelism the experts are split like a dense MLP, or placed whole on
@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from pagoda.config import ModelArchConfig
+from pagoda.config import ModelArchConfig, MoEConfig
 from pagoda.model.arch_spec import ModelArchitecture
 from pagoda.model.architectures.llama import LlamaForCausalLM
 from pagoda.model.decoder_layer import DecoderLayer
@@ -32,9 +32,9 @@ class MixtralForCausalLM(LlamaForCausalLM):
     """
 
     def make_decoder_layer(self, layer_idx: int) -> nn.Module:
-        arch = self.arch
-        mlp = SparseMoeBlock(arch.num_experts, arch.num_experts_per_tok, arch.hidden_size,
-                             arch.intermediate_size, arch.norm_topk_prob, self.dtype,
+        arch, moe = self.arch, self.arch.moe
+        mlp = SparseMoeBlock(moe.num_experts, moe.num_experts_per_tok, arch.hidden_size,
+                             moe.intermediate_size, moe.norm_topk_prob, self.dtype,
                              self.parallel, checkpoint_names=("w1", "w3", "w2"))
         return DecoderLayer(self.make_attention(layer_idx), mlp, arch, self.dtype)
 
@@ -52,9 +52,11 @@ def _moe_block_as_mlp(weights: Iterable[tuple[str, torch.Tensor]]
 
 
 def mixtral_arch_config(hf_config: dict, arch: ModelArchConfig) -> ModelArchConfig:
-    return dataclasses.replace(arch, num_experts=hf_config["num_local_experts"],
-                               num_experts_per_tok=hf_config["num_experts_per_tok"],
-                               norm_topk_prob=True)
+    """Every layer routes; each expert is as wide as the model's dense MLP."""
+    return dataclasses.replace(arch, moe=MoEConfig(
+        num_experts=hf_config["num_local_experts"],
+        num_experts_per_tok=hf_config["num_experts_per_tok"],
+        intermediate_size=arch.intermediate_size, norm_topk_prob=True))
 
 
 ARCHITECTURES = (

@@ -5,22 +5,46 @@ The checkpoint holds `self_attn.qkv_proj` ([q; k; v] rows) and `mlp.gate_up_proj
 separately (so tensor parallelism can take its slice of each), so `load_weights`
 splits the fused tensors into the HF names of their parts first. RoPE may be
 longrope ("su"), with `original_max_position_embeddings` beside the scaling
-parameters, and partial (`partial_rotary_factor`, Phi-4-mini); Phi-3-mini-4k slides
-a 2047-token window in every layer. All three are read by the common parser.
+parameters, and partial (`partial_rotary_factor`, Phi-4-mini: `Phi3Settings`);
+Phi-3-mini-4k slides a 2047-token window in every layer. The scaling and the window
+are read by the common parser.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
-from pagoda.model.arch_spec import ModelArchitecture
-from pagoda.model.architectures.llama import LlamaForCausalLM
+from pagoda.config import ModelArchConfig
+from pagoda.model.arch_spec import ModelArchitecture, family_settings
+from pagoda.model.architectures.llama import LlamaForCausalLM, rotary_embedding
+from pagoda.model.rotary import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class Phi3Settings:
+    """`partial_rotary_factor`: the fraction of each head's dims that rotate (Phi-4-mini
+    0.75, the rest pass through); 1.0 rotates them all."""
+
+    partial_rotary_factor: float = 1.0
+
+    @classmethod
+    def from_hf_config(cls, hf_config: dict, arch: ModelArchConfig) -> Phi3Settings:
+        # transformers >= 5 keeps it inside `rope_parameters`.
+        params = hf_config.get("rope_parameters") or {}
+        return cls(float(hf_config.get("partial_rotary_factor")
+                         or params.get("partial_rotary_factor") or 1.0))
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    """Llama's stack; only the checkpoint's tensor layout differs (see the module doc)."""
+    """Llama's stack with partial rotary; the checkpoint's tensor layout differs (see the
+    module doc)."""
+
+    def make_rotary_embeddings(self) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
+        factor = family_settings(self.arch, Phi3Settings).partial_rotary_factor
+        return rotary_embedding(self.arch, int(self.arch.head_dim * factor)), None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._split_fused(weights))
@@ -44,5 +68,5 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
 
 ARCHITECTURES = (
-    ModelArchitecture("Phi3ForCausalLM", Phi3ForCausalLM),
+    ModelArchitecture("Phi3ForCausalLM", Phi3ForCausalLM, settings=Phi3Settings),
 )

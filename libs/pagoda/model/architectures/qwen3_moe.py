@@ -15,7 +15,7 @@ import dataclasses
 
 from torch import nn
 
-from pagoda.config import ModelArchConfig
+from pagoda.config import ModelArchConfig, MoEConfig
 from pagoda.model.arch_spec import ModelArchitecture
 from pagoda.model.architectures.qwen3 import Qwen3ForCausalLM
 from pagoda.model.decoder_layer import DecoderLayer, GatedMLP
@@ -23,16 +23,16 @@ from pagoda.model.moe import SparseMoeBlock, expert_held_elsewhere
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    """Qwen3's stack whose MLPs are `SparseMoeBlock`s, except `arch.dense_mlp_layers`."""
+    """Qwen3's stack whose MLPs are `SparseMoeBlock`s, except `arch.moe.dense_mlp_layers`."""
 
     def make_decoder_layer(self, layer_idx: int) -> nn.Module:
-        arch = self.arch
-        if layer_idx in arch.dense_mlp_layers:
+        arch, moe = self.arch, self.arch.moe
+        if layer_idx in moe.dense_mlp_layers:
             mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, self.dtype, self.parallel,
                            arch.hidden_act)
         else:
-            mlp = SparseMoeBlock(arch.num_experts, arch.num_experts_per_tok, arch.hidden_size,
-                                 arch.moe_intermediate_size, arch.norm_topk_prob, self.dtype,
+            mlp = SparseMoeBlock(moe.num_experts, moe.num_experts_per_tok, arch.hidden_size,
+                                 moe.intermediate_size, moe.norm_topk_prob, self.dtype,
                                  self.parallel, round_weights=True)
         return DecoderLayer(self.make_attention(layer_idx), mlp, arch, self.dtype)
 
@@ -47,11 +47,10 @@ def qwen3_moe_arch_config(hf_config: dict, arch: ModelArchConfig) -> ModelArchCo
     only_mlp = set(hf_config.get("mlp_only_layers") or [])
     dense = tuple(i for i in range(arch.num_hidden_layers)
                   if i in only_mlp or num_experts == 0 or (i + 1) % step != 0)
-    return dataclasses.replace(arch, num_experts=num_experts,
-                               num_experts_per_tok=hf_config["num_experts_per_tok"],
-                               norm_topk_prob=bool(hf_config.get("norm_topk_prob", False)),
-                               moe_intermediate_size=hf_config["moe_intermediate_size"],
-                               dense_mlp_layers=dense)
+    return dataclasses.replace(arch, moe=MoEConfig(
+        num_experts=num_experts, num_experts_per_tok=hf_config["num_experts_per_tok"],
+        intermediate_size=hf_config["moe_intermediate_size"],
+        norm_topk_prob=bool(hf_config.get("norm_topk_prob", False)), dense_mlp_layers=dense))
 
 
 ARCHITECTURES = (

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagoda.model.ops import use_triton
 from pagoda.model.quantization.base import (LinearMethodBase, QuantizationConfig,
                                             narrow_all, new_parameter, shard_attrs,
                                             tiled_linear)
@@ -130,11 +131,9 @@ class Fp8LinearMethod(LinearMethodBase):
         return full.float()
 
     def apply(self, layer, x, bias=None):
-        from pagoda.model.ops import use_triton
-
         scale = getattr(layer, self.scale_name)
         if use_triton(x):
-            from pagoda.kernels.quant_matmul import fp8_matmul
+            from pagoda.kernels.quant_matmul import fp8_matmul  # lazy: triton, CUDA only
 
             out = fp8_matmul(x.reshape(-1, x.shape[-1]), layer.weight, scale, layer.fp8_block_k)
             out = out.view(*x.shape[:-1], layer.weight.shape[0])

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagoda.model.ops import use_triton
 from pagoda.model.quantization.base import new_parameter, tiled_linear
 
 # AWQ packs output column 8c + ORDER[i] into nibble i of word c.
