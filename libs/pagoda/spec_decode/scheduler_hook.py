@@ -28,8 +28,10 @@ if TYPE_CHECKING:
 
 
 class DraftTokens(SchedulerHook):
-    """Invariant: a request's drafts are verified in at most one step: taken into the
-    step that plans them (or dropped), and a preempted request loses its drafts."""
+    """Invariant: outside `schedule()` a request's `spec_token_ids` are the drafts
+    proposed for its next step; within it, once taken (`extra_tokens`), the drafts it
+    verifies in this step, until the plan takes them (`on_planned`). A draft is
+    verified in at most one step, and a preempted request loses its drafts."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
@@ -37,26 +39,26 @@ class DraftTokens(SchedulerHook):
         self.stats = SpecDecodingStats.for_config(config)
         # A draft model writes KV for its proposals after each request's tokens.
         self.num_lookahead_tokens = config.num_speculative_tokens if config.uses_draft_model else 0
-        self._taken: dict[str, list[int]] = {}  # this step's drafts, by request id
 
     def extra_tokens(self, request: Request, num_new: int, budget: int) -> int:
-        """Drafts ride only with a decode's one token; the rest of them are dropped."""
-        drafts, request.spec_token_ids = request.spec_token_ids, []
-        if not drafts or not num_new == 1 == request.num_tokens - request.num_computed_tokens:
-            return 0
-        self._taken[request.request_id] = drafts = drafts[:budget - 1]
-        return len(drafts)
+        """Drafts ride only with a decode's one token, as many as the budget leaves;
+        the others are dropped."""
+        drafts = request.spec_token_ids
+        if drafts and num_new == 1 == request.num_tokens - request.num_computed_tokens:
+            request.spec_token_ids = drafts[:budget - 1]
+        else:
+            request.spec_token_ids = []
+        return len(request.spec_token_ids)
 
     def on_preempted(self, request: Request) -> None:
         request.spec_token_ids = []
 
     def on_planned(self, output: SchedulerOutput, planned: Sequence[Request]) -> None:
-        """Drafts of requests preempted after they were taken are not in the plan."""
-        planned_ids = output.num_scheduled_tokens
-        output.scheduled_spec_decode_tokens = {
-            req_id: drafts for req_id, drafts in self._taken.items()
-            if drafts and req_id in planned_ids}
-        self._taken = {}
+        drafts = {}
+        for request in planned:
+            if request.spec_token_ids:
+                drafts[request.request_id], request.spec_token_ids = request.spec_token_ids, []
+        output.scheduled_spec_decode_tokens = drafts
 
     def on_sampled(self, request: Request, token_ids: list[int], plan: SchedulerOutput) -> None:
         """The worker emitted `token_ids` (its accepted drafts + one): roll the computed
