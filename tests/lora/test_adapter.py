@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from pagoda.lora.adapter import load_lora_model
 
@@ -13,8 +14,6 @@ PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 
 
 def test_peft_names_map_to_fused_parts_with_scaling(adapters):
-    from safetensors.torch import load_file
-
     lora = load_lora_model(1, adapters[0], PACKED, max_rank=16, dtype=torch.float32)
     assert lora.rank == 8
     assert set(lora.weights["model.layers.0.self_attn.qkv_proj"]) == {"q_proj", "k_proj", "v_proj"}

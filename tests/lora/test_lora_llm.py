@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from peft import PeftModel
+from transformers import LlamaForCausalLM
 
-from pagoda import LoRARequest, SamplingParams
+from pagoda import LLM, LoRARequest, SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 def hf_greedy(base_dir: str, adapter_dir: str | None, prompt_ids: list[int]) -> list[int]:
-    from transformers import LlamaForCausalLM
-
     model = LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     if adapter_dir is not None:
-        from peft import PeftModel
-
         model = PeftModel.from_pretrained(model, adapter_dir)
     model.eval()
     ids = torch.tensor([prompt_ids])
@@ -28,8 +26,6 @@ def hf_greedy(base_dir: str, adapter_dir: str | None, prompt_ids: list[int]) -> 
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    from pagoda import LLM
-
     return LLM(tiny_llama_dir, dtype="float32", block_size=4, max_model_len=256,
                enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=3)
 
@@ -81,8 +77,6 @@ def test_no_prefix_hit_across_adapters(llm, adapters):
 
 
 def test_lora_request_without_enable_lora_is_refused(tiny_llama_dir, adapters):
-    from pagoda import LLM
-
     plain = LLM(tiny_llama_dir, dtype="float32", max_model_len=64)
     with pytest.raises(ValueError, match="not enabled"):
         plain.generate(["hi"], GREEDY, use_tqdm=False, lora_request=lora(adapters, 0))

@@ -9,7 +9,11 @@ import httpx
 import openai
 import pytest
 import torch
+from lora_fixtures import make_adapter
+from peft import PeftModel
+from safetensors.torch import load_file, save_file
 from serve_cluster import ServeProcess, wait_until
+from transformers import LlamaForCausalLM
 
 pytestmark = pytest.mark.slow
 KEY = "lora-test-key"
@@ -44,12 +48,8 @@ def greedy_ids(client, model: str, prompt=PROMPT_IDS, max_tokens: int = 8) -> li
 
 
 def hf_greedy(base_dir: str, adapter_dir: str | None, prompt_ids: list[int]) -> list[int]:
-    from transformers import LlamaForCausalLM
-
     model = LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     if adapter_dir is not None:
-        from peft import PeftModel
-
         model = PeftModel.from_pretrained(model, adapter_dir)
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
@@ -130,8 +130,6 @@ def test_runtime_load_and_unload(served, client, tiny_llama_dir, adapters, tmp_p
 
 def test_bad_adapters_are_refused_and_the_cluster_serves_on(served, client, tiny_llama_dir,
                                                             tmp_path):
-    from lora_fixtures import make_adapter
-
     missing = post(served, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path":
                                                      str(tmp_path / "nowhere")})
     assert missing.status_code == 404, missing.text
@@ -154,8 +152,6 @@ def test_an_adapter_that_breaks_its_step_fails_alone(served, client, tiny_llama_
     """Tensors that pass every check before the step but do not fit the model (a
     mid-step failure): that request fails with a 500, the replica recovers, and a
     greedy stream running meanwhile ends with its undisturbed text."""
-    from safetensors.torch import load_file, save_file
-
     bad = tmp_path / "misfit"
     bad.mkdir()
     (bad / "adapter_config.json").write_text(

@@ -10,12 +10,11 @@ from pagoda.core.block_hash import hash_request_tokens, request_keys
 from pagoda.lora.config import LoRAConfig
 from pagoda.lora.manager import LoRAModelManager
 from pagoda.lora.request import LoRARequest
+from pagoda.model.loader import load_arch_config, load_model
 
 
 @pytest.fixture
 def manager(tiny_llama_dir):
-    from pagoda.model.loader import load_arch_config, load_model
-
     model = load_model(tiny_llama_dir, load_arch_config(tiny_llama_dir), torch.float32,
                        torch.device("cpu"))
     return LoRAModelManager(model, LoRAConfig(max_loras=2, max_lora_rank=8, max_cpu_loras=2),

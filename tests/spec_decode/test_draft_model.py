@@ -12,8 +12,14 @@ import openai
 import pytest
 import torch
 from serve_cluster import ServeProcess
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagoda import LLM, SamplingParams
+from pagoda.config import CacheConfig, SchedulerConfig
+from pagoda.core.scheduler import Scheduler
+from pagoda.engine.arg_utils import EngineArgs
+from pagoda.messages import EngineCoreRequest, ModelRunnerOutput
+from pagoda.spec_decode.config import SpeculativeConfig
 
 PROMPTS = ["Monday, Tuesday, Wednesday, Thursday,", "The capital of France is", "def add(a, b):"]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)  # crosses blocks
@@ -23,8 +29,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)  # crosse
 def other_draft_dir(tmp_path_factory, smollm2_tokenizer) -> str:
     """A one-layer random Llama with SmolLM2's tokenizer: a poor draft (most drafts
     rejected), which is what exercises the rollback of the draft's own KV."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                          head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True)
@@ -79,8 +83,6 @@ def test_a_poor_draft_changes_no_greedy_token(plain, tiny_llama_dir, other_draft
 ])
 def test_bad_draft_configs_are_refused(tiny_llama_dir, tmp_path, config, message):
     if message is None:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
         small = LlamaConfig(vocab_size=1000, hidden_size=16, intermediate_size=32,
                             num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1)
         LlamaForCausalLM(small).save_pretrained(tmp_path)
@@ -91,8 +93,6 @@ def test_bad_draft_configs_are_refused(tiny_llama_dir, tmp_path, config, message
 
 
 def test_tensor_parallel_draft_is_refused(tiny_llama_dir):
-    from pagoda.engine.arg_utils import EngineArgs
-
     args = EngineArgs(model=tiny_llama_dir, tensor_parallel_size=2, speculative_config={
         "model": tiny_llama_dir, "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="single-rank"):
@@ -126,11 +126,6 @@ def test_the_scheduler_allocates_lookahead_and_checks_worker_drafts():
     """With a draft model each scheduled request gets k slots after its tokens (the
     draft writes its proposals' KV there), and drafts from the worker are cut at the
     first token outside the vocabulary and at max_tokens."""
-    from pagoda.config import CacheConfig, SchedulerConfig
-    from pagoda.core.scheduler import Scheduler
-    from pagoda.messages import EngineCoreRequest, ModelRunnerOutput
-    from pagoda.spec_decode.config import SpeculativeConfig
-
     spec = SpeculativeConfig(3, "draft_model", model="draft", vocab_size=100)
     s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
                                   speculative_config=spec),

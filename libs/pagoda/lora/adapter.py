@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+from safetensors.torch import load_file
 
 from pagoda.model.weight_names import PackedModules, split_packed_name
 
@@ -84,8 +85,6 @@ def check_adapter(path: str, max_rank: int) -> int:
 
 
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     st = os.path.join(path, "adapter_model.safetensors")
     if os.path.isfile(st):
         return load_file(st)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from pagoda.lora.ops import LoRABatch, add_lora
+from pagoda.model.parallel_layers import ColumnParallelLinear
 
 
 class LoRAContext:
@@ -44,8 +45,6 @@ class LoRALinear:
 
     def __init__(self, layer, context: LoRAContext, max_loras: int, max_rank: int,
                  device: torch.device, dtype: torch.dtype) -> None:
-        from pagoda.model.parallel_layers import ColumnParallelLinear
-
         self.context = context
         self.max_rank = max_rank
         if isinstance(layer, ColumnParallelLinear):

@@ -21,6 +21,8 @@ from pagoda.lora.config import LoRAConfig
 from pagoda.lora.layers import LoRAContext, LoRALinear
 from pagoda.lora.ops import LoRABatch
 from pagoda.lora.request import LoRARequest
+from pagoda.model.parallel_layers import ColumnParallelLinear, RowParallelLinear
+from pagoda.model.weight_names import packed_modules
 
 # The projections PEFT adapts in Llama-family models, by our (fused) module names.
 SUPPORTED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -33,9 +35,6 @@ class LoRAModelManager:
 
     def __init__(self, model: nn.Module, config: LoRAConfig, device: torch.device,
                  dtype: torch.dtype) -> None:
-        from pagoda.model.parallel_layers import ColumnParallelLinear, RowParallelLinear
-        from pagoda.model.weight_names import packed_modules
-
         self.config = config
         self.device, self.dtype = device, dtype
         self.packed = packed_modules(model)

@@ -42,7 +42,7 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack:
     if batch.is_empty:
         return out
     if use_triton(x):
-        from pagoda.kernels.lora import add_lora as kernel
+        from pagoda.kernels.lora import add_lora as kernel  # lazy: Triton, only on CUDA
 
         return kernel(out, x, a_stack, b_stack, batch.token_slots)
     for slot, rows in batch.groups:

@@ -25,7 +25,10 @@ from collections.abc import Sequence
 import torch
 
 from pagoda.config import EngineConfig
+from pagoda.model import cpu_packed_weights, prepack_cpu_weights
 from pagoda.model.attention_metadata import AttentionMetadata
+from pagoda.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
+from pagoda.model.loader import load_arch_config, load_model
 
 
 class DraftModelRunner:
@@ -33,9 +36,6 @@ class DraftModelRunner:
     tokens, so a block id means the same slots in both caches."""
 
     def __init__(self, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> None:
-        from pagoda.model import cpu_packed_weights, prepack_cpu_weights
-        from pagoda.model.loader import load_arch_config, load_model
-
         spec = config.scheduler.speculative_config
         self.num_speculative_tokens = spec.num_speculative_tokens
         self.disable_by_batch_size = spec.disable_by_batch_size
@@ -50,13 +50,9 @@ class DraftModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def bytes_per_block(self, kv_dtype: torch.dtype) -> int:
-        from pagoda.model.kv_cache import kv_cache_bytes_per_block
-
         return kv_cache_bytes_per_block(self.arch, self.block_size, kv_dtype)
 
     def initialize_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype) -> None:
-        from pagoda.model.kv_cache import allocate_kv_caches
-
         self.kv_caches = allocate_kv_caches(self.arch, num_blocks, self.block_size, kv_dtype,
                                             self.device)
 

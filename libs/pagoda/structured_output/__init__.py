@@ -7,6 +7,9 @@ Where each piece runs:
     (a ValueError, so a 400 before anything is queued), compilation on a thread pool
     cached by the constraint's hash, a matcher per request advanced with each accepted
     token, and each step's packed bitmask for the constrained rows that sample;
+  * `GrammarGate` (`scheduler_hook.py`): the scheduler's hook; it holds a constrained
+    request back until its grammar compiled, adds the bitmask rows to each step's plan
+    and advances the matchers;
   * the worker (`pagoda.sample.grammar`): the bitmask applied to the logits before
     sampling, so a forbidden token (EOS included, until the grammar accepts) has
     probability 0 and its logprob is -inf (vLLM applies it before its sampler too).

@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from pagoda.config import StructuredOutputsConfig
+from pagoda.reasoning import get_reasoning_parser
 from pagoda.sampling_params import StructuredOutputsParams
 from pagoda.structured_output.backend import (StructuredOutputBackend, backend_class,
                                               bitmask_words)
@@ -66,8 +67,6 @@ class StructuredOutputManager:
 
     # ------------------------------------------------------------ start-up
     def _reasoning_tokens(self, name: str) -> tuple[int, int, bool]:
-        from pagoda.reasoning import get_reasoning_parser
-
         parser = get_reasoning_parser(name)
         vocab = self._load_tokenizer().get_vocab()
         ids = [vocab.get(t) for t in (parser.start_token, parser.end_token)]
