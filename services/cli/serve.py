@@ -18,7 +18,8 @@ import ssl
 import sys
 import threading
 
-from pagoda import envs, tracing
+import pagoda.envs as envs
+import pagoda.tracing as tracing
 from pagoda.services.cli.download import hub_flags, prefetch_for_serve
 from pagoda.services.cli.serve_roles import (add_role_args, plan_replicas, role_problem,
                                              scheduler_kv_flags)

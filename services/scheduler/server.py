@@ -11,7 +11,7 @@ import uuid
 
 from grpc_health.v1 import health, health_pb2_grpc
 
-from pagoda import tracing
+import pagoda.tracing as tracing
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as pb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from pagoda.metrics import stat_logger
