@@ -32,7 +32,7 @@ class _RankActor:
     """A follower rank; `run` returns only at shutdown."""
 
     def run(self, config: EngineConfig, rank: int, init: GroupInit) -> None:
-        from pagoda.distributed.rank_worker import serve_follower
+        from pagoda.worker.rank_worker import serve_follower
 
         serve_follower(config, rank, init, 0)  # Ray exposes the bundle's GPU as device 0
 

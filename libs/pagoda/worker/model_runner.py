@@ -22,7 +22,7 @@ class ModelRunner:
     Invariant: after `execute_model`, each request that sampled has the sampled
     token appended to its `CachedRequestState`, matching what the scheduler appends.
     Given a `ParallelContext`, the weights and KV cache are this rank's share
-    (`pagoda.distributed.parallel_runner` runs the step across the group).
+    (`pagoda.worker.parallel_runner` runs the step across the group).
     """
 
     def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None) -> None:

@@ -53,7 +53,7 @@ class RankWorker:
 
     def __init__(self, config: EngineConfig, rank: int, init: GroupInit, store,
                  local_device_index: int) -> None:
-        from pagoda.distributed.parallel_runner import ParallelModelRunner
+        from pagoda.worker.parallel_runner import ParallelModelRunner
 
         configure_device(init.device_type, local_device_index, init.world_size)
         self.rank = rank
@@ -198,7 +198,7 @@ def serve_follower(config: EngineConfig, rank: int, init: GroupInit,
 
 
 def _main() -> None:
-    """`python -m pagoda.distributed.rank_worker PARENT_PID`: a follower of the mp
+    """`python -m pagoda.worker.rank_worker PARENT_PID`: a follower of the mp
     backend, whose (config, rank, init, device index) arrive pickled on stdin. It
     dies with its driver: the parent-death signal is set before it reads or joins
     anything (a driver that died while this module was importing is caught by the
