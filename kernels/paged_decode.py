@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels._checks import dot_precision, next_power_of_2, num_sms
-from pagoda.kernels._math import tanh
+from pagoda.kernels._math import attend_kv_tile
 
 # A split shorter than this many tokens is not worth its partial write + reduce.
 _MIN_TOKENS_PER_SPLIT = 256
@@ -86,20 +86,13 @@ def _decode_kernel(
         blocks = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
         in_page = offs_n % PAGE_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + blocks[:, None] * stride_kb + in_page[:, None] * stride_ks
-                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        if HAS_SOFT_CAP:  # cap * tanh(score / cap), still in the base-2 domain
-            s = soft_cap * tanh(s / soft_cap)
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + blocks[:, None] * stride_vb + in_page[:, None] * stride_vs
-                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        k_ptrs = (k_cache_ptr + blocks[:, None] * stride_kb + in_page[:, None] * stride_ks
+                  + kv_head * stride_kh + offs_d[None, :])
+        v_ptrs = (v_cache_ptr + blocks[:, None] * stride_vb + in_page[:, None] * stride_vs
+                  + kv_head * stride_vh + offs_d[None, :])
+        m_i, l_i, acc = attend_kv_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, kv_mask,
+                                       n_mask[None, :], scale_log2, soft_cap, HAS_SOFT_CAP,
+                                       DOT_PRECISION)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]

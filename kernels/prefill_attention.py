@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels._checks import dot_precision, next_power_of_2
-from pagoda.kernels._math import tanh
+from pagoda.kernels._math import attend_kv_tile
 
 _LOG2_E = 1.4426950408889634
 
@@ -75,23 +75,15 @@ def _prefill_kernel(
         blocks = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
         in_page = offs_n % PAGE_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + blocks[:, None] * stride_kb + in_page[:, None] * stride_ks
-                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        if HAS_SOFT_CAP:  # cap * tanh(score / cap), still in the base-2 domain
-            s = soft_cap * tanh(s / soft_cap)
+        k_ptrs = (k_cache_ptr + blocks[:, None] * stride_kb + in_page[:, None] * stride_ks
+                  + kv_head * stride_kh + offs_d[None, :])
+        v_ptrs = (v_cache_ptr + blocks[:, None] * stride_vb + in_page[:, None] * stride_vs
+                  + kv_head * stride_vh + offs_d[None, :])
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             visible &= offs_n[None, :] > q_pos[:, None] - window
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + blocks[:, None] * stride_vb + in_page[:, None] * stride_vs
-                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_kv_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, kv_mask, visible,
+                                       scale_log2, soft_cap, HAS_SOFT_CAP, DOT_PRECISION)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],

@@ -12,15 +12,19 @@ on its own inputs alone, so the kernels are batch invariant.
 
 `available()` loads the library on first use, compiling it if this machine has none
 (`build.py`; `make install` does that ahead). PAGODA_CPU_KERNELS=0 turns them off; a
-failed build logs one warning and leaves them off.
+failed build logs one warning and leaves them off. The switch is read here, not
+through `pagoda.envs` (which documents it): the kernels import no library code.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import torch
+
+from pagoda.kernels.cpu import build
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +43,16 @@ def available() -> bool:
     return _loaded
 
 
+def switched_on() -> bool:
+    """PAGODA_CPU_KERNELS read as `pagoda.envs` reads a flag: unset or empty is on,
+    "0"/"false"/"no"/"off" are off."""
+    return os.environ.get("PAGODA_CPU_KERNELS", "").strip().lower() not in (
+        "0", "false", "no", "off")
+
+
 def _load() -> bool:
-    from pagoda import envs
-
-    if not envs.get("PAGODA_CPU_KERNELS"):
+    if not switched_on():
         return False
-    from pagoda.kernels.cpu import build
-
     try:
         torch.ops.load_library(str(build.build()))
     except Exception as exc:  # noqa: BLE001 - any failure means the torch path
