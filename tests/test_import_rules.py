@@ -22,8 +22,8 @@ Layers point one way: services -> library -> kernels.
   attribute `b`, which runs a module-level `a.__getattr__` when `b` is not loaded yet:
   the graph holds those edges too.
 * An import inside a function carries a comment with `lazy:` and the reason (on its
-  line or the line above): heavy and optional, must not load in that process, or a
-  cycle that cannot be untied.
+  line, or on the line above it or above the block of imports it opens): heavy and
+  optional, must not load in that process, or a cycle that cannot be untied.
 
 The graph is built from the source with `ast`, so the test needs no import of torch
 and runs in well under a second.
@@ -119,6 +119,8 @@ def discover(roots: dict[str, Path] = ROOTS) -> dict[str, Module]:
 def _collect_imports(module: Module, tree: ast.Module, modules: dict[str, Module]) -> None:
     package = module.name if module.is_package else module.name.rpartition(".")[0]
     lines = module.path.read_text().splitlines()
+    import_lines = {i for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                    for i in range(node.lineno - 1, node.end_lineno)}
 
     def visit(node: ast.AST, lazy: bool) -> None:
         for child in ast.iter_child_nodes(node):
@@ -130,7 +132,7 @@ def _collect_imports(module: Module, tree: ast.Module, modules: dict[str, Module
                 (module.lazy if child_lazy else module.eager).add(name)
             if names and child_lazy:
                 module.lazy_sites.append((child.lineno, lines[child.lineno - 1].strip(),
-                                          _says_lazy(lines, child)))
+                                          _says_lazy(lines, import_lines, child)))
             visit(child, child_lazy)
 
     visit(tree, False)
@@ -147,10 +149,17 @@ def _ancestors(name: str) -> set[str]:
     return {".".join(parts[:i]) for i in range(1, len(parts))}
 
 
-def _says_lazy(lines: list[str], node: ast.stmt) -> bool:
-    """A `lazy:` comment on the import's lines or the line just above."""
-    first = max(node.lineno - 2, 0)
-    return any("lazy:" in line for line in lines[first:node.end_lineno])
+def _says_lazy(lines: list[str], import_lines: set[int], node: ast.stmt) -> bool:
+    """A `lazy:` comment on the import's lines, or in the comment just above it or
+    above the run of import statements it belongs to (one comment may cover a block)."""
+    above = node.lineno - 2
+    while above in import_lines:
+        above -= 1
+    while above >= 0 and lines[above].lstrip().startswith("#"):
+        if "lazy:" in lines[above]:
+            return True
+        above -= 1
+    return any("lazy:" in line for line in lines[node.lineno - 1:node.end_lineno])
 
 
 def _is_type_checking(test: ast.expr) -> bool:
