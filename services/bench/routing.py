@@ -24,7 +24,12 @@ import sys
 import time
 from dataclasses import dataclass
 
+import httpx
+
 from pagoda.services.bench.serve import percentile
+from pagoda.services.cli import serve
+from pagoda.services.cli.local_cluster import LocalCluster, ServiceProcess
+from pagoda.services.common.redis_server import PrivateRedis, free_port
 
 ROUTERS = ("round_robin", "kv_aware")
 VOCAB = 32000  # ids below every supported model's vocabulary size
@@ -122,8 +127,6 @@ async def run_workload(base_url: str, prompts: list[list[int]], concurrency: int
                        output_len: int, model: str | None = None
                        ) -> tuple[list[RequestResult], float]:
     """Every prompt through the gateway at `concurrency`; (results in prompt order, seconds)."""
-    import httpx
-
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=base_url, timeout=None, limits=limits) as client:
         model = model or (await client.get("/v1/models")).json()["data"][0]["id"]
@@ -174,10 +177,6 @@ def ratios(by_router: dict[str, dict]) -> dict:
 @contextlib.contextmanager
 def bench_cluster(args: argparse.Namespace, routers: list[str]):
     """A local cluster with one gateway per router: yields {router: base URL}."""
-    from pagoda.services.cli import serve
-    from pagoda.services.cli.local_cluster import LocalCluster
-    from pagoda.services.common.redis_server import PrivateRedis, free_port
-
     parser = argparse.ArgumentParser()
     serve.add_parser(parser.add_subparsers())
     blocks = args.num_gpu_blocks_override or default_num_blocks(args)
@@ -204,8 +203,6 @@ def bench_cluster(args: argparse.Namespace, routers: list[str]):
 
 def extra_gateway(gateway, router: str, port: int):
     """Another gateway on the same peers, with `router`."""
-    from pagoda.services.cli.local_cluster import ServiceProcess
-
     argv = list(gateway.argv)
     argv[argv.index("--router") + 1] = router
     argv[argv.index("--port") + 1] = str(port)

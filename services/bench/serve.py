@@ -24,6 +24,8 @@ import random
 import statistics
 import time
 
+import httpx
+
 from pagoda.services.bench.datasets import (BenchRequest, arrival_times, random_requests,
                                             sharegpt_requests)
 from pagoda.services.bench.stream import RequestResult, request_body, send_request
@@ -112,8 +114,8 @@ def build_requests(args: argparse.Namespace, tokenizer) -> tuple[list[BenchReque
 
 
 async def bench(args: argparse.Namespace) -> dict:
-    import httpx
-
+    # lazy: the tokenizer loader brings torch and transformers; the CLI imports this module for its
+    # flags
     from pagoda.tokenizer.loader import load_tokenizer
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}

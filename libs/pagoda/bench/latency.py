@@ -17,14 +17,16 @@ import json
 import statistics
 import time
 
+from pagoda.bench.throughput import synthetic_prompts
+from pagoda.engine.arg_utils import EngineArgs
+from pagoda.sampling_params import SamplingParams
+
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("latency", help="Offline latency of one batch, end to end.",
                                    description=__doc__.split("\n\n")[0])
-    from pagoda.engine.arg_utils import EngineArgs
-
     EngineArgs.add_cli_args(parser)
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=128)
@@ -63,9 +65,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagoda import LLM, SamplingParams
-    from pagoda.bench.throughput import synthetic_prompts
-    from pagoda.engine.arg_utils import EngineArgs
+    # lazy: the LLM brings torch and the engine; the CLI imports this module for its flags
+    from pagoda.entrypoints.llm import LLM
 
     engine_args = EngineArgs.from_cli_args(args)
     if engine_args.max_model_len is None:

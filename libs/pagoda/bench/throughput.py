@@ -12,11 +12,12 @@ import json
 import random
 import time
 
+from pagoda.engine.arg_utils import EngineArgs
+from pagoda.sampling_params import SamplingParams
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("throughput", help="Offline engine throughput on synthetic prompts.")
-    from pagoda.engine.arg_utils import EngineArgs
-
     EngineArgs.add_cli_args(parser)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -33,8 +34,8 @@ def synthetic_prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> 
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagoda import LLM, SamplingParams
-    from pagoda.engine.arg_utils import EngineArgs
+    # lazy: the LLM brings torch and the engine; the CLI imports this module for its flags
+    from pagoda.entrypoints.llm import LLM
 
     engine_args = EngineArgs.from_cli_args(args)
     if engine_args.max_model_len is None:

@@ -21,6 +21,8 @@ import pickle
 import subprocess
 import sys
 
+import torch
+
 from pagoda.config import EngineConfig
 from pagoda.distributed.process_group import GroupInit
 from pagoda.executor.base import InsufficientResources
@@ -36,8 +38,6 @@ class MultiprocExecutor(WorkerGroupExecutor):
 
     def _place_group(self, device_type: str) -> None:
         if device_type == "cuda":
-            import torch
-
             available = torch.cuda.device_count()
             if available < self.world_size:
                 raise InsufficientResources(
