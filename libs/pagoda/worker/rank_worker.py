@@ -19,10 +19,10 @@ from __future__ import annotations
 import logging
 import math
 import os
-import traceback
-import typing
 import pickle
 import sys
+import traceback
+import typing
 
 import torch
 
@@ -109,7 +109,6 @@ class RankWorker:
         world = self.parallel.world_size
         return [mine] + [recv_object(self.control, r, MemoryReport, _RESULT_TAG)
                          for r in range(1, world)]
-
 
     def export_kv_blocks(self, block_ids: list[int]) -> bytes | None:
         """At rank 0: whole blocks (pagoda.kv_transfer.block_shares), assembled from
