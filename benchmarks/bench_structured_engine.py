@@ -32,7 +32,7 @@ from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.services.bench.structured import REPORT_SCHEMA
-from pagoda.structured_output import StructuredOutputManager
+from pagoda.structured_output.manager import StructuredOutputManager
 
 PHASES = ("schedule", "bitmask", "execute", "apply", "update")
 

@@ -29,7 +29,7 @@ from pagoda.config import StructuredOutputsConfig
 from pagoda.sample.grammar import apply_grammar_bitmask
 from pagoda.sampling_params import StructuredOutputsParams
 from pagoda.services.bench.structured import CHOICES, REGEX, REPORT_SCHEMA
-from pagoda.structured_output import StructuredOutputManager
+from pagoda.structured_output.manager import StructuredOutputManager
 from pagoda.tokenizer.loader import load_tokenizer
 
 VOCAB = 49152

@@ -67,7 +67,7 @@ class Timers:
 
 
 def install_timers() -> Timers:
-    from pagoda.distributed import rank_worker
+    from pagoda.worker import rank_worker
     from pagoda.executor import group
     from pagoda.model import parallel_layers
 

@@ -2,7 +2,9 @@
 
 The kernel modules import triton at their top, so import them only where CUDA — or
 the Triton interpreter (`TRITON_INTERPRET=1`, set before triton is first imported) —
-is in use; `import pagoda.kernels`, `reference` and `testing` stay free of triton.
+is in use; `import pagoda.kernels`, `attention_metadata`, `reference` and `testing`
+stay free of triton. The kernels import only torch, triton, numpy and each other: the
+library calls into them, never the reverse (`tests/test_import_rules.py`).
 
 - `kv_cache.write_kv_cache`        KV-cache write by slot mapping
 - `attention.paged_attention`      decode (split-K) + prefill/chunked-prefill over paged KV
@@ -11,6 +13,7 @@ is in use; `import pagoda.kernels`, `reference` and `testing` stay free of trito
 - `activation.silu_and_mul`        SiLU(gate) * up
 - `quant_matmul.int4_matmul`, `fp8_matmul`  GEMMs that dequantize int4 / fp8 weight tiles
 - `fused_moe.fused_experts`        MoE experts as grouped GEMMs over pairs sorted by expert
+- `attention_metadata`             the step's attention inputs (the library builds them)
 - `reference`                      the torch oracles the tests compare against
 - `testing`                        random paged batches and interpreter fixes for the
                                    tests and benchmarks/gpu_check.py

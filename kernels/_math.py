@@ -13,3 +13,4 @@ def tanh(x):
     never overflows."""
     x = tl.minimum(tl.maximum(x, -15.0), 15.0)
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+

@@ -14,7 +14,7 @@ import torch
 from pagoda.kernels._checks import FLOAT_DTYPES, check_same_device, check_tensor
 from pagoda.kernels.paged_decode import decode_attention
 from pagoda.kernels.prefill_attention import prefill_attention
-from pagoda.model.attention_metadata import AttentionMetadata
+from pagoda.kernels.attention_metadata import AttentionMetadata
 
 _INDEX_DTYPES = (torch.int32,)
 

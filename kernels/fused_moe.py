@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels._checks import FLOAT_DTYPES, check_tensor, dot_precision
+from pagoda.kernels.activation import silu_and_mul
 
 _BLOCK_M = 16
 
@@ -104,8 +105,6 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, w2
     """Same contract as `pagoda.model.moe.experts_by_group`: x [T, H], topk_ids [T, k],
     w13 [E_local, 2I, H], w2 [E_local, H, I] -> [T * k, H], zero rows for pairs of
     experts this rank does not hold."""
-    from pagoda.kernels.activation import silu_and_mul
-
     num_tokens, hidden = x.shape
     num_local, two_inter, _ = w13.shape
     check_tensor("x", x, (num_tokens, hidden), FLOAT_DTYPES)

@@ -1,6 +1,6 @@
 """KV-cache write: scatter this step's keys/values into their slots.
 
-Cache layout (see `pagoda.model.attention_metadata`): `[num_blocks, block_size,
+Cache layout (see `pagoda.kernels.attention_metadata`): `[num_blocks, block_size,
 num_kv_heads, head_dim]`; slot `s` is block `s // block_size`, offset
 `s % block_size`. One program per token writes all its heads; a negative slot marks a
 padding token (CUDA-graph padding) and is skipped.

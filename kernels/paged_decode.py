@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels._checks import dot_precision, next_power_of_2, num_sms
-from pagoda.kernels._math import tanh
+from pagoda.kernels._paged_tile import attend_paged_tile
 
 # A split shorter than this many tokens is not worth its partial write + reduce.
 _MIN_TOKENS_PER_SPLIT = 256
@@ -80,26 +80,15 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head_ptr = k_cache_ptr + kv_head * stride_kh
+    v_head_ptr = v_cache_ptr + kv_head * stride_vh
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = (offs_n < seq_len) & (offs_n >= kv_lo)
-        blocks = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        in_page = offs_n % PAGE_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + blocks[:, None] * stride_kb + in_page[:, None] * stride_ks
-                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        if HAS_SOFT_CAP:  # cap * tanh(score / cap), still in the base-2 domain
-            s = soft_cap * tanh(s / soft_cap)
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + blocks[:, None] * stride_vb + in_page[:, None] * stride_vs
-                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_paged_tile(
+            q, m_i, l_i, acc, offs_n, n_mask, n_mask[None, :], table, k_head_ptr, v_head_ptr,
+            stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_mask, scale_log2, soft_cap,
+            PAGE_SIZE, HAS_SOFT_CAP, DOT_PRECISION)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels._checks import dot_precision, next_power_of_2
-from pagoda.kernels._math import tanh
+from pagoda.kernels._paged_tile import attend_paged_tile
 
 _LOG2_E = 1.4426950408889634
 
@@ -65,6 +65,8 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + req.to(tl.int64) * stride_bt
+    k_head_ptr = k_cache_ptr + kv_head * stride_kh
+    v_head_ptr = v_cache_ptr + kv_head * stride_vh
     kv_end = tl.minimum(seq_len, ctx_len + (m_tile + 1) * BLOCK_M)
     kv_lo = 0  # the first key the tile's first query sees
     if HAS_WINDOW:
@@ -72,26 +74,13 @@ def _prefill_kernel(
     for start in range(kv_lo // BLOCK_N * BLOCK_N, kv_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = (offs_n < kv_end) & (offs_n >= kv_lo)
-        blocks = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        in_page = offs_n % PAGE_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + blocks[:, None] * stride_kb + in_page[:, None] * stride_ks
-                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        if HAS_SOFT_CAP:  # cap * tanh(score / cap), still in the base-2 domain
-            s = soft_cap * tanh(s / soft_cap)
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             visible &= offs_n[None, :] > q_pos[:, None] - window
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + blocks[:, None] * stride_vb + in_page[:, None] * stride_vs
-                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_paged_tile(
+            q, m_i, l_i, acc, offs_n, n_mask, visible, table, k_head_ptr, v_head_ptr,
+            stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_mask, scale_log2, soft_cap,
+            PAGE_SIZE, HAS_SOFT_CAP, DOT_PRECISION)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.model.attention_metadata import AttentionMetadata
+from pagoda.kernels.attention_metadata import AttentionMetadata
 
 
 def write_kv_cache(

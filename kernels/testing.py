@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from pagoda.model.attention_metadata import AttentionMetadata
+from pagoda.kernels.attention_metadata import AttentionMetadata
 
 
 @dataclass
@@ -57,8 +58,6 @@ def random_paged_batch(
         tables.append(table)
         slots += [table[p // block_size] * block_size + p % block_size
                   for p in range(cached, cached + q_len)]
-    width = max(max(blocks_per_req, default=1), 1)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
 
     # Values are drawn on the target device: GPU-sized caches would take seconds on a CPU.
     dev_gen = torch.Generator(device=device).manual_seed(seed)
@@ -72,17 +71,7 @@ def random_paged_batch(
     qsl = [0]
     for q in q_lens:
         qsl.append(qsl[-1] + q)
-    md = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=block_tables.to(device),
-        num_decodes=num_decodes,
-        max_query_len=max(q_lens, default=0),
-        max_seq_len=max(seq_lens, default=0),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens,
-    )
+    md = AttentionMetadata.build(slots, qsl, seq_lens, tables, num_decodes, device)
     return PagedBatch(
         query=randn(num_tokens, num_heads, head_dim),
         key=randn(num_tokens, num_kv_heads, head_dim),
@@ -102,7 +91,8 @@ def patch_triton_interpreter() -> None:
     dot multiplies exactly and accumulates in fp32, which is what fp32 operands
     reproduce. Call after setting `TRITON_INTERPRET=1`; idempotent.
     """
-    import numpy as np
+    # lazy: triton loads only where the interpreter runs (after TRITON_INTERPRET=1 is
+    # set); `import pagoda.kernels.testing` stays free of triton.
     import triton.language as tl
     from triton.runtime import interpreter
 

@@ -1,12 +1,30 @@
 """The boundaries ../shared/ARCHITECTURE.md states, checked over the real import graph.
 
+Layers point one way: services -> library -> kernels.
+
 * The engine library (`libs/pagoda`) imports no service code and none of the service
   stack's packages (gRPC, protobuf, FastAPI, uvicorn, Redis), not even lazily.
+* The kernels (`pagoda.kernels`) are a leaf: they import only torch, triton, numpy, the
+  standard library and each other; the library calls into them, never the reverse.
+* `pagoda.distributed` (communication, process groups, parallel state, wire codec)
+  imports none of the layers that use it: model, sampler, worker, executor, engine,
+  entry points.
+* A service imports no other service's package; what two services share (the wire
+  messages and their constants) lives in `pagoda.services.common`. The exceptions are
+  the two front ends, which are no service: `services/cli` starts every service by
+  module path and shares the gateway's request checks (`run_batch`) and each service's
+  flags; `services/bench` measures a cluster that it starts through `services/cli`.
 * The gateway imports no model, worker, sampler or kernel code, directly or through
   what it imports at module level; it may share the plain message types of
   `pagoda.messages`.
 * No import cycle among first-party modules (lazy imports inside functions count: a
-  cycle hidden in a function body still ties the modules together).
+  cycle hidden in a function body still ties the modules together). Importing `a.b.c`
+  runs `a/__init__` and `a/b/__init__` first, and `from a import b` asks `a` for the
+  attribute `b`, which runs a module-level `a.__getattr__` when `b` is not loaded yet:
+  the graph holds those edges too.
+* An import inside a function carries a comment with `lazy:` and the reason (on its
+  line, or on the line above it or above the block of imports it opens): heavy and
+  optional, must not load in that process, or a cycle that cannot be untied.
 
 The graph is built from the source with `ast`, so the test needs no import of torch
 and runs in well under a second.
@@ -15,6 +33,7 @@ and runs in well under a second.
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,27 +46,44 @@ LIBRARY_FORBIDDEN = ("pagoda.services", "grpc", "google.protobuf", "fastapi", "u
                      "starlette", "redis")
 GATEWAY_FORBIDDEN = ("pagoda.model", "pagoda.worker", "pagoda.sample", "pagoda.kernels",
                      "pagoda.distributed", "pagoda.executor", "pagoda.engine", "torch")
+KERNEL_ALLOWED = ("pagoda.kernels", "torch", "triton", "numpy", *sys.stdlib_module_names)
+# The layers above the group's plumbing: the model's parallel layers use its collectives.
+DISTRIBUTED_FORBIDDEN = ("pagoda.model", "pagoda.sample", "pagoda.worker", "pagoda.executor",
+                         "pagoda.engine", "pagoda.entrypoints", "pagoda.core", "pagoda.services")
+SERVICES = ("gateway", "scheduler", "gpu_worker", "tokenizer", "kv_cache_manager")
+# Packages every service may import from (the wire package, shared helpers, the stubs).
+SERVICE_SHARED = ("pagoda.services.common", "pagoda.services._proto")
+# Front ends (no service) and what each may import beyond the shared packages.
+FRONT_ENDS = {"pagoda.services.cli": tuple(f"pagoda.services.{s}" for s in SERVICES),
+              "pagoda.services.bench": ("pagoda.services.cli",)}
 
 
 class Module:
     """One first-party module: its name, file, and the modules its imports name.
 
     `eager` holds imports that run when the module is imported (module level, not under
-    `if TYPE_CHECKING:`); `lazy` those inside function bodies."""
+    `if TYPE_CHECKING:`); `lazy` those inside function bodies; `lazy_sites` each
+    in-function import statement as (line, text, says why: a `lazy:` comment)."""
 
     def __init__(self, name: str, path: Path, is_package: bool):
         self.name, self.path, self.is_package = name, path, is_package
         self.eager: set[str] = set()
         self.lazy: set[str] = set()
+        self.lazy_sites: list[tuple[int, str, bool]] = []
+        self.has_getattr = False  # a module-level __getattr__ (PEP 562)
 
     @property
     def all_imports(self) -> set[str]:
         return self.eager | self.lazy
 
+    @property
+    def rel_path(self) -> str:
+        return self.path.relative_to(ROOT).as_posix()
 
-def discover() -> dict[str, Module]:
+
+def discover(roots: dict[str, Path] = ROOTS) -> dict[str, Module]:
     modules: dict[str, Module] = {}
-    for package, folder in ROOTS.items():
+    for package, folder in roots.items():
         for path in sorted(folder.rglob("*.py")):
             rel = path.relative_to(folder).with_suffix("")
             parts = list(rel.parts)
@@ -60,25 +96,59 @@ def discover() -> dict[str, Module]:
             if name in modules:
                 continue  # pagoda.services/* seen under its own root first
             modules[name] = Module(name, path, is_package)
+    trees = {m.name: ast.parse(m.path.read_text(), str(m.path)) for m in modules.values()}
     for module in modules.values():
-        _collect_imports(module, modules)
+        module.has_getattr = any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__"
+                                 for n in trees[module.name].body)
+    for module in modules.values():
+        _collect_imports(module, trees[module.name], modules)
     return modules
 
 
-def _collect_imports(module: Module, modules: dict[str, Module]) -> None:
-    tree = ast.parse(module.path.read_text(), str(module.path))
+def _collect_imports(module: Module, tree: ast.Module, modules: dict[str, Module]) -> None:
     package = module.name if module.is_package else module.name.rpartition(".")[0]
+    lines = module.path.read_text().splitlines()
+    import_lines = {i for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                    for i in range(node.lineno - 1, node.end_lineno)}
 
     def visit(node: ast.AST, lazy: bool) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and _is_type_checking(child.test):
                 continue
             child_lazy = lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
-            for name in _imported_names(child, package, modules):
+            names = _imported_names(child, package, modules)
+            for name in names:
                 (module.lazy if child_lazy else module.eager).add(name)
+            if names and child_lazy:
+                module.lazy_sites.append((child.lineno, lines[child.lineno - 1].strip(),
+                                          _says_lazy(lines, import_lines, child)))
             visit(child, child_lazy)
 
     visit(tree, False)
+    # What importing those names runs besides them: the __init__ of each package above
+    # them that is not above this module too (those have run already).
+    own = _ancestors(module.name) | {module.name}
+    for imports in (module.eager, module.lazy):
+        imports |= {a for name in list(imports) for a in _ancestors(name)
+                    if a not in own and a in modules}
+
+
+def _ancestors(name: str) -> set[str]:
+    parts = name.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))}
+
+
+def _says_lazy(lines: list[str], import_lines: set[int], node: ast.stmt) -> bool:
+    """A `lazy:` comment on the import's lines, or in the comment just above it or
+    above the run of import statements it belongs to (one comment may cover a block)."""
+    above = node.lineno - 2
+    while above in import_lines:
+        above -= 1
+    while above >= 0 and lines[above].lstrip().startswith("#"):
+        if "lazy:" in lines[above]:
+            return True
+        above -= 1
+    return any("lazy:" in line for line in lines[node.lineno - 1:node.end_lineno])
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -97,6 +167,10 @@ def _imported_names(node: ast.AST, package: str, modules: dict[str, Module]) -> 
         base = ".".join([*anchor, base] if base else anchor)
     # `from pkg import sub` imports the submodule `pkg.sub` when there is one.
     names = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules]
+    if names and base in modules and modules[base].has_getattr:
+        # ... after asking `pkg` for the attribute: its __getattr__ runs if `sub` is not
+        # loaded yet (pagoda's imports the LLM, the whole engine).
+        names.append(base)
     return names or [base]
 
 
@@ -134,6 +208,46 @@ def test_the_gateway_imports_no_model_worker_or_sampler_code():
             if _matches(name, GATEWAY_FORBIDDEN):
                 offences.append(f"{module.name} loads {name} via {' -> '.join(chain)}")
     assert not offences, "\n".join(sorted(set(offences)))
+
+
+def test_the_kernels_import_only_torch_triton_and_themselves():
+    kernels = [m for m in MODULES.values() if m.name.startswith("pagoda.kernels")]
+    assert kernels
+    offences = sorted(f"{m.name} imports {imp}" for m in kernels for imp in m.all_imports
+                      if not _matches(imp, KERNEL_ALLOWED) and imp != "pagoda")
+    assert not offences, "\n".join(offences)
+
+
+def test_distributed_imports_none_of_the_layers_that_use_it():
+    offences = sorted(f"{m.name} imports {imp}" for m in MODULES.values()
+                      if _matches(m.name, ("pagoda.distributed",))
+                      for imp in m.all_imports if _matches(imp, DISTRIBUTED_FORBIDDEN))
+    assert not offences, "\n".join(offences)
+
+
+def test_no_service_imports_another_services_code():
+    offences = []
+    for module in MODULES.values():
+        owner = _service_package(module.name)
+        if owner is None:
+            continue
+        allowed = (owner, *SERVICE_SHARED, *FRONT_ENDS.get(owner, ()))
+        offences += [f"{module.name} imports {imp}" for imp in module.all_imports
+                     if _service_package(imp) and not _matches(imp, allowed)]
+    assert not offences, "\n".join(sorted(offences))
+
+
+def _service_package(name: str) -> str | None:
+    """`pagoda.services.<x>` for a module under services/<x>/, else None."""
+    parts = name.split(".")
+    return ".".join(parts[:3]) if parts[:2] == ["pagoda", "services"] and len(parts) > 2 else None
+
+
+def test_every_in_function_import_says_why_it_is_lazy():
+    offences = [f"{m.rel_path}:{line}: {text}" for m in MODULES.values()
+                for line, text, says_why in m.lazy_sites if not says_why]
+    assert not offences, ("hoist these imports to the module top, or say why they must "
+                          "stay in the function (`# lazy: ...`):\n" + "\n".join(sorted(offences)))
 
 
 def _eager_closure(start: str) -> dict[str, list[str]]:
@@ -203,6 +317,21 @@ def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
                             break
                     components.append(component)
     return components
+
+
+def test_a_from_import_through_a_lazy_package_getattr_is_an_edge(tmp_path):
+    """`from pkg import sub` runs pkg.__getattr__, whose import closes a cycle."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text(
+        "def __getattr__(name):\n    from pkg.front import Front  # lazy: cheap import\n")
+    (tmp_path / "pkg" / "front.py").write_text("import pkg.util\n")
+    (tmp_path / "pkg" / "util.py").write_text("from pkg import envs\n")
+    (tmp_path / "pkg" / "envs.py").write_text("")
+    modules = discover({"pkg": tmp_path / "pkg"})
+    graph = {m.name: {i for i in m.all_imports if i in modules and i != m.name}
+             for m in modules.values()}
+    assert [sorted(c) for c in _strongly_connected(graph) if len(c) > 1] == [
+        ["pkg", "pkg.front", "pkg.util"]]
 
 
 @pytest.mark.parametrize("graph,expected", [

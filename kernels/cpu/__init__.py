@@ -12,13 +12,15 @@ on its own inputs alone, so the kernels are batch invariant.
 
 `available()` loads the library on first use, compiling it if this machine has none
 (`build.py`; `make install` does that ahead). PAGODA_CPU_KERNELS=0 turns them off; a
-failed build logs one warning and leaves them off.
+failed build logs one warning and leaves them off. The switch is read here, not
+through `pagoda.envs` (which documents it): the kernels import no library code.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 
 import torch
@@ -42,10 +44,15 @@ def available() -> bool:
     return _loaded
 
 
-def _load() -> bool:
-    import pagoda.envs as envs  # lazy: kernels sit below the library; this one flag is read once
+def switched_on() -> bool:
+    """PAGODA_CPU_KERNELS read as `pagoda.envs` reads a flag: unset or empty is on,
+    "0"/"false"/"no"/"off" are off."""
+    return os.environ.get("PAGODA_CPU_KERNELS", "").strip().lower() not in (
+        "0", "false", "no", "off")
 
-    if not envs.get("PAGODA_CPU_KERNELS"):
+
+def _load() -> bool:
+    if not switched_on():
         return False
     try:
         torch.ops.load_library(str(build.build()))

@@ -26,6 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 SOURCE = Path(__file__).resolve().parent / "csrc" / "pagoda_cpu_ops.cpp"
 LIBRARY_NAME = "pagoda_cpu_ops.so"
 
@@ -49,7 +51,7 @@ def compiler() -> str:
 
 
 def _flags() -> list[str]:
-    import torch
+    # lazy: cpp_extension loads setuptools (~0.2 s), needed only to build or find the library
     from torch.utils.cpp_extension import include_paths, library_paths
 
     arch = os.environ.get("PAGODA_CPU_ARCH_FLAGS", "-march=native").split()
@@ -75,8 +77,6 @@ def _cpu_features() -> str:
 
 def library_path() -> Path:
     """Where the library for this source, torch, compiler and flags lives (built or not)."""
-    import torch
-
     cxx = compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()

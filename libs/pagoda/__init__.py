@@ -45,6 +45,7 @@ def __getattr__(name: str):
     # Import the LLM lazily: `import pagoda` stays cheap (no torch) for the CLI and
     # for the gateway, which holds no model code.
     if name == "LLM":
+        # lazy: `import pagoda` stays free of torch for the CLI and the gateway
         from pagoda.entrypoints.llm import LLM
 
         return LLM

@@ -12,6 +12,7 @@ from pagoda.json_flag import json_object
 from pagoda.lora.config import LoRAConfig
 from pagoda.reasoning import get_reasoning_parser
 from pagoda.spec_decode.config import SpeculativeConfig
+from pagoda.structured_output.backend import resolve_backend_name
 
 # The prefix-cache hash seed. Every process of the cluster must use the same one,
 # or the tokenizer's block hashes would not match the scheduler's and KV-aware
@@ -192,10 +193,6 @@ class StructuredOutputsConfig:
               ) -> "StructuredOutputsConfig":
         """From the flag's JSON (or a dict); ValueError naming an unknown key, backend or
         reasoning parser."""
-        # lazy: pagoda.structured_output's package imports this module (its manager reads
-        # StructuredOutputsConfig): a cycle at import time.
-        from pagoda.structured_output.backend import resolve_backend_name
-
         value = json_object(value, "--structured-outputs-config") or {}
         known = {f for f in cls.__dataclass_fields__}
         unknown = sorted(set(value) - known)

@@ -60,7 +60,8 @@ VARIABLES = {v.name: v for v in [
     EnvVar("PAGODA_CPU_KERNELS", None, _bool, True,
            "0: the bf16 CPU path runs plain torch ops instead of Pagoda's fused C++ kernels "
            "(RMSNorm, rotary, SiLU-and-mul, KV write, decode attention; built once per "
-           "machine into PAGODA_CACHE_DIR, ~/.cache/pagoda by default)."),
+           "machine into PAGODA_CACHE_DIR, ~/.cache/pagoda by default; read by "
+           "`pagoda.kernels.cpu` itself, the same way)."),
     EnvVar("PAGODA_CPU_PACKED_WEIGHTS", None, _bool, True,
            "0: bf16 linear layers on the CPU keep their plain weights (F.linear) instead of "
            "oneDNN-prepacked ones (same results; the prepacked product skips a per-call "

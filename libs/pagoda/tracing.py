@@ -27,6 +27,8 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+import pagoda
+
 logger = logging.getLogger(__name__)
 TRACER_NAME = "pagoda"
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -50,11 +52,10 @@ def init_tracing(service_name: str, otlp_traces_endpoint: str | None = None,
     global _provider
     if exporter is None and not otlp_traces_endpoint:
         return False
+    # lazy: tracing is off by default: the SDK loads only when it is turned on
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
-
-    import pagoda
 
     resource = Resource.create({"service.name": f"pagoda-{service_name}",
                                 "service.version": pagoda.__version__,
@@ -75,8 +76,10 @@ def _otlp_exporter(endpoint: str):
     protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
     try:
         if protocol == "grpc":
+            # lazy: the OTLP exporters are optional packages
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         elif protocol == "http/protobuf":
+            # lazy: the OTLP exporters are optional packages
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         else:
             raise ValueError(f"unsupported OTEL_EXPORTER_OTLP_TRACES_PROTOCOL {protocol!r}")

@@ -115,7 +115,9 @@ def build_requests(args: argparse.Namespace, tokenizer) -> tuple[list[BenchReque
 
 
 async def bench(args: argparse.Namespace) -> dict:
-    from pagoda.tokenizer.loader import load_tokenizer  # lazy: transformers, seconds to load
+    # lazy: the tokenizer loader brings torch and transformers; the CLI imports this module for its
+    # flags
+    from pagoda.tokenizer.loader import load_tokenizer
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limit = args.max_concurrency or args.num_prompts

@@ -46,6 +46,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def make_client(args: argparse.Namespace):
     """(openai client, model name); raises openai.APIError if the server cannot list
     its models (unreachable, wrong key)."""
+    # lazy: openai is optional and takes ~2 s to import; the CLI imports this module for its flags
     import openai
 
     api_key = (args.api_key or os.environ.get("PAGODA_API_KEY")
@@ -87,6 +88,7 @@ def chat_turn(client, model: str, conversation: list[dict], extra: dict, out: Te
 def chat_loop(client, model: str, args: argparse.Namespace, lines: Iterable[str],
               out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     """The conversation: one turn per line. Returns the exit code."""
+    # lazy: openai is optional and takes ~2 s to import; the CLI imports this module for its flags
     import openai
 
     conversation: list[dict] = []
@@ -111,6 +113,7 @@ def run_client(args: argparse.Namespace, loop, what: str) -> int:
 
     Shared by `pagoda chat` and `pagoda complete`; `what` names one line of input.
     """
+    # lazy: openai is optional and takes ~2 s to import; the CLI imports this module for its flags
     import openai
 
     try:

@@ -19,6 +19,8 @@ import subprocess
 import sys
 from collections.abc import Callable
 
+import pagoda
+
 # Instruction-set extensions that decide which CPU paths are fast (bf16 matmuls,
 # AMX tiles, AVX-512 kernels); listed when /proc/cpuinfo has them.
 CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
@@ -70,13 +72,12 @@ def _system() -> list[str]:
 
 
 def _pagoda() -> list[str]:
-    import pagoda
-
     return [f"Pagoda version: {pagoda.__version__}",
             f"Installed at: {os.path.dirname(pagoda.__file__)}"]
 
 
 def _torch() -> list[str]:
+    # lazy: torch loads only when collect-env runs; the CLI imports this module for its flags
     import torch
 
     lines = [f"PyTorch version: {torch.__version__}",

@@ -27,6 +27,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def complete_loop(client, model: str, args: argparse.Namespace, lines: Iterable[str],
                   out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    # lazy: openai is optional and takes ~2 s to import; the CLI imports this module for its flags
     import openai
 
     for line in lines:

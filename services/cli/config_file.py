@@ -20,6 +20,8 @@ import argparse
 import json
 from typing import Any
 
+import yaml
+
 from pagoda.services.cli.vllm_flags import unknown_key_message
 
 
@@ -28,8 +30,6 @@ class ConfigFileError(ValueError):
 
 
 def read_config_file(path: str) -> dict[str, Any]:
-    import yaml
-
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)

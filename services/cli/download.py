@@ -13,14 +13,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pagoda.engine.arg_utils import add_hub_args
+from pagoda.model.hub import download, is_hub_id
+
 # Why the services started after a download get it: they must not fetch again, nor race
 # each other writing the same cache files.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1"}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from pagoda.engine.arg_utils import add_hub_args
-
     parser = subparsers.add_parser(
         "download", help="Download a Hugging Face model into the cache (HF_HOME).",
         description=__doc__.split("\n\n")[0])
@@ -38,8 +39,6 @@ def fetch(model: str | None, revision: str | None = None, tokenizer: str | None 
           tokenizer_only: bool = False) -> list[str]:
     """Download (or find in the cache) the hub ids among `model` and `tokenizer`; return the
     local paths fetched. Local paths and None are left alone."""
-    from pagoda.model.hub import download, is_hub_id
-
     paths = []
     if model and is_hub_id(model):
         paths.append(download(model, revision, download_dir,
@@ -69,8 +68,6 @@ def hub_flags(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagoda.model.hub import is_hub_id
-
     if not is_hub_id(args.model):
         print(f"pagoda download: error: {args.model!r} is not a Hugging Face model id "
               "(ORG/NAME) or is a local path already", file=sys.stderr)

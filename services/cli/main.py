@@ -16,6 +16,7 @@ import sys
 
 from pagoda.envs import environment_help
 from pagoda.services.cli.arg_parser import PagodaArgumentParser
+import pagoda
 
 COMMAND_MODULES = [
     "pagoda.services.cli.serve",      # pagoda serve
@@ -70,8 +71,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _version() -> str:
-    import pagoda
-
     return f"pagoda {pagoda.__version__}"
 
 

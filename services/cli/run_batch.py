@@ -25,12 +25,21 @@ import os
 import sys
 from typing import IO, Any
 
+from tqdm.auto import tqdm
+
+from pagoda.engine.arg_utils import EngineArgs
+from pagoda.generation_config import parse_override
+from pagoda.services.cli.batch_requests import (EngineContext, output_line, parse_line, prepare,
+                                                response_body)
+from pagoda.services.common.logs import setup_logging
+from pagoda.services.gateway.errors import APIError
+from pagoda.services.gateway.serving_options import ServingOptions
+from pagoda.tokenizer.chat_template import use_chat_template
+
 INPUT_HELP = "The batch file: one JSON request per line (a local file, or - for stdin)."
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from pagoda.engine.arg_utils import EngineArgs
-
     parser = subparsers.add_parser(
         "run-batch", help="Run an OpenAI batch file (JSONL) through the offline engine.",
         description=__doc__.split("\n\n")[0])
@@ -53,8 +62,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagoda.services.common.logs import setup_logging
-
     setup_logging("run-batch")
     if args.skip_done and args.output_file == "-":
         return _fail("--skip-done needs an output file to resume, not stdout")
@@ -81,18 +88,12 @@ def run(args: argparse.Namespace) -> int:
 def run_lines(engine: Any, ctx: Any, lines: list[tuple[int, str]], done: set[str],
               out: IO[str]) -> None:
     """Run `lines` ((line number, text)) through `engine`, writing one line each to `out`."""
-    from tqdm.auto import tqdm
-
-    from pagoda.services.cli.batch_requests import output_line, parse_line, prepare
-
     items, seen = [], set(done)
     for line_no, text in lines:
         item = parse_line(line_no, text)
         if item.error is None and item.custom_id in done:
             continue
         if item.error is None and item.custom_id in seen:
-            from pagoda.services.gateway.errors import APIError
-
             item.error = APIError(f"duplicate custom_id {item.custom_id!r}", param="custom_id")
         seen.add(item.custom_id)
         if item.error is None:
@@ -120,8 +121,6 @@ def run_lines(engine: Any, ctx: Any, lines: list[tuple[int, str]], done: set[str
 def _submit(engine: Any, items: list) -> dict[str, tuple[int, int]]:
     """Add every prepared prompt to the engine: {engine request id: (item, prompt)}.
     An item the engine refuses gets its error, and its other prompts are withdrawn."""
-    from pagoda.services.gateway.errors import APIError
-
     pending: dict[str, tuple[int, int]] = {}
     for index, item in enumerate(items):
         if item.error is not None:
@@ -141,8 +140,6 @@ def _submit(engine: Any, items: list) -> dict[str, tuple[int, int]]:
 
 
 def _finished_line(item: Any, outputs: dict[int, Any], ctx: Any) -> dict:
-    from pagoda.services.cli.batch_requests import output_line, response_body
-
     return output_line(item, response_body(item, [outputs[p] for p in sorted(outputs)], ctx))
 
 
@@ -163,12 +160,8 @@ class _InOrderWriter:
 
 
 def _start_engine(args: argparse.Namespace):
-    from pagoda.engine.arg_utils import EngineArgs
+    # lazy: the engine brings torch; the CLI imports this module for its flags
     from pagoda.engine.llm_engine import LLMEngine
-    from pagoda.generation_config import parse_override
-    from pagoda.services.cli.batch_requests import EngineContext
-    from pagoda.services.gateway.serving_options import ServingOptions
-    from pagoda.tokenizer.chat_template import use_chat_template
 
     options = ServingOptions(args.max_logprobs, args.generation_config,
                              parse_override(args.override_generation_config),

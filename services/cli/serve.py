@@ -18,7 +18,8 @@ import ssl
 import sys
 import threading
 
-from pagoda import envs, tracing
+import pagoda.envs as envs
+import pagoda.tracing as tracing
 from pagoda.services.cli.download import hub_flags, prefetch_for_serve
 from pagoda.services.cli.serve_roles import (add_role_args, plan_replicas, role_problem,
                                              scheduler_kv_flags)
@@ -34,13 +35,16 @@ from pagoda.services.gateway.lora.registry import add_lora_args, lora_flags
 from pagoda.services.gateway.routing.router import DEFAULT_POLICY, POLICIES
 from pagoda.services.gateway.web.cors_request_id import add_http_args, http_flags
 from pagoda.services.tokenizer.server import add_template_limit_args, template_limit_flags
-from pagoda.services.gateway.serving_options import (add_serving_args, add_uvicorn_args,
-                                                     gateway_flags)
+from pagoda.services.gateway.serving_options import (ServingOptions, add_serving_args,
+                                                     add_uvicorn_args, gateway_flags,
+                                                     uvicorn_kwargs)
+from pagoda.config import StructuredOutputsConfig
+from pagoda.engine.arg_utils import EngineArgs, TRUST_REMOTE_CODE_REFUSED
+from pagoda.services.common.redis_server import PrivateRedis, free_port
+from pagoda.tokenizer.chat_template import load_chat_template
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from pagoda.engine.arg_utils import EngineArgs
-
     parser = subparsers.add_parser(
         "serve", help="Run every service locally and serve the OpenAI API.",
         description=__doc__.split("\n\n")[0])
@@ -103,8 +107,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
     """The engine flags the user set, re-rendered for the scheduler and the worker."""
-    from pagoda.engine.arg_utils import EngineArgs
-
     reference = EngineArgs.add_cli_args(argparse.ArgumentParser(add_help=False))
     flags: list[str] = []
     for action in reference._actions:
@@ -143,8 +145,6 @@ def build_services(args: argparse.Namespace, redis_url: str,
     `--data-parallel-size` model replicas (a scheduler and its gpu-worker each).
     Secrets (the API key, the Redis URL and password) reach them through their
     environment, never their command line."""
-    from pagoda.services.common.redis_server import free_port
-
     loopback = "127.0.0.1"
     plans = plan_replicas(args)  # serve_roles.py: colocated, or prefill + decode
     replicas = [(p.scheduler, p.worker, p.index) for p in plans]
@@ -218,8 +218,6 @@ def build_services(args: argparse.Namespace, redis_url: str,
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagoda.services.common.redis_server import PrivateRedis
-
     problem = _flag_problem(args)
     if problem:
         _say(f"error: {problem}")
@@ -274,11 +272,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _flag_problem(args: argparse.Namespace) -> str | None:
     """What makes the flags unservable, found before anything starts."""
-    from pagoda.config import StructuredOutputsConfig
-    from pagoda.engine.arg_utils import TRUST_REMOTE_CODE_REFUSED
-    from pagoda.services.gateway.serving_options import ServingOptions, uvicorn_kwargs
-    from pagoda.tokenizer.chat_template import load_chat_template
-
     if args.trust_remote_code:
         return TRUST_REMOTE_CODE_REFUSED
     try:

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pagoda import tracing
+import pagoda.tracing as tracing
 from pagoda.services.common import grpc_channels
 from pagoda.services.common.grpc_channels import (CLIENT_OPTIONS, MAX_MESSAGE_BYTES,  # noqa: F401
                                                   SERVER_OPTIONS, STREAM_READER_OPTIONS)

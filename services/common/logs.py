@@ -17,7 +17,7 @@ import logging.config
 import os
 import sys
 
-from pagoda import envs
+import pagoda.envs as envs
 
 
 def setup_logging(service: str) -> None:

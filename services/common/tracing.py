@@ -24,7 +24,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from pagoda import tracing
+import pagoda.tracing as tracing
 
 UNTRACED_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 

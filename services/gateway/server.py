@@ -7,7 +7,8 @@ import logging
 import os
 import signal
 
-from pagoda import envs, tracing
+import pagoda.envs as envs
+import pagoda.tracing as tracing
 from pagoda.services.common import grpc_channels
 from pagoda.services.common.logs import setup_logging
 from pagoda.services.gateway.disagg.prefix_pull import PrefixPullOptions, add_prefix_pull_args

@@ -12,6 +12,12 @@ from pagoda.services._proto.pagoda.worker.v1 import worker_pb2_grpc as pb_grpc
 from pagoda.services.common.grpc_server import add_server_args, serve_sync
 from pagoda.services.common.logs import setup_logging
 from pagoda.services.common.kv_transfer_args import add_kv_transfer_args, kv_transfer_config
+from pagoda.engine.arg_utils import EngineArgs
+from pagoda.executor.factory import make_executor
+from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc
+from pagoda.services.gpu_worker.servicer import WorkerServicer
+from pagoda.services.gpu_worker.step_thread import StepThread
+from pagoda.worker.plan_checks import PlanLedger
 
 DEFAULT_PORT = 50053
 SERVICE_NAME = "pagoda.worker.v1.WorkerService"
@@ -19,20 +25,12 @@ logger = logging.getLogger(__name__)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    from pagoda.engine.arg_utils import EngineArgs
-
     add_server_args(parser, DEFAULT_PORT)
     EngineArgs.add_cli_args(parser)
     add_kv_transfer_args(parser)
 
 
 def main(args: argparse.Namespace) -> int:
-    from pagoda.engine.arg_utils import EngineArgs
-    from pagoda.executor.factory import make_executor
-    from pagoda.services.gpu_worker.servicer import WorkerServicer
-    from pagoda.services.gpu_worker.step_thread import StepThread
-    from pagoda.worker.plan_checks import PlanLedger
-
     setup_logging("gpu-worker")
     config = EngineArgs.from_cli_args(args).create_engine_config()
     # Before the gRPC server exists: a worker group (T x P > 1) has this process as its
@@ -60,7 +58,7 @@ def main(args: argparse.Namespace) -> int:
 def kv_transfer_servicer(args: argparse.Namespace, config, executor, step_lock=None):
     """The KV transport this worker serves (every role: a kv_both replica may also
     decode remotely prefilled requests), as serve_sync's triple."""
-    from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc
+    # lazy: the KV transfer servicer brings torch; the CLI imports this module for its flags
     from pagoda.services.gpu_worker.kv_transfer import SERVICE_NAME as KV_SERVICE
     from pagoda.services.gpu_worker.kv_transfer import KvTransferServicer
 

@@ -12,18 +12,13 @@ from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as pb
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2_grpc as pb_grpc
 from pagoda.executor.base import WorkerGroupFailed
 from pagoda.worker.plan_checks import PlanLedger, PlanRejected, load_adapters
-from pagoda.services.common.protocol.worker import model_runner_output_to_proto, scheduler_output_from_proto
+from pagoda.services.common.protocol.worker import (REJECTED_REQUEST_KEY, STEP_FAILED_KEY,
+                                                   model_runner_output_to_proto,
+                                                   scheduler_output_from_proto)
 from pagoda.services.gpu_worker.metrics import worker_metrics
 from pagoda.services.gpu_worker.step_thread import StepThread
 
 logger = logging.getLogger(__name__)
-
-
-# Trailing metadata of an ExecuteModel refused INVALID_ARGUMENT: the request at fault.
-REJECTED_REQUEST_KEY = "pagoda-rejected-request"
-# Trailing metadata of an ExecuteModel that failed midway: the worker dropped every
-# request and waits for InitializeKvCache (the scheduler recovers: StepFailed).
-STEP_FAILED_KEY = "pagoda-step-failed"
 
 
 class WorkerServicer(pb_grpc.WorkerServiceServicer):

@@ -30,7 +30,7 @@ import time
 
 import grpc
 
-from pagoda import tracing
+import pagoda.tracing as tracing
 from pagoda.core.block_hash import hash_request_tokens, request_keys
 from pagoda.kv_transfer.imports import ImportPlan, commit_import, plan_import, release_import
 from pagoda.messages import EngineCoreRequest

@@ -11,7 +11,7 @@ import uuid
 
 from grpc_health.v1 import health, health_pb2_grpc
 
-from pagoda import tracing
+import pagoda.tracing as tracing
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as pb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from pagoda.metrics import stat_logger
@@ -21,6 +21,16 @@ from pagoda.services.common.grpc_server import (NOT_SERVING, SERVING,
 from pagoda.services.common.logs import setup_logging
 from pagoda.services.common.kv_transfer_args import add_kv_transfer_args, kv_transfer_config
 from pagoda.services.common.metrics_server import maybe_start_metrics
+from pagoda.engine.arg_utils import EngineArgs
+from pagoda.engine.engine_core import EngineCore, make_structured_output_manager
+from pagoda.services.scheduler.drain import drain
+from pagoda.services.scheduler.engine_loop import EngineLoop
+from pagoda.services.scheduler.kv_publisher import KvEventPublisher
+from pagoda.services.scheduler.kv_role import (add_lease_service, build_hooks, describe_role,
+                                               fetch_worker_layout)
+from pagoda.services.scheduler.metrics import KvPublisherMetrics, build_recorder
+from pagoda.services.scheduler.servicer import SchedulerServicer
+from pagoda.services.scheduler.worker_executor import GrpcWorkerExecutor
 
 DEFAULT_PORT = 50052
 # vLLM's default for VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS: far above any real step
@@ -34,8 +44,6 @@ logger = logging.getLogger(__name__)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    from pagoda.engine.arg_utils import EngineArgs
-
     add_server_args(parser, DEFAULT_PORT)
     parser.add_argument("--worker-addr", default="127.0.0.1:50053",
                         help="host:port of this replica's gpu-worker (rank 0).")
@@ -65,11 +73,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pagoda.engine.arg_utils import EngineArgs
-    from pagoda.engine.engine_core import EngineCore, make_structured_output_manager
-    from pagoda.services.scheduler.metrics import build_recorder
-    from pagoda.services.scheduler.worker_executor import GrpcWorkerExecutor
-
     setup_logging("scheduler")
     grpc_channels.configure_from_args(args)  # before the worker channel is made
     tracing.init_tracing("scheduler", args.otlp_traces_endpoint)
@@ -83,7 +86,6 @@ def main(args: argparse.Namespace) -> int:
     grammar.warm_up()
     core = EngineCore(config, executor, grammar)
     info = model_info(config, args.instance_id or f"{args.host}:{args.port}")
-    from pagoda.services.scheduler.kv_role import describe_role, fetch_worker_layout
     role = kv_transfer_config(args)
     layout = fetch_worker_layout(args.worker_addr, role)
     describe_role(info, role, layout)
@@ -134,12 +136,6 @@ def model_info(config, instance_id: str) -> pb.GetModelInfoResponse:
 
 async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,
                  eos_token_ids: list[int], recorder=None) -> None:
-    from pagoda.services.scheduler.drain import drain
-    from pagoda.services.scheduler.engine_loop import EngineLoop
-    from pagoda.services.scheduler.kv_publisher import KvEventPublisher
-    from pagoda.services.scheduler.metrics import KvPublisherMetrics
-    from pagoda.services.scheduler.servicer import SchedulerServicer
-
     loop = asyncio.get_running_loop()
     publisher = None
     if args.kv_cache_manager_addr:
@@ -170,7 +166,6 @@ async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,
     pb_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = bind(server, args.host, args.port)
-    from pagoda.services.scheduler.kv_role import add_lease_service, build_hooks
     servicer.kv_transfer = build_hooks(args, args.kv_role_config, engine, info,
                                        args.kv_worker_layout, port)
     add_lease_service(server, servicer.kv_transfer)

@@ -20,7 +20,7 @@ import contextlib
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanContext
 
-from pagoda import tracing
+import pagoda.tracing as tracing
 from pagoda.messages import SchedulerOutput
 from pagoda.metrics.stats import FinishedRequestStats
 

@@ -21,10 +21,11 @@ from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as pb
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2_grpc as pb_grpc
 from pagoda.messages import ModelRunnerOutput, SchedulerOutput
 from pagoda.executor.base import Executor, StepFailed, StepRejected
-from pagoda.services.common.protocol.worker import model_runner_output_from_proto, scheduler_output_to_proto
+from pagoda.services.common.protocol.worker import (REJECTED_REQUEST_KEY, STEP_FAILED_KEY,
+                                                   model_runner_output_from_proto,
+                                                   scheduler_output_to_proto)
 from pagoda.services.common import grpc_channels
 from pagoda.services.common.tracing import intercept
-from pagoda.services.gpu_worker.servicer import REJECTED_REQUEST_KEY, STEP_FAILED_KEY
 from pagoda.services.scheduler.tracing import step_span
 
 logger = logging.getLogger(__name__)

@@ -10,6 +10,9 @@ from pagoda.config import DEFAULT_PREFIX_HASH_SEED
 from pagoda.engine.arg_utils import add_hub_args
 from pagoda.services.common.grpc_server import add_server_args, serve_sync
 from pagoda.services.common.logs import setup_logging
+from pagoda.services.tokenizer.servicer import TokenizerServicer
+from pagoda.tokenizer.chat_template import use_chat_template
+from pagoda.tokenizer.template_sandbox import MAX_OUTPUT_CHARS, MAX_RENDER_SECONDS, TemplateLimits
 
 DEFAULT_PORT = 50051
 SERVICE_NAME = "pagoda.tokenizer.v1.TokenizerService"
@@ -33,8 +36,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def add_template_limit_args(parser: argparse.ArgumentParser) -> None:
     """The chat-template sandbox's limits (pagoda.tokenizer.template_sandbox)."""
-    from pagoda.tokenizer.template_sandbox import MAX_OUTPUT_CHARS, MAX_RENDER_SECONDS
-
     parser.add_argument("--chat-template-render-timeout", type=float, default=MAX_RENDER_SECONDS,
                         metavar="SECONDS",
                         help="A chat template that renders longer is stopped and its request "
@@ -47,8 +48,6 @@ def add_template_limit_args(parser: argparse.ArgumentParser) -> None:
 
 def template_limit_flags(args: argparse.Namespace) -> list[str]:
     """The limit flags set to other than their defaults, for a tokenizer child process."""
-    from pagoda.tokenizer.template_sandbox import TemplateLimits
-
     limits, default = template_limits_from_args(args), TemplateLimits()
     flags = []
     if limits.render_timeout_s != default.render_timeout_s:
@@ -59,8 +58,6 @@ def template_limit_flags(args: argparse.Namespace) -> list[str]:
 
 
 def template_limits_from_args(args: argparse.Namespace):
-    from pagoda.tokenizer.template_sandbox import TemplateLimits
-
     try:
         return TemplateLimits(args.chat_template_render_timeout,
                               args.chat_template_max_output_chars)
@@ -73,9 +70,9 @@ def build_servicer(model: str | None, tokenizer_path: str | None = None,
                    prefix_hash_seed: str = DEFAULT_PREFIX_HASH_SEED,
                    chat_template: str | None = None, revision: str | None = None,
                    tokenizer_revision: str | None = None, download_dir: str | None = None):
+    # lazy: the model and tokenizer loaders bring torch and transformers; the CLI imports this
+    # module for its flags
     from pagoda.model.loader import load_arch_config, resolve_model_path
-    from pagoda.services.tokenizer.servicer import TokenizerServicer
-    from pagoda.tokenizer.chat_template import use_chat_template
     from pagoda.tokenizer.loader import load_tokenizer, resolve_tokenizer_path
 
     # A hub id: only its config and tokenizer files, never the weights.

@@ -11,7 +11,7 @@ import pickle
 import numpy as np
 import pytest
 
-from pagoda.distributed.rank_worker import CALLS, _argument_types
+from pagoda.worker.rank_worker import CALLS, _argument_types
 from pagoda.distributed.wire_codec import WireError, decode, dump, encode, from_json
 from pagoda.messages import (CachedRequestData, LogprobsLists, ModelRunnerOutput, NewRequestData,
                              SchedulerOutput)

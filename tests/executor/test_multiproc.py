@@ -75,6 +75,6 @@ def test_a_rank_whose_driver_is_already_gone_exits_before_reading_its_arguments(
     """The driver died between starting the rank and the rank's prctl: the rank sees a
     parent that is not its driver and kills itself instead of waiting for a group."""
     not_its_driver = os.getppid()
-    rank = subprocess.run([sys.executable, "-m", "pagoda.distributed.rank_worker",
+    rank = subprocess.run([sys.executable, "-m", "pagoda.worker.rank_worker",
                            str(not_its_driver)], stdin=subprocess.PIPE, timeout=120)
     assert rank.returncode == -9  # SIGKILL, the mp backend's parent-death signal

@@ -7,7 +7,7 @@ import pytest
 from structured_output_cases import think_model_dir, think_tokenizer  # noqa: F401 (fixtures)
 
 from pagoda.config import StructuredOutputsConfig
-from pagoda.structured_output import StructuredOutputManager
+from pagoda.structured_output.manager import StructuredOutputManager
 
 EOS = 2
 

@@ -19,7 +19,6 @@ from pagoda.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from pagoda.entrypoints.llm import LLM
 
-
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("throughput", help="Offline engine throughput on synthetic prompts.")
     EngineArgs.add_cli_args(parser)
@@ -41,7 +40,7 @@ def offline_llm(args: argparse.Namespace) -> LLM:
     """The offline engine the command line describes (`EngineArgs` flags), its context
     at least 2048 tokens and the benchmark's `--input-len` + `--output-len` unless
     `--max-model-len` is given."""
-    from pagoda import LLM  # lazy: torch and the model code, only when a benchmark runs
+    from pagoda.entrypoints.llm import LLM  # lazy: torch and the model code, only when a benchmark runs
 
     engine_args = EngineArgs.from_cli_args(args)
     if engine_args.max_model_len is None:

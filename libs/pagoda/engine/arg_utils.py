@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, fields
 
 from pagoda.config import (DEFAULT_MAX_LOGPROBS, DEFAULT_PREFIX_HASH_SEED, CacheConfig,
                            EngineConfig, SchedulerConfig, StructuredOutputsConfig)
+import pagoda.envs as envs
+from pagoda.distributed.parallel_state import validate_parallel_config
+from pagoda.lora.config import LoRAConfig
+from pagoda.spec_decode.config import SpeculativeConfig
 
 # Why --trust-remote-code is refused rather than ignored: a user who passes it expects
 # the model's own Python code to run, and Pagoda never runs it.
@@ -188,6 +193,8 @@ class EngineArgs:
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
     def create_engine_config(self) -> EngineConfig:
+        # lazy: torch and the model code load where an engine is built, not in the CLI, which
+        # imports this module for its flags
         import torch
 
         if self.trust_remote_code:
@@ -195,6 +202,8 @@ class EngineArgs:
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (no limit) or non-negative, got "
                              f"{self.max_logprobs}")
+        # lazy: torch and the model code load where an engine is built, not in the CLI, which
+        # imports this module for its flags
         from pagoda.model.kv_cache import resolve_kv_cache_dtype
         from pagoda.model.loader import load_arch_config, resolve_dtype, resolve_model_path
         from pagoda.model.pooler_config import resolve_pooling
@@ -262,8 +271,6 @@ class EngineArgs:
             lora=self._lora_config())
 
     def _resolve_batch_invariant(self, device: str) -> bool:
-        from pagoda import envs
-
         on = envs.get("PAGODA_BATCH_INVARIANT") if self.batch_invariant is None \
             else self.batch_invariant
         if on and device != "cpu":
@@ -275,8 +282,12 @@ class EngineArgs:
                            ) -> bool:
         """On where it applies (unless --no-gguf-int4); --gguf-int4 where it cannot
         apply is an error naming why."""
+        # lazy: torch and the model code load where an engine is built, not in the CLI, which
+        # imports this module for its flags
         import torch
 
+        # lazy: torch and the model code load where an engine is built, not in the CLI, which
+        # imports this module for its flags
         from pagoda.model.loader import is_gguf
         from pagoda.model.quantization import gguf_int4
 
@@ -298,8 +309,6 @@ class EngineArgs:
         return why is None
 
     def _speculative_config(self, runner: str, arch):
-        from pagoda.spec_decode.config import SpeculativeConfig
-
         config = SpeculativeConfig.parse(self.speculative_config)
         if config is not None and runner != "generate":
             raise ValueError("--speculative-config applies to generation, not --runner pooling")
@@ -307,6 +316,8 @@ class EngineArgs:
             raise ValueError("--speculative-config is not supported with pipeline parallelism")
         if config is None or not config.uses_draft_model:
             return config
+        # lazy: torch and the model code load where an engine is built, not in the CLI, which
+        # imports this module for its flags
         from pagoda.model.loader import load_arch_config, resolve_model_path
 
         if self.tensor_parallel_size > 1:
@@ -327,7 +338,6 @@ class EngineArgs:
         """The LoRA settings under --enable-lora (validated), else None."""
         if not self.enable_lora:
             return None
-        from pagoda.lora.config import LoRAConfig
 
         return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
@@ -336,6 +346,8 @@ class EngineArgs:
         else --revision, as vLLM does); None: the model's own."""
         if self.tokenizer is None:
             return None
+        # lazy: the tokenizer loader brings transformers (and torch); the CLI imports this module
+        # for its flags
         from pagoda.tokenizer.loader import resolve_tokenizer_path
 
         return resolve_tokenizer_path(self.tokenizer, self.tokenizer_revision or self.revision,
@@ -343,10 +355,6 @@ class EngineArgs:
 
     def _resolve_backend(self, arch) -> str | None:
         """Validate the parallel split against the model; pick the group's backend."""
-        import importlib.util
-
-        from pagoda.distributed.parallel_state import validate_parallel_config
-
         validate_parallel_config(arch, self.tensor_parallel_size, self.pipeline_parallel_size,
                                  self.enable_expert_parallel)
         if self.tensor_parallel_size * self.pipeline_parallel_size == 1:

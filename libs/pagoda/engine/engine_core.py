@@ -13,7 +13,7 @@ from pagoda.core.scheduler import Scheduler, SchedulerStats
 from pagoda.core import step_quarantine
 from pagoda.core.step_recovery import reject_step
 from pagoda.executor.base import Executor, StepFailed, StepRejected
-from pagoda.structured_output import StructuredOutputManager
+from pagoda.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 # How long a step that ran nothing waits for a compiling grammar before looking again

@@ -10,6 +10,8 @@ import itertools
 import logging
 from typing import Any
 
+import torch
+
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.messages import EngineCoreRequest, FinishReason
 from pagoda.engine.engine_core import EngineCore
@@ -20,6 +22,9 @@ from pagoda.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from pagoda.pooling_params import PREFILL_ONLY, PoolingParams
 from pagoda.request_checks import check_request
 from pagoda.sampling_params import SamplingParams
+from pagoda.tokenizer.bad_words import bad_words_token_ids
+from pagoda.tokenizer.loader import load_tokenizer
+from pagoda.tokenizer.truncation import truncate_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +33,6 @@ class LLMEngine:
     """Invariant: every request added is eventually returned by `step` exactly once."""
 
     def __init__(self, engine_args: EngineArgs) -> None:
-        from pagoda.tokenizer.loader import load_tokenizer
-
         self.config = engine_args.create_engine_config()
         self.tokenizer = load_tokenizer(self.config.model, self.config.tokenizer)
         self.core = EngineCore(self.config, make_executor(self.config))
@@ -93,8 +96,6 @@ class LLMEngine:
 
     def _pooled_outputs(self, core_outputs) -> list[PoolingRequestOutput]:
         """The pooling requests that finished (an aborted one has no vector: dropped)."""
-        import torch
-
         results = []
         for out in core_outputs:
             if out.request_id not in self._pooling or not out.finished:
@@ -121,9 +122,6 @@ def apply_prompt_fields(prompt_token_ids: list[int], params: SamplingParams, tok
     """What the gateway does where it tokenizes, done here for offline requests:
     `truncate_prompt_tokens` keeps the prompt's last tokens, `bad_words` become
     `bad_words_token_ids` (`check_request` then checks the request once)."""
-    from pagoda.tokenizer.bad_words import bad_words_token_ids
-    from pagoda.tokenizer.truncation import truncate_prompt
-
     prompt_token_ids = truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens,
                                        max_model_len)
     if params.bad_words and params.bad_words_token_ids is None:

@@ -14,6 +14,7 @@ from pagoda.generation_config import load_generation_defaults, parse_override
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.tokenizer.chat import apply_chat_template
 
 
 class LLM(PoolingMethods):
@@ -64,8 +65,6 @@ class LLM(PoolingMethods):
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
              ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
-        from pagoda.tokenizer.chat import apply_chat_template
-
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         items = []

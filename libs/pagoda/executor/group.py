@@ -34,7 +34,7 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.distributed.process_group import (GroupInit, brief_error, create_master_store,
                                               is_peer_loss, joined_ranks, recorded_errors)
-from pagoda.distributed.rank_worker import SHUTDOWN, RankWorker, broadcast_call
+from pagoda.worker.rank_worker import SHUTDOWN, RankWorker, broadcast_call
 from pagoda.executor.base import Executor, InsufficientResources, WorkerGroupFailed
 from pagoda.kv_transfer.block_shares import as_bytes, check_block_ids, runner_geometry
 from pagoda.messages import ModelRunnerOutput, SchedulerOutput

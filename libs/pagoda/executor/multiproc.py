@@ -1,7 +1,7 @@
 """`--distributed-executor-backend mp`: a worker group on this machine, one child
 process per follower rank (rank 0 is the calling process).
 
-Children are started as `python -m pagoda.distributed.rank_worker PARENT_PID` with
+Children are started as `python -m pagoda.worker.rank_worker PARENT_PID` with
 their arguments pickled on stdin, not with multiprocessing's spawn, which re-runs
 the caller's main module (a script calling `LLM(...)` at top level would recurse).
 
@@ -21,6 +21,8 @@ import pickle
 import subprocess
 import sys
 
+import torch
+
 from pagoda.config import EngineConfig
 from pagoda.distributed.process_group import GroupInit
 from pagoda.executor.base import InsufficientResources
@@ -36,8 +38,6 @@ class MultiprocExecutor(WorkerGroupExecutor):
 
     def _place_group(self, device_type: str) -> None:
         if device_type == "cuda":
-            import torch
-
             available = torch.cuda.device_count()
             if available < self.world_size:
                 raise InsufficientResources(
@@ -48,7 +48,7 @@ class MultiprocExecutor(WorkerGroupExecutor):
         return "127.0.0.1"
 
     def _start_followers(self, init: GroupInit) -> None:
-        argv = [sys.executable, "-m", "pagoda.distributed.rank_worker", str(os.getpid())]
+        argv = [sys.executable, "-m", "pagoda.worker.rank_worker", str(os.getpid())]
         for rank in range(1, self.world_size):
             device_index = rank if init.device_type == "cuda" else 0
             process = subprocess.Popen(argv, stdin=subprocess.PIPE)

@@ -22,6 +22,7 @@ from pagoda.distributed.process_group import GroupInit
 from pagoda.executor.base import InsufficientResources
 from pagoda.executor.group import WorkerGroupExecutor
 from pagoda.executor.ray_head import PrivateRayHead, join_with_token
+from pagoda.worker.rank_worker import serve_follower
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +33,10 @@ class _RankActor:
     """A follower rank; `run` returns only at shutdown."""
 
     def run(self, config: EngineConfig, rank: int, init: GroupInit) -> None:
-        from pagoda.distributed.rank_worker import serve_follower
-
         serve_follower(config, rank, init, 0)  # Ray exposes the bundle's GPU as device 0
 
     def gpu_ids(self) -> list:
+        # lazy: ray is optional (installed for --distributed-executor-backend ray only)
         import ray
 
         return ray.get_gpu_ids()
@@ -54,7 +54,9 @@ class RayExecutor(WorkerGroupExecutor):
         super().__init__(config, **kwargs)
 
     def _place_group(self, device_type: str) -> None:
+        # lazy: ray is optional (installed for --distributed-executor-backend ray only)
         import ray
+        # lazy: ray is optional (installed for --distributed-executor-backend ray only)
         from ray.util.placement_group import placement_group, remove_placement_group
 
         if not ray.is_initialized():
@@ -91,12 +93,15 @@ class RayExecutor(WorkerGroupExecutor):
                     f"{total.get(key, 0.0):g} in all.")
 
     def _master_addr(self) -> str:
+        # lazy: ray is optional (installed for --distributed-executor-backend ray only)
         import ray
 
         return ray.util.get_node_ip_address()
 
     def _actor_class(self, bundle_index: int):
+        # lazy: ray is optional (installed for --distributed-executor-backend ray only)
         import ray
+        # lazy: ray is optional (installed for --distributed-executor-backend ray only)
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         strategy = PlacementGroupSchedulingStrategy(self._placement_group,
@@ -114,12 +119,14 @@ class RayExecutor(WorkerGroupExecutor):
     def _driver_device_index(self) -> int:
         if "GPU" not in self._bundle:
             return 0
+        # lazy: ray is optional (installed for --distributed-executor-backend ray only)
         import ray
 
         self._placeholder = self._actor_class(0).remote()
         return int(ray.get(self._placeholder.gpu_ids.remote())[0])
 
     def _dead_followers(self) -> dict[int, str]:
+        # lazy: ray is optional (installed for --distributed-executor-backend ray only)
         import ray
 
         if not self._loops:
@@ -137,7 +144,9 @@ class RayExecutor(WorkerGroupExecutor):
         return dead
 
     def _stop_followers(self, graceful: bool) -> None:
+        # lazy: ray is optional (installed for --distributed-executor-backend ray only)
         import ray
+        # lazy: ray is optional (installed for --distributed-executor-backend ray only)
         from ray.util.placement_group import remove_placement_group
 
         if not ray.is_initialized():

@@ -95,6 +95,7 @@ def join_with_token(auth_env: dict[str, str]) -> None:
     """Make this process present the head's token: its environment, and Ray's settings,
     which Ray read when it was imported (so they are read again, the way Ray's own
     `_enable_token_auth` does)."""
+    # lazy: ray is optional (installed for --distributed-executor-backend ray only)
     from ray._raylet import AuthenticationTokenLoader, Config
 
     os.environ.update(auth_env)

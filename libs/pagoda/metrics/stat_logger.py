@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 
-from pagoda import envs
+import pagoda.envs as envs
 from pagoda.core.scheduler import SchedulerStats
 from pagoda.metrics.stats import IterationStats
 

@@ -1,44 +1,10 @@
-"""Inputs every attention layer needs for one step, built once by the model runner.
+"""The inputs every attention layer needs for one step, under the library's name.
 
-Tokens of all scheduled requests are flattened into one batch of T tokens,
-ordered request by request. Request i owns tokens
-`query_start_loc[i] : query_start_loc[i+1]`; they are the positions
-`seq_lens[i] - num_query_tokens_i ... seq_lens[i] - 1` of its sequence, i.e. the
-request's context before this step is `seq_lens[i] - num_query_tokens_i` tokens,
-already in the KV cache. A decode is simply a request with one query token.
-
-KV cache layout per layer: key_cache, value_cache each of shape
-`[num_blocks, block_size, num_kv_heads, head_dim]`; token position p of request i
-lives in block `block_tables[i, p // block_size]` at offset `p % block_size`.
-`slot_mapping[t] = block * block_size + offset` for each of the T new tokens.
+The type lives with the kernels (`pagoda.kernels.attention_metadata`), which import no
+library code; the library builds it once per step (`pagoda.worker.input_builder`) and
+passes it to the torch path and the kernels alike.
 """
 
-from __future__ import annotations
+from pagoda.kernels.attention_metadata import AttentionMetadata
 
-from dataclasses import dataclass
-
-import torch
-
-
-@dataclass
-class AttentionMetadata:
-    """Invariant: requests are ordered decodes first (query length 1), then prefills
-    (full or chunked), so `num_decodes` rows can be handled as one batched gather."""
-
-    slot_mapping: torch.Tensor  # [T] int64
-    query_start_loc: torch.Tensor  # [B+1] int32, cumulative query lengths
-    seq_lens: torch.Tensor  # [B] int32, context length including this step's tokens
-    block_tables: torch.Tensor  # [B, max_blocks_per_req] int32 (padded with 0)
-    num_decodes: int  # the first num_decodes requests have exactly one query token
-    max_query_len: int
-    max_seq_len: int
-    # Host copies (lists) so the torch path loops without device syncs.
-    query_start_loc_cpu: list[int]
-    seq_lens_cpu: list[int]
-    # Each token's attention independent of the rest of the batch, of chunking and of
-    # prefix-cache hits, at some cost (the torch path's "Batch invariance").
-    batch_invariant: bool = False
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.seq_lens_cpu)
+__all__ = ["AttentionMetadata"]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagoda import envs
+import pagoda.envs as envs
 
 
 def available() -> bool:

@@ -55,6 +55,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     if fp8_kv_cache.is_fp8(key_cache):  # --kv-cache-dtype fp8: quantized on the way in
         return fp8_kv_cache.write_kv_cache_fp8(key, value, key_cache, value_cache, slot_mapping)
     if use_triton(key):
+        # lazy: triton loads on the first CUDA call only: CPU processes never import it
         from pagoda.kernels.kv_cache import write_kv_cache as kernel
 
         return kernel(key, value, key_cache, value_cache, slot_mapping)
@@ -73,6 +74,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         key_cache, value_cache, attn_metadata = fp8_kv_cache.dense_step_cache(
             key_cache, value_cache, attn_metadata, query.dtype)
     if use_triton(query):
+        # lazy: triton loads on the first CUDA call only: CPU processes never import it
         from pagoda.kernels.attention import paged_attention as kernel
 
         return kernel(query, key_cache, value_cache, attn_metadata, scale,
@@ -95,6 +97,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     Same contract as `pagoda.model.layers.RMSNorm.forward` (`GemmaRMSNorm.forward`, which
     scales by `1 + weight` in fp32, with `unit_offset`)."""
     if use_triton(x):
+        # lazy: triton loads on the first CUDA call only: CPU processes never import it
         from pagoda.kernels.rms_norm import rms_norm as kernel
 
         shape = x.shape
@@ -125,6 +128,7 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     the rotary dim: head_dim, or less under partial rotary (only those dims rotate).
     """
     if use_triton(x):
+        # lazy: triton loads on the first CUDA call only: CPU processes never import it
         from pagoda.kernels.rotary import rotary_embedding as kernel
 
         half = cos.shape[-1] // 2  # narrower than head_dim / 2 under partial rotary
@@ -137,6 +141,7 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> silu(gate) * up, [T, I]."""
     if use_triton(gate_up):
+        # lazy: triton loads on the first CUDA call only: CPU processes never import it
         from pagoda.kernels.activation import silu_and_mul as kernel
 
         shape = gate_up.shape
@@ -149,6 +154,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> gelu_tanh(gate) * up, [T, I] (Gemma's `gelu_pytorch_tanh` MLP)."""
     if use_triton(gate_up):
+        # lazy: triton loads on the first CUDA call only: CPU processes never import it
         from pagoda.kernels.activation import gelu_tanh_and_mul as kernel
 
         shape = gate_up.shape

@@ -61,6 +61,7 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray,
 def _apply_with_xgrammar(logits: torch.Tensor, bitmask: np.ndarray, rows: Sequence[int]) -> bool:
     """On CUDA, xgrammar's fused kernel (one launch, no unpacked mask in memory)."""
     try:
+        # lazy: xgrammar's fused kernel is optional (CUDA only)
         import xgrammar
     except ImportError:
         return False

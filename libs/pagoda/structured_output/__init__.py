@@ -13,9 +13,7 @@ Where each piece runs:
   * the worker (`pagoda.sample.grammar`): the bitmask applied to the logits before
     sampling, so a forbidden token (EOS included, until the grammar accepts) has
     probability 0 and its logprob is -inf (vLLM applies it before its sampler too).
+
+The package itself imports nothing, so `pagoda.config` can read the backend names
+(`backend.py`) without loading the manager, which reads `pagoda.config`.
 """
-
-from pagoda.structured_output.manager import StructuredOutputManager, constraint_key
-from pagoda.structured_output.request import StructuredOutputRequest
-
-__all__ = ["StructuredOutputManager", "StructuredOutputRequest", "constraint_key"]

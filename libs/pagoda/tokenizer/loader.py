@@ -8,6 +8,9 @@ import os
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from pagoda.model.hub import download, is_hub_id
+from pagoda.model.loader import default_model_path
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -18,9 +21,6 @@ def resolve_tokenizer_path(source: str | None, revision: str | None = None,
 
     None means the default model. Directories with tokenizer files win over GGUFs.
     """
-    from pagoda.model.hub import download, is_hub_id
-    from pagoda.model.loader import default_model_path
-
     if source is None:
         return default_model_path()
     if is_hub_id(source):

@@ -72,20 +72,8 @@ def build_model_inputs(states: dict[str, CachedRequestState], num_scheduled: dic
         seq_lens.append(end)
         samples.append(end >= len(state.token_ids) and state.pooling_params is None)
         tables.append(blocks)
-    max_blocks = max(len(t) for t in tables)
-    table_tensor = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=table_tensor.to(device),
-        num_decodes=num_decodes,
-        max_query_len=max(query_start[i + 1] - query_start[i] for i in range(len(req_ids))),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=query_start,
-        seq_lens_cpu=seq_lens,
-        batch_invariant=batch_invariant,
-    )
+    metadata = AttentionMetadata.build(slots, query_start, seq_lens, tables, num_decodes, device,
+                                       batch_invariant)
     num_drafts = [len(states[r].spec_token_ids) for r in req_ids]
     return ModelInputs(req_ids, torch.tensor(input_ids, dtype=torch.int64, device=device),
                        torch.tensor(positions, dtype=torch.int64, device=device), metadata,

@@ -8,10 +8,28 @@ import logging
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from pagoda.messages import LogprobsLists, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagoda.distributed.parallel_state import SINGLE, ParallelContext
 from pagoda.worker.batch_state import CachedRequestState
 from pagoda.worker.input_builder import ModelInputs, build_model_inputs
+from pagoda.kernels import cpu as cpu_kernels
+from pagoda.lora.manager import LoRAModelManager
+from pagoda.model import cpu_packed_weights, prepack_cpu_weights
+from pagoda.model.intermediate_tensors import IntermediateTensors
+from pagoda.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block, kv_cache_torch_dtype
+from pagoda.model.loader import load_model
+from pagoda.model.pooler import Pooler
+from pagoda.model.quantization import gguf_int4
+from pagoda.sample.builder import build_sampling_metadata, make_generator
+from pagoda.sample.grammar import apply_grammar_bitmask
+from pagoda.sample.logprobs import compute_topk_logprobs
+from pagoda.sample.rejection_sampler import verify_drafts
+from pagoda.sample.sampler import Sampler, advance_generator
+from pagoda.sampling_params import SamplingParams
+from pagoda.spec_decode.draft_model import DraftModelRunner
+from pagoda.worker import cpu_allocator
+from pagoda.worker.cuda_graphs import DecodeCUDAGraphs, cuda_graph_sizes
+from pagoda.worker.pooling import pool_requests, token_type_ids
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +40,7 @@ class ModelRunner:
     Invariant: after `execute_model`, each request that sampled has the sampled
     token appended to its `CachedRequestState`, matching what the scheduler appends.
     Given a `ParallelContext`, the weights and KV cache are this rank's share
-    (`pagoda.distributed.parallel_runner` runs the step across the group).
+    (`pagoda.worker.parallel_runner` runs the step across the group).
     """
 
     def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None) -> None:
@@ -33,8 +51,6 @@ class ModelRunner:
                                             enable_expert_parallel=config.enable_expert_parallel)
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
-        from pagoda.model.kv_cache import kv_cache_torch_dtype
-
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.cache.block_size
         self.states: dict[str, CachedRequestState] = {}
@@ -51,23 +67,14 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
-        from pagoda.model import cpu_packed_weights, prepack_cpu_weights
-        from pagoda.model.loader import load_model
-        from pagoda.sample.sampler import Sampler
-
         torch.manual_seed(self.config.seed)
         if self.device.type == "cpu":
-            from pagoda.kernels import cpu as cpu_kernels
-            from pagoda.worker import cpu_allocator
-
             cpu_allocator.tune()
             cpu_kernels.available()  # builds the fused kernels now, not in the first step
         self.model = load_model(self.config.model, self.config.arch, self.dtype, self.device,
                                 self.parallel, self.config.runner)
         pack_bf16 = cpu_packed_weights.applies(self.device, self.dtype)
         if self.config.gguf_int4:
-            from pagoda.model.quantization import gguf_int4
-
             gguf_int4.pack_small_batch_int4(
                 self.model, gguf_int4.gguf_4bit_parts(self.config.model)[1],
                 gguf_int4.MAX_INT4_ROWS_PACKED if pack_bf16 else gguf_int4.MAX_INT4_ROWS)
@@ -75,17 +82,11 @@ class ModelRunner:
             prepack_cpu_weights.pack_linear_weights(self.model)
         self.sampler = Sampler()
         if self.config.pooler_config is not None:
-            from pagoda.model.pooler import Pooler
-
             self.pooler = Pooler(self.config.pooler_config, self.model)
         spec = self.config.scheduler.speculative_config
         if spec is not None and spec.uses_draft_model:
-            from pagoda.spec_decode.draft_model import DraftModelRunner
-
             self.drafter = DraftModelRunner(self.config, self.dtype, self.device)
         if self.config.lora is not None:
-            from pagoda.lora.manager import LoRAModelManager
-
             self.lora_manager = LoRAModelManager(self.model, self.config.lora, self.device,
                                                  self.dtype)
 
@@ -95,8 +96,6 @@ class ModelRunner:
         return getattr(self.model, "is_encoder", False)
 
     def determine_num_blocks(self) -> int:
-        from pagoda.model.kv_cache import kv_cache_bytes_per_block
-
         if self.is_encoder:
             # No KV cache: the scheduler's blocks only count the tokens of one step (an
             # encoder's requests finish in the step that runs them).
@@ -121,10 +120,6 @@ class ModelRunner:
     def _profile_peak_activation_bytes(self) -> int:
         """Run the largest step the scheduler may plan (one prefill of
         max_num_batched_tokens) on a scratch cache and measure its peak memory."""
-        from pagoda.messages import NewRequestData
-        from pagoda.model.kv_cache import allocate_kv_caches
-        from pagoda.sampling_params import SamplingParams
-
         sched = self.config.scheduler
         num_tokens = min(sched.max_num_batched_tokens, sched.max_model_len)
         num_blocks = -(-num_tokens // self.block_size)
@@ -152,15 +147,11 @@ class ModelRunner:
         stage's hidden states (no send/recv while profiling)."""
         if self.parallel.is_first_stage:
             return None
-        from pagoda.model.intermediate_tensors import IntermediateTensors
-
         zeros = torch.zeros(num_tokens, self.config.arch.hidden_size, dtype=self.dtype,
                             device=self.device)
         return IntermediateTensors(zeros, zeros.clone())
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        from pagoda.model.kv_cache import allocate_kv_caches
-
         if self.is_encoder:
             return  # attention reads only the step's own keys and values
         self.kv_caches = allocate_kv_caches(self.config.arch, num_blocks, self.block_size,
@@ -174,8 +165,6 @@ class ModelRunner:
             self._capture_cuda_graphs()
 
     def _capture_cuda_graphs(self) -> None:
-        from pagoda.worker.cuda_graphs import DecodeCUDAGraphs, cuda_graph_sizes
-
         sched = self.config.scheduler
         self.cuda_graphs = DecodeCUDAGraphs(
             lambda ids, pos, md: self.model(ids, pos, self.kv_caches, md),
@@ -227,8 +216,6 @@ class ModelRunner:
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         md = inputs.attn_metadata
         if self.is_encoder:
-            from pagoda.worker.pooling import token_type_ids
-
             return self.model(inputs.input_ids, inputs.positions, self.kv_caches, md,
                               token_type_ids=token_type_ids(self.states, inputs))
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(md, len(inputs.input_ids)):
@@ -244,8 +231,6 @@ class ModelRunner:
                                         for i, r in enumerate(inputs.req_ids)])
 
     def _pool(self, inputs: ModelInputs, hidden: torch.Tensor) -> dict[str, list[float]]:
-        from pagoda.worker.pooling import pool_requests
-
         return pool_requests(self.pooler, self.states, inputs, hidden)
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -276,9 +261,6 @@ class ModelRunner:
         if seed is None:
             return None
         if data.req_id not in self.generators:
-            from pagoda.sample.builder import make_generator
-            from pagoda.sample.sampler import advance_generator
-
             generator = make_generator(seed, self.device)
             if data.output_token_ids and not data.sampling_params.is_greedy:
                 advance_generator(generator, len(data.output_token_ids),
@@ -287,8 +269,6 @@ class ModelRunner:
         return self.generators[data.req_id]
 
     def _sample(self, inputs: ModelInputs, hidden: torch.Tensor):
-        from pagoda.sample.builder import build_sampling_metadata
-
         rows = [i for i, s in enumerate(inputs.samples) if s]
         sampled: list[list[int]] = [[] for _ in inputs.req_ids]
         if not rows:
@@ -314,8 +294,6 @@ class ModelRunner:
             [out for _, out in expanded], generators, self.config.arch.vocab_size,
             [eos for _ in expanded], self.device)
         if inputs.num_drafts is not None:
-            from pagoda.sample.rejection_sampler import verify_drafts
-
             verified = verify_drafts(logits, metadata, drafts)
             token_lists, lists = verified.token_ids, (
                 verified.logprobs.tolists() if verified.logprobs is not None else None)
@@ -343,8 +321,6 @@ class ModelRunner:
                        first_row: list[int]) -> None:
         """Mask the rows of constrained requests (a pipeline micro-batch holds some of
         them); a constrained request has no drafts, so its one row is its first."""
-        from pagoda.sample.grammar import apply_grammar_bitmask
-
         req_ids, bitmask = self._grammar
         position = {s.req_id: first_row[j] for j, s in enumerate(states)}
         pairs = [(i, position[r]) for i, r in enumerate(req_ids) if r in position]
@@ -354,8 +330,6 @@ class ModelRunner:
     def _prompt_logprobs(self, inputs: ModelInputs, hidden: torch.Tensor,
                          num_scheduled: dict[str, int]) -> dict[str, LogprobsLists]:
         """Logprobs of each prompt token given its prefix, for the positions computed now."""
-        from pagoda.sample.logprobs import compute_topk_logprobs
-
         result: dict[str, LogprobsLists] = {}
         for req_id, rows, start, end in self._prompt_logprob_spans(inputs, num_scheduled):
             state = self.states[req_id]

@@ -26,6 +26,12 @@ from pagoda.services.common.protocol.sampling_params import (
     sampling_params_to_proto,
 )
 
+# Trailing metadata of an ExecuteModel refused INVALID_ARGUMENT: the request at fault.
+REJECTED_REQUEST_KEY = "pagoda-rejected-request"
+# Trailing metadata of an ExecuteModel that failed midway: the worker dropped every
+# request and waits for InitializeKvCache (the scheduler recovers: StepFailed).
+STEP_FAILED_KEY = "pagoda-step-failed"
+
 
 def scheduler_output_to_proto(out: SchedulerOutput) -> pb.SchedulerOutput:
     msg = pb.SchedulerOutput(

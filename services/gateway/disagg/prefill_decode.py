@@ -32,7 +32,7 @@ from dataclasses import replace
 
 import grpc
 
-from pagoda import tracing
+import pagoda.tracing as tracing
 from pagoda.kv_transfer.config import DIST_CONNECTOR
 from pagoda.kv_transfer.params import KVTransferParams
 from pagoda.messages import EngineCoreOutput, EngineCoreRequest, FinishReason

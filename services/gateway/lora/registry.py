@@ -19,7 +19,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from pagoda import envs
+import pagoda.envs as envs
 from pagoda.lora.request import LoRARequest
 
 

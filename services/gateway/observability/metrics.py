@@ -30,7 +30,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, \
     generate_latest
 
-from pagoda import tracing
+import pagoda.tracing as tracing
 from pagoda.metrics.aggregate import render
 from pagoda.services.common.metrics_server import one_per_process
 from pagoda.services.gateway.serving_options import route_path

@@ -106,11 +106,9 @@ def dequantize_int4(layer: nn.Module, start: int, end: int, dtype: torch.dtype) 
 def apply_int4(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W^T (+ bias) from the packed form: the Triton kernel on CUDA, else the tiled
     dequantize-and-multiply."""
-    from pagoda.model.ops import use_triton
-
     num_columns = layer.qweight.shape[1]
     if use_triton(x):
-        from pagoda.kernels.quant_matmul import int4_matmul
+        from pagoda.kernels.quant_matmul import int4_matmul  # lazy: Triton, only on CUDA
 
         out = int4_matmul(x.reshape(-1, x.shape[-1]), layer.qweight, layer.scales,
                           layer.zeros, layer.g_idx, layer.group_size)

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from pagoda.distributed.parallel_runner import split_micro_batches
+from pagoda.worker.parallel_runner import split_micro_batches
 
 
 @pytest.mark.parametrize("sizes,max_batches", [

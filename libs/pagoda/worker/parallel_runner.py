@@ -29,6 +29,7 @@ from pagoda.messages import ModelRunnerOutput, SchedulerOutput
 from pagoda.distributed.communication import recv_tensor, send_tensor
 from pagoda.worker.input_builder import ModelInputs, build_model_inputs
 from pagoda.worker.model_runner import ModelRunner
+from pagoda.model.intermediate_tensors import IntermediateTensors
 
 
 def split_micro_batches(num_scheduled: dict[str, int], max_batches: int) -> list[dict[str, int]]:
@@ -136,7 +137,6 @@ class ParallelModelRunner(ModelRunner):
         """The previous stage's hidden states for this micro-batch (None on stage 0)."""
         if self.parallel.is_first_stage:
             return None
-        from pagoda.model.intermediate_tensors import IntermediateTensors
 
         shape = (2, len(inputs.input_ids), self.config.arch.hidden_size)
         stacked = recv_tensor(shape, self.dtype, self.device, self.parallel.pp_group,

@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import pickle
+import sys
 import traceback
 import typing
 
@@ -34,6 +36,8 @@ from pagoda.distributed.wire_codec import WireError, dump, from_json, load, to_j
 from pagoda.distributed.process_group import (GroupInit, brief_error, configure_device,
                                               connect_store, is_peer_loss, join_group,
                                               record_error)
+from pagoda.parent_death import set_parent_death_signal
+from pagoda.worker.parallel_runner import ParallelModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +57,6 @@ class RankWorker:
 
     def __init__(self, config: EngineConfig, rank: int, init: GroupInit, store,
                  local_device_index: int) -> None:
-        from pagoda.distributed.parallel_runner import ParallelModelRunner
-
         configure_device(init.device_type, local_device_index, init.world_size)
         self.rank = rank
         self.store = store
@@ -107,7 +109,6 @@ class RankWorker:
         world = self.parallel.world_size
         return [mine] + [recv_object(self.control, r, MemoryReport, _RESULT_TAG)
                          for r in range(1, world)]
-
 
     def export_kv_blocks(self, block_ids: list[int]) -> bytes | None:
         """At rank 0: whole blocks (pagoda.kv_transfer.block_shares), assembled from
@@ -198,16 +199,11 @@ def serve_follower(config: EngineConfig, rank: int, init: GroupInit,
 
 
 def _main() -> None:
-    """`python -m pagoda.distributed.rank_worker PARENT_PID`: a follower of the mp
+    """`python -m pagoda.worker.rank_worker PARENT_PID`: a follower of the mp
     backend, whose (config, rank, init, device index) arrive pickled on stdin. It
     dies with its driver: the parent-death signal is set before it reads or joins
     anything (a driver that died while this module was importing is caught by the
     parent-pid check, see `pagoda.parent_death`)."""
-    import pickle
-    import sys
-
-    from pagoda.parent_death import set_parent_death_signal
-
     set_parent_death_signal(int(sys.argv[1]))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s rank-worker "
                                                    "%(name)s: %(message)s")
