@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 
 from pagoda.config import (DEFAULT_MAX_LOGPROBS, DEFAULT_PREFIX_HASH_SEED, CacheConfig,
                            EngineConfig, SchedulerConfig, StructuredOutputsConfig)
+from pagoda.engine.legacy_args import add_legacy_cli_args, resolve_legacy_args
 
 # Why --trust-remote-code is refused rather than ignored: a user who passes it expects
 # the model's own Python code to run, and Pagoda never runs it.
@@ -71,6 +72,14 @@ class EngineArgs:
     max_cpu_loras: int | None = None
     # vLLM's --speculative-config JSON (pagoda.spec_decode.config.SpeculativeConfig).
     speculative_config: dict | str | None = None
+    # vLLM flags kept for its command lines (pagoda.engine.legacy_args).
+    task: str | None = None
+    tokenizer_mode: str = "auto"
+    swap_space: float | None = None
+
+    def __post_init__(self) -> None:
+        self.runner, self.convert = resolve_legacy_args(
+            self.task, self.runner, self.convert, self.tokenizer_mode, self.swap_space)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, include_model: bool = True) -> argparse.ArgumentParser:
@@ -180,6 +189,7 @@ class EngineArgs:
                                  "requests run).")
         parser.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction,
                             default=False, help="Refused: Pagoda runs no remote code.")
+        add_legacy_cli_args(parser)
         return parser
 
     @classmethod
