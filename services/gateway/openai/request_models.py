@@ -237,6 +237,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # vLLM's: False drops the reasoning (split off by --reasoning-parser) from the answer.
+    include_reasoning: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
