@@ -14,7 +14,6 @@ UNSUPPORTED = {
     # models and weights
     "load-format": "Pagoda reads safetensors directories and GGUF files only",
     "code-revision": "Pagoda runs no remote code",
-    "tokenizer-mode": "Pagoda always uses the model's fast (HF) tokenizer",
     "hf-token": "set the HF_TOKEN environment variable instead (a token on the command "
                 "line is visible to every user of the machine)",
     "hf-overrides": "config overrides are not implemented",
@@ -22,14 +21,12 @@ UNSUPPORTED = {
     "config-format": "the model folder's config.json is always used",
     "rope-scaling": "RoPE scaling comes from the model's config.json",
     "rope-theta": "RoPE theta comes from the model's config.json",
-    "task": "use --runner pooling (a pooling model's task follows from its architecture)",
     "skip-tokenizer-init": "the tokenizer service is part of every cluster",
     "max-seq-len-to-capture": "CUDA graphs cover Pagoda's own decode batch sizes",
     "cuda-graph-sizes": "CUDA graphs cover Pagoda's own decode batch sizes",
     "compilation-config": "Pagoda does not use torch.compile",
     "calculate-kv-scales": "dynamic KV-cache scales are not implemented",
     "cpu-offload-gb": "weight offloading is not implemented",
-    "swap-space": "preempted requests are recomputed, never swapped",
     "kv-events-config": "Pagoda publishes KV events to its kv-cache-manager itself",
     # adapters, multimodal, structured output, tools
     "limit-mm-per-prompt": "Pagoda serves text-only models",

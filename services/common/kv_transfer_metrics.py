@@ -5,9 +5,12 @@ service's, so one scrape shows both sides.
 * `pagoda_kv_transfer_blocks_total`, `_bytes_total`, `_seconds`: pulls that
   completed, counted by the worker that pulled (the decode side).
 * `pagoda_kv_transfer_failures_total{reason}`: pulls that did not complete
-  (timeout, unavailable, checksum, stale_epoch, lease_expired, no_room, error).
+  (`FAILURE_REASONS`).
 * `pagoda_kv_transfer_fallbacks_total{kind}`: what the request did instead
-  (recompute: the decode replica prefilled locally).
+  (`FALLBACK_KINDS`; recompute: the decode replica prefilled locally).
+
+Every label value is exported at 0 from the start, so a dashboard panel reads 0, not
+"No data", on a cluster that has not failed yet (and a rate over it is defined).
 * `pagoda_kv_leased_blocks`: blocks a prefill replica holds for decode replicas now.
 """
 
@@ -17,6 +20,11 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 
 from pagoda.services.common.metrics_server import one_per_process
 
+# Every reason a pull can fail for (the scheduler's KV consumer and lease table), and
+# every fallback kind: the label values the counters are initialised with.
+FAILURE_REASONS = ("timeout", "unavailable", "checksum", "stale_epoch", "lease_expired",
+                   "no_room", "hash_mismatch", "error")
+FALLBACK_KINDS = ("recompute",)
 TRANSFER_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                     5.0, 10.0, 30.0]
 
@@ -36,6 +44,10 @@ class KvTransferMetrics:
         self.fallbacks = Counter("pagoda_kv_transfer_fallbacks_total",
                                  "Disaggregated requests served another way, by kind.",
                                  ["kind"], registry=registry)
+        for reason in FAILURE_REASONS:
+            self.failures.labels(reason)
+        for kind in FALLBACK_KINDS:
+            self.fallbacks.labels(kind)
         self.leased_blocks = Gauge("pagoda_kv_leased_blocks",
                                    "KV blocks held under leases for decode replicas.",
                                    registry=registry)

@@ -62,6 +62,7 @@ class KvConsumer:
         self.worker = pb_grpc.KvTransferServiceStub(grpc_channels.aio_channel(worker_address))
         self._lease_stubs: dict[str, pb_grpc.KvLeaseServiceStub] = {}
         self._plans: dict[str, ImportPlan] = {}
+        kv_transfer_metrics()  # exported (at 0) from start-up, not from the first failure
 
     async def on_engine(self, fn):
         loop = asyncio.get_running_loop()

@@ -55,6 +55,7 @@ class KvProducer:
         # (pinned leases, ended lease ids) -> None; called on the engine thread, must
         # not block (KvEventPublisher.publish_leases queues them).
         self.lease_journal = lambda pinned, released: None
+        kv_transfer_metrics()  # exported (at 0) from start-up, not from the first failure
 
     def expect(self, request: EngineCoreRequest) -> None:
         """Called before the request is submitted: lease its blocks when it finishes."""

@@ -83,6 +83,10 @@ def test_out_of_range_parameters_are_400_naming_the_field(gateway, field, value)
     ({"model": MODEL, "prompt": [[1, 2], [-1]]}, "prompt"),
     ({"model": MODEL, "prompt": "Hi\ud800"}, None),
     ({"model": MODEL, "prompt": "Hi", "stop": "\udfff"}, "stop"),
+    # Not silently ignored: the answer without them would differ from what was asked.
+    ({"model": MODEL, "prompt": "Hi", "use_beam_search": True}, "use_beam_search"),
+    ({"model": MODEL, "prompt": "Hi", "best_of": 3}, "best_of"),
+    ({"model": MODEL, "prompt": "Hi", "n": 2, "best_of": 4}, "best_of"),
 ])
 def test_bad_completion_bodies_are_400(gateway, body, param):
     assert_envelope(post(gateway, COMPLETIONS, body), 400, param)
@@ -110,6 +114,7 @@ def test_bad_completion_bodies_are_400(gateway, body, param):
      "response_format"),
     ({"model": MODEL, "messages": HELLO, "tool_choice": "required"}, "tool_choice"),
     ({"model": MODEL, "messages": HELLO, "max_completion_tokens": 0}, "max_tokens"),
+    ({"model": MODEL, "messages": HELLO, "use_beam_search": True}, "use_beam_search"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
 ])
 def test_bad_chat_bodies_are_400(gateway, body, param):

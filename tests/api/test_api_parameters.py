@@ -166,3 +166,11 @@ def test_unknown_fields_are_ignored_like_vllm(gateway):
     r = httpx.post(f"{gateway.url}/v1/completions", json={
         "model": MODEL, "prompt": "Hi", "max_tokens": 2, "some_future_field": {"x": 1}})
     assert r.status_code == 200 and r.json()["choices"][0]["text"]
+
+
+def test_best_of_equal_to_n_and_beam_search_off_are_accepted(gateway):
+    """vLLM clients send these defaults: they change nothing, so they are no error."""
+    r = httpx.post(f"{gateway.url}/v1/completions", json={
+        "model": MODEL, "prompt": "Hi", "max_tokens": 2, "n": 2, "best_of": 2,
+        "use_beam_search": False})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2

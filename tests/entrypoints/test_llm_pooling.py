@@ -54,10 +54,12 @@ def test_batch_and_single_agree(st_llm):
         assert cosine_distance(alone.outputs.embedding, together.outputs.embedding) < 1e-6
 
 
-def test_decoder_as_embedding_model_pools_the_last_token(tiny_llama_dir):
+@pytest.mark.parametrize("how", [dict(runner="pooling"), dict(task="embed")])
+def test_decoder_as_embedding_model_pools_the_last_token(tiny_llama_dir, how):
+    """`task="embed"` is vLLM's older spelling of runner="pooling": the same engine."""
     from transformers import LlamaModel
 
-    llm = LLM(tiny_llama_dir, dtype="float32", runner="pooling", block_size=4)
+    llm = LLM(tiny_llama_dir, dtype="float32", block_size=4, **how)
     texts = ["Hello there, general Kenobi", "The capital of France is Paris, " * 3, "x"]
     base = LlamaModel.from_pretrained(tiny_llama_dir).eval()
     first = llm.embed(texts, use_tqdm=False)

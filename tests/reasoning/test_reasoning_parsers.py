@@ -8,6 +8,7 @@ import random
 import pytest
 
 from pagoda.reasoning import PARSERS, get_reasoning_parser
+from pagoda.structured_output.request import GateState, ReasoningGate
 
 # (parser, model output, (reasoning_content, content))
 CASES = [
@@ -51,3 +52,39 @@ def test_unknown_parser_names_the_known_ones():
     with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
         get_reasoning_parser("nope")
     assert set(PARSERS) == {"deepseek_r1", "qwen3"}
+
+
+QWEN3_THINKING_PROMPT = "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n"
+QWEN3_NO_THINKING_PROMPT = ("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+                            "<think>\n\n</think>\n\n")
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_r1"])
+def test_a_prompt_that_opens_the_block_starts_the_answer_in_reasoning(name):
+    """Qwen3-Thinking-2507's template opens <think> itself: the model writes only the
+    reasoning and `</think>`, which must not land in content."""
+    text = "2+2 is 4.\n</think>\n\nFour."
+    parser = get_reasoning_parser(name)
+    assert parser.split(text, QWEN3_THINKING_PROMPT) == ("2+2 is 4.\n", "\n\nFour.")
+    stream = parser.stream(QWEN3_THINKING_PROMPT)
+    pieces = [stream.feed(text[i:i + 3]) for i in range(0, len(text), 3)] + [stream.finish()]
+    assert "".join(r for r, _ in pieces) == "2+2 is 4.\n"
+    assert "".join(c for _, c in pieces) == "\n\nFour."
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_r1"])
+def test_a_prompt_that_closed_the_block_is_all_content(name):
+    assert get_reasoning_parser(name).split("Four.", QWEN3_NO_THINKING_PROMPT) == \
+        (None, "Four.")
+
+
+def test_the_text_split_and_the_grammar_gate_read_the_prompt_alike():
+    """The engine's token gate and the gateway's text split start in the same state."""
+    start, end, other = 1, 2, 3
+    parser = get_reasoning_parser("qwen3")
+    for tokens, text in [([other, start], QWEN3_THINKING_PROMPT),
+                         ([other, start, end], QWEN3_NO_THINKING_PROMPT),
+                         ([other], "<|im_start|>assistant\n")]:
+        gate = ReasoningGate(start, end, parser.starts_in_reasoning, tokens)
+        in_reasoning = parser.starts_in_reasoning_after(text)
+        assert (gate.state == GateState.REASONING) == in_reasoning

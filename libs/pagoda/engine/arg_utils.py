@@ -11,6 +11,7 @@ from pagoda.config import (DEFAULT_MAX_LOGPROBS, DEFAULT_PREFIX_HASH_SEED, Cache
                            EngineConfig, SchedulerConfig, StructuredOutputsConfig)
 import pagoda.envs as envs
 from pagoda.distributed.parallel_state import validate_parallel_config
+from pagoda.engine.legacy_args import add_legacy_cli_args, resolve_legacy_args
 from pagoda.lora.config import LoRAConfig
 from pagoda.spec_decode.config import SpeculativeConfig
 
@@ -76,6 +77,14 @@ class EngineArgs:
     max_cpu_loras: int | None = None
     # vLLM's --speculative-config JSON (pagoda.spec_decode.config.SpeculativeConfig).
     speculative_config: dict | str | None = None
+    # vLLM flags kept for its command lines (pagoda.engine.legacy_args).
+    task: str | None = None
+    tokenizer_mode: str = "auto"
+    swap_space: float | None = None
+
+    def __post_init__(self) -> None:
+        self.runner, self.convert = resolve_legacy_args(
+            self.task, self.runner, self.convert, self.tokenizer_mode, self.swap_space)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, include_model: bool = True) -> argparse.ArgumentParser:
@@ -185,6 +194,7 @@ class EngineArgs:
                                  "requests run).")
         parser.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction,
                             default=False, help="Refused: Pagoda runs no remote code.")
+        add_legacy_cli_args(parser)
         return parser
 
     @classmethod

@@ -12,8 +12,16 @@ class ReasoningParser:
     `starts_in_reasoning`: the answer begins inside the thinking block (the chat
     template opened it, DeepSeek-R1) rather than only when the answer opens with
     `start_token` (Qwen3, whose hybrid models may answer without thinking).
-    Invariant: `split(text)` equals the concatenated output of a `ReasoningStream`
-    fed `text` in any pieces.
+    Invariant: `split(text, prompt)` equals the concatenated output of a
+    `ReasoningStream(prompt)` fed `text` in any pieces.
+
+    The prompt decides where the answer starts, by the same rule as the engine's
+    token-level gate (`pagoda.structured_output.request.ReasoningGate`), so the grammar
+    and the split agree: a prompt whose last marker is `start_token` (Qwen3-Thinking-2507
+    and DeepSeek-R1 templates open the block for the model) starts the answer inside the
+    reasoning; one whose last marker is `end_token` (a template that closed the block:
+    thinking switched off) starts it in the content; a prompt with neither leaves the
+    family's default.
     """
 
     name: ClassVar[str] = ""
@@ -21,12 +29,21 @@ class ReasoningParser:
     end_token: ClassVar[str] = "</think>"
     starts_in_reasoning: ClassVar[bool] = True
 
-    def stream(self) -> "ReasoningStream":
-        return ReasoningStream(self)
+    def stream(self, prompt: str | None = None) -> "ReasoningStream":
+        return ReasoningStream(self, self.starts_in_reasoning_after(prompt))
 
-    def split(self, text: str) -> tuple[str | None, str | None]:
+    def starts_in_reasoning_after(self, prompt: str | None) -> bool:
+        """Whether an answer to `prompt` (its rendered text; None: unknown) begins inside
+        the thinking block."""
+        prompt = prompt or ""
+        last_start, last_end = prompt.rfind(self.start_token), prompt.rfind(self.end_token)
+        if last_start == last_end == -1:
+            return self.starts_in_reasoning
+        return last_start > last_end
+
+    def split(self, text: str, prompt: str | None = None) -> tuple[str | None, str | None]:
         """(reasoning_content, content) of a whole answer; None for an empty part."""
-        stream = self.stream()
+        stream = self.stream(prompt)
         reasoning, content = stream.feed(text)
         more_reasoning, more_content = stream.finish()
         return (reasoning + more_reasoning) or None, (content + more_content) or None
@@ -43,9 +60,11 @@ class ReasoningStream:
 
     UNDECIDED, REASONING, CONTENT = range(3)
 
-    def __init__(self, parser: ReasoningParser) -> None:
+    def __init__(self, parser: ReasoningParser, starts_in_reasoning: bool | None = None) -> None:
         self.parser = parser
-        self.state = self.REASONING if parser.starts_in_reasoning else self.UNDECIDED
+        if starts_in_reasoning is None:
+            starts_in_reasoning = parser.starts_in_reasoning
+        self.state = self.REASONING if starts_in_reasoning else self.UNDECIDED
         self._opening = True  # a leading start_token is dropped (the model wrote it)
         self._held = ""
 

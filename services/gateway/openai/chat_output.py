@@ -1,11 +1,17 @@
-"""A chat choice's text -> its message: `reasoning_content`, `content`, `tool_calls`.
+"""A chat choice's text -> its message: `reasoning`, `content`, `tool_calls`.
 
-    text ──ReasoningStream──► reasoning_content
+    text ──ReasoningStream──► reasoning (also as reasoning_content)
                     └───────► answer ──ToolCallStream (tool plan's parser)──► content, tool_calls
 
 Streamed and non-streamed answers go through the same two stages (the non-streamed one
 as a single final piece), so they agree. With tool calls and a natural end, the
 finish_reason is "tool_calls".
+
+The reasoning travels under vLLM's current name, `reasoning`, and under its older one,
+`reasoning_content`, with the same text (clients of either version read it). With
+`include_reasoning: false` it is split off the content and dropped, as vLLM does. The
+rendered prompt (`ChatOutput.prompt`) says whether the answer starts inside the
+thinking block (`ReasoningParser.starts_in_reasoning_after`).
 """
 
 from __future__ import annotations
@@ -16,13 +22,20 @@ from pagoda.reasoning import ReasoningParser
 from pagoda.services.gateway.openai.tool_parsers import ToolCallStream, ToolParser
 
 
+REASONING_FIELDS = ("reasoning", "reasoning_content")
+
+
 class ChatOutput:
     """One request's output stages: its reasoning parser and its tool plan's parser
-    (either may be None)."""
+    (either may be None), whether the reasoning is returned, and the rendered prompt
+    (set once the tokenizer answered; None until then)."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None,
+                 include_reasoning: bool = True) -> None:
         self.reasoning = reasoning
         self.tools = tools
+        self.include_reasoning = include_reasoning
+        self.prompt: str | None = None
 
     @property
     def active(self) -> bool:
@@ -40,8 +53,8 @@ class ChatOutput:
         content = echo + "".join(d.get("content", "") for d in deltas)
         message["content"] = content if content or not stream.num_tool_calls else None
         if self.reasoning is not None:
-            message["reasoning_content"] = "".join(d.get("reasoning_content", "")
-                                                   for d in deltas) or None
+            reasoning = "".join(d.get("reasoning", "") for d in deltas) or None
+            message.update(dict.fromkeys(REASONING_FIELDS, reasoning))
         calls: dict[int, dict[str, Any]] = {}
         for delta in deltas:
             for item in delta.get("tool_calls", ()):
@@ -56,10 +69,12 @@ class ChatOutput:
 
 class ChoiceOutputStream:
     """One choice's stages, fed text deltas; returns OpenAI delta dicts (content,
-    reasoning_content or tool_calls), every one final."""
+    reasoning + reasoning_content, or tool_calls), every one final."""
 
     def __init__(self, output: ChatOutput) -> None:
-        self._reasoning = output.reasoning.stream() if output.reasoning is not None else None
+        self._reasoning = (output.reasoning.stream(output.prompt)
+                           if output.reasoning is not None else None)
+        self._include_reasoning = output.include_reasoning
         self._tools = ToolCallStream(output.tools) if output.tools is not None else None
 
     @property
@@ -100,6 +115,8 @@ class ChoiceOutputStream:
             return self._tools.feed(text) if text else []
         return [{"content": text}] if text else []
 
-    @staticmethod
-    def _with_reasoning(reasoning: str, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return ([{"reasoning_content": reasoning}] if reasoning else []) + deltas
+    def _with_reasoning(self, reasoning: str, deltas: list[dict[str, Any]]
+                        ) -> list[dict[str, Any]]:
+        if not reasoning or not self._include_reasoning:
+            return deltas
+        return [dict.fromkeys(REASONING_FIELDS, reasoning)] + deltas

@@ -105,6 +105,10 @@ class SamplingFields(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's beam search and best_of: Pagoda samples each of the n choices on its own,
+    # so either one asked for is refused (check_common), never silently ignored.
+    use_beam_search: bool = False
+    best_of: Annotated[int, Field(le=INT32_MAX)] | None = None
 
     # ------------------------------------------------------------ per-API answers
     def num_logprobs(self) -> int | None:
@@ -121,6 +125,7 @@ class SamplingFields(_Body):
         the gateway's --max-logprobs (-1: no limit)."""
         if not 1 <= self.n <= MAX_N:
             raise APIError(f"n must be between 1 and {MAX_N}, got {self.n}.", param="n")
+        self._refuse_unsupported_search()
         if self.stream_options is not None and not self.stream:
             raise APIError("Stream options can only be defined when `stream=True`.",
                            param="stream_options")
@@ -140,6 +145,17 @@ class SamplingFields(_Body):
                                param="cache_salt")
             _check_unicode(self.cache_salt, "cache_salt")
         self.structured_output_params()
+
+    def _refuse_unsupported_search(self) -> None:
+        """Beam search, and best_of beyond n, would change which answers come back:
+        a 400 naming the field, since the answer without them would differ."""
+        if self.use_beam_search:
+            raise APIError("Beam search (use_beam_search) is not supported by Pagoda; "
+                           "use n and temperature sampling instead.", param="use_beam_search")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(f"best_of ({self.best_of}) different from n ({self.n}) is not "
+                           f"supported by Pagoda: each of the n choices is sampled on its "
+                           f"own.", param="best_of")
 
     def structured_output_params(self) -> StructuredOutputsParams | None:
         """The request's one constraint, if any (raises APIError)."""
@@ -221,6 +237,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # vLLM's: False drops the reasoning (split off by --reasoning-parser) from the answer.
+    include_reasoning: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

@@ -82,6 +82,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         add_special_tokens=body.add_special_tokens, lora_key=lora.cache_key if lora else ""))
     rid, unique = _request_id(request, "chatcmpl")
     prompt = Prompt(list(reply.token_ids), reply.prompt, _hashes(reply))
+    output.prompt = reply.prompt  # where the template left the thinking block
     await apply_prompt_fields(state, body, [prompt], tokenize)  # truncation, bad words
     max_tokens = state.fill_defaults(body, body.requested_max_tokens(), [prompt])
     gen = Generation(state.peers, rid, [prompt], body, max_tokens, "messages", unique,
@@ -105,7 +106,8 @@ def chat_output(state: GatewayState, body: ChatCompletionRequest) -> ChatOutput:
     if plan.mode == "auto" and plan.parser.keeps_special_tokens:
         body.skip_special_tokens = False
     reasoning = state.options.reasoning_parser
-    return ChatOutput(get_reasoning_parser(reasoning) if reasoning else None, plan.parser)
+    return ChatOutput(get_reasoning_parser(reasoning) if reasoning else None, plan.parser,
+                      body.include_reasoning)
 
 
 def _request_id(request: Request, prefix: str) -> tuple[str, bool]:

@@ -98,8 +98,8 @@ def test_run_batch_gets_its_required_files_from_the_config(tmp_path):
 
 @pytest.mark.parametrize("text,expected", [
     ("max-modle-len: 10\n", "unknown key 'max-modle-len': pagoda serve has no --max-modle-len"),
-    ("swap_space: 4\n", "key 'swap_space' (vLLM's --swap-space) is "
-                        "not supported by Pagoda: preempted requests"),
+    ("cpu_offload_gb: 4\n", "key 'cpu_offload_gb' (vLLM's --cpu-offload-gb) is "
+                            "not supported by Pagoda: weight offloading"),
     ("enforce-eager: maybe\n", "key 'enforce-eager' is a switch; give true or false"),
     ("port: eighty\n", "argument --port: invalid int value: 'eighty'"),
     ("dtype: int4\n", "argument --dtype: invalid choice: 'int4'"),

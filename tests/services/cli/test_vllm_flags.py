@@ -26,13 +26,13 @@ def leaf_parsers(parser: argparse.ArgumentParser):
 def test_a_vllm_flag_pagoda_lacks_is_named_with_the_reason():
     # As a user would run it: the console script, its stderr and exit code.
     out = subprocess.run([sys.executable, "-m", "pagoda.services.cli.main", "serve",
-                          "meta-llama/Llama-3.1-8B-Instruct", "--swap-space", "4",
+                          "meta-llama/Llama-3.1-8B-Instruct", "--cpu-offload-gb", "4",
                           "--limit-mm-per-prompt", "{}", "--made-up-flag=3"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
-    assert lines[0].startswith("pagoda serve: error: --swap-space (a vLLM flag) is "
-                               "not supported by Pagoda: preempted requests are recomputed")
+    assert lines[0].startswith("pagoda serve: error: --cpu-offload-gb (a vLLM flag) is "
+                               "not supported by Pagoda: weight offloading is not implemented")
     assert lines[1].startswith("pagoda serve: error: --limit-mm-per-prompt (a vLLM flag) is "
                                "not supported by Pagoda: Pagoda serves text-only models")
     assert lines[2] == ("pagoda serve: error: --made-up-flag is not supported by Pagoda: "
@@ -42,8 +42,8 @@ def test_a_vllm_flag_pagoda_lacks_is_named_with_the_reason():
 
 def test_the_innermost_command_is_named(capsys):
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["bench", "serve", "--swap-space"])
-    assert "pagoda bench serve: error: --swap-space (a vLLM flag)" in \
+        build_parser().parse_args(["bench", "serve", "--cpu-offload-gb"])
+    assert "pagoda bench serve: error: --cpu-offload-gb (a vLLM flag)" in \
         capsys.readouterr().err
 
 
@@ -89,3 +89,27 @@ def test_bad_tls_and_chat_template_flags_are_refused_before_anything_starts(tmp_
     assert "--ssl-keyfile and --ssl-certfile go together" in capsys.readouterr().err
     assert main(["serve", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
     assert "looks like a file path" in capsys.readouterr().err
+
+
+def test_vllm_legacy_flags_are_accepted_and_mapped(caplog):
+    """vLLM still accepts --task, --tokenizer-mode and --swap-space: a moved command line
+    must not exit 2; --task picks the runner, and what changes nothing says so."""
+    args = build_parser().parse_args(["serve", "--task", "embed", "--tokenizer-mode", "auto",
+                                      "--swap-space", "4"])
+    with caplog.at_level("WARNING"):
+        engine_args = EngineArgs.from_cli_args(args)
+    assert (engine_args.runner, engine_args.convert) == ("pooling", "auto")
+    assert "swap_space" in caplog.text and "'task' option is deprecated" in caplog.text
+    assert EngineArgs(task="generate").runner == "generate"
+    assert EngineArgs().runner == "auto"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tokenizer_mode="mistral"), "tokenizer_mode 'mistral' is not supported"),
+    (dict(task="embed", runner="generate"), "task 'embed' means runner 'pooling'"),
+    (dict(task="transcription"), "Unknown task 'transcription'"),
+    (dict(swap_space=-1), "swap_space must be non-negative"),
+])
+def test_legacy_values_that_cannot_be_honoured_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**kwargs)

@@ -34,5 +34,34 @@ def test_without_stages_the_text_is_the_content():
     output = ChatOutput(get_reasoning_parser("qwen3"), None)
     message, finish = output.message("Plain answer.", "stop", echo="Echo: ")
     assert message == {"role": "assistant", "content": "Echo: Plain answer.",
-                       "reasoning_content": None}
+                       "reasoning": None, "reasoning_content": None}
     assert finish == "stop"
+
+
+def test_the_reasoning_travels_under_both_of_vllms_names():
+    output = ChatOutput(get_reasoning_parser("qwen3"), None)
+    message, _ = output.message("<think>hmm</think>Four.", "stop")
+    assert (message["reasoning"], message["reasoning_content"], message["content"]) == \
+        ("hmm", "hmm", "Four.")
+    deltas = output.stream().feed("<think>hmm</think>Four.")
+    assert {"reasoning": "hmm", "reasoning_content": "hmm"} in deltas
+
+
+def test_include_reasoning_false_drops_the_reasoning_not_into_the_content():
+    output = ChatOutput(get_reasoning_parser("qwen3"), None, include_reasoning=False)
+    message, _ = output.message("<think>hmm</think>Four.", "stop")
+    assert (message["reasoning"], message["content"]) == (None, "Four.")
+    stream = output.stream()
+    deltas = stream.feed("<think>hm") + stream.feed("m</think>Four.") + stream.finish()
+    assert deltas == [{"content": "Four."}]
+
+
+def test_a_template_that_opened_the_block_is_read_from_the_prompt():
+    """Qwen3-Thinking-2507: the prompt ends in `<think>`; the model writes no opener."""
+    output = ChatOutput(get_reasoning_parser("qwen3"), None)
+    output.prompt = "<|im_start|>assistant\n<think>\n"
+    message, _ = output.message("2+2 is 4.</think>\n\nFour.", "stop")
+    assert (message["reasoning"], message["content"]) == ("2+2 is 4.", "\n\nFour.")
+    stream = output.stream()
+    deltas = stream.feed("2+2 is 4.</th") + stream.feed("ink>\n\nFour.") + stream.finish()
+    assert "".join(d.get("content", "") for d in deltas) == "\n\nFour."
