@@ -290,33 +290,13 @@ class EngineArgs:
 
     def _resolve_gguf_int4(self, model_path: str, device: str, dtype, batch_invariant: bool
                            ) -> bool:
-        """On where it applies (unless --no-gguf-int4); --gguf-int4 where it cannot
-        apply is an error naming why."""
-        # lazy: torch and the model code load where an engine is built, not in the CLI, which
-        # imports this module for its flags
-        import torch
-
         # lazy: torch and the model code load where an engine is built, not in the CLI, which
         # imports this module for its flags
         from pagoda.model.loader import is_gguf
-        from pagoda.model.quantization import gguf_int4
+        from pagoda.model.quantization.gguf_int4 import resolve_gguf_int4
 
-        if self.gguf_int4 is False:
-            return False
-        why = None
-        if not is_gguf(model_path) or not gguf_int4.gguf_4bit_parts(model_path)[0]:
-            why = "the model is not a GGUF file whose layers are Q4_0 or Q4_1"
-        elif device != "cpu" or dtype != torch.bfloat16:
-            why = "it runs on the CPU in bfloat16 only"
-        elif batch_invariant:
-            why = "--batch-invariant needs one kernel whatever the step's size"
-        elif self.enable_lora:
-            why = "not with --enable-lora"
-        elif not gguf_int4.available():
-            why = "this torch has no _weight_int4pack_mm_for_cpu"
-        if why is not None and self.gguf_int4:
-            raise ValueError(f"--gguf-int4: {why}")
-        return why is None
+        return resolve_gguf_int4(self.gguf_int4, model_path if is_gguf(model_path) else None,
+                                 device, dtype, batch_invariant, self.enable_lora)
 
     def _speculative_config(self, runner: str, arch):
         config = SpeculativeConfig.parse(self.speculative_config)

@@ -68,6 +68,29 @@ def gguf_4bit_parts(path: str) -> tuple[bool, str | None]:
     return bool(layers) and layers <= four_bit, head_form
 
 
+def resolve_gguf_int4(asked: bool | None, gguf_path: str | None, device: str, dtype,
+                      batch_invariant: bool, enable_lora: bool) -> bool:
+    """Whether the engine runs small steps from the 4-bit weights: on where it applies
+    (`asked` None), off when `asked` is False; `asked` True where it cannot apply is a
+    ValueError naming why. `gguf_path`: the model's GGUF file, None for any other model."""
+    if asked is False:
+        return False
+    why = None
+    if gguf_path is None or not gguf_4bit_parts(gguf_path)[0]:
+        why = "the model is not a GGUF file whose layers are Q4_0 or Q4_1"
+    elif device != "cpu" or dtype != torch.bfloat16:
+        why = "it runs on the CPU in bfloat16 only"
+    elif batch_invariant:
+        why = "--batch-invariant needs one kernel whatever the step's size"
+    elif enable_lora:
+        why = "not with --enable-lora"
+    elif not available():
+        why = "this torch has no _weight_int4pack_mm_for_cpu"
+    if why is not None and asked:
+        raise ValueError(f"--gguf-int4: {why}")
+    return why is None
+
+
 def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] -> (q int32 [N, K] of 0..15, scales_and_zeros bf16 [K/32, N, 2])
     with min/max per group of 32 inputs (see the module docstring)."""
