@@ -1,5 +1,6 @@
 """Disaggregated clusters for the tests in tests/disaggregation: `pagoda serve --prefill-replicas 1
---decode-replicas 1` and a colocated one to compare against, one Redis for both."""
+--decode-replicas 1` on the module's Redis. The colocated cluster they compare against is the
+session's `plain_tiny_cluster` (tests/shared_clusters.py), started with the same BASE flags."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import grpc
 import httpx
 import psutil
 from serve_cluster import CLI_MODULE, ServeProcess, flag_value, scheduler_load, wait_until
+from shared_clusters import PLAIN_TINY_FLAGS
 
 from pagoda.messages import EngineCoreOutput, EngineCoreRequest
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
@@ -14,8 +16,8 @@ from pagoda.services.common.protocol.scheduler import request_to_proto, response
 
 PREFILL_HEADER = "x-pagoda-prefill-instance"
 
-BASE = ["--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "1024",
-        "--block-size", "16"]
+# The colocated cluster's flags: greedy outputs compare equal only under the same ones.
+BASE = PLAIN_TINY_FLAGS
 
 
 def start_pd(model_dir: str, redis_url: str, *extra: str,

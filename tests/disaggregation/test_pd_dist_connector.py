@@ -13,7 +13,7 @@ import time
 import grpc
 import httpx
 import pytest
-from pd_cluster import BASE, PREFILL_HEADER, role_address, role_process, start_pd
+from pd_cluster import PREFILL_HEADER, role_address, role_process, start_pd
 from serve_cluster import ServeProcess, flag_value, wait_until
 
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2 as kpb
@@ -49,12 +49,9 @@ def layout(address: str) -> kpb.KvLayout:
 
 
 @pytest.fixture(scope="module")
-def colocated_texts(tiny_llama_dir, redis_server) -> list[str]:
-    serve = ServeProcess([tiny_llama_dir, *BASE, "--redis-url", redis_server.url])
-    try:
-        return [complete(serve, p, n).json()["choices"][0]["text"] for p, n in PROMPTS]
-    finally:
-        assert serve.stop() == 0
+def colocated_texts(plain_tiny_cluster) -> list[str]:
+    """What the session's plain tiny cluster (pd_cluster.BASE's flags, one replica) says."""
+    return [complete(plain_tiny_cluster, p, n).json()["choices"][0]["text"] for p, n in PROMPTS]
 
 
 @pytest.fixture(scope="module")

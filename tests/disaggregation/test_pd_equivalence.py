@@ -7,8 +7,8 @@ import grpc
 import httpx
 import openai
 import pytest
-from pd_cluster import BASE, role_address, role_process, start_pd
-from serve_cluster import ServeProcess, wait_until
+from pd_cluster import role_address, role_process
+from serve_cluster import wait_until
 
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2 as kpb
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc as kpb_grpc
@@ -18,17 +18,15 @@ LONG = " ".join(f"word{i}" for i in range(150))  # ~ 300+ tokens: many 16-token 
 
 
 @pytest.fixture(scope="module")
-def colocated(tiny_llama_dir, redis_server):
-    serve = ServeProcess([tiny_llama_dir, *BASE, "--redis-url", redis_server.url])
-    yield serve
-    assert serve.stop() == 0
+def colocated(plain_tiny_cluster):
+    """The session's plain tiny cluster: pd_cluster.BASE's flags, one replica."""
+    return plain_tiny_cluster
 
 
 @pytest.fixture(scope="module")
-def pd(tiny_llama_dir, redis_server):
-    serve = start_pd(tiny_llama_dir, redis_server.url)
-    yield serve
-    assert serve.stop() == 0, serve.stderr_text()[-3000:]
+def pd(traced_pd_cluster):
+    """The session's plain P/D cluster (conftest.py; tracing on, which changes no output)."""
+    return traced_pd_cluster
 
 
 def client(serve) -> openai.OpenAI:

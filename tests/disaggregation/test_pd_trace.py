@@ -7,8 +7,6 @@ import secrets
 
 import httpx
 import pytest
-from observability.obs_harness import collector  # noqa: F401 (a fixture)
-from pd_cluster import start_pd
 from serve_cluster import wait_until
 
 pytestmark = pytest.mark.slow
@@ -20,13 +18,16 @@ SERVER, CLIENT = 2, 3  # OTLP span kinds
 
 
 @pytest.fixture(scope="module")
-def pd(tiny_llama_dir, redis_server, collector):
-    # Once the gateway routes prefills to the prefill replica: before its start-up checks
-    # pass, a request is prefilled locally and its trace has no transfer (a CI failure).
-    serve = start_pd(tiny_llama_dir, redis_server.url, "--otlp-traces-endpoint",
-                     collector.endpoint, env={"OTEL_BSP_SCHEDULE_DELAY": "100"})
-    yield serve
-    serve.stop()
+def collector(pd_collector):
+    return pd_collector
+
+
+@pytest.fixture(scope="module")
+def pd(traced_pd_cluster):
+    """The session's plain P/D cluster with tracing (conftest.py). start_pd returns once the
+    gateway routes prefills to the prefill replica: before its start-up checks pass, a
+    request is prefilled locally and its trace has no transfer (a CI failure)."""
+    return traced_pd_cluster
 
 
 def test_prefill_transfer_and_decode_are_one_trace(pd, collector):

@@ -4,25 +4,20 @@ from __future__ import annotations
 
 import openai
 import pytest
-from serve_cluster import ServeProcess
-
-from pagoda.services.common.redis_server import PrivateRedis
 
 
 @pytest.fixture(scope="module")
-def redis_server():
-    with PrivateRedis() as server:
-        yield server
+def redis_server(shared_redis):
+    """The Redis of the shared tiny cluster: the tests that read what it indexed need the
+    same one, and the modules that start their own cluster can share it too."""
+    return shared_redis
 
 
 @pytest.fixture(scope="module")
-def tiny_cluster(tiny_llama_dir, redis_server):
-    """The tiny random Llama served by all five services (Redis given by URL)."""
-    serve = ServeProcess([tiny_llama_dir, "--served-model-name", "tiny", "--dtype", "float32",
-                          "--max-model-len", "1024", "--redis-url", redis_server.url])
-    yield serve
-    code = serve.stop()
-    assert code == 0, serve.stderr_text()[-3000:]
+def tiny_cluster(plain_tiny_cluster):
+    """The tiny random Llama served by all five services (Redis given by URL), shared with
+    the other modules that serve it with the same flags (tests/shared_clusters.py)."""
+    return plain_tiny_cluster
 
 
 @pytest.fixture
