@@ -127,14 +127,7 @@ def test_registered_architecture_loads_through_the_normal_loader(
     model = load_model(path, arch, torch.float32)
     assert type(model) is ThrowawayForCausalLM
     # Same weights, same network: the same logits as the Llama it derives from.
-    seqs = paged_sequences(num_blocks=8, block_size=4)
-    seqs.add("a", list(range(100, 111)))
-    input_ids, positions, md = seqs.step([("a", 11)])
-    logits = []
-    for m in (model, tiny_llama):
-        kv = allocate_kv_caches(m.arch, 8, 4, torch.float32, "cpu")
-        with torch.inference_mode():
-            logits.append(m.compute_logits(m(input_ids, positions, kv, md)))
+    logits = prefill_logits((model, tiny_llama), paged_sequences)
     torch.testing.assert_close(logits[0], logits[1], atol=0, rtol=0)
 
 
@@ -167,14 +160,7 @@ def test_a_family_declares_its_own_settings_without_touching_the_shared_config(
     finally:
         MODEL_REGISTRY.unregister("ScaledForCausalLM")
     assert arch.family_settings == ScaledSettings(2.0)
-    seqs = paged_sequences(num_blocks=8, block_size=4)
-    seqs.add("a", list(range(100, 111)))
-    input_ids, positions, md = seqs.step([("a", 11)])
-    logits = []
-    for m in (model, tiny_llama):
-        kv = allocate_kv_caches(m.arch, 8, 4, torch.float32, "cpu")
-        with torch.inference_mode():
-            logits.append(m.compute_logits(m(input_ids, positions, kv, md)))
+    logits = prefill_logits((model, tiny_llama), paged_sequences)
     torch.testing.assert_close(logits[0], 2.0 * logits[1], atol=0, rtol=0)
 
 
@@ -254,3 +240,16 @@ def test_importing_the_registry_imports_no_model_code():
             " and m != 'pagoda.model.arch_spec']\n"
             "assert not loaded, loaded\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def prefill_logits(models, paged_sequences) -> list[torch.Tensor]:
+    """Each model's logits for one 11-token prompt, prefilled over its own paged cache."""
+    seqs = paged_sequences(num_blocks=8, block_size=4)
+    seqs.add("a", list(range(100, 111)))
+    input_ids, positions, md = seqs.step([("a", 11)])
+    logits = []
+    for m in models:
+        kv = allocate_kv_caches(m.arch, 8, 4, torch.float32, "cpu")
+        with torch.inference_mode():
+            logits.append(m.compute_logits(m(input_ids, positions, kv, md)))
+    return logits
