@@ -28,7 +28,7 @@ $(STAMP): requirements.lock pyproject.toml
 	@touch $(STAMP)
 
 cpu-kernels: $(STAMP)
-	@$(PY) -m pagoda.kernels.cpu.build > /dev/null
+	@$(PY) -c "from pagoda.kernels.cpu import build; build.main()" > /dev/null
 
 proto:
 	$(PY) tools/gen_protos.py
