@@ -89,3 +89,35 @@ def test_a_tool_call_only_assistant_turn_renders(smollm2_tokenizer):
     ]
     text = smollm2_tokenizer.decode(apply_chat_template(smollm2_tokenizer, messages))
     assert "<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\n21 C<|im_end|>" in text
+
+
+# A tool-use template in the style of Qwen3-Coder's and transformers' own: it reads a
+# call's arguments as an object (`| items`, `| tojson`).
+TOOL_ARGS_TEMPLATE = (
+    "{% for m in messages %}{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "<call {{ c.function.name }}>{% for k, v in c.function.arguments | items %}"
+    "[{{ k }}={{ v }}]{% endfor %}{{ c.function.arguments | tojson }}</call>"
+    "{% endfor %}{% else %}{{ m.content }}{% endif %}{% endfor %}")
+
+
+def test_tool_call_arguments_reach_the_template_as_objects(smollm2_tokenizer):
+    """OpenAI sends arguments as a JSON string; the template gets the object (vLLM's rule),
+    so `| tojson` encodes it once and `| items` iterates it."""
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "tool_calls": [
+                    {"id": "1", "type": "function",
+                     "function": {"name": "f", "arguments": '{"city": "Paris"}'}},
+                    {"id": "2", "type": "function", "function": {"name": "g", "arguments": ""}}]}]
+    prompt = render_chat_template(smollm2_tokenizer, messages, add_generation_prompt=False,
+                                  chat_template_kwargs={"chat_template": TOOL_ARGS_TEMPLATE})
+    assert prompt == 'hi<call f>[city=Paris]{"city": "Paris"}</call><call g>{}</call>'
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+
+
+def test_tool_call_arguments_that_are_not_json_are_an_error_naming_them(smollm2_tokenizer):
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "tool_calls": [
+                    {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]
+    with pytest.raises(ValueError, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments "
+                                         r"is not valid JSON"):
+        apply_chat_template(smollm2_tokenizer, messages)

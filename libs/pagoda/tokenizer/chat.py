@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -87,8 +88,11 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     """Validate OpenAI chat messages and flatten each content to one string.
 
     A content given as a list of parts becomes the parts' texts joined with newlines (vLLM's
-    "string" content format). Other keys (name, tool_calls, tool_call_id, ...) pass through
-    to the template unchanged.
+    "string" content format). An assistant turn's `tool_calls[].function.arguments`, a JSON
+    string in OpenAI's format, reaches the template as the object it encodes (as vLLM and
+    transformers' tool-use templates expect: `| tojson` would otherwise encode it twice,
+    and `| items` fails on a string). Other keys (name, tool_call_id, ...) pass through
+    unchanged.
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise ValueError("messages must be a non-empty list of chat messages.")
@@ -105,6 +109,9 @@ def _normalize_message(message: Any, index: int) -> dict[str, Any]:
             f"{where}.role must be one of {', '.join(sorted(VALID_ROLES))}; got {role!r}."
         )
     normalized = dict(message)
+    if role == "assistant" and isinstance(message.get("tool_calls"), list):
+        normalized["tool_calls"] = [_parsed_tool_call(call, f"{where}.tool_calls[{j}]")
+                                    for j, call in enumerate(message["tool_calls"])]
     if "content" not in message or message["content"] is None:
         # OpenAI allows an assistant turn that only calls tools; its content is "" (vLLM's
         # string content format), so templates that concatenate content still render it.
@@ -114,6 +121,23 @@ def _normalize_message(message: Any, index: int) -> dict[str, Any]:
         raise ValueError(f"{where}.content is required for role {role!r}.")
     normalized["content"] = _flatten_content(message["content"], f"{where}.content")
     return normalized
+
+
+def _parsed_tool_call(call: Any, where: str) -> Any:
+    """A copy of `call` whose function arguments are an object, not a JSON string (empty
+    or missing arguments: {}). A call that is not an object is left to the template."""
+    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+        return call
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if not arguments:
+        function["arguments"] = {}
+    elif isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except ValueError as exc:
+            raise ValueError(f"{where}.function.arguments is not valid JSON: {exc}") from None
+    return {**call, "function": function}
 
 
 def _flatten_content(content: Any, where: str) -> str:
