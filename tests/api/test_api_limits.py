@@ -19,7 +19,8 @@ from pagoda.services.gateway.serving_options import ServingOptions
 KEY = "k-limits"
 LIMITS = RequestLimits(max_request_body_bytes=200_000, max_prompts_per_request=4,
                        max_choices_per_request=6, max_stop_strings=3, max_stop_string_length=10,
-                       max_stop_token_ids=3, max_logit_bias_entries=3, max_messages=5)
+                       max_stop_token_ids=3, max_logit_bias_entries=3, max_messages=5,
+                       max_bad_words=3)
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +44,8 @@ def post(gw, path: str, body, **kwargs) -> httpx.Response:
      "max-logit-bias-entries"),
     ("/completions", {"prompt": "a", "logprobs": 21}, "20"),
     ("/chat/completions", {"messages": [{"role": "user", "content": "x"}] * 6}, "max-messages"),
+    ("/completions", {"prompt": "a", "bad_words": ["w"] * 4}, "max-bad-words"),
+    ("/responses", {"input": [{"role": "user", "content": "x"}] * 6}, "max-messages"),
     ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
                            "top_logprobs": 21}, "20"),
 ])
@@ -82,6 +85,11 @@ def test_deep_json_is_a_400(limited):
                                             "chat_template_kwargs": shallow})
     assert r.status_code == 400 and "nested" in r.json()["error"]["message"]
     assert json_depth(shallow, 1000) == 81
+    # The Responses API's input is held to the same nesting bound.
+    r = post(limited, "/responses", {"model": "fake-model", "max_output_tokens": 2,
+                                     "input": [{"role": "user", "content": "x",
+                                                "deep": shallow}]})
+    assert r.status_code == 400 and "input is nested" in r.json()["error"]["message"], r.text
 
 
 @pytest.mark.parametrize("body", [

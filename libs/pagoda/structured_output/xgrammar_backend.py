@@ -18,6 +18,7 @@ import xgrammar as xgr
 
 from pagoda.sampling_params import StructuredOutputsParams
 from pagoda.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
+from pagoda.structured_output.json_schema_support import unenforced_keywords
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:line: " and sometimes a
 # "Check failed: (...) is false: " preamble; the client needs only the reason.
@@ -41,6 +42,16 @@ def _structural_tag(tag: dict) -> xgr.Grammar:
                                        end=s["end"]) for s in tag["structures"]]
         return xgr.Grammar.from_structural_tag(items, list(tag["triggers"]))
     return xgr.Grammar.from_structural_tag(json.dumps(tag))
+
+
+def _refuse_unenforced(schema: Any) -> None:
+    """A schema part xgrammar would compile and ignore is refused (ValueError: a 400),
+    never served unenforced (json_schema_support.py)."""
+    unenforced = unenforced_keywords(schema)
+    if unenforced:
+        raise ValueError(f"structured_outputs.json: the xgrammar backend cannot enforce "
+                         f"{'; '.join(unenforced[:5])}, so the output could break the "
+                         f"schema; remove or rewrite that part.")
 
 
 class XgrammarGrammar(StructuredOutputGrammar):
@@ -75,6 +86,8 @@ class XgrammarBackend(StructuredOutputBackend):
     @staticmethod
     def parse(params: StructuredOutputsParams) -> xgr.Grammar:
         kind, spec = params.kind, params.spec
+        if kind == "json":
+            _refuse_unenforced(spec)
         try:
             if kind == "json":
                 return xgr.Grammar.from_json_schema(

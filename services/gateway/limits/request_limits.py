@@ -38,6 +38,7 @@ class RequestLimits:
     max_stop_string_length: int = 1024
     max_stop_token_ids: int = 1024
     max_logit_bias_entries: int = 1024
+    max_bad_words: int = 1024
     max_messages: int = 4096
     limit_concurrency: int = 4096
 
@@ -63,16 +64,22 @@ class RequestLimits:
         self._at_most(len(body.logit_bias or {}), self.max_logit_bias_entries, "logit_bias",
                       f"{len(body.logit_bias or {})} logit_bias entries",
                       "max-logit-bias-entries")
+        # Checked before the words are tokenized: each is a tokenizer call, and every
+        # step of the batch then checks the request's words.
+        self._at_most(len(body.bad_words or ()), self.max_bad_words, "bad_words",
+                      f"{len(body.bad_words or ())} bad words", "max-bad-words")
 
-    def check_prompts(self, num_prompts: int) -> None:
-        self._at_most(num_prompts, self.max_prompts_per_request, "prompt",
+    def check_prompts(self, num_prompts: int, param: str = "prompt") -> None:
+        """Completions' prompts, or a pooling request's inputs (`param` "input")."""
+        self._at_most(num_prompts, self.max_prompts_per_request, param,
                       f"{num_prompts} prompts", "max-prompts-per-request")
 
-    def check_messages(self, messages: list, **free_form: Any) -> None:
-        """The message count, and the nesting of the free-form JSON fields."""
-        self._at_most(len(messages), self.max_messages, "messages",
+    def check_messages(self, messages: list, name: str = "messages", **free_form: Any) -> None:
+        """The message count, and the nesting of the messages (the field `name`) and of
+        the free-form JSON fields."""
+        self._at_most(len(messages), self.max_messages, name,
                       f"{len(messages)} messages", "max-messages")
-        for param, value in {"messages": messages, **free_form}.items():
+        for param, value in {name: messages, **free_form}.items():
             if json_depth(value, MAX_JSON_DEPTH + 1) > MAX_JSON_DEPTH:
                 raise APIError(f"{param} is nested more than {MAX_JSON_DEPTH} levels deep.",
                                param=param)
@@ -108,12 +115,14 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
     d = RequestLimits()
     helps = {
         "max_request_body_bytes": "Largest request body, in bytes.",
-        "max_prompts_per_request": "Most prompts in one completions request.",
+        "max_prompts_per_request": "Most prompts in one completions request, or inputs "
+                                   "(texts, pairs, documents) in one pooling request.",
         "max_choices_per_request": "Most completions one request may ask for (prompts x n).",
         "max_stop_strings": "Most stop strings per request.",
         "max_stop_string_length": "Longest stop string, in characters.",
         "max_stop_token_ids": "Most stop token ids per request.",
         "max_logit_bias_entries": "Most logit_bias entries per request.",
+        "max_bad_words": "Most bad_words per request.",
         "max_messages": "Most messages in one chat request.",
         "limit_concurrency": "Most connections served at once (uvicorn's "
                              "--limit-concurrency); more are answered 503.",

@@ -118,8 +118,10 @@ def input_items(value) -> list:
 async def tokenize_inputs(state: GatewayState, value, truncate: int | None,
                           add_special_tokens: bool = True) -> list[PoolingInput]:
     """Text, texts, token ids or lists of token ids -> tokenized inputs (the first with
-    its block hashes when routing wants them). 400 for no input."""
+    its block hashes when routing wants them). 400 for no input, or more than the
+    request limits allow (checked before any is tokenized)."""
     items = input_items(value)
+    state.options.limits.check_prompts(len(items), "input")
     max_length = _max_length(state, truncate)
     block_size = state.peers.routing_block_size()
 
@@ -137,6 +139,7 @@ async def tokenize_inputs(state: GatewayState, value, truncate: int | None,
 async def tokenize_pairs(state: GatewayState, left: Sequence[str], right: Sequence[str],
                          truncate: int | None) -> list[PoolingInput]:
     """Each (left[i], right[i]) encoded as one text pair, with its token-type split."""
+    state.options.limits.check_prompts(len(left), "input")
     max_length = _max_length(state, truncate)
 
     async def one(first: str, second: str) -> PoolingInput:

@@ -108,6 +108,18 @@ def test_bad_input_is_a_400_with_openai_error_json(embedder, body, param, messag
     assert error["type"] == "BadRequestError" and error["code"] == 400
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/embeddings", {"input": ["paris"] * 1025}),
+    ("/v1/score", {"text_1": "paris", "text_2": [f"city {i}" for i in range(1025)]}),
+])
+def test_more_inputs_than_the_limit_are_a_400_before_any_work(embedder, path, body):
+    """--max-prompts-per-request (1024 by default) bounds a pooling request's inputs too."""
+    response = post(embedder, path, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert "--max-prompts-per-request" in error["message"] and error["param"] == "input"
+
+
 def test_openai_client_raises_bad_request(client):
     with pytest.raises(openai.BadRequestError, match="does not support matryoshka"):
         client.embeddings.create(model="tiny", input="paris", dimensions=8)

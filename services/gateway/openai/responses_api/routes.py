@@ -53,6 +53,10 @@ async def create_response(body: ResponsesRequest, request: Request):
     state: GatewayState = request.app.state.gateway
     model = state.check_model(body.model)
     body.check()
+    # The limits a chat body has, on the raw input before it is converted, and on the
+    # whole conversation (stored turns included) after.
+    raw_input = body.input if isinstance(body.input, list) else [body.input]
+    state.options.limits.check_messages(raw_input, "input")
     store = response_store(request.app)
     history = []
     if body.previous_response_id is not None:
@@ -61,6 +65,7 @@ async def create_response(body: ResponsesRequest, request: Request):
             raise not_found(body.previous_response_id)
         history = previous.messages
     chat = to_chat_request(body, conversation(body, history))
+    openai_routes.check_chat_request(state, chat)
     chat.check_common(state.options.max_logprobs)
     turn = Turn(body, model, history + input_messages(body.input), store)
     gen = await start_generation(state, chat, turn.response_id)
