@@ -274,6 +274,9 @@ class EngineConfig:
     # per request (embeddings, classes, scores), as `pooler_config` says.
     runner: str = "generate"
     pooler_config: PoolerConfig | None = None
+    # A bidirectional encoder (BERT): it keeps no KV cache, so nothing of a KV layout,
+    # prefix caching, KV events or P/D transfers applies to it.
+    is_encoder: bool = False
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     # vLLM's --enable-lora with --max-loras/--max-lora-rank/--max-cpu-loras (None: no LoRA).
     lora: LoRAConfig | None = None

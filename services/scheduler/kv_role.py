@@ -74,6 +74,20 @@ def fetch_worker_layout(worker_addr: str, role: KVTransferConfig) -> kpb.KvLayou
         return None
 
 
+def refuse_kv_transfer_without_kv_cache(args: argparse.Namespace, config) -> None:
+    """An encoder (`config.is_encoder`) keeps no KV cache: there is no layout to fetch,
+    nothing to index or hand over. SystemExit when a KV transfer role was asked of it;
+    otherwise its replica publishes no KV events (`--kv-cache-manager-addr` cleared)."""
+    if not config.is_encoder:
+        return
+    if getattr(args, "kv_transfer_config", None):
+        raise SystemExit(f"error: {config.arch.architecture} is an encoder and keeps no KV "
+                         "cache, so it cannot take part in prefill/decode disaggregation "
+                         "(--kv-transfer-config, --prefill-replicas/--decode-replicas): "
+                         "serve it colocated")
+    args.kv_cache_manager_addr = ""
+
+
 def describe_role(info, role: KVTransferConfig, layout: kpb.KvLayout) -> None:
     """Fill the handshake's fields of GetModelInfo: role, connector, layout."""
     info.kv_role = role.kv_role

@@ -27,7 +27,8 @@ from pagoda.services.scheduler.drain import drain
 from pagoda.services.scheduler.engine_loop import EngineLoop
 from pagoda.services.scheduler.kv_publisher import KvEventPublisher
 from pagoda.services.scheduler.kv_role import (add_lease_service, build_hooks, describe_role,
-                                               fetch_worker_layout)
+                                               fetch_worker_layout,
+                                               refuse_kv_transfer_without_kv_cache)
 from pagoda.services.scheduler.metrics import KvPublisherMetrics, build_recorder
 from pagoda.services.scheduler.servicer import SchedulerServicer
 from pagoda.services.scheduler.worker_executor import GrpcWorkerExecutor
@@ -77,6 +78,8 @@ def main(args: argparse.Namespace) -> int:
     grpc_channels.configure_from_args(args)  # before the worker channel is made
     tracing.init_tracing("scheduler", args.otlp_traces_endpoint)
     config = EngineArgs.from_cli_args(args).create_engine_config()
+    role = kv_transfer_config(args)
+    refuse_kv_transfer_without_kv_cache(args, config)  # before waiting for the worker
     executor = GrpcWorkerExecutor(args.worker_addr,
                                   step_timeout=args.execute_model_timeout or None)
     # The grammar backend (the tokenizer's vocabulary tables) loads in the background
@@ -86,8 +89,7 @@ def main(args: argparse.Namespace) -> int:
     grammar.warm_up()
     core = EngineCore(config, executor, grammar)
     info = model_info(config, args.instance_id or f"{args.host}:{args.port}")
-    role = kv_transfer_config(args)
-    layout = fetch_worker_layout(args.worker_addr, role)
+    layout = None if config.is_encoder else fetch_worker_layout(args.worker_addr, role)
     describe_role(info, role, layout)
     args.kv_role_config, args.kv_worker_layout = role, layout
     recorder, stats_thread = build_recorder(config, args)

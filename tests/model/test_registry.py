@@ -21,11 +21,13 @@ from pagoda.model.architectures.llama import LlamaForCausalLM
 from pagoda.model.architectures.qwen2 import Qwen2ForCausalLM
 from pagoda.model.kv_cache import allocate_kv_caches
 from pagoda.model.loader import load_arch_config, load_model
+from pagoda.model.pooling_model import as_pooling_model
 from pagoda.model.registry import MODEL_REGISTRY, ModelRegistry
 
-SUPPORTED = ["BertForSequenceClassification", "BertModel", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
-             "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-             "Qwen3MoeForCausalLM"]
+SUPPORTED = ["BertForSequenceClassification", "BertModel", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+             "LlamaForCausalLM", "LlamaModel", "MistralForCausalLM", "MistralModel",
+             "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen2Model",
+             "Qwen3ForCausalLM", "Qwen3Model", "Qwen3MoeForCausalLM", "XLMRobertaModel"]
 
 
 def write_model_dir(path, tiny_llama_dir: str, **config_changes) -> str:
@@ -50,6 +52,9 @@ def test_each_hf_name_is_registered_explicitly():
     assert MODEL_REGISTRY.resolve("LlamaForCausalLM").model_cls is LlamaForCausalLM
     assert MODEL_REGISTRY.resolve("MistralForCausalLM").model_cls is LlamaForCausalLM
     assert MODEL_REGISTRY.resolve("Qwen2ForCausalLM").model_cls is Qwen2ForCausalLM
+    # A bare checkpoint runs its family's class in pooling form (no LM head).
+    assert MODEL_REGISTRY.resolve("MistralModel").model_cls is as_pooling_model(LlamaForCausalLM)
+    assert MODEL_REGISTRY.resolve("Qwen2Model").model_cls is as_pooling_model(Qwen2ForCausalLM)
     assert MODEL_REGISTRY.supported_gguf_architectures() == ["llama", "qwen2"]
 
 

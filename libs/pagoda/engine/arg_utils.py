@@ -278,6 +278,7 @@ class EngineArgs:
             structured_outputs=StructuredOutputsConfig.parse(self.structured_outputs_config,
                                                              self.reasoning_parser),
             runner=pooling.runner, pooler_config=pooling.pooler_config,
+            is_encoder=pooling.is_encoder,
             lora=self._lora_config())
 
     def _resolve_batch_invariant(self, device: str) -> bool:

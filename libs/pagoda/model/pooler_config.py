@@ -1,7 +1,8 @@
 """Which runner a model gets, and its `PoolerConfig` (vLLM's `--runner`, `--pooler-config`).
 
 `--runner auto` (the default) serves a model as a pooling model when its architecture
-only pools (an encoder: `BertModel`, `BertForSequenceClassification`) or its folder is
+only pools (an encoder: `BertModel`, `XLMRobertaModel`, `BertForSequenceClassification`;
+a bare decoder checkpoint: `MistralModel`, `Qwen2Model`, ...) or its folder is
 a sentence-transformers model (`modules.json`); every other model generates. `--runner
 pooling` also turns a generative decoder into an embedding model (last-token pooling,
 `pooling_model.as_pooling_model`).

@@ -5,7 +5,9 @@ base architecture's config but pool the last token's hidden state instead of
 predicting the next token (vLLM's `as_embedding_model`). The adapted class is the
 architecture's own class without its LM head, loading either checkpoint layout:
 `*ForCausalLM` (`model.layers.0...`, and `lm_head`, which is skipped) or the bare
-`*Model` one (`layers.0...`), whose names get the `model.` prefix.
+`*Model` one (`layers.0...`), whose names get the `model.` prefix. A bare checkpoint's
+architecture name (`MistralModel`, `Qwen2Model`, ...) is registered to the adapted
+class itself (its family's file), so it only pools and `--runner auto` picks pooling.
 
 Encoders (`architectures/bert.py`) are pooling models already (`is_pooling_model`).
 """

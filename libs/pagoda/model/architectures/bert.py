@@ -46,10 +46,13 @@ _IGNORED = ("embeddings.position_ids",)
 @dataclass(frozen=True)
 class BertSettings:
     """`type_vocab_size`: segment (token type) embeddings; `layer_norm_eps`: the epsilon of
-    every LayerNorm."""
+    every LayerNorm; `position_offset`: the position-embedding row of a prompt's first
+    token (0 for BERT; RoBERTa's rows start after its padding index, `xlm_roberta.py`).
+    The position table then has `max_position_embeddings + position_offset` rows."""
 
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
+    position_offset: int = 0
 
     @classmethod
     def from_hf_config(cls, hf_config: dict, arch: ModelArchConfig) -> BertSettings:
@@ -76,14 +79,17 @@ class BertEmbeddings(nn.Module):
         self.word_embeddings = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, dtype,
                                                       parallel)
         settings = family_settings(arch, BertSettings)
-        self.position_embeddings = Embedding(arch.max_position_embeddings, arch.hidden_size, dtype)
+        self.position_offset = settings.position_offset
+        self.position_embeddings = Embedding(arch.max_position_embeddings + self.position_offset,
+                                             arch.hidden_size, dtype)
         self.token_type_embeddings = Embedding(max(settings.type_vocab_size, 1), arch.hidden_size,
                                                dtype)
         self.LayerNorm = LayerNorm(arch.hidden_size, settings.layer_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 token_type_ids: torch.Tensor) -> torch.Tensor:
-        hidden = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
+        hidden = (self.word_embeddings(input_ids)
+                  + self.position_embeddings(positions + self.position_offset)
                   + self.token_type_embeddings(token_type_ids))
         return self.LayerNorm(hidden)
 

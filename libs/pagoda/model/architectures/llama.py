@@ -25,6 +25,7 @@ from pagoda.model.decoder_layer import (DecoderLayer, GatedMLP, KVCache, PagedSe
 from pagoda.model.intermediate_tensors import IntermediateTensors
 from pagoda.model.layers import RMSNorm
 from pagoda.model.parallel_layers import ParallelLMHead, VocabParallelEmbedding
+from pagoda.model.pooling_model import as_pooling_model
 from pagoda.model.rotary import RotaryEmbedding
 from pagoda.model.weight_names import load_named_weights
 
@@ -207,8 +208,10 @@ LLAMA_GGUF_LAYOUT = GGUFLayout(
     rotary_rows_permuted=True,
 )
 
-# SmolLM2 checkpoints say LlamaForCausalLM.
+# SmolLM2 checkpoints say LlamaForCausalLM. A bare `LlamaModel` checkpoint (the stack
+# without LM head, saved by transformers' AutoModel) only pools: last token by default.
 ARCHITECTURES = (
     ModelArchitecture("LlamaForCausalLM", LlamaForCausalLM,
                       gguf_layouts={"llama": LLAMA_GGUF_LAYOUT}),
+    ModelArchitecture("LlamaModel", as_pooling_model(LlamaForCausalLM)),
 )
