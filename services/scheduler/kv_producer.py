@@ -5,6 +5,8 @@ where they are, free them when the decode side is done or nobody came.
         ─► complete{kv_transfer_params: blocks, lease, expiry, worker address, epochs}
     ReleaseLease(lease, epoch) ─► blocks back to the pool (valid: they were held)
     reaper, every second       ─► leases past --kv-lease-timeout freed
+    a failed step (KV re-allocated as zeros) ─► every lease dropped (`on_kv_reset`):
+        ReleaseLease answers not valid, and the worker's new epoch refuses their pulls
     LeasePrefix(hashes, tokens) ─► the leading run still cached, pinned under a lease
         (another replica pulls it instead of computing it: the gateway's --kv-prefix-pull)
 
@@ -121,6 +123,19 @@ class KvProducer:
 
         self.engine.call_soon(call)
         return await asyncio.wait_for(done, timeout=30.0)
+
+    def on_kv_reset(self, worker_epoch: str | None) -> None:
+        """Engine thread, once the worker's KV cache was set up again after a failed
+        step: the leased blocks hold zeros now, so every lease ends (a decode replica
+        that pulled one is told not valid and recomputes), and new leases name the
+        worker's new epoch (None: unknown; pulls naming the old one are refused)."""
+        dropped = self.table.invalidate()
+        if dropped:
+            self.lease_journal([], [lease.lease_id for lease in dropped])
+            logger.warning("KV cache set up again: %d lease(s) ended", len(dropped))
+        if worker_epoch:
+            self.worker_epoch = worker_epoch
+        kv_transfer_metrics().leased_blocks.set(self.table.num_leased_blocks)
 
     def _release(self, lease_id: str) -> bool:
         valid = self.table.release(lease_id)

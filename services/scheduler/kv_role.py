@@ -74,6 +74,19 @@ def fetch_worker_layout(worker_addr: str, role: KVTransferConfig) -> kpb.KvLayou
         return None
 
 
+def worker_epoch(worker_addr: str) -> str | None:
+    """The gpu-worker's KV epoch now (it renews it whenever its KV cache is set up
+    again); None when it does not answer."""
+    try:
+        with grpc_channels.channel(worker_addr) as channel:
+            return kpb_grpc.KvTransferServiceStub(channel).GetKvLayout(
+                kpb.GetKvLayoutRequest(), timeout=30.0).epoch
+    except grpc.RpcError as exc:
+        logger.warning("the gpu-worker's KV epoch is unknown (%s): transfers fail until it "
+                       "answers", exc.code().name)
+        return None
+
+
 def describe_role(info, role: KVTransferConfig, layout: kpb.KvLayout) -> None:
     """Fill the handshake's fields of GetModelInfo: role, connector, layout."""
     info.kv_role = role.kv_role
@@ -119,6 +132,8 @@ def build_hooks(args: argparse.Namespace, role: KVTransferConfig, engine, info,
         scheduler_address, worker_address = kv_addresses(args, port)
         producer = KvProducer(engine, pool, info, scheduler_address, worker_address,
                               layout.epoch, args.kv_lease_timeout)
+        engine.core.kv_reset_listeners.append(
+            lambda: producer.on_kv_reset(worker_epoch(args.worker_addr)))
     if role.is_kv_consumer:
         consumer = KvConsumer(engine, pool, info, args.worker_addr, args.kv_transfer_timeout)
     return KvTransferHooks(role, producer, consumer)
