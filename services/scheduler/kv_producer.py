@@ -54,6 +54,8 @@ class KvProducer:
         self.worker_epoch = worker_epoch
         self._lock = threading.Lock()
         self._expected: dict[str, tuple[list[bytes], list[int]]] = {}
+        # request id -> its lease, until the request's stream ends (engine thread only)
+        self._undelivered: dict[str, str] = {}
         # (pinned leases, ended lease ids) -> None; called on the engine thread, must
         # not block (KvEventPublisher.publish_leases queues them).
         self.lease_journal = lambda pinned, released: None
@@ -67,9 +69,18 @@ class KvProducer:
         with self._lock:
             self._expected[request.request_id] = (hashes, list(request.prompt_token_ids))
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, request_id: str, delivered: bool = True) -> None:
+        """The request's stream ended; unless its last output (naming its lease) was
+        `delivered`, the caller left without learning the lease: it ends now."""
         with self._lock:
             self._expected.pop(request_id, None)
+        # Queued on the engine thread: behind an `on_outputs` pinning the lease now.
+        self.engine.call_soon(lambda: self._settle(request_id, delivered))
+
+    def _settle(self, request_id: str, delivered: bool) -> None:
+        lease_id = self._undelivered.pop(request_id, None)
+        if lease_id is not None and not delivered:
+            self._release(lease_id)
 
     def on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         """Engine thread, right after the step that finished these requests."""
@@ -85,6 +96,7 @@ class KvProducer:
                 continue
             self.lease_journal([lease], [])
             out.kv_transfer_params = self._params(lease, out.num_cached_tokens)
+            self._undelivered[out.request_id] = lease.lease_id  # until its stream ends
         kv_transfer_metrics().leased_blocks.set(self.table.num_leased_blocks)
 
     def lease_prefix(self, request_id: str, block_hashes: list[bytes], token_ids: list[int],

@@ -50,9 +50,10 @@ class KvTransferHooks:
         if self.producer is not None:
             self.producer.on_outputs(outputs)
 
-    def after_stream(self, request_id: str) -> None:
+    def after_stream(self, request_id: str, delivered: bool = True) -> None:
+        """`delivered`: the stream's last output (the one naming a lease) was sent."""
         if self.producer is not None:
-            self.producer.forget(request_id)
+            self.producer.forget(request_id, delivered)
         if self.consumer is not None:
             self.consumer.finish(request_id)
 

@@ -92,3 +92,16 @@ def test_a_request_cancelled_mid_pull_releases_its_lease_at_once():
 
     asyncio.run(leave_mid_pull())
     assert source.table.num_leased_blocks == 0
+
+
+def test_a_lease_whose_stream_ended_before_it_was_sent_is_released():
+    """The caller (the gateway) left before the prefill's last output, the one naming
+    the lease, went out: nobody will release it, so the stream's end does."""
+    source = producer(pool_holding(4))
+    sent = finished_prefill(source, "sent")
+    source.forget("sent", delivered=True)
+    assert list(source.table.leases) == [sent.lease_id]  # the caller releases it
+    unsent = finished_prefill(source, "unsent")
+    source.forget("unsent", delivered=False)
+    assert list(source.table.leases) == [sent.lease_id]
+    assert unsent.lease_id != sent.lease_id
