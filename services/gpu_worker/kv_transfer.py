@@ -44,8 +44,10 @@ logger = logging.getLogger(__name__)
 
 
 class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
-    """Invariant: blocks are served only under this process's `epoch`, and a fetch
-    writes a block only after its checksum matched."""
+    """Invariant: blocks are served only under the KV cache's current `epoch`, and a
+    fetch writes a block only after its checksum matched. The epoch is renewed
+    (`renew_epoch`) before the cache is set up again and when a step fails midway,
+    so a block read across either is never served under the epoch it was asked for."""
 
     def __init__(self, executor, model: str, tensor_parallel_size: int,
                  prefix_hash_seed: str, step_lock=None, connector: str = "PagodaConnector",
@@ -63,6 +65,12 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         self.epoch = uuid.uuid4().hex
         self._channels: dict[str, grpc.Channel] = {}  # source address -> channel, reused
         self._channels_lock = threading.Lock()
+
+    def renew_epoch(self) -> None:
+        """The KV cache's contents are lost (a step failed midway, or the cache is
+        being set up again as zeros): refuse every transfer naming the old epoch."""
+        self.epoch = uuid.uuid4().hex
+        logger.info("KV epoch renewed: %s", self.epoch)
 
     def _channel(self, address: str) -> grpc.Channel:
         """One channel per source worker for the life of this process (a pull reuses
@@ -129,6 +137,7 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         self._check_ids(request.block_ids, num_blocks, context)
         with self.step_lock:
             blocks = self.executor.export_kv_blocks(list(request.block_ids))
+        self._check_epoch(request.epoch, context)  # still the KV that was asked for
         try:
             sent = self.dist.send(request, blocks)
         except LookupError as exc:
@@ -145,6 +154,7 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         size = shape.nbytes
         for start in range(0, len(ids), IMPORT_BATCH):
             data = self._export(ids[start:start + IMPORT_BATCH])
+            self._check_epoch(request.epoch, context)  # read before any re-allocation
             for offset in range(0, len(data), size):
                 block = data[offset:offset + size]
                 yield pb.BlockChunk(index=start + offset // size, data=block,

@@ -45,6 +45,7 @@ def main(args: argparse.Namespace) -> int:
     # A worker group's KV export/import is a collective call like a step: one at a time.
     step_lock = servicer.step_lock if config.world_size > 1 else None
     kv_transfer = kv_transfer_servicer(args, config, executor, step_lock)
+    servicer.on_kv_lost = kv_transfer[1].renew_epoch  # its blocks' KV is gone: new epoch
     # Steps are sequential; a second thread answers GetWorkerInfo/health meanwhile
     # (and KV pulls: they never wait for a step).
     serve_sync("gpu-worker", args,

@@ -39,6 +39,10 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         # Every model call on one thread (see step_thread.py); None: the calling one.
         self.step_thread = step_thread
         self._next_step: int | None = None  # None until the KV cache exists
+        # Called (under step_lock) when the KV cache's contents are lost: before it is
+        # allocated again and when a step fails midway. The KV transport renews its
+        # epoch there, so no transfer serves the zeroed blocks as the old ones.
+        self.on_kv_lost = lambda: None
 
     def _on_step_thread(self, fn, *args):
         return fn(*args) if self.step_thread is None else self.step_thread.run(fn, *args)
@@ -56,6 +60,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         if request.num_blocks < 1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_blocks must be at least 1")
         with self.step_lock:
+            self.on_kv_lost()
             self._on_step_thread(self.runner.initialize_kv_cache, request.num_blocks)
             _forget_requests(self.runner)
             if self.ledger is not None:
@@ -79,6 +84,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             except Exception as exc:  # noqa: BLE001 - the state may be half-applied
                 logger.exception("step %d failed; forgetting every request", request.step_id)
+                self.on_kv_lost()
                 _forget_requests(self.runner)
                 if self.ledger is not None:
                     self.ledger.reset()

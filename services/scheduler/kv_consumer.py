@@ -14,6 +14,8 @@ Whatever fails (the pull times out or breaks, the checksum, the lease expired, t
 prefill replica restarted: another epoch), the pulled blocks are discarded and the
 request is submitted anyway: the engine computes what it does not find, so the
 client sees no error; the failure is counted by reason and the fallback by kind.
+A request that ends before its pull did (the client left: the handler cancelled) has
+its lease released at once, not at the prefill side's --kv-lease-timeout.
 The plan's references are dropped when the request's stream ends (by then the
 request holds its own), so no step can evict the blocks before it is admitted.
 Plans are made, kept and dropped on the engine thread only, in call order: a client
@@ -62,6 +64,7 @@ class KvConsumer:
         self.worker = pb_grpc.KvTransferServiceStub(grpc_channels.aio_channel(worker_address))
         self._lease_stubs: dict[str, pb_grpc.KvLeaseServiceStub] = {}
         self._plans: dict[str, ImportPlan] = {}
+        self._releasing: set[asyncio.Task] = set()  # _release_soon's, held till done
         kv_transfer_metrics()  # exported (at 0) from start-up, not from the first failure
 
     async def on_engine(self, fn):
@@ -98,7 +101,22 @@ class KvConsumer:
             return
         prompt = list(request.prompt_token_ids)
         rid = request.request_id
-        plan = await self.on_engine(lambda: self._make_plan(rid, params.block_hashes, prompt))
+        try:
+            plan = await self.on_engine(lambda: self._make_plan(rid, params.block_hashes,
+                                                                prompt))
+        except asyncio.CancelledError:  # the client left: free the prefill side's blocks
+            self._release_soon(params)
+            raise
+        reason = await self._pull(plan, params)
+        if reason is not None:
+            logger.warning("request %s: KV pull from %s failed (%s); computing the prompt here",
+                           request.request_id, params.remote_instance_id, reason)
+            metrics.failures.labels(reason).inc()
+            metrics.fallbacks.labels("recompute").inc()
+
+    async def _pull(self, plan: ImportPlan, params) -> str | None:
+        """Fetch the planned blocks, release the lease, commit or discard the plan:
+        None when the blocks are in, else the failure's reason."""
         reason = None if plan.block_hashes else "no_room"
         fetch = None
         completed = False
@@ -117,15 +135,19 @@ class KvConsumer:
                 reason = "lease_expired"
             completed = True
         finally:
-            if fetch is not None and not fetch.done():  # cancelled (client gone): let the
-                await asyncio.wait([fetch])              # worker stop writing first
+            if not completed:  # cancelled (client gone): free the prefill side's blocks
+                self._release_soon(params)  # now (what arrives is discarded anyway)
+            if fetch is not None and not fetch.done():  # let the worker stop writing first
+                await asyncio.wait([fetch])
             ok = completed and reason is None
             await self.on_engine(lambda: commit_import(self.pool, plan, ok))
-        if reason is not None:
-            logger.warning("request %s: KV pull from %s failed (%s); computing the prompt here",
-                           request.request_id, params.remote_instance_id, reason)
-            metrics.failures.labels(reason).inc()
-            metrics.fallbacks.labels("recompute").inc()
+        return reason
+
+    def _release_soon(self, params) -> None:
+        """Release the lease without waiting (the request ended before its pull did)."""
+        task = asyncio.ensure_future(self._release_lease(params))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
 
     async def _fetch(self, params, plan: ImportPlan) -> str | None:
         """None when every planned block arrived, else the failure's reason."""

@@ -5,6 +5,8 @@ where they are, free them when the decode side is done or nobody came.
         ─► complete{kv_transfer_params: blocks, lease, expiry, worker address, epochs}
     ReleaseLease(lease, epoch) ─► blocks back to the pool (valid: they were held)
     reaper, every second       ─► leases past --kv-lease-timeout freed
+    a failed step (KV re-allocated as zeros) ─► every lease dropped (`on_kv_reset`):
+        ReleaseLease answers not valid, and the worker's new epoch refuses their pulls
     LeasePrefix(hashes, tokens) ─► the leading run still cached, pinned under a lease
         (another replica pulls it instead of computing it: the gateway's --kv-prefix-pull)
 
@@ -52,6 +54,8 @@ class KvProducer:
         self.worker_epoch = worker_epoch
         self._lock = threading.Lock()
         self._expected: dict[str, tuple[list[bytes], list[int]]] = {}
+        # request id -> its lease, until the request's stream ends (engine thread only)
+        self._undelivered: dict[str, str] = {}
         # (pinned leases, ended lease ids) -> None; called on the engine thread, must
         # not block (KvEventPublisher.publish_leases queues them).
         self.lease_journal = lambda pinned, released: None
@@ -65,9 +69,18 @@ class KvProducer:
         with self._lock:
             self._expected[request.request_id] = (hashes, list(request.prompt_token_ids))
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, request_id: str, delivered: bool = True) -> None:
+        """The request's stream ended; unless its last output (naming its lease) was
+        `delivered`, the caller left without learning the lease: it ends now."""
         with self._lock:
             self._expected.pop(request_id, None)
+        # Queued on the engine thread: behind an `on_outputs` pinning the lease now.
+        self.engine.call_soon(lambda: self._settle(request_id, delivered))
+
+    def _settle(self, request_id: str, delivered: bool) -> None:
+        lease_id = self._undelivered.pop(request_id, None)
+        if lease_id is not None and not delivered:
+            self._release(lease_id)
 
     def on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         """Engine thread, right after the step that finished these requests."""
@@ -83,6 +96,7 @@ class KvProducer:
                 continue
             self.lease_journal([lease], [])
             out.kv_transfer_params = self._params(lease, out.num_cached_tokens)
+            self._undelivered[out.request_id] = lease.lease_id  # until its stream ends
         kv_transfer_metrics().leased_blocks.set(self.table.num_leased_blocks)
 
     def lease_prefix(self, request_id: str, block_hashes: list[bytes], token_ids: list[int],
@@ -121,6 +135,19 @@ class KvProducer:
 
         self.engine.call_soon(call)
         return await asyncio.wait_for(done, timeout=30.0)
+
+    def on_kv_reset(self, worker_epoch: str | None) -> None:
+        """Engine thread, once the worker's KV cache was set up again after a failed
+        step: the leased blocks hold zeros now, so every lease ends (a decode replica
+        that pulled one is told not valid and recomputes), and new leases name the
+        worker's new epoch (None: unknown; pulls naming the old one are refused)."""
+        dropped = self.table.invalidate()
+        if dropped:
+            self.lease_journal([], [lease.lease_id for lease in dropped])
+            logger.warning("KV cache set up again: %d lease(s) ended", len(dropped))
+        if worker_epoch:
+            self.worker_epoch = worker_epoch
+        kv_transfer_metrics().leased_blocks.set(self.table.num_leased_blocks)
 
     def _release(self, lease_id: str) -> bool:
         valid = self.table.release(lease_id)

@@ -50,9 +50,10 @@ class KvTransferHooks:
         if self.producer is not None:
             self.producer.on_outputs(outputs)
 
-    def after_stream(self, request_id: str) -> None:
+    def after_stream(self, request_id: str, delivered: bool = True) -> None:
+        """`delivered`: the stream's last output (the one naming a lease) was sent."""
         if self.producer is not None:
-            self.producer.forget(request_id)
+            self.producer.forget(request_id, delivered)
         if self.consumer is not None:
             self.consumer.finish(request_id)
 
@@ -86,6 +87,19 @@ def refuse_kv_transfer_without_kv_cache(args: argparse.Namespace, config) -> Non
                          "(--kv-transfer-config, --prefill-replicas/--decode-replicas): "
                          "serve it colocated")
     args.kv_cache_manager_addr = ""
+
+
+def worker_epoch(worker_addr: str) -> str | None:
+    """The gpu-worker's KV epoch now (it renews it whenever its KV cache is set up
+    again); None when it does not answer."""
+    try:
+        with grpc_channels.channel(worker_addr) as channel:
+            return kpb_grpc.KvTransferServiceStub(channel).GetKvLayout(
+                kpb.GetKvLayoutRequest(), timeout=30.0).epoch
+    except grpc.RpcError as exc:
+        logger.warning("the gpu-worker's KV epoch is unknown (%s): transfers fail until it "
+                       "answers", exc.code().name)
+        return None
 
 
 def describe_role(info, role: KVTransferConfig, layout: kpb.KvLayout) -> None:
@@ -133,6 +147,8 @@ def build_hooks(args: argparse.Namespace, role: KVTransferConfig, engine, info,
         scheduler_address, worker_address = kv_addresses(args, port)
         producer = KvProducer(engine, pool, info, scheduler_address, worker_address,
                               layout.epoch, args.kv_lease_timeout)
+        engine.core.kv_reset_listeners.append(
+            lambda: producer.on_kv_reset(worker_epoch(args.worker_addr)))
     if role.is_kv_consumer:
         consumer = KvConsumer(engine, pool, info, args.worker_addr, args.kv_transfer_timeout)
     return KvTransferHooks(role, producer, consumer)

@@ -122,7 +122,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         if core_request.lora_request is not None:
             self.held_adapters.touch(core_request.lora_request.lora_name)
         REQUEST_SPANS.register_current(rid)  # its steps and phases join the caller's trace
-        finished = False
+        finished = delivered = False
         try:
             if self.kv_transfer is not None:
                 await self.kv_transfer.before_submit(core_request)
@@ -149,11 +149,12 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                 finished = batch[-1].finished
                 for response in outputs_to_responses(batch):
                     yield response
+                delivered = finished  # the last output (naming a lease) went out
         finally:
             self._streams.pop(rid, None)
             REQUEST_SPANS.unregister(rid)
             if self.kv_transfer is not None:
-                self.kv_transfer.after_stream(rid)
+                self.kv_transfer.after_stream(rid, delivered)
             if not finished:  # cancelled by the client (disconnect, stop string)
                 self.engine.abort([rid])
 

@@ -64,7 +64,10 @@ def test_a_failure_no_request_repeats_costs_nothing(llm, monkeypatch):
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(runner.model, "forward", flaky)
+    resets = []  # whoever handed blocks out (the KV producer's leases) hears of it
+    monkeypatch.setattr(llm.llm_engine.core, "kv_reset_listeners", [lambda: resets.append(1)])
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
                            use_tqdm=False)
     assert [o.outputs[0].finish_reason for o in outputs] == ["length"] * 3
     assert ids(outputs) == want
+    assert resets == [1]  # once, after the KV cache was set up again

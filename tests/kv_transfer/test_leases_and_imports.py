@@ -123,3 +123,15 @@ def test_handshake_compares_connectors_and_dist_devices_but_not_parallel_shapes(
                                                              info("d", dist, "cpu"))
     # The gRPC transport moves bytes: a CPU prefill worker may feed a GPU decode one.
     assert handshake_problem(info("p", device="cpu"), info("d", device="cuda")) is None
+
+
+def test_invalidate_ends_every_lease_and_frees_its_blocks():
+    """The KV cache was set up again (zeros): no lease taken before may answer valid."""
+    tokens = list(range(8))
+    pool, hashes = cached_pool(tokens)
+    table = LeaseTable(pool, timeout_s=30, clock=lambda: 0.0)
+    first, second = table.pin("a", hashes, tokens), table.pin("b", hashes[:1], tokens)
+    dropped = table.invalidate()
+    assert {lease.lease_id for lease in dropped} == {first.lease_id, second.lease_id}
+    assert not table.release(first.lease_id) and not table.release(second.lease_id)
+    assert table.num_leased_blocks == 0 and not table.leases and pool.num_free_blocks == 8

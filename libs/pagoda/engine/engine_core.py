@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import Callable, Iterable
 
 from pagoda.config import EngineConfig
 from pagoda.core.kv_events import KVEvent
@@ -46,6 +46,10 @@ class EngineCore:
         # in the outputs; the caller tells their clients why (step_recovery.py).
         self.rejected: dict[str, str] = {}
         self._suspects = False  # requests of a failed step still run alone (quarantine)
+        # Called on this thread once the worker's KV cache was set up again after a
+        # failed step (every block zeroed): whoever handed blocks out (the KV producer's
+        # leases) must take them back and learn the worker's new epoch.
+        self.kv_reset_listeners: list[Callable[[], None]] = []
         logger.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks,
                     config.cache.block_size, num_blocks * config.cache.block_size)
 
@@ -104,6 +108,8 @@ class EngineCore:
             self.rejected[request_id] = f"the request failed a step ({exc})"
         self._suspects = True
         self.executor.initialize_kv_cache(self.scheduler.kv_cache_manager.pool.num_blocks)
+        for listener in self.kv_reset_listeners:
+            listener()
 
     def take_rejected(self) -> dict[str, str]:
         rejected, self.rejected = self.rejected, {}

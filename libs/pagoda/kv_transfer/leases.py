@@ -3,6 +3,7 @@
     request done ──pin──► lease L: blocks [b3 b7 b9], ref held, expires at t+timeout
     decode pulled ──release(L)──► refs dropped (blocks stay cached, evictable)
     nobody came   ──reap(now)───► refs dropped at expiry
+    KV re-allocated ──invalidate()──► every lease dropped (its blocks hold zeros now)
 
 A lease is a reference in the block pool like a running request's, so a pinned block
 is never reused while the lease lives; its KV stays put for the pull. Release after
@@ -82,6 +83,16 @@ class LeaseTable:
             del self.leases[lease.lease_id]
             self._unpin(lease)
         return expired
+
+    def invalidate(self) -> list[Lease]:
+        """Drop every lease (the worker's KV cache was set up again: the blocks they
+        name hold zeros), so a later `release` of any of them answers False; the
+        dropped ones."""
+        dropped = list(self.leases.values())
+        self.leases.clear()
+        for lease in dropped:
+            self._unpin(lease)
+        return dropped
 
     def _unpin(self, lease: Lease) -> None:
         self.num_leased_blocks -= len(lease.blocks)

@@ -12,8 +12,10 @@ goes wrong on the prefill side before the first token (no prefill replica, it
 refused, it died) the decode replica prefills locally: the client sees no error and
 the fallback is counted. The lease is always released by the gateway when the choice
 ends (the decode replica releases it first after its pull; releasing twice is
-harmless), so a dead decode replica strands nothing; the prefill side's reaper
-covers a dead gateway.
+harmless), so a dead decode replica strands nothing; a client that leaves after the
+first token, before the prefill's end named the lease, has the rest of the prefill
+stream read in the background and that lease released (`release_when_done`); the
+prefill side's reaper covers a dead gateway.
 
 The handshake: a prefill replica serves only decode replicas whose model and KV
 layout (dtype, block size, the model's layers and KV heads, head size, layout, hash
@@ -46,6 +48,8 @@ from pagoda.services.gateway.routing.peers import (Peers, ReplicaLost, ReplicaRe
 from pagoda.services.gateway.routing.router import RouteRequest
 
 logger = logging.getLogger(__name__)
+# How long a prefill whose client left may take to end and name its lease.
+PREFILL_DRAIN_S = 30.0
 HANDSHAKE_FIELDS = ("kv_dtype", "block_size", "num_layers", "num_kv_heads", "head_dim",
                     "layout", "prefix_hash_seed")
 
@@ -111,6 +115,7 @@ class Disaggregation:
         self.peers = peers
         self.checks: dict[tuple[str, str], str | None] = {}
         self._lease_stubs: dict[str, kpb_grpc.KvLeaseServiceStub] = {}
+        self._draining: set[asyncio.Task] = set()  # release_when_done's, held till done
 
     def prefill_replicas(self) -> list[SchedulerReplica]:
         return [s for s in self.peers.schedulers
@@ -141,6 +146,30 @@ class Disaggregation:
                 pass  # the prefill replica is gone or busy: its reaper frees the blocks
 
         asyncio.get_running_loop().create_task(release())
+
+    def release_when_done(self, stream: AsyncIterator[EngineCoreOutput]) -> None:
+        """The prefill `stream` of a choice whose client left: read it to its end (the
+        lease comes with it) and release that lease, without waiting; a stream that
+        has not ended within PREFILL_DRAIN_S is closed (the prefill replica aborts it,
+        or its reaper frees what it leased)."""
+
+        async def drain() -> None:
+            async for out in stream:
+                if out.finished:
+                    if out.kv_transfer_params is not None:
+                        self.release_soon(out.kv_transfer_params)
+                    return
+
+        async def drain_then_close() -> None:
+            try:
+                await asyncio.wait_for(drain(), PREFILL_DRAIN_S)
+            except (asyncio.TimeoutError, ReplicaRefused, ReplicaLost, grpc.RpcError):
+                pass  # nothing to release, or the prefill replica's reaper will
+            finally:
+                await stream.aclose()
+
+        self._draining.add(task := asyncio.get_running_loop().create_task(drain_then_close()))
+        task.add_done_callback(self._draining.discard)
 
 
 def disaggregation_of(peers: Peers) -> Disaggregation:
@@ -197,8 +226,9 @@ class DisaggregatedReplica:
             sampling_params=replace(request.sampling_params, max_tokens=1,
                                     min_tokens=min(request.sampling_params.min_tokens, 1)),
             kv_transfer_params=KVTransferParams(do_remote_decode=True))
+        stream = route.replica.generate(prefill)
         try:
-            async for out in route.replica.generate(prefill):
+            async for out in stream:
                 if out.finished:
                     end = out
                     break
@@ -206,6 +236,9 @@ class DisaggregatedReplica:
                 if out.new_token_ids:
                     route.prefill_done()
                 yield out
+        except GeneratorExit:  # the client left after a token: its lease is still to come
+            disagg.release_when_done(stream)
+            raise
         except (ReplicaRefused, ReplicaLost) as exc:
             logger.warning("prefill replica %s failed (%s); the decode replica computes the "
                            "prompt", route.replica.address, exc.message)
