@@ -16,6 +16,17 @@ from pagoda.kv_transfer.config import (DEFAULT_KV_LEASE_TIMEOUT_S, DEFAULT_KV_TR
                                        KV_CONNECTORS, KVTransferConfig)
 
 
+# A prefill replica hands its prompt's blocks over by leasing them as cached blocks
+# (kv_producer.py pins them by block hash in the step that frees them) and the decode
+# replica adopts them under the same hashes: without the prefix cache every lease would
+# come back empty and each decode replica would prefill again, silently.
+PD_NEEDS_PREFIX_CACHING = (
+    "--prefill-replicas/--decode-replicas need the prefix cache: a prefill replica hands a "
+    "prompt's KV blocks to the decode replica as cached blocks named by their block hashes, "
+    "so with --no-enable-prefix-caching no block could be handed over and every request "
+    "would be prefilled twice; drop --no-enable-prefix-caching")
+
+
 @dataclass
 class ReplicaPlan:
     scheduler: str  # service names
@@ -71,6 +82,8 @@ def role_problem(args: argparse.Namespace) -> str | None:
     if not p and args.kv_connector != "PagodaConnector":
         return ("--kv-connector applies to --prefill-replicas/--decode-replicas (use "
                 "--kv-transfer-config for colocated replicas)")
+    if p and not getattr(args, "enable_prefix_caching", True):
+        return PD_NEEDS_PREFIX_CACHING
     if p and args.kv_transfer_config:
         return "--kv-transfer-config is set per role by --prefill-replicas/--decode-replicas"
     try:
