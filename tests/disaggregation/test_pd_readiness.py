@@ -1,7 +1,8 @@
 """Readiness of a prefill/decode cluster means ready for P/D (issue 26).
 
-* the very first request after `pagoda serve` says it serves (its gateway's /health is 200)
-  is prefilled by the prefill replica;
+* while the prefill replica is not up, the gateway's /health is 503 and says why; the very
+  first request after it turns 200 (what `pagoda serve` waits for) is prefilled by the
+  prefill replica;
 * a prefill and a decode replica that cannot exchange blocks (another block size) make
   start-up fail, naming the field, instead of a healthy gateway that prefills locally;
 * `--no-enable-prefix-caching` with P/D is refused before anything starts, saying why.
@@ -13,44 +14,72 @@ import argparse
 import subprocess
 import sys
 import tempfile
+import time
 
 import httpx
 import pytest
-from pd_cluster import BASE, PREFILL_HEADER, metric
-from serve_cluster import CLI_MODULE, ServeProcess
+from pd_cluster import BASE, PREFILL_HEADER
+from serve_cluster import CLI_MODULE, wait_until
 
 from pagoda.services.cli import serve
-from pagoda.services.cli.local_cluster import LocalCluster, ServiceFailed
+from pagoda.services.cli.local_cluster import LocalCluster, ServiceFailed, ServiceProcess
 from pagoda.services.common.redis_server import free_port
 
 pytestmark = pytest.mark.slow
 PROMPT = " ".join(f"token{i}" for i in range(40))  # more than a block: a lease is taken
+HELD_S = 3.0  # > the gateway's health poll (1 s once ready, 0.2 s before)
 
 
-def test_first_request_after_ready_is_split(tiny_llama_dir, redis_server):
-    serve_process = ServeProcess([tiny_llama_dir, *BASE, "--redis-url", redis_server.url,
-                                  "--prefill-replicas", "1", "--decode-replicas", "1"])
+def _services(model: str, redis_url: str, *extra: str) -> list[ServiceProcess]:
+    """`pagoda serve --prefill-replicas 1 --decode-replicas 1 EXTRA`'s services."""
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", model, *BASE, "--port", str(free_port()),
+                              "--disable-log-stats", "--prefill-replicas", "1",
+                              "--decode-replicas", "1", *extra])
+    return serve.build_services(args, redis_url)
+
+
+def _health(base: str) -> httpx.Response | None:
     try:
-        assert httpx.get(f"{serve_process.base}/health", timeout=10).status_code == 200
-        reply = httpx.post(f"{serve_process.base}/v1/completions", timeout=60, json={
-            "model": "tiny", "prompt": PROMPT, "max_tokens": 4})
-        assert reply.status_code == 200, reply.text
-        assert PREFILL_HEADER in reply.headers, dict(reply.headers)
-        assert metric(serve_process, "pagoda_gateway_disagg_fallbacks_total") == 0
-    finally:
-        code = serve_process.stop()
-    assert code == 0, serve_process.stderr_text()[-3000:]
+        return httpx.get(f"{base}/health", timeout=2)
+    except httpx.HTTPError:
+        return None
+
+
+def test_first_request_after_health_is_split(tiny_llama_dir, redis_server):
+    """The prefill replica's scheduler starts only after the decode replica has served for
+    a while: /health stays 503 (saying why) until the pair is checked, and the first
+    request after it turns 200 is prefilled by the prefill replica."""
+    services = _services(tiny_llama_dir, redis_server.url)
+    by_name = {s.name: s for s in services}
+    held = by_name["scheduler-prefill-0"]
+    gateway = f"http://{by_name['gateway'].address}"
+    with tempfile.NamedTemporaryFile("w+", prefix="pagoda-pd-ready-") as log:
+        cluster = LocalCluster([s for s in services if s is not held], log_stream=log)
+        cluster.start()
+        try:
+            assert wait_until(by_name["scheduler-decode-0"].is_healthy, 240, 0.25)
+            time.sleep(HELD_S)  # the gateway has polled the decode replica serving
+            reply = _health(gateway)
+            assert reply is not None and reply.status_code == 503, reply
+            assert "prefill" in reply.json()["reason"], reply.text
+            cluster.services[held.name] = held
+            cluster.restart(held.name)
+            assert wait_until(lambda: (_health(gateway) or reply).status_code == 200, 240,
+                              0.05)
+            first = httpx.post(f"{gateway}/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": PROMPT, "max_tokens": 4})
+            assert first.status_code == 200, first.text
+            assert PREFILL_HEADER in first.headers, dict(first.headers)
+        finally:
+            cluster.stop()
 
 
 def _mismatched_cluster(model: str, redis_url: str, log) -> LocalCluster:
     """`pagoda serve --prefill-replicas 1 --decode-replicas 1`'s services, the prefill
     replica's with --block-size 32 (the decode replica keeps 16)."""
-    parser = argparse.ArgumentParser()
-    serve.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["serve", model, *BASE, "--port", str(free_port()),
-                              "--disable-log-stats", "--prefill-replicas", "1",
-                              "--decode-replicas", "1"])
-    services = serve.build_services(args, redis_url)
+    services = _services(model, redis_url)
     for service in services:
         if service.name in ("scheduler-prefill-0", "gpu-worker-prefill-0"):
             service.argv += ["--block-size", "32"]  # the last value wins
