@@ -14,17 +14,7 @@ from dataclasses import dataclass
 
 from pagoda.kv_transfer.config import (DEFAULT_KV_LEASE_TIMEOUT_S, DEFAULT_KV_TRANSFER_TIMEOUT_S,
                                        KV_CONNECTORS, KVTransferConfig)
-
-
-# A prefill replica hands its prompt's blocks over by leasing them as cached blocks
-# (kv_producer.py pins them by block hash in the step that frees them) and the decode
-# replica adopts them under the same hashes: without the prefix cache every lease would
-# come back empty and each decode replica would prefill again, silently.
-PD_NEEDS_PREFIX_CACHING = (
-    "--prefill-replicas/--decode-replicas need the prefix cache: a prefill replica hands a "
-    "prompt's KV blocks to the decode replica as cached blocks named by their block hashes, "
-    "so with --no-enable-prefix-caching no block could be handed over and every request "
-    "would be prefilled twice; drop --no-enable-prefix-caching")
+from pagoda.services.common.kv_transfer_args import PD_NEEDS_PREFIX_CACHING
 
 
 @dataclass
@@ -83,7 +73,7 @@ def role_problem(args: argparse.Namespace) -> str | None:
         return ("--kv-connector applies to --prefill-replicas/--decode-replicas (use "
                 "--kv-transfer-config for colocated replicas)")
     if p and not getattr(args, "enable_prefix_caching", True):
-        return PD_NEEDS_PREFIX_CACHING
+        return f"--prefill-replicas/--decode-replicas: {PD_NEEDS_PREFIX_CACHING}"
     if p and args.kv_transfer_config:
         return "--kv-transfer-config is set per role by --prefill-replicas/--decode-replicas"
     try:

@@ -19,7 +19,8 @@ from pagoda.services.common import grpc_channels
 from pagoda.services.common.grpc_server import (NOT_SERVING, SERVING,
                                                 add_server_args, bind, metrics_host)
 from pagoda.services.common.logs import setup_logging
-from pagoda.services.common.kv_transfer_args import add_kv_transfer_args, kv_transfer_config
+from pagoda.services.common.kv_transfer_args import (add_kv_transfer_args, kv_transfer_config,
+                                                   require_prefix_caching)
 from pagoda.services.common.metrics_server import maybe_start_metrics
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.engine_core import EngineCore, make_structured_output_manager
@@ -77,6 +78,8 @@ def main(args: argparse.Namespace) -> int:
     grpc_channels.configure_from_args(args)  # before the worker channel is made
     tracing.init_tracing("scheduler", args.otlp_traces_endpoint)
     config = EngineArgs.from_cli_args(args).create_engine_config()
+    role = kv_transfer_config(args)
+    require_prefix_caching(role, config.cache.enable_prefix_caching)  # before any connection
     executor = GrpcWorkerExecutor(args.worker_addr,
                                   step_timeout=args.execute_model_timeout or None)
     # The grammar backend (the tokenizer's vocabulary tables) loads in the background
@@ -86,7 +89,6 @@ def main(args: argparse.Namespace) -> int:
     grammar.warm_up()
     core = EngineCore(config, executor, grammar)
     info = model_info(config, args.instance_id or f"{args.host}:{args.port}")
-    role = kv_transfer_config(args)
     layout = fetch_worker_layout(args.worker_addr, role)
     describe_role(info, role, layout)
     args.kv_role_config, args.kv_worker_layout = role, layout
