@@ -43,7 +43,7 @@ def test_each_pool_gets_its_role_connector_and_tensor_parallel_size():
     (("--kv-connector", "PagodaDistConnector"), "applies to --prefill-replicas"),
     (("--prefill-replicas", "1"), "go together"),
     (("--prefill-replicas", "1", "--decode-replicas", "1", "--no-enable-prefix-caching"),
-     "need the prefix cache"),
+     "needs the prefix cache"),
 ])
 def test_contradictory_flags_are_refused(flags, message):
     assert message in role_problem(parse(*flags))
