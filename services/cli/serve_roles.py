@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from pagoda.kv_transfer.config import (DEFAULT_KV_LEASE_TIMEOUT_S, DEFAULT_KV_TRANSFER_TIMEOUT_S,
                                        KV_CONNECTORS, KVTransferConfig)
+from pagoda.services.common.kv_transfer_args import PD_NEEDS_PREFIX_CACHING
 
 
 @dataclass
@@ -71,6 +72,8 @@ def role_problem(args: argparse.Namespace) -> str | None:
     if not p and args.kv_connector != "PagodaConnector":
         return ("--kv-connector applies to --prefill-replicas/--decode-replicas (use "
                 "--kv-transfer-config for colocated replicas)")
+    if p and not getattr(args, "enable_prefix_caching", True):
+        return f"--prefill-replicas/--decode-replicas: {PD_NEEDS_PREFIX_CACHING}"
     if p and args.kv_transfer_config:
         return "--kv-transfer-config is set per role by --prefill-replicas/--decode-replicas"
     try:

@@ -10,6 +10,24 @@ from pagoda.kv_transfer.config import (DEFAULT_KV_LEASE_TIMEOUT_S, DEFAULT_KV_TR
                                        KVTransferConfig)
 
 
+# A prefill replica hands a prompt's blocks over by leasing them as cached blocks
+# (scheduler/kv_producer.py pins them by block hash in the step that frees them) and the
+# decode replica adopts them under the same hashes: without the prefix cache every lease
+# would come back empty and each decode replica would prefill again, silently.
+PD_NEEDS_PREFIX_CACHING = (
+    "prefill/decode disaggregation needs the prefix cache: a prefill replica hands a "
+    "prompt's KV blocks to the decode replica as cached blocks named by their block hashes, "
+    "so with --no-enable-prefix-caching no block could be handed over and every request "
+    "would be prefilled twice; drop --no-enable-prefix-caching")
+
+
+def require_prefix_caching(role: KVTransferConfig, enable_prefix_caching: bool) -> None:
+    """SystemExit for a kv_producer or kv_consumer replica without the prefix cache (a
+    colocated kv_both replica only loses transfers it never needs)."""
+    if role.kv_role in ("kv_producer", "kv_consumer") and not enable_prefix_caching:
+        raise SystemExit(f"error: {PD_NEEDS_PREFIX_CACHING}")
+
+
 def add_kv_transfer_args(parser: argparse.ArgumentParser, timeouts: bool = False) -> None:
     parser.add_argument(
         "--kv-transfer-config", default=None,

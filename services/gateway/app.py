@@ -14,6 +14,7 @@ from fastapi import FastAPI
 
 import pagoda
 from pagoda.services.gateway.auth.api_key import APIKeyMiddleware
+from pagoda.services.gateway.disagg.prefill_decode import disaggregation_of
 from pagoda.services.gateway.disagg.prefix_pull import PrefixPull, PrefixPullOptions
 from pagoda.services.gateway.errors import install_error_handlers
 from pagoda.services.gateway.limits.body_limit import BodySizeLimitMiddleware
@@ -50,6 +51,7 @@ def build_app(state: GatewayState, make_peers: Callable[[], Peers],
         state.peers = make_peers()
         if kv_cache_manager_addr:
             state.peers.use_prefix_index(kv_cache_manager_addr)
+        disaggregation_of(state.peers)  # its pairing check gates readiness from the start
         state.peers.start()
         lora_check = asyncio.create_task(
             lora_routes.check_static_adapters(state, state.peers.on_fatal))

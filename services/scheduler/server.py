@@ -19,7 +19,8 @@ from pagoda.services.common import grpc_channels
 from pagoda.services.common.grpc_server import (NOT_SERVING, SERVING,
                                                 add_server_args, bind, metrics_host)
 from pagoda.services.common.logs import setup_logging
-from pagoda.services.common.kv_transfer_args import add_kv_transfer_args, kv_transfer_config
+from pagoda.services.common.kv_transfer_args import (add_kv_transfer_args, kv_transfer_config,
+                                                   require_prefix_caching)
 from pagoda.services.common.metrics_server import maybe_start_metrics
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.engine_core import EngineCore, make_structured_output_manager
@@ -80,6 +81,7 @@ def main(args: argparse.Namespace) -> int:
     config = EngineArgs.from_cli_args(args).create_engine_config()
     role = kv_transfer_config(args)
     refuse_kv_transfer_without_kv_cache(args, config)  # before waiting for the worker
+    require_prefix_caching(role, config.cache.enable_prefix_caching)  # before any connection
     executor = GrpcWorkerExecutor(args.worker_addr,
                                   step_timeout=args.execute_model_timeout or None)
     # The grammar backend (the tokenizer's vocabulary tables) loads in the background

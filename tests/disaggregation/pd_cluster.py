@@ -22,9 +22,9 @@ BASE = PLAIN_TINY_FLAGS
 
 def start_pd(model_dir: str, redis_url: str, *extra: str,
              env: dict[str, str] | None = None) -> ServeProcess:
-    """The cluster, once its gateway routes prefills to the prefill replica: `pagoda serve`
-    is up when a replica serves, and until the prefill replica passes its start-up checks
-    too, requests fall back to local prefill (which would leave a test's counts short)."""
+    """The cluster, checked to route prefills to the prefill replica: `pagoda serve` is up
+    once its gateway's /health is 200, which in a P/D cluster waits for a checked prefill/
+    decode pair (test_pd_readiness.py), so the first check passes."""
     serve = ServeProcess([model_dir, *BASE, "--redis-url", redis_url, "--prefill-replicas",
                           "1", "--decode-replicas", "1", *extra], env=env)
 

@@ -20,9 +20,19 @@ prefill side's reaper covers a dead gateway.
 The handshake: a prefill replica serves only decode replicas whose model and KV
 layout (dtype, block size, the model's layers and KV heads, head size, layout, hash
 seed) and connector equal its own (tensor- and pipeline-parallel shapes may differ:
-blocks travel whole, pagoda.kv_transfer.block_shares); a mismatch is logged once,
-naming both sides' values, when the gateway first sees the pair, and the prefill
-replica gets none of that decode replica's requests.
+blocks travel whole, pagoda.kv_transfer.block_shares). The gateway checks every pair
+on each health poll (`readiness_problem`, one of Peers.readiness_checks), not at the
+first request: in a P/D cluster (a replica says kv_producer or kv_consumer) `/health`
+is 200 only once a routable decode replica has a prefill replica it pairs with, so the
+first request after readiness is split. A mismatch is logged as an error once per pair
+of incarnations, naming the fields and both sides' values, counted in
+pagoda_gateway_disagg_handshake_mismatches_total{field}, and said by `/health`; before
+the gateway was ever ready it is fatal (the gateway exits naming it, and so does
+`pagoda serve`). A mismatch later (a replica restarted differently) keeps the pair
+apart and, while no compatible pair is left, `/health` answers 503 with the reason;
+requests are still served meanwhile, each prefilled by its decode replica and counted
+as a no_prefill_replica fallback (a gateway that refused them would turn a
+misconfigured prefill pool into an outage; the probe is what must not look healthy).
 """
 
 from __future__ import annotations
@@ -54,26 +64,36 @@ HANDSHAKE_FIELDS = ("kv_dtype", "block_size", "num_layers", "num_kv_heads", "hea
                     "layout", "prefix_hash_seed")
 
 
-def handshake_problem(prefill, decode) -> str | None:
-    """None when the two replicas (GetModelInfoResponse) can exchange blocks, else a
-    message naming both sides' values."""
-    problems = []
+PD_ROLES = ("kv_producer", "kv_consumer")  # a replica with one: the cluster is P/D
+
+
+def handshake_mismatches(prefill, decode) -> list[tuple[str, str]]:
+    """(field, "prefill value vs decode value") for each field on which the two
+    replicas (GetModelInfoResponse) disagree; empty when they can exchange blocks."""
+    found = []
     if prefill.model != decode.model:
-        problems.append(f"model {prefill.model!r} vs {decode.model!r}")
+        found.append(("model", f"{prefill.model!r} vs {decode.model!r}"))
     if prefill.kv_connector != decode.kv_connector:  # each side's transport
-        problems.append(f"kv_connector {prefill.kv_connector!r} vs {decode.kv_connector!r}")
+        found.append(("kv_connector", f"{prefill.kv_connector!r} vs {decode.kv_connector!r}"))
     elif prefill.kv_connector == DIST_CONNECTOR and \
             prefill.kv_layout.device_type != decode.kv_layout.device_type:  # NCCL vs gloo
-        problems.append(f"device_type {prefill.kv_layout.device_type!r} vs "
-                        f"{decode.kv_layout.device_type!r}")
+        found.append(("device_type", f"{prefill.kv_layout.device_type!r} vs "
+                                      f"{decode.kv_layout.device_type!r}"))
     for name in HANDSHAKE_FIELDS:
         a, b = getattr(prefill.kv_layout, name), getattr(decode.kv_layout, name)
         if a != b:
-            problems.append(f"{name} {a!r} vs {b!r}")
-    if not problems:
+            found.append((name, f"{a!r} vs {b!r}"))
+    return found
+
+
+def handshake_problem(prefill, decode) -> str | None:
+    """None when the two replicas (GetModelInfoResponse) can exchange blocks, else a
+    message naming the fields and both sides' values."""
+    found = handshake_mismatches(prefill, decode)
+    if not found:
         return None
     return (f"prefill {prefill.instance_id} and decode {decode.instance_id} cannot exchange "
-            f"KV blocks (prefill vs decode): {', '.join(problems)}")
+            f"KV blocks (prefill vs decode): {', '.join(f'{n} {v}' for n, v in found)}")
 
 
 class PrefillView:
@@ -81,13 +101,13 @@ class PrefillView:
     serves and agrees with the decode replica (`handshake_problem`). Load counts go
     to the replica itself."""
 
-    _OWN = ("replica", "decode", "checks")
+    _OWN = ("replica", "decode", "disagg")
 
     def __init__(self, replica: SchedulerReplica, decode: SchedulerReplica,
-                 checks: dict) -> None:
+                 disagg: "Disaggregation") -> None:
         object.__setattr__(self, "replica", replica)
         object.__setattr__(self, "decode", decode)
-        object.__setattr__(self, "checks", checks)
+        object.__setattr__(self, "disagg", disagg)
 
     def __getattr__(self, name):
         return getattr(self.replica, name)
@@ -99,13 +119,7 @@ class PrefillView:
         r = self.replica
         if not (r.serving and r.info is not None and r.hashes_agree is True and not r.removed):
             return False
-        key = (r.info.epoch, self.decode.info.epoch)
-        if key not in self.checks:
-            problem = handshake_problem(r.info, self.decode.info)
-            if problem is not None:
-                logger.error("%s; no request goes that way", problem)
-            self.checks[key] = problem
-        return self.checks[key] is None
+        return self.disagg.pair_problem(r, self.decode) is None
 
 
 class Disaggregation:
@@ -113,9 +127,45 @@ class Disaggregation:
 
     def __init__(self, peers: Peers) -> None:
         self.peers = peers
+        # (prefill epoch, decode epoch) -> the pair's handshake problem (None: they pair).
         self.checks: dict[tuple[str, str], str | None] = {}
         self._lease_stubs: dict[str, kpb_grpc.KvLeaseServiceStub] = {}
         self._draining: set[asyncio.Task] = set()  # release_when_done's, held till done
+        peers.readiness_checks.append(self.readiness_problem)
+
+    def pair_problem(self, prefill: SchedulerReplica, decode: SchedulerReplica) -> str | None:
+        """The handshake of these two incarnations, checked once: a mismatch is logged,
+        counted by field, and fatal if the gateway was never ready yet."""
+        key = (prefill.info.epoch, decode.info.epoch)
+        if key not in self.checks:
+            found = handshake_mismatches(prefill.info, decode.info)
+            problem = handshake_problem(prefill.info, decode.info) if found else None
+            self.checks[key] = problem
+            if problem is not None:
+                logger.error("%s; no request goes that way", problem)
+                for field, _ in found:
+                    gateway_metrics().disagg_handshake_mismatches.labels(field).inc()
+                self.peers.fail_start(problem)
+        return self.checks[key]
+
+    def readiness_problem(self) -> str | None:
+        """Why the gateway is not ready for P/D, or None: in a colocated cluster (no
+        replica in a P/D role), or once some routable decode replica pairs with a
+        serving prefill replica. Checks every such pair, so a mismatch shows at once."""
+        known = [s for s in self.peers.schedulers if s.info is not None and not s.removed]
+        if not any(s.info.kv_role in PD_ROLES for s in known):
+            return None
+        decodes = [s for s in known if s.is_routable()]
+        prefills = [PrefillView(p, d, self) for d in decodes
+                    for p in self.prefill_replicas() if not p.removed]
+        if any(view.is_routable() for view in prefills):
+            return None
+        for view in prefills:
+            problem = self.checks.get((view.replica.info.epoch, view.decode.info.epoch))
+            if problem is not None:
+                return f"no prefill/decode pair can exchange KV blocks: {problem}"
+        return ("prefill/decode disaggregation: no prefill (kv_producer) replica serves and "
+                "passed its checks yet")
 
     def prefill_replicas(self) -> list[SchedulerReplica]:
         return [s for s in self.peers.schedulers
@@ -201,7 +251,7 @@ class DisaggregatedReplica:
             return
         disagg = self.disagg
         prefill_span = _phase_span("pagoda.disagg.prefill", request.request_id)
-        views = [PrefillView(r, self.decode, disagg.checks) for r in disagg.prefill_replicas()]
+        views = [PrefillView(r, self.decode, disagg) for r in disagg.prefill_replicas()]
         try:
             route = await disagg.peers.router.route(
                 views, RouteRequest(request.prompt_token_ids, len(request.prompt_token_ids), 1,

@@ -83,6 +83,12 @@ class GatewayMetrics:
             "Disaggregated choices whose decode replica computed the prompt itself, by why: "
             "no_prefill_replica, prefill_failed (the replicas' own transfer failures are "
             "pagoda_kv_transfer_fallbacks_total).", ["kind"], registry=registry)
+        self.disagg_handshake_mismatches = Counter(
+            "pagoda_gateway_disagg_handshake_mismatches",
+            "Prefill/decode replica pairs that cannot exchange KV blocks (counted once per "
+            "pair of incarnations), by the field they disagree on: model, kv_connector, "
+            "device_type, kv_dtype, block_size, num_layers, num_kv_heads, head_dim, layout, "
+            "prefix_hash_seed.", ["field"], registry=registry)
         self.kv_prefix_pulls = Counter(
             "pagoda_gateway_kv_prefix_pulls",
             "--kv-prefix-pull: requests sent with a lease on another replica's cached prefix "

@@ -1,7 +1,9 @@
 """The routes monitors read: GET /health, /metrics and /version.
 
-* `/health`: 200 while the tokenizer and a routable scheduler serve, else 503 (the
-  probes' route: no API key, as auth/api_key.py lists);
+* `/health`: 200 (empty) while the tokenizer and a routable scheduler serve and, in a
+  prefill/decode cluster, a prefill and a decode replica pass their pairing check; else
+  503 with `{"status": "not ready", "reason": ...}` (the probes' route: no API key, as
+  auth/api_key.py lists);
 * `/metrics`: this gateway's registry, or with `--peer-metrics` the whole local
   cluster's (`render_cluster_metrics`, metrics.py), in Prometheus' text format;
 * `/version`: `{"version": pagoda.__version__}`.
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import httpx
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 import pagoda
@@ -28,8 +30,10 @@ def monitoring_router(peer_metrics: list[PeerMetrics] | None,
 
     @router.get("/health")
     async def health(request: Request) -> Response:
-        healthy = request.app.state.gateway.peers.is_healthy()
-        return Response(status_code=200 if healthy else 503)
+        reason = request.app.state.gateway.peers.not_ready_reason()
+        if reason is None:
+            return Response(status_code=200)
+        return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
 
     @router.get("/metrics")
     async def metrics() -> Response:

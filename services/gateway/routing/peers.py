@@ -2,7 +2,9 @@
 
 The gateway starts before its peers may be up (as in Kubernetes): a background
 task keeps polling their health, model info and load, and `/health` answers 503
-until the tokenizer and at least one routable scheduler serve. Replicas come
+(saying why: `not_ready_reason`) until the tokenizer and at least one routable
+scheduler serve and every `readiness_checks` hook agrees (the P/D pairing check,
+disagg/prefill_decode.py). Replicas come
 from `--scheduler-addrs` (discovery.py: fixed addresses, or DNS names
 re-resolved every few seconds); one that joins is routable after its first
 successful poll (<= HEALTH_POLL_S), one that leaves DNS or stops serving gets no
@@ -216,6 +218,9 @@ class Peers:
         self.fatal_error: str | None = None
         self._task: asyncio.Task | None = None
         self.ready = asyncio.Event()
+        # Readiness beyond "a replica serves": each returns why the gateway is not ready
+        # (None: ready as far as it knows); run after every poll and on every /health.
+        self.readiness_checks: list[Callable[[], str | None]] = []
         self._refreshed = asyncio.Event()  # set after every refresh (wait_routable)
         # The model as the replicas last described it: it outlives any one replica, so
         # a rollout (every old replica gone, the new ones still being probed) never
@@ -255,9 +260,30 @@ class Peers:
         return True
 
     def is_healthy(self) -> bool:
-        return (self.fatal_error is None and self.tokenizer.serving
-                and self.tokenizer.info is not None
-                and any(s.is_routable() for s in self.schedulers))
+        return self.not_ready_reason() is None
+
+    def not_ready_reason(self) -> str | None:
+        """Why the gateway is not ready to serve (what /health says), or None."""
+        if self.fatal_error is not None:
+            return self.fatal_error
+        if not self.tokenizer.serving or self.tokenizer.info is None:
+            return "the tokenizer is not serving yet"
+        if not any(s.is_routable() for s in self.schedulers):
+            return "no model replica is routable yet"
+        for check in self.readiness_checks:
+            problem = check()
+            if problem is not None:
+                return problem
+        return None
+
+    def fail_start(self, message: str) -> None:
+        """A mismatch among the replicas found before the gateway was ever ready is
+        fatal (`on_fatal`: the gateway exits naming it); later it only keeps the
+        replicas concerned out of the way."""
+        if not self.ready.is_set() and self.fatal_error is None:
+            self.fatal_error = message
+            if self.on_fatal is not None:
+                self.on_fatal(message)
 
     def model_info(self) -> spb.GetModelInfoResponse:
         known = [s for s in self.schedulers if s.info is not None]
@@ -315,10 +341,7 @@ class Peers:
             if problem is None:
                 continue
             logger.error("scheduler %s: %s; it gets no requests", replica.address, problem)
-            if not self.ready.is_set() and self.fatal_error is None:
-                self.fatal_error = f"scheduler {replica.address}: {problem}"
-                if self.on_fatal is not None:
-                    self.on_fatal(self.fatal_error)
+            self.fail_start(f"scheduler {replica.address}: {problem}")
 
     async def _poll(self) -> None:
         while True:

@@ -42,7 +42,7 @@ class Router:
 
 def test_a_client_leaving_after_the_first_token_has_its_lease_released():
     prefill = PrefillReplica()
-    peers = SimpleNamespace(schedulers=[prefill], router=Router(prefill),
+    peers = SimpleNamespace(schedulers=[prefill], router=Router(prefill), readiness_checks=[],
                             tokenizer=SimpleNamespace(stub=None))
     disagg = Disaggregation(peers)
     released: list[KVTransferParams] = []

@@ -53,7 +53,7 @@ def _run_manager(env: dict[str, str], *flags: str) -> tuple[grpc.StatusCode | in
             status = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=60, wait_for_ready=True).status
         process.send_signal(signal.SIGTERM)
-        process.wait(15)
+        process.wait(30)  # a loaded CI machine took over 15 s once
         return status, process.stderr.read()
     finally:
         if process.poll() is None:
