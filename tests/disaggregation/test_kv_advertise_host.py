@@ -22,7 +22,7 @@ def _producer(*flags: str):
     args = build_parser().parse_args(["scheduler", "--host", "0.0.0.0",
                                       "--worker-addr", "127.0.0.1:50053", *flags])
     engine = SimpleNamespace(core=SimpleNamespace(scheduler=SimpleNamespace(
-        kv_cache_manager=SimpleNamespace(pool=object()))))
+        kv_cache_manager=SimpleNamespace(pool=object())), kv_reset_listeners=[]))
     info = pb.GetModelInfoResponse(instance_id="prefill-0", epoch="e1", block_size=4)
     hooks = build_hooks(args, KVTransferConfig(kv_role="kv_producer"), engine, info,
                         kpb.KvLayout(epoch="w1"), PORT)
