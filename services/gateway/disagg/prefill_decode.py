@@ -26,13 +26,13 @@ first request: in a P/D cluster (a replica says kv_producer or kv_consumer) `/he
 is 200 only once a routable decode replica has a prefill replica it pairs with, so the
 first request after readiness is split. A mismatch is logged as an error once per pair
 of incarnations, naming the fields and both sides' values, counted in
-pagoda_gateway_disagg_handshake_mismatches_total{field}, and said by `/health`; before
-the gateway was ever ready it is fatal (the gateway exits naming it, and so does
-`pagoda serve`). A mismatch later (a replica restarted differently) keeps the pair
-apart and, while no compatible pair is left, `/health` answers 503 with the reason;
-requests are still served meanwhile, each prefilled by its decode replica and counted
-as a no_prefill_replica fallback (a gateway that refused them would turn a
-misconfigured prefill pool into an outage; the probe is what must not look healthy).
+pagoda_gateway_disagg_handshake_mismatches_total{field}; before the gateway was ever
+ready it is also said by `/health` and fatal (the gateway exits naming it, and so does
+`pagoda serve`). A mismatch later (a replica restarted differently), or a prefill pool
+that is gone, keeps the pair apart: each request is prefilled by its decode replica and
+counted as a no_prefill_replica fallback, logged and counted, while `/health` stays 200
+(an unready gateway behind a readiness probe would turn a misconfigured or lost prefill
+pool into an outage of every request).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The gateway starts before its peers may be up (as in Kubernetes): a background
 task keeps polling their health, model info and load, and `/health` answers 503
 (saying why: `not_ready_reason`) until the tokenizer and at least one routable
 scheduler serve and every `readiness_checks` hook agrees (the P/D pairing check,
-disagg/prefill_decode.py). Replicas come
+disagg/prefill_decode.py); the hooks hold back only the first readiness. Replicas come
 from `--scheduler-addrs` (discovery.py: fixed addresses, or DNS names
 re-resolved every few seconds); one that joins is routable after its first
 successful poll (<= HEALTH_POLL_S), one that leaves DNS or stops serving gets no
@@ -271,8 +271,11 @@ class Peers:
         if not any(s.is_routable() for s in self.schedulers):
             return "no model replica is routable yet"
         for check in self.readiness_checks:
-            problem = check()
-            if problem is not None:
+            problem = check()  # run after start-up too: a check logs and counts what it finds
+            # Only start-up waits on them: once serving, a lost or mismatched pairing
+            # falls back (counted, logged) instead of turning every gateway unready, which
+            # behind a Kubernetes readiness probe would be an outage.
+            if problem is not None and not self.ready.is_set():
                 return problem
         return None
 
