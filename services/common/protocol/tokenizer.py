@@ -12,6 +12,7 @@ fields, in `sampling_params`.)
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -76,7 +77,15 @@ def _add_message(item: pb.ChatMessage, m: Mapping[str, Any], where: str) -> None
             type=_string(call.get("type", "function"), f"{at}.type"),
             function=pb.FunctionCall(
                 name=_string(function.get("name"), f"{at}.function.name"),
-                arguments=_string(function.get("arguments", ""), f"{at}.function.arguments")))
+                arguments=_arguments(function.get("arguments", ""), f"{at}.function.arguments")))
+
+
+def _arguments(value: Any, where: str) -> str:
+    """A call's arguments travel as OpenAI's JSON string; an object (what
+    `normalize_messages` hands templates) is encoded back to one."""
+    if isinstance(value, Mapping):
+        return json.dumps(value, ensure_ascii=False)
+    return _string(value, where)
 
 
 def _add_tool(item: pb.Tool, tool: Any, where: str) -> None:

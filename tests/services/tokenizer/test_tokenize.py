@@ -4,6 +4,8 @@ reach the chat template as the client sent them."""
 
 from __future__ import annotations
 
+import copy
+import json
 import re
 
 import grpc
@@ -75,14 +77,18 @@ TEMPLATE = ("{% for t in tools %}{{ t.function.name }}:{{ t.function.description
             "{{ t.function.parameters | tojson }};{% endfor %}"
             "{% for m in messages %}[{{ m.role }}|{{ m.name }}|{{ m.content }}|{{ m.tool_call_id }}"
             "{% for c in m.tool_calls or [] %}|{{ c.id }} {{ c.type }} {{ c.function.name }} "
-            "{{ c.function.arguments }}{% endfor %}]{% endfor %}{{ depth }}")
+            "{{ c.function.arguments | tojson }}{% endfor %}]{% endfor %}{{ depth }}")
 
 
 def test_typed_chat_messages_and_tools_reach_the_template_unchanged(stub, smollm2_tokenizer):
     kwargs = {"chat_template": TEMPLATE, "depth": 3}
     chat = chat_input_to_proto(MESSAGES, False, False, kwargs, TOOLS)
     reply = stub.Tokenize(pb.TokenizeRequest(chat=chat))
-    expected = smollm2_tokenizer.apply_chat_template(MESSAGES, tools=TOOLS, tokenize=False,
+    # vLLM's rule: the template sees a call's arguments as the object they encode.
+    as_objects = copy.deepcopy(MESSAGES)
+    for call in as_objects[2]["tool_calls"]:
+        call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    expected = smollm2_tokenizer.apply_chat_template(as_objects, tools=TOOLS, tokenize=False,
                                                      add_generation_prompt=False, **kwargs)
     assert reply.prompt == expected
     assert '{"type": "object", "required": ["city"]' in expected  # key order kept
