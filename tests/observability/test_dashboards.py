@@ -78,6 +78,17 @@ def test_every_queried_metric_is_defined_by_the_code():
     assert queried and queried <= exported, sorted(queried - exported)
 
 
+def test_no_query_hides_a_missing_metric_behind_a_constant():
+    """`... or vector(0)` reads 0 whether or not its metric is exported, so the live
+    checks (test_cluster_observability.py, test_dashboards_pd.py) could not catch a
+    panel naming a wrong metric: a counter absent until its first event is exported at
+    0 from start-up by its service instead."""
+    fallbacks = [(name, p["title"], t["expr"]) for name, d in _dashboards().items()
+                 for p in d["panels"] for t in p["targets"]
+                 if re.search(r"\bor\s+(vector|on\s*\(\s*\)\s*vector)\s*\(", t["expr"])]
+    assert not fallbacks, fallbacks
+
+
 def test_dashboards_are_well_formed_grafana_models():
     uids = set()
     for name, dashboard in _dashboards().items():
