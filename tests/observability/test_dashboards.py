@@ -1,6 +1,7 @@
 """The shipped dashboards are exactly what tools/gen_dashboards.py generates, well formed,
-and every metric they query is one the code defines (the cluster test then proves each
-query returns data from a real Prometheus)."""
+and every metric they query is one the code defines, never hidden behind `or vector(0)`
+(the cluster tests, test_cluster_observability.py and test_dashboards_pd.py, then prove
+each query returns data from a real Prometheus)."""
 
 from __future__ import annotations
 
