@@ -194,7 +194,8 @@ def cache_and_routing() -> Dashboard:
                         "prefill replicas hold under leases for them."),
          Panel("Prefill/decode: failures and fallbacks",
                [(rate("pagoda_kv_transfer_failures_total", "", "reason"), "failed {{reason}}"),
-                (rate("pagoda_kv_transfer_fallbacks_total", "", "kind"), "fallback {{kind}}")], "short",
+                (rate("pagoda_kv_transfer_fallbacks_total", "", "kind"), "fallback {{kind}}")],
+               "short",
                "A pull that did not complete (timeout, lease_expired, stale_epoch, ...) is "
                "recomputed by the decode replica: the client sees no error.")],
         [Panel("Index lookup and apply latency",
