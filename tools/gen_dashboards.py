@@ -10,6 +10,11 @@ and `pagoda_*` for the gateway, router, tokenizer, kv index and worker. Per
 replica means `by (instance)`: in Kubernetes each scheduler pod is its own scrape
 target; locally the gateway labels each service's series with its address.
 Variables: `$datasource` (a Prometheus) and `$model_name` (multi, All = `.*`).
+
+No query falls back to a constant (`or vector(0)`): a panel reads "No data" only
+when its metric is not exported. A labelled counter that would appear only on its
+first event (a migration, a failed transfer, a 5xx) is exported at 0 from start-up
+by the service that defines it instead, so a rate over it has a baseline.
 """
 
 from __future__ import annotations
@@ -56,12 +61,6 @@ def rate(metric: str, labels: str = M, by: str = "") -> str:
     return f"sum{group} (rate({_select(metric, labels)}[{RATE}]))"
 
 
-def or_zero(expr: str) -> str:
-    """`expr`, or 0 while its metric has no series yet (a labelled counter appears on
-    its first use: no migration or transfer failure yet is 0, not "no data")."""
-    return f"({expr}) or vector(0)"
-
-
 def quantiles(metric: str, labels: str = M, by: str = "", qs=(0.5, 0.9, 0.99)
               ) -> list[tuple[str, str]]:
     """histogram_quantile targets of a vLLM-style `_bucket` histogram."""
@@ -99,8 +98,8 @@ def serving_overview() -> Dashboard:
                                     (rate("vllm:generation_tokens_total"), "generation tokens/s")],
                "short")],
         [Panel("Errors, rejections and aborts",
-               [(f'(sum(rate(pagoda_gateway_http_requests_total{{{GEN},status=~"5.."}}[{RATE}]))'
-                 f' or vector(0)) / sum(rate(pagoda_gateway_http_requests_total{{{GEN}}}[{RATE}]))',
+               [(f'sum(rate(pagoda_gateway_http_requests_total{{{GEN},status=~"5.."}}[{RATE}]))'
+                 f' / sum(rate(pagoda_gateway_http_requests_total{{{GEN}}}[{RATE}]))',
                  "5xx ratio"),
                 (rate("pagoda_gateway_requests_rejected_total", "", "reason"),
                  "rejected {{reason}}"),
@@ -119,8 +118,7 @@ def serving_overview() -> Dashboard:
                quantiles("pagoda_gateway_http_request_duration_seconds", GEN, "route", (0.99,)),
                "s", "Arrival to the last byte, streams included.")],
         [Panel("Migrations/s by reason",
-               [(or_zero(rate("pagoda_gateway_migrations_total", "", "reason")),
-                 "{{reason}}")], "reqps",
+               [(rate("pagoda_gateway_migrations_total", "", "reason"), "{{reason}}")], "reqps",
                "Streams moved to another replica mid-answer: replica_lost (connection or "
                "silence), replica_failed, drain_timeout. The client saw one stream."),
          Panel("LoRA adapters per replica",
@@ -190,15 +188,14 @@ def cache_and_routing() -> Dashboard:
                 (rate("pagoda_kv_index_redis_errors_total", "", "operation"),
                  "redis errors {{operation}}/s")], "short")],
         [Panel("Prefill/decode: KV pulled",
-               [(or_zero(rate("pagoda_kv_transfer_blocks_total", "")), "blocks/s"),
-                ("max(pagoda_kv_leased_blocks) or vector(0)", "leased blocks (prefill side)")],
+               [(rate("pagoda_kv_transfer_blocks_total", ""), "blocks/s"),
+                ("max(pagoda_kv_leased_blocks)", "leased blocks (prefill side)")],
                "short", "Blocks decode replicas pulled from prefill replicas, and the blocks "
                         "prefill replicas hold under leases for them."),
          Panel("Prefill/decode: failures and fallbacks",
-               [(or_zero(rate("pagoda_kv_transfer_failures_total", "", "reason")),
-                 "failed {{reason}}"),
-                (or_zero(rate("pagoda_kv_transfer_fallbacks_total", "", "kind")),
-                 "fallback {{kind}}")], "short",
+               [(rate("pagoda_kv_transfer_failures_total", "", "reason"), "failed {{reason}}"),
+                (rate("pagoda_kv_transfer_fallbacks_total", "", "kind"), "fallback {{kind}}")],
+               "short",
                "A pull that did not complete (timeout, lease_expired, stale_epoch, ...) is "
                "recomputed by the decode replica: the client sees no error.")],
         [Panel("Index lookup and apply latency",

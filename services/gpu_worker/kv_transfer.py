@@ -65,6 +65,9 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         self.epoch = uuid.uuid4().hex
         self._channels: dict[str, grpc.Channel] = {}  # source address -> channel, reused
         self._channels_lock = threading.Lock()
+        # Exported (at 0) from start-up, not from the first pull: a rate over the blocks
+        # pulled needs a sample from before them (the dashboards' "KV pulled" panel).
+        kv_transfer_metrics()
 
     def renew_epoch(self) -> None:
         """The KV cache's contents are lost (a step failed midway, or the cache is

@@ -41,8 +41,9 @@ def start_pd(model_dir: str, redis_url: str, *extra: str,
     return serve
 
 
-def role_process(serve: ServeProcess, kind: str, role: str) -> psutil.Process:
-    """The `kind` process (scheduler, gpu-worker) whose --kv-transfer-config has `role`."""
+def role_processes(serve: ServeProcess, kind: str, role: str) -> list[psutil.Process]:
+    """The `kind` processes (scheduler, gpu-worker) whose --kv-transfer-config has `role`."""
+    found = []
     for child in psutil.Process(serve.process.pid).children(recursive=True):
         try:
             cmd = child.cmdline()
@@ -51,8 +52,16 @@ def role_process(serve: ServeProcess, kind: str, role: str) -> psutil.Process:
         if CLI_MODULE in cmd and cmd[cmd.index(CLI_MODULE) + 1] == kind \
                 and "--kv-transfer-config" in cmd \
                 and f'"kv_role":"{role}"' in flag_value(cmd, "--kv-transfer-config"):
-            return child
-    raise LookupError(f"{kind} {role}")
+            found.append(child)
+    return found
+
+
+def role_process(serve: ServeProcess, kind: str, role: str) -> psutil.Process:
+    """The (first) `kind` process whose --kv-transfer-config has `role`."""
+    found = role_processes(serve, kind, role)
+    if not found:
+        raise LookupError(f"{kind} {role}")
+    return found[0]
 
 
 def role_address(serve: ServeProcess, kind: str, role: str) -> str:

@@ -121,16 +121,34 @@ def collector():
 DASHBOARDS = Path(__file__).resolve().parents[2] / "charts" / "pagoda" / "dashboards"
 
 
-def panel_queries(speculative: bool = False) -> list[tuple[str, str, str]]:
-    """(file, panel title, expr) of every shipped panel query; the speculative-decoding
-    panels (which need --speculative-config: test_spec_decode_served.py checks them)
-    only with `speculative`, and then only they."""
+# The panels a plain colocated cluster cannot feed, each checked by the module whose
+# cluster does: speculative decoding (--speculative-config, test_spec_decode_served.py) and
+# prefill/decode transfers (a P/D cluster, test_dashboards_pd.py).
+PANEL_PARTS = {"speculative": ("vllm:spec_decode_",),
+               "pd": ("pagoda_kv_transfer_", "pagoda_kv_leased_")}
+# The migration panel: a colocated cluster feeds it zeros; the P/D module migrates a request.
+MIGRATION_METRIC = "pagoda_gateway_migrations_"
+
+
+def panel_part(expr: str) -> str:
+    """"speculative", "pd" or "colocated": which cluster a panel query needs."""
+    return next((part for part, metrics in PANEL_PARTS.items()
+                 if any(metric in expr for metric in metrics)), "colocated")
+
+
+def panel_queries(*parts: str) -> list[tuple[str, str, str]]:
+    """(file, panel title, expr) of every shipped panel query of the `parts` named
+    (default: "colocated", every query a colocated cluster without speculation feeds);
+    "migration" selects the migration panel's."""
+    parts = parts or ("colocated",)
     queries = []
     for path in sorted(DASHBOARDS.glob("*.json")):
         for panel in json.loads(path.read_text())["panels"]:
             for target in panel["targets"]:
-                if ("vllm:spec_decode_" in target["expr"]) == speculative:
-                    queries.append((path.name, panel["title"], target["expr"]))
+                expr = target["expr"]
+                if panel_part(expr) in parts or ("migration" in parts
+                                                 and MIGRATION_METRIC in expr):
+                    queries.append((path.name, panel["title"], expr))
     return queries
 
 

@@ -148,7 +148,9 @@ def test_gateway_and_service_metrics_count_exactly(traffic):
 def test_every_dashboard_panel_query_returns_data(traffic, prometheus):
     """Every query of every shipped dashboard, with the dashboard variables set as
     Grafana would, answers through Prometheus with at least one series holding a
-    number (not only NaN)."""
+    number (not only NaN); the P/D transfer panels' and speculative decoding's queries
+    are checked on clusters that feed them (test_dashboards_pd.py,
+    test_spec_decode_served.py)."""
     generated = total(traffic.after, "vllm:generation_tokens_total")
     assert wait_until(lambda: prometheus.values("sum(vllm:generation_tokens_total)")
                       == [generated], 30), "Prometheus never scraped the traffic"

@@ -1,6 +1,7 @@
 """The shipped dashboards are exactly what tools/gen_dashboards.py generates, well formed,
-and every metric they query is one the code defines (the cluster test then proves each
-query returns data from a real Prometheus)."""
+and every metric they query is one the code defines, never hidden behind `or vector(0)`
+(the cluster tests, test_cluster_observability.py and test_dashboards_pd.py, then prove
+each query returns data from a real Prometheus)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,17 @@ def test_every_queried_metric_is_defined_by_the_code():
     queried = {m for d in _dashboards().values() for p in d["panels"] for t in p["targets"]
                for m in METRIC.findall(t["expr"])}
     assert queried and queried <= exported, sorted(queried - exported)
+
+
+def test_no_query_hides_a_missing_metric_behind_a_constant():
+    """`... or vector(0)` reads 0 whether or not its metric is exported, so the live
+    checks (test_cluster_observability.py, test_dashboards_pd.py) could not catch a
+    panel naming a wrong metric: a counter absent until its first event is exported at
+    0 from start-up by its service instead."""
+    fallbacks = [(name, p["title"], t["expr"]) for name, d in _dashboards().items()
+                 for p in d["panels"] for t in p["targets"]
+                 if re.search(r"\bor\s+(vector|on\s*\(\s*\)\s*vector)\s*\(", t["expr"])]
+    assert not fallbacks, fallbacks
 
 
 def test_dashboards_are_well_formed_grafana_models():

@@ -79,7 +79,7 @@ def test_speculative_decoding_panels_return_data(cluster, prometheus):
     # rate() needs a scrape before the traffic and one after it.
     assert wait_until(lambda: prometheus.values("sum(vllm:spec_decode_num_drafts_total)"), 30)
     client.completions.create(model=model, prompt=PROMPTS[0], temperature=0, max_tokens=30)
-    queries = panel_queries(speculative=True)
+    queries = panel_queries("speculative")
     assert len(queries) == 4
     assert wait_until(lambda: not panel_query_failures(prometheus, queries, model), 30, 1.0), \
         "\n".join(panel_query_failures(prometheus, queries, model))

@@ -101,11 +101,13 @@ class ReplicaLost(APIError):
         reason = "replica_lost"
         metadata = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
         for key, value in metadata or ():
-            if key == MIGRATION_REASON_KEY:
+            # A word outside the known ones counts as replica_lost: the label's values
+            # stay the ones exported at 0 from start-up (metrics.MIGRATION_REASONS).
+            if key == MIGRATION_REASON_KEY and value in _LOST_MESSAGES:
                 reason = value
         logger.warning("scheduler %s lost a request (%s: %s)", address, exc.code().name,
                        exc.details())
-        return cls(_LOST_MESSAGES.get(reason, _LOST_MESSAGES["replica_lost"]), address, reason)
+        return cls(_LOST_MESSAGES[reason], address, reason)
 
 
 _LOST_MESSAGES = {
