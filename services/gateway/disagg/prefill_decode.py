@@ -50,6 +50,7 @@ from pagoda.kv_transfer.params import KVTransferParams
 from pagoda.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2 as kpb
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc as kpb_grpc
+from pagoda.services.gateway.disagg.labels import HANDSHAKE_FIELDS
 from pagoda.services.gateway.errors import APIError
 from pagoda.services.gateway.observability.metrics import gateway_metrics
 from pagoda.services.gateway.routing import context as router_context
@@ -60,8 +61,6 @@ from pagoda.services.gateway.routing.router import RouteRequest
 logger = logging.getLogger(__name__)
 # How long a prefill whose client left may take to end and name its lease.
 PREFILL_DRAIN_S = 30.0
-HANDSHAKE_FIELDS = ("kv_dtype", "block_size", "num_layers", "num_kv_heads", "head_dim",
-                    "layout", "prefix_hash_seed")
 
 
 PD_ROLES = ("kv_producer", "kv_consumer")  # a replica with one: the cluster is P/D

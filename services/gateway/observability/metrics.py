@@ -33,6 +33,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 import pagoda.tracing as tracing
 from pagoda.metrics.aggregate import render
 from pagoda.services.common.metrics_server import one_per_process
+from pagoda.services.gateway.disagg.labels import DISAGG_FALLBACK_KINDS, HANDSHAKE_MISMATCH_FIELDS
 from pagoda.services.gateway.serving_options import route_path
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/tokenize",
@@ -112,6 +113,10 @@ class GatewayMetrics:
             self.migrations.labels(reason)
         for result in ("leased", "lease_failed", "too_few_blocks"):
             self.kv_prefix_pulls.labels(result)
+        for kind in DISAGG_FALLBACK_KINDS:
+            self.disagg_fallbacks.labels(kind)
+        for field in HANDSHAKE_MISMATCH_FIELDS:
+            self.disagg_handshake_mismatches.labels(field)
 
     def observe_response(self, route: str, method: str, status: int, seconds: float,
                          completed: bool) -> None:

@@ -44,3 +44,13 @@ def test_a_migration_reason_is_one_exported_at_zero():
         assert ReplicaLost.from_rpc_error(_Lost(reason), "a:1").reason == reason
     # A scheduler's unknown word would be a new series on its first use: replica_lost.
     assert ReplicaLost.from_rpc_error(_Lost("cosmic_ray"), "a:1").reason == "replica_lost"
+
+
+def test_prefill_decode_fallbacks_and_handshake_mismatches_are_exported_at_zero():
+    registry = CollectorRegistry()
+    GatewayMetrics(registry)
+    text = generate_latest(registry).decode()
+    for kind in ("no_prefill_replica", "prefill_failed"):
+        assert f'pagoda_gateway_disagg_fallbacks_total{{kind="{kind}"}} 0.0' in text
+    for field in ("model", "kv_connector", "block_size", "prefix_hash_seed"):
+        assert f'pagoda_gateway_disagg_handshake_mismatches_total{{field="{field}"}} 0.0' in text
