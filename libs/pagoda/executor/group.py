@@ -141,7 +141,8 @@ class WorkerGroupExecutor(Executor, abc.ABC):
         return self._run("memory_report")
 
     def kv_cache_geometry(self):
-        return None if self.worker is None else runner_geometry(self.worker.runner)
+        worker = self.worker  # read once: a rebuild may drop it meanwhile (KV transfer thread)
+        return None if worker is None else runner_geometry(worker.runner)
 
     def export_kv_blocks(self, block_ids: list[int]):
         """A collective call like a step: the caller serializes it with steps."""
