@@ -3,11 +3,15 @@
 `pagoda_worker_execute_model_seconds`: one `ExecuteModel` (the model runner's
 step: inputs, forward, sampling), without the network; the scheduler's step
 time minus this is the plan's round trip and (de)serialization.
+
+`pagoda_worker_group_rebuilds_total`: how often this worker's TP/PP group was torn
+down and built again after a rank died or failed a step (executor/group.py; vLLM
+has no such metric). It moving at all is worth a look; a crash loop ends the worker.
 """
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, CollectorRegistry, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
 from pagoda.services.common.metrics_server import one_per_process
 
@@ -20,6 +24,9 @@ class WorkerMetrics:
         self.execute_model = Histogram("pagoda_worker_execute_model_seconds",
                                        "Seconds the model runner spent on one step.",
                                        buckets=STEP_BUCKETS, registry=registry)
+        self.group_rebuilds = Counter("pagoda_worker_group_rebuilds",
+                                      "Times the worker group was rebuilt after a rank "
+                                      "failed.", registry=registry)
 
 
 @one_per_process

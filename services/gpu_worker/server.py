@@ -15,6 +15,7 @@ from pagoda.services.common.kv_transfer_args import add_kv_transfer_args, kv_tra
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.executor.factory import make_executor
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc
+from pagoda.services.gpu_worker.metrics import worker_metrics
 from pagoda.services.gpu_worker.servicer import WorkerServicer
 from pagoda.services.gpu_worker.step_thread import StepThread
 from pagoda.worker.plan_checks import PlanLedger
@@ -36,6 +37,8 @@ def main(args: argparse.Namespace) -> int:
     # Before the gRPC server exists: a worker group (T x P > 1) has this process as its
     # rank 0 and starts the other ranks (Ray actors by default) while no gRPC thread runs.
     executor = make_executor(config)
+    if hasattr(executor, "on_rebuild"):  # a worker group: count its rebuilds
+        executor.on_rebuild = worker_metrics().group_rebuilds.inc
     logger.info("loaded %s (%s on %s)", config.model, config.dtype, config.device)
     ledger = PlanLedger(0, config.cache.block_size, config.arch.vocab_size,
                         config.scheduler.max_model_len)  # sized by InitializeKvCache

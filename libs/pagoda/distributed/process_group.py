@@ -40,6 +40,9 @@ class GroupInit:
     pp_size: int
     device_type: str  # "cpu" -> gloo, "cuda" -> NCCL for tensor traffic
     timeout_s: float = 600.0  # one collective's deadline (a dead peer fails it sooner)
+    # The group's life: 0 at start-up, one more each time the driver rebuilds it after
+    # a failure (each life has its own store and port, so no rank of an old life joins).
+    generation: int = 0
 
     @property
     def world_size(self) -> int:
@@ -114,6 +117,18 @@ def join_group(store, init: GroupInit, rank: int) -> GroupHandles:
         pp_group = _backend(store, "world", rank, init.world_size, init.device_type, init.timeout)
     parallel = ParallelContext(init.tp_size, tp_rank, init.pp_size, pp_rank, tp_group, pp_group)
     return GroupHandles(parallel, control)
+
+
+def leave_group(parallel: ParallelContext, control) -> None:
+    """Abort this rank's groups (after a peer failed): nothing of them is used again,
+    and an NCCL communicator with a dead peer must be aborted, not destroyed while
+    it waits. Best effort: a group that cannot abort is dropped all the same."""
+    for group in (parallel.tp_group, parallel.pp_group, control):
+        if group is not None:
+            try:
+                group.abort()
+            except Exception:  # noqa: BLE001 - already broken; nothing more to release
+                pass
 
 
 def joined_ranks(store, world_size: int) -> list[int]:

@@ -12,7 +12,7 @@ from pagoda.messages import (EngineCoreOutput, EngineCoreRequest, FinishReason, 
 from pagoda.core.scheduler import Scheduler, SchedulerStats
 from pagoda.core import step_quarantine
 from pagoda.core.step_recovery import reject_step
-from pagoda.executor.base import Executor, StepFailed, StepRejected
+from pagoda.executor.base import Executor, StepFailed, StepRejected, WorkerGroupFailed
 from pagoda.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,9 @@ class EngineCore:
         # in the outputs; the caller tells their clients why (step_recovery.py).
         self.rejected: dict[str, str] = {}
         self._suspects = False  # requests of a failed step still run alone (quarantine)
+        # Set when the executor can run no more steps (a worker group that failed for
+        # good): every later step raises it, rather than plan steps that never run.
+        self.failure: WorkerGroupFailed | None = None
         # Called on this thread once the worker's KV cache was set up again after a
         # failed step (every block zeroed): whoever handed blocks out (the KV producer's
         # leases) must take them back and learn the worker's new epoch.
@@ -64,6 +67,8 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """schedule -> execute -> update."""
         self.last_scheduler_output = None
+        if self.failure is not None:
+            raise WorkerGroupFailed(str(self.failure))
         if not self.scheduler.has_unfinished_requests():
             return self.scheduler.take_pending_outputs()
         scheduler_output = self._schedule()
@@ -78,6 +83,9 @@ class EngineCore:
             except StepFailed as exc:  # failed midway: find the request at fault
                 self._recover(scheduler_output, exc)
                 return self.scheduler.take_pending_outputs()
+            except WorkerGroupFailed as exc:  # final: the step's plan never ran
+                self.failure = exc
+                raise
             if self._suspects:
                 step_quarantine.after_step(self.scheduler, scheduler_output)
         else:

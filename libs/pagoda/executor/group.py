@@ -10,11 +10,18 @@ and then run by rank 0 itself; the collectives inside make the ranks meet.
 The driver also carries the tokens the output rank sampled in one step to the
 other ranks with the next plan (`parallel_runner.py`).
 
-Failure is loud and final: if any collective fails (a peer died, so its sockets
-closed) or a rank raises, the driver collects what the ranks recorded and what
-the backend knows about dead ranks, tears the group down, and raises
-`WorkerGroupFailed`; every later call raises it at once. Nothing waits on a dead
-rank: the engine reports the error on its requests within moments.
+A failure is repaired, within bounds. When a collective fails (a peer died, so
+its sockets closed) or a rank raises, the driver collects what the ranks recorded
+and what the backend knows about dead ranks, stops every follower, drops its own
+rank, and builds the group again: new follower ranks, a new store on a fresh
+port (`GroupInit.generation` one more), weights loaded again. The new group holds
+no KV cache and no request, so the failed step raises `StepFailed`, as one
+rank's does (executor/in_process.py): the engine recomputes every request from
+its tokens and calls `initialize_kv_cache`, which bumps the KV epoch for anyone
+holding leases on the old blocks (EngineCore.kv_reset_listeners). A crash loop
+(more rebuilds than `RestartBudget` allows) is final: `WorkerGroupFailed`,
+naming the rank and its error, and every later call raises it at once. Nothing
+waits on a dead rank: the failure shows within moments.
 
 Backends (`ray_group.RayExecutor`, `multiproc.MultiprocExecutor`) only place,
 start, watch and stop the follower ranks. The ranks themselves (`RankWorker`, the
@@ -26,49 +33,57 @@ from __future__ import annotations
 
 import abc
 import atexit
+import gc
 import logging
 import time
+from typing import Callable
 
 import torch
 
 from pagoda.config import EngineConfig
 from pagoda.distributed.process_group import (GroupInit, brief_error, create_master_store,
-                                              is_peer_loss, joined_ranks, recorded_errors)
+                                              is_peer_loss, joined_ranks, leave_group,
+                                              recorded_errors)
 from pagoda.worker.rank_worker import SHUTDOWN, RankWorker, broadcast_call
-from pagoda.executor.base import Executor, InsufficientResources, WorkerGroupFailed
+from pagoda.executor.base import Executor, InsufficientResources, StepFailed, WorkerGroupFailed
+from pagoda.executor.restart_budget import RestartBudget
 from pagoda.kv_transfer.block_shares import as_bytes, check_block_ids, runner_geometry
 from pagoda.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+# Calls that depend on nothing a failed group held: after a rebuild they simply run
+# again. Any other call (a step, a KV transfer) raises StepFailed instead.
+_STATELESS_CALLS = ("determine_num_blocks", "initialize_kv_cache", "reset")
 
 
 class WorkerGroupExecutor(Executor, abc.ABC):
     """Rank 0 of a T x P group in this process; a backend runs ranks 1..N-1.
 
-    Invariant: every rank sees the same calls in the same order; after a failure the
-    group is torn down and every call raises `WorkerGroupFailed`.
+    Invariant: every rank sees the same calls in the same order. After a failure the
+    group is rebuilt (holding no KV cache and no request) while `restarts` allows;
+    else it is torn down and every call raises `WorkerGroupFailed`.
     """
 
     def __init__(self, config: EngineConfig, startup_timeout_s: float = 600.0,
-                 collective_timeout_s: float = 600.0) -> None:
+                 collective_timeout_s: float = 600.0,
+                 restarts: RestartBudget | None = None) -> None:
         self.config = config
         self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+        self.restarts = restarts or RestartBudget()
+        self.num_rebuilds = 0
+        # Called after each rebuild (the gpu-worker counts them in its metrics).
+        self.on_rebuild: Callable[[], None] = lambda: None
+        self._startup_timeout_s = startup_timeout_s
+        self._collective_timeout_s = collective_timeout_s
+        self._device_type = torch.device(config.device).type
         self._failure: WorkerGroupFailed | None = None
         self._stopped = False
         self._sampled: dict[str, list[int]] = {}
         self._store = None
         self.worker: RankWorker | None = None
-        device_type = torch.device(config.device).type
         try:
-            self._place_group(device_type)
-            addr = self._master_addr()
-            self._store = create_master_store(addr, self.world_size, startup_timeout_s)
-            self.init = GroupInit(addr, self._store.port, config.tensor_parallel_size,
-                                  config.pipeline_parallel_size, device_type, collective_timeout_s)
-            self._start_followers(self.init)
-            self._wait_for_followers(startup_timeout_s)
-            self.worker = RankWorker(config, 0, self.init, self._store, self._driver_device_index())
-            self._run("load_model")
+            self._place_group(self._device_type)
+            self._start_group(generation=0)
         except BaseException as exc:
             failure = exc
             if isinstance(exc, Exception) and not isinstance(
@@ -83,6 +98,23 @@ class WorkerGroupExecutor(Executor, abc.ABC):
         logger.info("worker group up: %d ranks (tensor_parallel_size=%d, "
                     "pipeline_parallel_size=%d) over %s", self.world_size,
                     config.tensor_parallel_size, config.pipeline_parallel_size, type(self).__name__)
+
+    def _start_group(self, generation: int) -> None:
+        """Start every rank of one life of the group and load its weights; raises
+        WorkerGroupFailed (naming the rank) when a rank cannot start or load."""
+        addr = self._master_addr()
+        self._store = create_master_store(addr, self.world_size, self._startup_timeout_s)
+        self.init = GroupInit(addr, self._store.port, self.config.tensor_parallel_size,
+                              self.config.pipeline_parallel_size, self._device_type,
+                              self._collective_timeout_s, generation)
+        self._start_followers(self.init)
+        self._wait_for_followers(self._startup_timeout_s)
+        self.worker = RankWorker(self.config, 0, self.init, self._store,
+                                 self._driver_device_index())
+        try:
+            self._call("load_model")
+        except Exception as exc:
+            raise self._diagnose("load_model", exc) from exc
 
     # ------------------------------------------------------------------ Executor
     def determine_num_blocks(self) -> int:
@@ -109,7 +141,8 @@ class WorkerGroupExecutor(Executor, abc.ABC):
         return self._run("memory_report")
 
     def kv_cache_geometry(self):
-        return None if self.worker is None else runner_geometry(self.worker.runner)
+        worker = self.worker  # read once: a rebuild may drop it meanwhile (KV transfer thread)
+        return None if worker is None else runner_geometry(worker.runner)
 
     def export_kv_blocks(self, block_ids: list[int]):
         """A collective call like a step: the caller serializes it with steps."""
@@ -149,19 +182,59 @@ class WorkerGroupExecutor(Executor, abc.ABC):
         self._teardown()
 
     # ------------------------------------------------------------------ driving
+    def _call(self, method: str, *args):
+        broadcast_call(method, args, self.worker.control)
+        return getattr(self.worker, method)(*args)
+
     def _run(self, method: str, *args):
-        if self._failure is not None:
-            raise WorkerGroupFailed(str(self._failure))
-        if self.worker is None:
-            raise WorkerGroupFailed("The worker group was shut down")
-        try:
-            broadcast_call(method, args, self.worker.control)
-            return getattr(self.worker, method)(*args)
-        except Exception as exc:
-            self._failure = self._diagnose(method, exc)
-            logger.error("%s", self._failure)
-            self._teardown()
-            raise self._failure from exc
+        """`method` on every rank. A failure rebuilds the group (or is final, see the
+        module doc); then a call that holds no state is run again on the new group,
+        and any other raises StepFailed: what it worked on (the KV cache, the
+        requests' batch state) went with the old group."""
+        while True:
+            if self._failure is not None:
+                raise WorkerGroupFailed(str(self._failure))
+            if self.worker is None:
+                raise WorkerGroupFailed("The worker group was shut down")
+            try:
+                return self._call(method, *args)
+            except Exception as exc:  # noqa: BLE001 - a rank died or raised: diagnosed below
+                failure = self._diagnose(method, exc)
+                self._rebuild(failure, exc)
+            if method not in _STATELESS_CALLS:
+                raise StepFailed(f"{failure}; the group was rebuilt and holds no request: "
+                                 "its KV cache must be initialized again")
+
+    def _rebuild(self, failure: WorkerGroupFailed, exc: BaseException) -> None:
+        """Stop the failed group and start a new one, waiting the budget's backoff
+        first; a start-up that fails counts as a failure too. Raises the failure
+        (final) once the budget is spent."""
+        logger.error("%s; rebuilding the group", failure)
+        while True:
+            self._stop_group()
+            delay = self.restarts.next_delay()
+            if delay is None:
+                self._failure = WorkerGroupFailed(
+                    f"{failure}. Not rebuilt again: {self.restarts.describe()} already "
+                    "(a crash loop); the replica stops")
+                logger.error("%s", self._failure)
+                self._teardown()
+                raise self._failure from exc
+            time.sleep(delay)
+            generation = self.init.generation + 1
+            try:
+                self._start_group(generation)
+            except Exception as start_exc:  # noqa: BLE001 - counted against the budget
+                failure = (start_exc if isinstance(start_exc, WorkerGroupFailed)
+                           else self._diagnose("rebuild", start_exc))
+                logger.error("%s", failure)
+                continue
+            self._sampled = {}
+            self.num_rebuilds += 1
+            logger.warning("worker group rebuilt (generation %d, %d rebuilds so far)",
+                           generation, self.num_rebuilds)
+            self.on_rebuild()
+            return
 
     def _wait_for_followers(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -201,15 +274,29 @@ class WorkerGroupExecutor(Executor, abc.ABC):
         return WorkerGroupFailed(f"The worker group of {self.world_size} ranks failed during "
                                  f"{stage}: {message}")
 
+    def _stop_group(self, graceful: bool = False) -> None:
+        """Stop this life of the group: every follower, rank 0's process groups and
+        model (freed before a new one loads), the store and its port."""
+        try:
+            self._stop_followers(graceful)
+        finally:
+            if self.worker is not None:
+                leave_group(self.worker.parallel, self.worker.control)
+            self.worker = None
+            self._store = None
+            gc.collect()  # the old rank's weights and KV cache, before new ones load
+            if self._device_type == "cuda":
+                torch.cuda.empty_cache()
+
     def _teardown(self, graceful: bool = False) -> None:
         if self._stopped:
             return
         self._stopped = True
         atexit.unregister(self.shutdown)
         try:
-            self._stop_followers(graceful)
+            self._stop_group(graceful)
         finally:
-            self.worker = None
+            self._release_group()
 
     # ------------------------------------------------------------------ backend
     @abc.abstractmethod
@@ -230,8 +317,12 @@ class WorkerGroupExecutor(Executor, abc.ABC):
 
     @abc.abstractmethod
     def _stop_followers(self, graceful: bool) -> None:
-        """Stop every follower (they may already be gone) and release their slots;
-        `graceful`: they were told to shut down, give them a moment to exit."""
+        """Stop every follower (they may already be gone) and forget them, keeping
+        their slots for a rebuild; `graceful`: they were told to shut down, give them
+        a moment to exit."""
+
+    def _release_group(self) -> None:
+        """Release the slots `_place_group` reserved (none by default)."""
 
     def _driver_device_index(self) -> int:
         return 0

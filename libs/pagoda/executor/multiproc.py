@@ -30,7 +30,8 @@ from pagoda.executor.group import WorkerGroupExecutor
 
 
 class MultiprocExecutor(WorkerGroupExecutor):
-    """Invariant: `processes[r]` runs rank r for r in 1..N-1 until shutdown or failure."""
+    """Invariant: `processes[r]` runs rank r for r in 1..N-1 of the group's current
+    life, until shutdown or failure (then it is emptied)."""
 
     def __init__(self, config: EngineConfig, **kwargs) -> None:
         self.processes: dict[int, subprocess.Popen] = {}
@@ -69,6 +70,7 @@ class MultiprocExecutor(WorkerGroupExecutor):
             if process.poll() is None:
                 process.kill()
                 process.wait(timeout=5)
+        self.processes = {}
 
 
 def _send(process: subprocess.Popen, payload: bytes) -> None:

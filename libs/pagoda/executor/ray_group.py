@@ -43,7 +43,8 @@ class _RankActor:
 
 
 class RayExecutor(WorkerGroupExecutor):
-    """Invariant: `actors[r]` runs rank r in bundle r of `placement_group`."""
+    """Invariant: `actors[r]` runs rank r of the group's current life in bundle r of
+    `placement_group`, which lasts from start-up to shutdown (rebuilds included)."""
 
     def __init__(self, config: EngineConfig, **kwargs) -> None:
         self.actors: dict[int, object] = {}
@@ -146,19 +147,28 @@ class RayExecutor(WorkerGroupExecutor):
     def _stop_followers(self, graceful: bool) -> None:
         # lazy: ray is optional (installed for --distributed-executor-backend ray only)
         import ray
+
+        if ray.is_initialized():
+            if graceful and self._loops:
+                ray.wait(list(self._loops.values()), num_returns=len(self._loops), timeout=5)
+            for actor in [*self.actors.values(), self._placeholder]:
+                if actor is not None:
+                    ray.kill(actor, no_restart=True)
+        # The bundles stay reserved: a rebuilt group's actors start in them again.
+        self.actors, self._loops, self._placeholder = {}, {}, None
+
+    def _release_group(self) -> None:
+        # lazy: ray is optional (installed for --distributed-executor-backend ray only)
+        import ray
         # lazy: ray is optional (installed for --distributed-executor-backend ray only)
         from ray.util.placement_group import remove_placement_group
 
         if not ray.is_initialized():
             self._stop_head()
             return
-        if graceful and self._loops:
-            ray.wait(list(self._loops.values()), num_returns=len(self._loops), timeout=5)
-        for actor in [*self.actors.values(), self._placeholder]:
-            if actor is not None:
-                ray.kill(actor, no_restart=True)
         if self._placement_group is not None:
             remove_placement_group(self._placement_group)
+            self._placement_group = None
         if self._head is not None:
             ray.shutdown()
             self._stop_head()

@@ -37,6 +37,7 @@ from pagoda.distributed.process_group import (GroupInit, brief_error, configure_
                                               connect_store, is_peer_loss, join_group,
                                               record_error)
 from pagoda.parent_death import set_parent_death_signal
+from pagoda.worker import fault_injection
 from pagoda.worker.parallel_runner import ParallelModelRunner
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class RankWorker:
         configure_device(init.device_type, local_device_index, init.world_size)
         self.rank = rank
         self.store = store
+        self.generation = init.generation
+        self.fault = fault_injection.from_env()  # None unless a test asks for one
         handles = join_group(store, init, rank)
         self.parallel = handles.parallel
         self.control = handles.control
@@ -88,6 +91,8 @@ class RankWorker:
     def execute_model(self, scheduler_output: SchedulerOutput,
                       sampled_token_ids: dict[str, list[int]] | None) -> ModelRunnerOutput | None:
         """Rank 0 returns the step's result, fetched from the output rank if need be."""
+        if self.fault is not None:
+            self.fault.before_step(self.rank, self.generation)
         output = self.runner.execute_model(scheduler_output, sampled_token_ids)
         output_rank = self.parallel.output_rank
         if output_rank == 0:

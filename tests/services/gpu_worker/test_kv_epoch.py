@@ -84,3 +84,36 @@ def test_a_pull_reading_across_a_reallocation_is_refused():
     with pytest.raises(Aborted) as refused:
         pull(transfer, epoch)
     assert refused.value.args[0] == grpc.StatusCode.FAILED_PRECONDITION
+
+
+class TrailingContext(Context):
+    def set_trailing_metadata(self, metadata) -> None:
+        self.trailing = dict(metadata)
+
+
+@pytest.mark.parametrize("failure", ["rebuilt", "crash loop"])
+def test_a_worker_group_rebuilt_after_a_failed_step_renews_the_epoch(failure):
+    """A TP/PP group whose rank failed is rebuilt and raises StepFailed (its KV is gone):
+    the scheduler is told the step failed midway (it recomputes and sets the KV cache
+    up again) and old pulls are refused. A crash loop is final: UNAVAILABLE."""
+    from pagoda.executor.base import StepFailed, WorkerGroupFailed
+    from pagoda.services.common.protocol.worker import STEP_FAILED_KEY
+
+    executor, worker, transfer = pair()
+    error = (StepFailed("rank 1 died; the group was rebuilt") if failure == "rebuilt"
+             else WorkerGroupFailed("rank 1: ...; a crash loop"))
+
+    def execute_model(plan):
+        raise error
+
+    executor.execute_model = execute_model
+    worker.InitializeKvCache(wpb.InitializeKvCacheRequest(num_blocks=4), Context())
+    epoch, context = transfer.epoch, TrailingContext()
+    with pytest.raises(Aborted) as aborted:
+        worker.ExecuteModel(wpb.ExecuteModelRequest(step_id=0), context)
+    if failure == "rebuilt":
+        assert aborted.value.args[0] == grpc.StatusCode.INTERNAL
+        assert STEP_FAILED_KEY in context.trailing
+        assert transfer.epoch != epoch
+    else:
+        assert aborted.value.args[0] == grpc.StatusCode.UNAVAILABLE
