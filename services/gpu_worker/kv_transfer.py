@@ -28,6 +28,7 @@ import zlib
 import grpc
 import torch
 
+from pagoda import fault_injection
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2 as pb
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc as pb_grpc
 from pagoda.services.common import grpc_channels
@@ -147,18 +148,28 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         return pb.SendBlocksResponse(num_bytes=sent)
 
     def PullBlocks(self, request: pb.PullBlocksRequest, context):
+        if fault_injection.check("kv_pull.start") == "fail":
+            context.abort(grpc.StatusCode.UNAVAILABLE, "injected fault: pull refused")
         self._check_epoch(request.epoch, context)
         shape, num_blocks = self._geometry(context)
         ids = list(request.block_ids)
         self._check_ids(ids, num_blocks, context)
         size = shape.nbytes
         for start in range(0, len(ids), IMPORT_BATCH):
-            data = self._export(ids[start:start + IMPORT_BATCH])
-            self._check_epoch(request.epoch, context)  # read before any re-allocation
-            for offset in range(0, len(data), size):
-                block = data[offset:offset + size]
-                yield pb.BlockChunk(index=start + offset // size, data=block,
-                                    crc32=zlib.crc32(block))
+            batch = ids[start:start + IMPORT_BATCH]
+            data = b""
+            for j in range(len(batch)):
+                # Before block j is sent and, for j == 0, before its batch is read.
+                fault = fault_injection.check("kv_pull.block")
+                if fault == "fail":
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "injected fault: stream broke")
+                if fault == "truncate":
+                    return
+                if j == 0:
+                    data = self._export(batch)
+                    self._check_epoch(request.epoch, context)  # read before any re-allocation
+                block = data[j * size:(j + 1) * size]
+                yield pb.BlockChunk(index=start + j, data=block, crc32=zlib.crc32(block))
 
     def FetchBlocks(self, request: pb.FetchBlocksRequest, context) -> pb.FetchBlocksResponse:
         shape, _ = self._geometry(context)
