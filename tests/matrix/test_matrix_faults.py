@@ -86,9 +86,9 @@ def injected(pd, point: str) -> int:
 
 
 def wait_counted(pd, reason: str, before: float) -> None:
-    """The decode replica counted one more failure for `reason` (the gateway merges its
-    peers' /metrics as it scrapes them)."""
-    assert wait_until(lambda: failures(pd, reason) == before + 1, 20), \
+    """A failure for `reason` was counted (the gateway merges its peers' /metrics as it
+    scrapes them; the prefill side's reaper counts lease_expired too)."""
+    assert wait_until(lambda: failures(pd, reason) > before, 20), \
         (reason, before, failures(pd, reason))
 
 
