@@ -40,6 +40,9 @@ POINTS = {
     # this process): fail = the stream breaks (UNAVAILABLE) after the blocks sent so far;
     # truncate = the stream ends cleanly, short; delay = the pull stalls there.
     "kv_pull.block": "source worker, one block about to be sent",
+    # gpu-worker FetchBlocks (the pulling side, PagodaConnector), before it pulls:
+    # delay = the call starts late (its thread pool was busy), its caller's clock running.
+    "kv_fetch.start": "pulling worker, a fetch starts",
     # gpu-worker ExecuteModel, before the model runs: fail = the step fails midway (the
     # worker forgets its requests and renews its KV epoch; the scheduler recovers by
     # setting the KV cache up again: what a restarted worker looks like to a lease).

@@ -21,11 +21,11 @@ MAX_TOKENS = 8
 LOGPROB_TOLERANCE = 1e-3
 
 
-def prompt(case: int) -> list[int]:
-    """Case `case`'s prompt: NUM_BLOCKS full blocks and 5 tokens, no block shared with
+def prompt(case: int, num_blocks: int = NUM_BLOCKS) -> list[int]:
+    """Case `case`'s prompt: `num_blocks` full blocks and 5 tokens, no block shared with
     another case's (the first token differs)."""
     return [1000 + case] + [(7 * case + 13 * i) % 30000 + 200
-                            for i in range(1, NUM_BLOCKS * BLOCK_SIZE + 5)]
+                            for i in range(1, num_blocks * BLOCK_SIZE + 5)]
 
 
 @dataclass

@@ -33,12 +33,17 @@ from pagoda.sampling_params import SamplingParams
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2 as kpb
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc as kpb_grpc
 from pagoda.services.common.redis_server import PrivateRedis
+from pagoda.services.scheduler.kv_consumer import FETCH_GRACE_S
 
 pytestmark = [pytest.mark.matrix, pytest.mark.slow]
 LEASE_TIMEOUT_S = 3.0
 # A stall long enough for the lease to lapse, be reaped and its blocks be reused (or for
 # the source's worker to be set up again) before the pull goes on.
 STALL_S = 8.0
+TRANSFER_TIMEOUT_S = STALL_S + 4
+# A fetch that starts this late has outlived its scheduler's wait for it
+# (--kv-transfer-timeout + kv_consumer.FETCH_GRACE_S), with time to spare.
+LATE_S = TRANSFER_TIMEOUT_S + FETCH_GRACE_S + 4
 POOL_BLOCKS = 64  # per replica: 4 prompts of 21 blocks reuse every block
 FAILURES = "pagoda_kv_transfer_failures_total"
 REGEX = r"[a-z]{2,4}-\d{2}"
@@ -53,7 +58,7 @@ def faults(tmp_path_factory):
 def pd(tiny_llama_dir, faults):
     with PrivateRedis() as redis:
         serve = start_pd(tiny_llama_dir, redis.url, "--kv-lease-timeout", str(LEASE_TIMEOUT_S),
-                         "--kv-transfer-timeout", str(3 * STALL_S),
+                         "--kv-transfer-timeout", str(TRANSFER_TIMEOUT_S),
                          "--num-gpu-blocks-override", str(POOL_BLOCKS), env=faults.env)
         yield serve
         faults.arm()
@@ -184,3 +189,23 @@ def test_a_grammar_that_fails_to_compile_ends_in_abort_then_compiles_again(
     assert got.token_ids == want.token_ids[:streamed], (got, want)
     faults.arm()
     assert_reference(served(client(pd), prompt(case), structured), want)
+
+
+def test_a_fetch_its_scheduler_gave_up_on_writes_nothing(pd, faults, reference):
+    """The decode worker starts a fetch after its scheduler stopped waiting for it (its
+    thread pool was busy): the scheduler has recomputed the prompt and handed the
+    fetch's target blocks to other requests, so the fetch must not write into them."""
+    case, victim = 8, prompt(9, POOL_BLOCKS - 4)  # the victim needs nearly every block
+    want, want_victim = reference.answer(prompt(case)), reference.answer(victim)
+    before = failures(pd, "timeout")
+    faults.arm({"point": "kv_fetch.start", "action": "delay", "seconds": LATE_S,
+                "process": "kv_consumer"})
+    started = time.monotonic()
+    assert_reference(served(client(pd), prompt(case)), want)
+    wait_counted(pd, "timeout", before)
+    faults.arm()
+    assert_reference(served(client(pd), victim), want_victim)  # holds the target blocks
+    assert time.monotonic() - started < LATE_S, "the victim ended after the late fetch"
+    time.sleep(max(0.0, started + LATE_S + 2 - time.monotonic()))  # the fetch has run
+    # Again, from the decode replica's prefix cache: the victim's blocks as they are now.
+    assert_reference(served(client(pd), victim), want_victim)
