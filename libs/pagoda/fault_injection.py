@@ -1,8 +1,8 @@
 """Fault injection for tests with real processes: named points that fail, stop short or
 stall on demand. Inert unless the environment variable PAGODA_FAULT_INJECT is set.
 
-    PAGODA_FAULT_INJECT=@/tmp/faults.json   the file is read again whenever it changes,
-                                            so one running cluster takes fault after fault
+    PAGODA_FAULT_INJECT=@/tmp/faults.json   the file is read at every hit of a point, so
+                                            one running cluster takes fault after fault
     PAGODA_FAULT_INJECT='[{"point": ...}]'  fixed for the life of the process
 
 The spec is a JSON list of faults (an empty file or list: none armed):
@@ -14,7 +14,8 @@ The spec is a JSON list of faults (an empty file or list: none armed):
      "times": 1,                  hits it fires on, then it is spent (default 1; 0: always)
      "process": "kv_producer"}    only in processes whose command line contains this
 
-Hits are counted per process from the moment the spec was (re)read. A production
+Hits are counted per process from the moment the spec's text changed (a fault may carry
+other keys, such as a serial number that makes an identical spec armed again new). A production
 process never sets the variable: `check` then returns None after one dict lookup made
 at import, and nothing else here runs.
 """
@@ -92,37 +93,28 @@ def _fire(point: str) -> dict | None:
 
 
 def _current() -> tuple[list[dict], list[int]]:
-    """The armed faults and their hit counts; re-read (counts from zero) when the spec
-    file changed. A spec that does not parse arms nothing, loudly."""
+    """The armed faults and their hit counts; parsed again (counts from zero) whenever
+    the spec's text changed. A spec that does not parse arms nothing, loudly."""
+    text = _SPEC
     if _SPEC.startswith("@"):
-        path = _SPEC[1:]
         try:
-            stat = os.stat(path)
-            key = (stat.st_ino, stat.st_mtime_ns, stat.st_size)  # tests replace it
+            with open(_SPEC[1:], encoding="utf-8") as f:
+                text = f.read()
         except OSError:
-            key = None
-    else:
-        path, key = None, "inline"
-    if key != _state["key"]:
-        _state.update(key=key, faults=_parse(path), hits=[])
-        _state["hits"] = [0] * len(_state["faults"])
+            text = ""  # no file yet: nothing armed
+    if text != _state["key"]:
+        faults = _parse(text)
+        _state.update(key=text, faults=faults, hits=[0] * len(faults))
     return _state["faults"], _state["hits"]
 
 
-def _parse(path: str | None) -> list[dict]:
+def _parse(text: str) -> list[dict]:
     try:
-        if path is None:
-            text = _SPEC
-        elif not os.path.exists(path):
-            return []
-        else:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
         faults = json.loads(text) if text.strip() else []
         for fault in faults:
             if fault.get("point") not in POINTS or fault.get("action", "fail") not in ACTIONS:
                 raise ValueError(f"bad fault {fault!r}")
-    except (OSError, ValueError, AttributeError) as exc:
+    except (ValueError, AttributeError) as exc:
         logger.error("%s: not a fault list (%s); no fault armed", ENV, exc)
         return []
     argv = " ".join(sys.argv)

@@ -28,7 +28,7 @@ import zlib
 import grpc
 import torch
 
-from pagoda import fault_injection
+import pagoda.fault_injection as fault_injection
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2 as pb
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc as pb_grpc
 from pagoda.services.common import grpc_channels

@@ -8,7 +8,7 @@ import threading
 
 import grpc
 
-from pagoda import fault_injection
+import pagoda.fault_injection as fault_injection
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as pb
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2_grpc as pb_grpc
 from pagoda.executor.base import WorkerGroupFailed

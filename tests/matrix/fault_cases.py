@@ -102,6 +102,7 @@ class FaultFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.serial = 0
         self.arm()
 
     @property
@@ -109,9 +110,11 @@ class FaultFile:
         return {"PAGODA_FAULT_INJECT": f"@{self.path}"}
 
     def arm(self, *faults: dict) -> None:
-        """Exactly `faults` armed from now on (none: every fault off); hit counts restart."""
+        """Exactly `faults` armed from now on (none: every fault off); hit counts restart
+        (each arming is new to the processes: it carries a serial number)."""
+        self.serial += 1
         tmp = f"{self.path}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(list(faults), f)
-        os.replace(tmp, self.path)  # a new inode: every process sees a new spec
+            json.dump([{**fault, "serial": self.serial} for fault in faults], f)
+        os.replace(tmp, self.path)  # whole: no process reads half a spec
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from pagoda import fault_injection
+import pagoda.fault_injection as fault_injection
 from pagoda.config import StructuredOutputsConfig
 from pagoda.reasoning import get_reasoning_parser
 from pagoda.sampling_params import StructuredOutputsParams
