@@ -53,9 +53,10 @@ logger = logging.getLogger(__name__)
 class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
     """Invariant: blocks are served only under the KV cache's current `epoch`, and a
     fetch writes a block only after its checksum matched and only while its caller
-    still waits for it (after that, the caller's pool has the target blocks back). The epoch is renewed
-    (`renew_epoch`) before the cache is set up again and when a step fails midway,
-    so a block read across either is never served under the epoch it was asked for."""
+    still waits for it (after that, the caller's pool has the target blocks back). The
+    epoch is renewed (`renew_epoch`) before the cache is set up again and when a step
+    fails midway, so a block read across either is never served under the epoch it was
+    asked for."""
 
     def __init__(self, executor, model: str, tensor_parallel_size: int,
                  prefix_hash_seed: str, step_lock=None, connector: str = "PagodaConnector",
@@ -221,6 +222,8 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
             context.abort(exc.code(), f"pull from {request.source_address}: {exc.details()}")
         except ValueError as exc:  # a block of another size (layouts differ), a bad id
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        finally:
+            call.cancel()  # ended here (the caller left): the source stops (no-op if done)
         if received != len(local):
             context.abort(grpc.StatusCode.DATA_LOSS, f"got {received} of {len(local)} blocks")
         return _counted(received, num_bytes, started)
