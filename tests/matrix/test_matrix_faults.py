@@ -11,9 +11,12 @@ own (20 full blocks: two pull batches of 16), so the decode replica pulls it who
     the pull ends cleanly, short, after 17 blocks                        -> reference
     the lease expires mid-pull and its blocks are reused by other prompts -> reference
     the source worker is set up again between lease and pull / mid-pull  -> reference
-    the grammar compile fails (both replicas, or the decode one only)    -> an "abort"
-        finish with no token past what was streamed; once the fault is gone the same
+    the grammar compile fails (both replicas, the prefill or the decode one only)
+        -> an "abort" finish with no token past what was streamed (the decode replica's
+        failure comes after the prefill's first token); once the fault is gone the same
         constraint compiles again and answers the reference
+    a decode worker's fetch starts after its scheduler stopped waiting for it
+        -> reference, and nothing is written into the blocks the scheduler gave away
 """
 
 from __future__ import annotations
@@ -175,7 +178,7 @@ def test_a_source_set_up_again_before_or_during_the_pull_is_recomputed(
     wait_counted(pd, "stale_epoch", before)
 
 
-@pytest.mark.parametrize("process,case", [("", 6), ("kv_consumer", 7)])
+@pytest.mark.parametrize("process,case", [("", 6), ("kv_consumer", 7), ("kv_producer", 10)])
 def test_a_grammar_that_fails_to_compile_ends_in_abort_then_compiles_again(
         pd, faults, reference, process, case):
     structured = {"regex": REGEX + f"{case}"}  # a constraint no other case compiled
