@@ -28,6 +28,7 @@ import zlib
 import grpc
 import torch
 
+import pagoda.fault_injection as fault_injection
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2 as pb
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc as pb_grpc
 from pagoda.services.common import grpc_channels
@@ -40,14 +41,22 @@ from pagoda.services.gpu_worker.kv_dist import SEND_BATCH, DistTransport, status
 SERVICE_NAME = "pagoda.kv_transfer.v1.KvTransferService"
 IMPORT_BATCH = 16  # blocks per export or import call (~6 MB of SmolLM2's KV)
 MAX_SOURCE_CHANNELS = 64
+# A fetch writes a batch only while its scheduler still waits this long for it: once the
+# scheduler's deadline passed, it has handed the target blocks to other requests (a
+# fetch can start late, its thread pool busy, or wait on step_lock), and a batch's
+# write takes milliseconds.
+WRITE_MARGIN_S = 1.0
+CALLER_GONE = "the scheduler stopped waiting for this fetch: nothing more is written"
 logger = logging.getLogger(__name__)
 
 
 class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
     """Invariant: blocks are served only under the KV cache's current `epoch`, and a
-    fetch writes a block only after its checksum matched. The epoch is renewed
-    (`renew_epoch`) before the cache is set up again and when a step fails midway,
-    so a block read across either is never served under the epoch it was asked for."""
+    fetch writes a block only after its checksum matched and only while its caller
+    still waits for it (after that, the caller's pool has the target blocks back). The
+    epoch is renewed (`renew_epoch`) before the cache is set up again and when a step
+    fails midway, so a block read across either is never served under the epoch it was
+    asked for."""
 
     def __init__(self, executor, model: str, tensor_parallel_size: int,
                  prefix_hash_seed: str, step_lock=None, connector: str = "PagodaConnector",
@@ -101,10 +110,11 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         with self.step_lock:
             return as_bytes(self.executor.export_kv_blocks(block_ids))
 
-    def _import(self, shape: BlockShape, block_ids, datas: list[bytes]) -> None:
+    def _import(self, shape: BlockShape, block_ids, datas: list[bytes], context) -> None:
         if block_ids:
             blocks = shape.blocks(b"".join(datas), len(block_ids))
             with self.step_lock:
+                _check_caller_waits(context)
                 self.executor.import_kv_blocks(list(block_ids), blocks)
 
     def GetKvLayout(self, request, context) -> pb.KvLayout:
@@ -150,18 +160,28 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         return pb.SendBlocksResponse(num_bytes=sent)
 
     def PullBlocks(self, request: pb.PullBlocksRequest, context):
+        if fault_injection.check("kv_pull.start") == "fail":
+            context.abort(grpc.StatusCode.UNAVAILABLE, "injected fault: pull refused")
         self._check_epoch(request.epoch, context)
         shape, num_blocks = self._geometry(context)
         ids = list(request.block_ids)
         self._check_ids(ids, num_blocks, context)
         size = shape.nbytes
         for start in range(0, len(ids), IMPORT_BATCH):
-            data = self._export(ids[start:start + IMPORT_BATCH])
-            self._check_epoch(request.epoch, context)  # read before any re-allocation
-            for offset in range(0, len(data), size):
-                block = data[offset:offset + size]
-                yield pb.BlockChunk(index=start + offset // size, data=block,
-                                    crc32=zlib.crc32(block))
+            batch = ids[start:start + IMPORT_BATCH]
+            data = b""
+            for j in range(len(batch)):
+                # Before block j is sent and, for j == 0, before its batch is read.
+                fault = fault_injection.check("kv_pull.block")
+                if fault == "fail":
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "injected fault: stream broke")
+                if fault == "truncate":
+                    return
+                if j == 0:
+                    data = self._export(batch)
+                    self._check_epoch(request.epoch, context)  # read before any re-allocation
+                block = data[j * size:(j + 1) * size]
+                yield pb.BlockChunk(index=start + j, data=block, crc32=zlib.crc32(block))
 
     def FetchBlocks(self, request: pb.FetchBlocksRequest, context) -> pb.FetchBlocksResponse:
         shape, _ = self._geometry(context)
@@ -169,6 +189,9 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "remote and local ids differ in length")
         if self.connector == DIST_CONNECTOR:
             return self._fetch_dist(request, context, shape)
+        fault_injection.check("kv_fetch.start")
+        if not _caller_waits(context):
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, CALLER_GONE)
         started = time.perf_counter()
         num_bytes = 0
         received = 0
@@ -194,13 +217,16 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
                 num_bytes += len(chunk.data)
                 received += 1
                 if len(pending) == IMPORT_BATCH:
-                    self._import(shape, local[received - len(pending):received], pending)
+                    self._import(shape, local[received - len(pending):received], pending,
+                                 context)
                     pending = []
-            self._import(shape, local[received - len(pending):received], pending)
+            self._import(shape, local[received - len(pending):received], pending, context)
         except grpc.RpcError as exc:
             context.abort(exc.code(), f"pull from {request.source_address}: {exc.details()}")
         except ValueError as exc:  # a block of another size (layouts differ), a bad id
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        finally:
+            call.cancel()  # ended here (the caller left): the source stops (no-op if done)
         if received != len(local):
             context.abort(grpc.StatusCode.DATA_LOSS, f"got {received} of {len(local)} blocks")
         return _counted(received, num_bytes, started)
@@ -220,6 +246,8 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
                 blocks = self.dist.receive(pair, stub, request, remote[start:start + SEND_BATCH],
                                            shape, deadline)
                 with self.step_lock:
+                    if not _caller_waits(context):
+                        raise TimeoutError(CALLER_GONE)
                     self.executor.import_kv_blocks(local[start:start + SEND_BATCH], blocks)
                 num_bytes += blocks.numel() * blocks.element_size()
         except ValueError as exc:  # another backend or block shape: layouts differ
@@ -228,6 +256,17 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
             context.abort(status_of(exc), f"pull from {request.source_address} over "
                                           f"{DIST_CONNECTOR}: {exc}")
         return _counted(len(local), num_bytes, started)
+
+
+def _caller_waits(context) -> bool:
+    """Whether the scheduler still waits for this fetch, with WRITE_MARGIN_S to spare."""
+    remaining = context.time_remaining()
+    return context.is_active() and (remaining is None or remaining > WRITE_MARGIN_S)
+
+
+def _check_caller_waits(context) -> None:
+    if not _caller_waits(context):
+        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, CALLER_GONE)
 
 
 def _counted(num_blocks: int, num_bytes: int, started: float) -> pb.FetchBlocksResponse:

@@ -8,6 +8,7 @@ import threading
 
 import grpc
 
+import pagoda.fault_injection as fault_injection
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as pb
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2_grpc as pb_grpc
 from pagoda.executor.base import WorkerGroupFailed
@@ -79,6 +80,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             plan = self._checked_plan(request, context)
             try:
                 with worker_metrics().execute_model.time():
+                    if fault_injection.check("worker.step") == "fail":
+                        raise fault_injection.InjectedFault("injected fault: the step failed")
                     output = self._on_step_thread(self.runner.execute_model, plan)
             except WorkerGroupFailed as exc:  # a rank of a TP/PP group died: final
                 context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))

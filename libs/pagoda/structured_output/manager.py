@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+import pagoda.fault_injection as fault_injection
 from pagoda.config import StructuredOutputsConfig
 from pagoda.reasoning import get_reasoning_parser
 from pagoda.sampling_params import StructuredOutputsParams
@@ -39,6 +40,13 @@ def constraint_key(params: StructuredOutputsParams) -> str:
     text = json.dumps([params.kind, params.spec, params.disable_any_whitespace],
                       ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _compile(backend: Future, parsed: Any) -> Any:
+    """On the pool: the backend's compilation of `parsed`."""
+    if fault_injection.check("grammar.compile") == "fail":
+        raise fault_injection.InjectedFault("injected fault: the compile failed")
+    return backend.result().compile(parsed)
 
 
 class StructuredOutputManager:
@@ -108,7 +116,7 @@ class StructuredOutputManager:
         if future is None:
             parsed = backend_class(self._backend_cls_name).parse(params)
             backend = self._backend_future()
-            future = self._pool.submit(lambda: backend.result().compile(parsed))
+            future = self._pool.submit(_compile, backend, parsed)
             self._compiled[key] = future
             while len(self._compiled) > MAX_CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
