@@ -26,7 +26,7 @@ AcceptCallback = Callable[[Exception | None], None]
 OutputsCallback = Callable[[list[EngineCoreOutput]], None]
 KvEventsCallback = Callable[[list[KVEvent]], None]
 FailureCallback = Callable[[Exception], None]
-RequestFailedCallback = Callable[[str, str], None]
+RequestFailedCallback = Callable[[str, str, bool], None]  # (id, why, the request's fault)
 
 
 class QueueFull(Exception):
@@ -159,7 +159,9 @@ class EngineLoop:
             self._recorder.on_step(self.core, step_start, outputs, self.stats)
         if self._on_request_failed is not None:
             for request_id, reason in self.core.take_rejected().items():
-                self._on_request_failed(request_id, reason)
+                self._on_request_failed(request_id, reason, False)
+            for request_id, reason in self.core.take_invalid().items():
+                self._on_request_failed(request_id, reason, True)
         if outputs:
             self._on_outputs(outputs)
         events = self.core.take_kv_events()

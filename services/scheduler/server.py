@@ -158,8 +158,8 @@ async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,
     engine = EngineLoop(core, lambda outs: (servicer.kv_transfer.on_outputs(outs),
                                             servicer.on_outputs(outs)),
                         publisher.publish if publisher else (lambda events: None), on_failure,
-                        recorder, on_request_failed=lambda rid, why: servicer.on_request_failed(
-                            rid, why))
+                        recorder, on_request_failed=lambda *failed: servicer.on_request_failed(
+                            *failed))
     servicer = SchedulerServicer(engine, info, eos_token_ids)
     servicer.bind_loop(loop)
     if publisher is not None:  # a resync's snapshot is taken on the engine thread

@@ -25,6 +25,9 @@ from pagoda.services.scheduler.lora_adapters import HeldAdapters
 from pagoda.services.scheduler.tracing import REQUEST_SPANS
 
 logger = logging.getLogger(__name__)
+# A stream's error `reason` for a request that failed through its own fault (not a
+# migration reason: nothing to move).
+INVALID = "invalid_request"
 
 
 class _RequestStream:
@@ -77,16 +80,19 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         self._loop.call_soon_threadsafe(self._end_all, "The replica failed.", "replica_failed",
                                         False)
 
-    def on_request_failed(self, request_id: str, reason: str) -> None:
-        """One request failed in the worker (the replica goes on): its stream ends
-        INTERNAL; the request is already finished in the engine."""
+    def on_request_failed(self, request_id: str, reason: str, invalid: bool) -> None:
+        """One request failed (the replica goes on); the request is already finished in
+        the engine. Its stream ends INTERNAL when the worker failed it, INVALID_ARGUMENT
+        with the reason when the request itself was at fault (its constraint did not
+        compile): the client's 400, whose text is the verdict on its request."""
         logger.error("request %s failed: %s", request_id, reason)
-        self._loop.call_soon_threadsafe(self._end_one, request_id)
+        self._loop.call_soon_threadsafe(self._end_one, request_id, reason, invalid)
 
-    def _end_one(self, request_id: str) -> None:
+    def _end_one(self, request_id: str, reason: str, invalid: bool) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.error = ("The model replica could not run this request.", None, False)
+            stream.error = ((reason, INVALID, False) if invalid else
+                            ("The model replica could not run this request.", None, False))
             stream.ready.set()
 
     def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
@@ -141,6 +147,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                     finished = not engine_alive  # a live engine frees its blocks (finally)
                     if reason is None:  # this request's own failure: nowhere to move it
                         await context.abort(grpc.StatusCode.INTERNAL, message)
+                    if reason is INVALID:  # ... caused by the request itself
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
                     await context.abort(grpc.StatusCode.UNAVAILABLE, message,
                                         trailing_metadata=((MIGRATION_REASON_KEY, reason),))
                 batch, stream.pending = stream.pending, []

@@ -52,6 +52,9 @@ class Request:
         self.num_failed_steps = 0
         self.num_isolated_steps = 0
         self.finish_reason: FinishReason | None = None
+        # Why a scheduler hook ended the request (a grammar that failed to compile): the
+        # engine reports it as the request's error, not as a plain abort.
+        self.failure: str | None = None
         self.stop_reason: int | str | None = None
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

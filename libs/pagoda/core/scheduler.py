@@ -101,6 +101,8 @@ class Scheduler:
         # Requests that ended since the last step: the worker drops their state.
         self._finished_req_ids: set[str] = set()
         self._pending_outputs: list[EngineCoreOutput] = []
+        # Requests a hook ended with an error since `take_failed` (id -> why).
+        self._failed: dict[str, str] = {}
         self.hooks = feature_hooks(scheduler_config, structured_output_manager)
         self.num_lookahead_tokens = sum(hook.num_lookahead_tokens for hook in self.hooks)
 
@@ -196,6 +198,8 @@ class Scheduler:
                 if request.finish_reason is None:
                     skipped.append(request)
                 else:  # the hook ended it (a grammar that failed to compile)
+                    if request.failure is not None:
+                        self._failed[request.request_id] = request.failure
                     self._free_request(request)
                     self._pending_outputs.append(EngineCoreOutput(
                         request.request_id, [], finish_reason=request.finish_reason))
@@ -335,6 +339,11 @@ class Scheduler:
     def take_pending_outputs(self) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
+
+    def take_failed(self) -> dict[str, str]:
+        """Requests a hook ended with an error since the last call (id -> why)."""
+        failed, self._failed = self._failed, {}
+        return failed
 
     def get_stats(self) -> SchedulerStats:
         stats = self.kv_cache_manager.prefix_stats

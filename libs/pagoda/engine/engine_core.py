@@ -123,6 +123,12 @@ class EngineCore:
         rejected, self.rejected = self.rejected, {}
         return rejected
 
+    def take_invalid(self) -> dict[str, str]:
+        """Requests a scheduler hook ended because of the request itself since the last
+        call (id -> why: a constraint that failed to compile). The client's error; each
+        also ends ABORT in the outputs."""
+        return self.scheduler.take_failed()
+
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()
 

@@ -86,7 +86,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         core_outputs = self.core.step()
-        for request_id, why in self.core.take_rejected().items():  # they end "abort"
+        failed = {**self.core.take_rejected(), **self.core.take_invalid()}
+        for request_id, why in failed.items():  # they end "abort"
             logger.warning("request %s failed: %s", request_id, why)
         pooled = self._pooled_outputs(core_outputs)
         finished, to_abort = self.output_processor.process_outputs(core_outputs)

@@ -2,7 +2,7 @@
 
     on_add:     the constraint checked and its compile started; WAITING_FOR_GRAMMAR
     admit:      held back (the requests behind go ahead) until the grammar compiled;
-                a grammar that failed to compile ends the request (ABORT)
+                a grammar that failed to compile ends the request with an error
     on_planned: the bitmask rows of the constrained requests that sample this step
     on_token:   each accepted token advances the request's matcher
 """
@@ -47,6 +47,7 @@ class GrammarGate(SchedulerHook):
         if error is not None:
             logger.warning("request %s: %s", request.request_id, error)
             request.finish_reason = FinishReason.ABORT
+            request.failure = error  # the client gets an error saying so, not a bare abort
             return False
         if request.structured_output_request.grammar is None:
             return False
