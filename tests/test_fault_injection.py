@@ -1,5 +1,6 @@
 """pagoda.fault_injection: inert without PAGODA_FAULT_INJECT; with it, a fault fires on
-the hits its spec names, in the processes it names, and a rewritten spec file re-arms."""
+the hits its spec names, in the processes and contexts (a rank, a group's life) it names,
+and a rewritten spec file re-arms."""
 
 from __future__ import annotations
 
@@ -67,3 +68,28 @@ def test_process_filter_and_bad_specs(spec, monkeypatch):
     assert fi.check("worker.step") is None  # refused loudly, nothing armed
     with pytest.raises(ValueError):
         fi.check("no.such.point")
+
+
+def test_context_must_match_and_only_matching_calls_count(spec):
+    # A worker-group rank's 2nd step in the group's first life, once.
+    spec({"point": "rank.step", "rank": 1, "generation": 0, "after": 1})
+    assert fi.check("rank.step", rank=0, generation=0) is None  # another rank: no hit
+    assert fi.check("rank.step", rank=1, generation=1) is None  # another life: no hit
+    assert [fi.check("rank.step", rank=1, generation=0) for _ in range(3)] == [
+        None, "fail", None]
+
+
+def test_a_context_key_left_out_matches_every_value(spec):
+    # A crash loop: rank 1 fails in every step of every life.
+    spec({"point": "rank.step", "rank": 1, "times": 0})
+    assert [fi.check("rank.step", rank=1, generation=g) for g in (0, 1, 2)] == ["fail"] * 3
+    assert fi.check("rank.step", rank=2, generation=0) is None
+
+
+def test_context_keys_are_checked(spec):
+    spec({"point": "worker.step", "rank": 1})  # worker.step has no rank: refused
+    assert fi.check("worker.step") is None
+    spec({"point": "rank.step", "rank": 1, "after": "2"})  # not a count: refused
+    assert fi.check("rank.step", rank=1, generation=0) is None
+    with pytest.raises(ValueError):
+        fi.check("rank.step", rank=1)  # a caller must pass the point's whole context

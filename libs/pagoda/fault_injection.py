@@ -12,12 +12,21 @@ The spec is a JSON list of faults (an empty file or list: none armed):
      "seconds": 3.0,              how long "delay" sleeps (in place, on the caller's thread)
      "after": 20,                 hits of the point let through first (default 0)
      "times": 1,                  hits it fires on, then it is spent (default 1; 0: always)
-     "process": "kv_producer"}    only in processes whose command line contains this
+     "process": "kv_producer",    only in processes whose command line contains this
+     "rank": 1}                   a context key of the point (WHERE): the caller's value
+                                  must equal it; absent, any value matches
 
-Hits are counted per process from the moment the spec's text changed (a fault may carry
-other keys, such as a serial number that makes an identical spec armed again new). A production
-process never sets the variable: `check` then returns None after one dict lookup made
-at import, and nothing else here runs.
+Hits are counted per process, only on calls whose context matches, from the moment the
+spec's text changed (a fault may carry other keys, such as a serial number that makes an
+identical spec armed again new). A production process never sets the variable: `check`
+then returns None after one truth test of a string read at import, and nothing else here
+runs. A process reads the variable when it imports this module: set it before starting
+the processes it is meant for (mp followers inherit their driver's environment; `@file`
+re-arms running ones).
+
+A worker-group rank that fails in its S-th step of the group's first life, once:
+    {"point": "rank.step", "rank": 1, "generation": 0, "after": S-1}
+... in its first step of every life (a crash loop): no "generation", "times": 0.
 """
 
 from __future__ import annotations
@@ -50,7 +59,14 @@ POINTS = {
     "worker.step": "gpu-worker, a step about to run",
     # scheduler's grammar compile thread: fail = the compile raises.
     "grammar.compile": "scheduler, a structured-output constraint compiles",
+    # RankWorker.execute_model (pagoda.worker.rank_worker), on every rank of a worker
+    # group, before the step: fail = that rank raises InjectedFault (the group is rebuilt).
+    "rank.step": "worker-group rank, a step about to run",
 }
+# The context keys each point's caller passes to `check`. A fault naming one fires only
+# on calls with that value; a fault naming a context key its point lacks is refused.
+WHERE = {"rank.step": ("rank", "generation")}
+_CONTEXT_KEYS = {key for keys in WHERE.values() for key in keys}
 
 _SPEC = os.environ.get(ENV, "")
 _lock = threading.Lock()
@@ -61,15 +77,16 @@ class InjectedFault(RuntimeError):
     """Raised by callers for a "fail" at a point that has no error of its own."""
 
 
-def check(point: str) -> str | None:
+def check(point: str, **where) -> str | None:
     """The action of the fault armed at `point` in this process that fires on this hit,
     after sleeping in place for a "delay" (which then returns "delay"); None when none
-    fires (always, unless PAGODA_FAULT_INJECT is set)."""
+    fires (always, unless PAGODA_FAULT_INJECT is set). `where`: this call's context,
+    exactly the keys WHERE lists for the point."""
     if not _SPEC:
         return None
-    if point not in POINTS:
-        raise ValueError(f"unknown fault-injection point {point!r}")
-    fault = _fire(point)
+    if point not in POINTS or set(where) != set(WHERE.get(point, ())):
+        raise ValueError(f"unknown fault-injection point or context {point!r} {where}")
+    fault = _fire(point, where)
     if fault is None:
         return None
     action = fault.get("action", "fail")
@@ -79,11 +96,12 @@ def check(point: str) -> str | None:
     return action
 
 
-def _fire(point: str) -> dict | None:
+def _fire(point: str, where: dict) -> dict | None:
     with _lock:
         faults, hits = _current()
         for i, fault in enumerate(faults):
-            if fault.get("point") != point:
+            if fault.get("point") != point or any(
+                    key in fault and fault[key] != value for key, value in where.items()):
                 continue
             hits[i] += 1
             after, times = int(fault.get("after", 0)), int(fault.get("times", 1))
@@ -112,7 +130,10 @@ def _parse(text: str) -> list[dict]:
     try:
         faults = json.loads(text) if text.strip() else []
         for fault in faults:
-            if fault.get("point") not in POINTS or fault.get("action", "fail") not in ACTIONS:
+            point = fault.get("point")
+            if (point not in POINTS or fault.get("action", "fail") not in ACTIONS
+                    or _CONTEXT_KEYS & (set(fault) - set(WHERE.get(point, ())))
+                    or not all(isinstance(fault.get(k, 0), int) for k in ("after", "times"))):
                 raise ValueError(f"bad fault {fault!r}")
     except (ValueError, AttributeError) as exc:
         logger.error("%s: not a fault list (%s); no fault armed", ENV, exc)

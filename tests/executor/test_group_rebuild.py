@@ -6,6 +6,7 @@ life of the group (a crash loop) ends the replica, naming the rank and its error
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -17,7 +18,7 @@ from group_cases import GREEDY_PROMPTS, engine_kwargs, greedy_params
 from pagoda import LLM
 from pagoda.executor.base import WorkerGroupFailed
 from pagoda.executor.restart_budget import RestartBudget
-from pagoda.worker.fault_injection import ENV
+from pagoda.fault_injection import ENV
 
 
 def group_llm(model: str, tp: int = 2, pp: int = 1) -> LLM:
@@ -82,7 +83,10 @@ def test_a_killed_follower_is_replaced_and_greedy_answers_stay(tiny_llama_dir, r
 
 
 def test_an_exception_on_one_rank_is_survived(tiny_llama_dir, reference, monkeypatch, caplog):
-    monkeypatch.setenv(ENV, "rank=1,step=3")  # once: in the group's first life only
+    # Rank 1's 3rd step, once: in the group's first life only (followers read the
+    # variable as they start; the driver's rank 0 never matches).
+    monkeypatch.setenv(ENV, json.dumps([{"point": "rank.step", "rank": 1, "generation": 0,
+                                         "after": 2}]))
     llm = group_llm(tiny_llama_dir)
     executor = llm.llm_engine.core.executor
     try:
@@ -95,7 +99,8 @@ def test_an_exception_on_one_rank_is_survived(tiny_llama_dir, reference, monkeyp
 
 
 def test_a_crash_loop_ends_the_replica_naming_the_rank(tiny_llama_dir, monkeypatch):
-    monkeypatch.setenv(ENV, "rank=1,step=1,generation=any")  # fails in every life
+    # Rank 1's first step in every life of the group (no generation key, no end).
+    monkeypatch.setenv(ENV, json.dumps([{"point": "rank.step", "rank": 1, "times": 0}]))
     llm = group_llm(tiny_llama_dir)
     executor = llm.llm_engine.core.executor
     executor.restarts = RestartBudget(max_restarts=2, backoff_s=0.1)

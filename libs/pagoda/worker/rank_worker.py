@@ -36,8 +36,8 @@ from pagoda.distributed.wire_codec import WireError, dump, from_json, load, to_j
 from pagoda.distributed.process_group import (GroupInit, brief_error, configure_device,
                                               connect_store, is_peer_loss, join_group,
                                               record_error)
+import pagoda.fault_injection as fault_injection
 from pagoda.parent_death import set_parent_death_signal
-from pagoda.worker import fault_injection
 from pagoda.worker.parallel_runner import ParallelModelRunner
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class RankWorker:
         self.rank = rank
         self.store = store
         self.generation = init.generation
-        self.fault = fault_injection.from_env()  # None unless a test asks for one
+        self.steps = 0  # execute_model calls since it joined (an injected fault names it)
         handles = join_group(store, init, rank)
         self.parallel = handles.parallel
         self.control = handles.control
@@ -91,8 +91,12 @@ class RankWorker:
     def execute_model(self, scheduler_output: SchedulerOutput,
                       sampled_token_ids: dict[str, list[int]] | None) -> ModelRunnerOutput | None:
         """Rank 0 returns the step's result, fetched from the output rank if need be."""
-        if self.fault is not None:
-            self.fault.before_step(self.rank, self.generation)
+        self.steps += 1
+        if fault_injection.check("rank.step", rank=self.rank,
+                                 generation=self.generation) == "fail":
+            raise fault_injection.InjectedFault(
+                f"injected fault in rank {self.rank}'s step {self.steps} "
+                f"(generation {self.generation}, {fault_injection.ENV})")
         output = self.runner.execute_model(scheduler_output, sampled_token_ids)
         output_rank = self.parallel.output_rank
         if output_rank == 0:
