@@ -27,6 +27,14 @@ PERSON_SCHEMA = {
     "required": ["name", "age", "role"],
     "additionalProperties": False,
 }
+# xgrammar drops `multipleOf` outside a numeric `type` and `allOf` with two members (so
+# it refuses them); llguidance enforces both: `auto` serves this with guidance. Bounded
+# so a random model finishes.
+MULTIPLE_OF = {"type": "object", "properties": {"n": {"allOf": [
+    {"type": "integer", "minimum": 0, "maximum": 99}, {"multipleOf": 3}]}},
+    "required": ["n"], "additionalProperties": False}
+# No backend enforces `not`: a 400 naming it, whichever backend.
+NOT_FIVE = {"type": "integer", "not": {"const": 5}}
 REGEX = r"[a-z]{2,4}-\d{2}"
 CHOICES = ["yes", "no", "maybe"]
 GRAMMAR = 'root ::= "(" item ("," item)* ")"\nitem ::= [a-c] | "d" [0-9]'

@@ -180,8 +180,10 @@ class SchedulerConfig:
 class StructuredOutputsConfig:
     """vLLM's `--structured-outputs-config` (plus its `--reasoning-parser`).
 
-    `backend`: the grammar engine ("auto" = xgrammar); `reasoning_parser`: the grammar
-    applies only after this parser's reasoning-end token, unless `enable_in_reasoning`.
+    `backend`: the grammar engine: "xgrammar", "guidance" (llguidance) or "auto" (vLLM's
+    default: xgrammar for each constraint it enforces, else guidance). `reasoning_parser`:
+    the grammar applies only after this parser's reasoning-end token, unless
+    `enable_in_reasoning`.
     """
 
     backend: str = "auto"

@@ -15,8 +15,9 @@ import openai
 import pydantic
 import pytest
 from serve_cluster import ServeProcess
-from structured_output_cases import (CHOICES, GRAMMAR, PERSON_SCHEMA, REGEX, check_output,
-                                     think_model_dir, think_tokenizer)  # noqa: F401 (fixtures)
+from structured_output_cases import (CHOICES, GRAMMAR, MULTIPLE_OF, NOT_FIVE, PERSON_SCHEMA,
+                                     REGEX, check_output, think_model_dir,
+                                     think_tokenizer)  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slow
 MESSAGES = [{"role": "user", "content": "Tell me about someone."}]
@@ -33,8 +34,8 @@ COMPACT_PERSON = {"json": PERSON_SCHEMA, "disable_any_whitespace": True}
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir):
-    serve = ServeProcess([tiny_llama_dir, "--served-model-name", "tiny", "--max-model-len", "512",
-                          "--structured-outputs-config", '{"backend": "xgrammar"}'])
+    """The default backend, `auto`: xgrammar for what it enforces, else guidance."""
+    serve = ServeProcess([tiny_llama_dir, "--served-model-name", "tiny", "--max-model-len", "512"])
     yield serve
     assert serve.stop() == 0, serve.stderr_text()[-3000:]
 
@@ -97,6 +98,22 @@ def test_response_format_kinds(client):
             if response_format is schema_format:
                 jsonschema.validate(value, PERSON_SCHEMA)
     assert chat(client, response_format={"type": "text"}, max_tokens=4).choices[0].message.content
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_serves_a_schema_only_guidance_enforces(client, stream):
+    """xgrammar refuses MULTIPLE_OF (it would drop `multipleOf`); auto hands it to guidance."""
+    extra = {"structured_outputs": {"json": MULTIPLE_OF, "disable_any_whitespace": True}}
+    if stream:
+        text, finish, _ = streamed_text(chat(client, temperature=0.0, extra_body=extra,
+                                             stream=True))
+    else:
+        reply = chat(client, temperature=0.0, extra_body=extra)
+        text, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+    assert finish == "stop", text
+    value = json.loads(text)
+    jsonschema.validate(value, MULTIPLE_OF)
+    assert value["n"] % 3 == 0
 
 
 def test_completions_take_structured_outputs(client):
@@ -172,6 +189,7 @@ def _calls(reply, stream: bool, allow_length: bool = False
     (dict(tool_choice={"type": "function", "function": {"name": "now"}}), "no tools"),
     (dict(tools=[{"type": "function", "function": {"name": "bad name"}}]), "tools[0]"),
     (dict(extra_body={"guided_regex": "a", "guided_choice": ["a"]}), "Only one kind"),
+    (dict(extra_body={"guided_json": NOT_FIVE}), "cannot enforce `not`"),
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_constraints_are_400s_and_the_server_stays_healthy(cluster, client, kwargs,

@@ -45,7 +45,8 @@ def test_sampling_params_reject_a_foreign_type():
 
 
 @pytest.mark.parametrize("value, reasoning, message", [
-    ('{"backend": "outlines"}', None, "backend 'outlines' is not supported; Pagoda has auto, xgrammar"),
+    ('{"backend": "outlines"}', None,
+     "backend 'outlines' is not supported; Pagoda has auto, xgrammar, guidance"),
     ('{"backend": "xgrammar", "typo": 1}', None, "unknown key"),
     ("{nope", None, "not valid JSON"),
     (None, "nope", "Unknown reasoning parser 'nope'"),
@@ -63,4 +64,5 @@ def test_config_from_the_command_line():
     config = StructuredOutputsConfig.parse(engine_args.structured_outputs_config,
                                            engine_args.reasoning_parser)
     assert (config.backend, config.reasoning_parser) == ("auto", "qwen3")
-    assert StructuredOutputsConfig.parse({"backend": "xgrammar"}).backend == "xgrammar"
+    for backend in ("xgrammar", "guidance"):
+        assert StructuredOutputsConfig.parse({"backend": backend}).backend == backend

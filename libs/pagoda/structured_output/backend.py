@@ -1,5 +1,8 @@
 """The grammar backend interface, and the registry `--structured-outputs-config` picks from.
 
+`xgrammar` and `guidance` (llguidance) force one backend; `auto` (the default, vLLM's)
+picks one per constraint: xgrammar when it enforces it, else guidance (`auto_backend.py`).
+
 A backend turns a `StructuredOutputsParams` into a compiled grammar (once per distinct
 constraint, on the manager's thread pool) and a compiled grammar into per-request
 matchers (`StructuredOutputGrammar`), which the scheduler advances token by token and
@@ -20,9 +23,11 @@ import numpy as np
 
 from pagoda.sampling_params import StructuredOutputsParams
 
-# Backend name -> "module:class". "auto" picks the first.
-BACKENDS = {"xgrammar": "pagoda.structured_output.xgrammar_backend:XgrammarBackend"}
+# Backend name -> "module:class" (imported only when picked: each loads its grammar engine).
+BACKENDS = {"xgrammar": "pagoda.structured_output.xgrammar_backend:XgrammarBackend",
+            "guidance": "pagoda.structured_output.guidance_backend:GuidanceBackend"}
 AUTO = "auto"
+_AUTO_BACKEND = "pagoda.structured_output.auto_backend:AutoBackend"
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -31,26 +36,37 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 def resolve_backend_name(name: str) -> str:
-    """`auto` -> the default backend; an unknown name -> ValueError listing the known ones."""
-    if name == AUTO:
-        return next(iter(BACKENDS))
-    if name not in BACKENDS:
+    """`name` if Pagoda has it (`auto` included); else ValueError listing the known ones."""
+    if name != AUTO and name not in BACKENDS:
         raise ValueError(f"structured outputs backend {name!r} is not supported; Pagoda has "
                          f"{', '.join([AUTO, *BACKENDS])}.")
     return name
 
 
 def backend_class(name: str) -> type["StructuredOutputBackend"]:
-    module, cls = BACKENDS[resolve_backend_name(name)].split(":")
+    path = _AUTO_BACKEND if resolve_backend_name(name) == AUTO else BACKENDS[name]
+    module, cls = path.split(":")
     return getattr(importlib.import_module(module), cls)
+
+
+class ConstraintRefused(ValueError):
+    """A backend's refusal of a constraint (a 400): `str()` is the whole message,
+    `reason` the backend's own words (what `auto` quotes when both backends refuse)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class StructuredOutputGrammar(ABC):
     """One request's matcher.
 
     Invariant: the tokens accepted so far are a prefix of some text the constraint
-    allows; a token it refuses leaves the state unchanged.
+    allows; a token it refuses leaves the state unchanged. `backend` names the backend
+    that made it (`auto` sends each matcher back to its own backend for its mask).
     """
+
+    backend: str = ""
 
     @abstractmethod
     def accept_token(self, token_id: int) -> bool:

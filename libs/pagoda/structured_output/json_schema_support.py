@@ -3,7 +3,8 @@
 xgrammar accepts any schema and drops what it cannot express: `{"not": {"const": 5}}`
 compiles and the model may then answer 5. A constraint that is silently not applied is
 a wrong answer, so the backend refuses such a schema at intake (a 400 naming the
-keyword and where it stands) instead.
+keyword and where it stands) instead; `auto` then hands it to guidance, which enforces
+some of these keywords and refuses the rest itself (`guidance_backend.py`).
 
 Measured against xgrammar's own matcher (tests/structured_output/test_json_schema_support.py
 checks each keyword both ways, so this list cannot go stale unnoticed when xgrammar

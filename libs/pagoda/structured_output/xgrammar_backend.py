@@ -57,6 +57,8 @@ def _refuse_unenforced(schema: Any) -> None:
 class XgrammarGrammar(StructuredOutputGrammar):
     """A `GrammarMatcher` (one per request; they share the compiled grammar)."""
 
+    backend = "xgrammar"
+
     def __init__(self, matcher: xgr.GrammarMatcher) -> None:
         self.matcher = matcher
 

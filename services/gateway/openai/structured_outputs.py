@@ -22,8 +22,7 @@ from pagoda.services.gateway.errors import APIError
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}
-# vLLM's StructuredOutputsParams options that change nothing with the xgrammar backend
-# when left at their defaults (its strict JSON mode already forbids extra properties).
+# vLLM's StructuredOutputsParams options that change nothing when left at their defaults.
 _IGNORED_WHEN_UNSET = ("disable_fallback", "disable_additional_properties",
                        "whitespace_pattern")
 
@@ -89,6 +88,6 @@ def _explicit(value: Any) -> dict[str, Any]:
     known = (*STRUCTURED_OUTPUT_KINDS, "disable_any_whitespace")
     unknown = sorted(set(kwargs) - set(known))
     if unknown:
-        raise APIError(f"structured_outputs: {', '.join(unknown)} is not supported (the "
-                       f"xgrammar backend takes {', '.join(known)}).", param="structured_outputs")
+        raise APIError(f"structured_outputs: {', '.join(unknown)} is not supported (Pagoda "
+                       f"takes {', '.join(known)}).", param="structured_outputs")
     return kwargs

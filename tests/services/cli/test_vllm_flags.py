@@ -73,7 +73,7 @@ def test_trust_remote_code_is_refused_before_anything_starts(capsys):
 
 @pytest.mark.parametrize("flags, message", [
     (["--structured-outputs-config", '{"backend": "outlines"}'],
-     "backend 'outlines' is not supported; Pagoda has auto, xgrammar"),
+     "backend 'outlines' is not supported; Pagoda has auto, xgrammar, guidance"),
     (["--reasoning-parser", "nope"], "Unknown reasoning parser 'nope'"),
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
     (["--enable-auto-tool-choice", "--tool-call-parser", "nope"], "Unknown tool-call parser"),
