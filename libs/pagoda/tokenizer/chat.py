@@ -8,7 +8,7 @@ from typing import Any
 
 import jinja2
 
-from pagoda.tokenizer.template_sandbox import render_chat
+from pagoda.tokenizer.chat_render import render_chat
 
 # OpenAI's roles ("developer" is the newer name of "system" for reasoning models;
 # "function" is the deprecated predecessor of "tool").
