@@ -216,7 +216,8 @@ def response_body(item: BatchItem, outputs: list[RequestOutput], ctx: EngineCont
                           f"{uuid.uuid4().hex}", item.model)
     fmt = LogprobsFormat(num_top, body.return_tokens_as_token_ids)
     if item.url == CHAT_URL:
-        last = normalize_messages(body.messages)[-1]  # vLLM's chat echo: the assistant's own
+        # vLLM's chat echo: the assistant's own (content only: no arguments parsed)
+        last = normalize_messages(body.messages, parse_arguments=False)[-1]
         echo = (last.get("content") or "") if body.echo and last["role"] == "assistant" else ""
         return chat_body(head, choices, usage, fmt, echo)
     echoes = None

@@ -23,7 +23,7 @@ from pagoda.services.common.metrics_server import one_per_process
 # Every reason a pull can fail for (the scheduler's KV consumer and lease table), and
 # every fallback kind: the label values the counters are initialised with.
 FAILURE_REASONS = ("timeout", "unavailable", "checksum", "stale_epoch", "lease_expired",
-                   "no_room", "hash_mismatch", "error")
+                   "no_room", "hash_mismatch", "kv_reset", "error")
 FALLBACK_KINDS = ("recompute",)
 TRANSFER_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                     5.0, 10.0, 30.0]

@@ -14,6 +14,12 @@ Whatever fails (the pull times out or breaks, the checksum, the lease expired, t
 prefill replica restarted: another epoch), the pulled blocks are discarded and the
 request is submitted anyway: the engine computes what it does not find, so the
 client sees no error; the failure is counted by reason and the fallback by kind.
+A worker that answers with fewer blocks written than asked is such a failure too.
+This replica's own KV may be reset while a pull runs (a failed step: EngineCore sets
+the worker's cache up again as zeros and calls its kv_reset_listeners): the blocks
+written before the reset are zeros, so a plan made before a reset is never committed
+(`kv_epoch`, bumped by `on_kv_reset`, is compared on the engine thread, where plans,
+commits and resets all run, so none can slip between the check and the commit).
 A request that ends before its pull did (the client left: the handler cancelled) has
 its lease released at once, not at the prefill side's --kv-lease-timeout.
 The plan's references are dropped when the request's stream ends (by then the
@@ -65,7 +71,15 @@ class KvConsumer:
         self._lease_stubs: dict[str, pb_grpc.KvLeaseServiceStub] = {}
         self._plans: dict[str, ImportPlan] = {}
         self._releasing: set[asyncio.Task] = set()  # _release_soon's, held till done
+        # Resets of this replica's KV cache seen (on the engine thread); a plan made
+        # under an older count names blocks that were zeroed since.
+        self.kv_epoch = 0
+        self._plan_epochs: dict[int, int] = {}  # id(plan) -> kv_epoch when it was made
         kv_transfer_metrics()  # exported (at 0) from start-up, not from the first failure
+
+    def on_kv_reset(self) -> None:
+        """EngineCore's kv_reset_listener (engine thread): every block was zeroed."""
+        self.kv_epoch += 1
 
     async def on_engine(self, fn):
         loop = asyncio.get_running_loop()
@@ -140,8 +154,17 @@ class KvConsumer:
             if fetch is not None and not fetch.done():  # let the worker stop writing first
                 await asyncio.wait([fetch])
             ok = completed and reason is None
-            await self.on_engine(lambda: commit_import(self.pool, plan, ok))
+            if not await self.on_engine(lambda: self._commit(plan, ok)) and ok:
+                reason = "kv_reset"
         return reason
+
+    def _commit(self, plan: ImportPlan, ok: bool) -> bool:
+        """Commit (ok) or discard the plan; whether it was committed. A plan made
+        before this replica's KV was reset is discarded: its blocks hold zeros."""
+        made_in = self._plan_epochs.pop(id(plan), None)  # None: dropped, never commit
+        ok = ok and made_in == self.kv_epoch
+        commit_import(self.pool, plan, ok)
+        return ok
 
     def _release_soon(self, params) -> None:
         """Release the lease without waiting (the request ended before its pull did)."""
@@ -153,7 +176,7 @@ class KvConsumer:
         """None when every planned block arrived, else the failure's reason."""
         remote_ids = [params.remote_block_ids[i] for i in plan.remote_indices]
         try:
-            await self.worker.FetchBlocks(pb.FetchBlocksRequest(
+            reply = await self.worker.FetchBlocks(pb.FetchBlocksRequest(
                 source_address=params.remote_worker_address,
                 source_epoch=params.remote_worker_epoch, remote_block_ids=remote_ids,
                 local_block_ids=[b.block_id for b in plan.targets],
@@ -162,6 +185,10 @@ class KvConsumer:
         except grpc.RpcError as exc:
             logger.info("FetchBlocks: %s %s", exc.code().name, exc.details())
             return _REASONS.get(exc.code(), "error")
+        if reply.num_blocks != len(plan.targets):  # written part-way: never commit
+            logger.info("FetchBlocks wrote %d of %d blocks", reply.num_blocks,
+                        len(plan.targets))
+            return "error"
         return None
 
     async def _release_lease(self, params) -> bool:
@@ -186,11 +213,13 @@ class KvConsumer:
     def _make_plan(self, request_id: str, block_hashes, prompt: list[int]) -> ImportPlan:
         plan = plan_import(self.pool, block_hashes, prompt)
         self._plans[request_id] = plan
+        self._plan_epochs[id(plan)] = self.kv_epoch
         return plan
 
     def _drop_plan(self, request_id: str) -> None:
         plan = self._plans.pop(request_id, None)
         if plan is not None:
+            self._plan_epochs.pop(id(plan), None)  # a plan never pulled (client gone)
             release_import(self.pool, plan)
 
 

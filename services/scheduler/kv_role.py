@@ -151,6 +151,7 @@ def build_hooks(args: argparse.Namespace, role: KVTransferConfig, engine, info,
             lambda: producer.on_kv_reset(worker_epoch(args.worker_addr)))
     if role.is_kv_consumer:
         consumer = KvConsumer(engine, pool, info, args.worker_addr, args.kv_transfer_timeout)
+        engine.core.kv_reset_listeners.append(consumer.on_kv_reset)
     return KvTransferHooks(role, producer, consumer)
 
 

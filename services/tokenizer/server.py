@@ -42,8 +42,9 @@ def add_template_limit_args(parser: argparse.ArgumentParser) -> None:
                              "refused (400).")
     parser.add_argument("--chat-template-max-output-chars", type=int, default=MAX_OUTPUT_CHARS,
                         metavar="N",
-                        help="Largest text (or list) a chat template may build; a render that "
-                             "would build more is stopped and its request refused (400).")
+                        help="Largest text a chat template may build (a list counts 8 per "
+                             "item, plus what it holds); a render that would build more is "
+                             "refused before it builds it (400).")
 
 
 def template_limit_flags(args: argparse.Namespace) -> list[str]:

@@ -8,7 +8,7 @@ from typing import Any
 
 import jinja2
 
-from pagoda.tokenizer.template_sandbox import render_chat
+from pagoda.tokenizer.chat_render import render_chat
 
 # OpenAI's roles ("developer" is the newer name of "system" for reasoning models;
 # "function" is the deprecated predecessor of "tool").
@@ -84,7 +84,8 @@ def render_chat_template(
         raise ValueError(f"The chat template could not render these messages: {exc}") from exc
 
 
-def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def normalize_messages(messages: Sequence[Mapping[str, Any]],
+                       parse_arguments: bool = True) -> list[dict[str, Any]]:
     """Validate OpenAI chat messages and flatten each content to one string.
 
     A content given as a list of parts becomes the parts' texts joined with newlines (vLLM's
@@ -93,13 +94,18 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     transformers' tool-use templates expect: `| tojson` would otherwise encode it twice,
     and `| items` fails on a string). Other keys (name, tool_call_id, ...) pass through
     unchanged.
+
+    `parse_arguments=False` leaves the arguments as they came: a hop that only forwards
+    the messages (the gateway, to the tokenizer, which renders) does not parse what
+    the renderer parses anyway, so each request's arguments are parsed once.
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise ValueError("messages must be a non-empty list of chat messages.")
-    return [_normalize_message(message, i) for i, message in enumerate(messages)]
+    return [_normalize_message(message, i, parse_arguments)
+            for i, message in enumerate(messages)]
 
 
-def _normalize_message(message: Any, index: int) -> dict[str, Any]:
+def _normalize_message(message: Any, index: int, parse_arguments: bool) -> dict[str, Any]:
     where = f"messages[{index}]"
     if not isinstance(message, Mapping):
         raise ValueError(f"{where} must be an object with 'role' and 'content', got {type(message).__name__}.")
@@ -109,7 +115,7 @@ def _normalize_message(message: Any, index: int) -> dict[str, Any]:
             f"{where}.role must be one of {', '.join(sorted(VALID_ROLES))}; got {role!r}."
         )
     normalized = dict(message)
-    if role == "assistant" and isinstance(message.get("tool_calls"), list):
+    if parse_arguments and role == "assistant" and isinstance(message.get("tool_calls"), list):
         normalized["tool_calls"] = [_parsed_tool_call(call, f"{where}.tool_calls[{j}]")
                                     for j, call in enumerate(message["tool_calls"])]
     if "content" not in message or message["content"] is None:

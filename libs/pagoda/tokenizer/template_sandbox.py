@@ -10,9 +10,11 @@ namespace), with what the sandbox leaves open closed too:
     stopped (a trace function on the template's own code checks the clock on each line
     it runs, loops included);
   * size: every string or list a template builds - output, `~`, `+`, `*`, `%`,
-    `{% set %}` blocks, padding filters and str methods - is bounded by the output limit
-    (default MAX_OUTPUT_CHARS), checked before it is built, so no render can exhaust
-    memory;
+    `{% set %}` blocks, filters, str methods, `range`, `lipsum` - is bounded by the
+    output limit (default MAX_OUTPUT_CHARS; a list item counts as 8 characters). Each
+    operation's size is planned before it runs (template_plans.py) and refused when the
+    plan passes the limit, so a refused render never allocates the value: no render can
+    exhaust memory, and none spends long in one C call that no clock can stop;
   * `**` whose result would pass MAX_POWER_BITS is refused (a huge integer power never
     returns to the interpreter, so no clock could stop it).
 
@@ -21,9 +23,9 @@ The two limits are an operator's settings (the tokenizer service's
 `--chat-template-render-timeout` and `--chat-template-max-output-chars`): a caller
 renders under other limits inside `with template_limits(TemplateLimits(...))`; outside
 one (the offline `LLM`), the defaults apply.
-The result equals transformers' `apply_chat_template(..., tokenize=False)` for the same
-template and inputs (same environment options, message normalization, continue-final-
-message cut).
+A render equals jinja's own sandbox's for the same template and inputs (same
+environment options); `chat_render.render_chat` is transformers' apply_chat_template
+on top of it.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import json
 import re
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -43,16 +45,22 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2 import nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.compiler import CodeGenerator
+from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
+from jinja2.utils import _PassArg  # which filters take a context first (jinja 3.x)
+
+from pagoda.tokenizer.template_plans import (
+    PlannedTooBig, bounded_items, filter_plan, method_plan,
+)
+from pagoda.tokenizer.template_size import ITEM_CHARS, format_size, join_size, size_of, text_size
 
 MAX_RENDER_SECONDS = 5.0
 MAX_OUTPUT_CHARS = 16 * 1024 * 1024
 MAX_TEMPLATE_CHARS = 1024 * 1024
 MAX_EXPONENT = 4096
 MAX_POWER_BITS = 1 << 16
-_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _PADDING_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs", "format"})
+_PADDING_FILTERS = frozenset({"center", "indent", "wordwrap", "format", "truncate"})
 _WIDE_FORMAT = re.compile(r"\d{8,}")  # a width or precision of 10^7 or more
 
 
@@ -98,18 +106,43 @@ def _max_chars() -> int:
 
 
 def _check_size(value: Any) -> Any:
-    if isinstance(value, (str, list, tuple)) and len(value) > _max_chars():
+    """A backstop after an operation no plan covers (its inputs were bounded)."""
+    if size_of(value, _max_chars()) > _max_chars():
         _too_big()
     return value
 
 
+def _check_plan(size: int | None) -> None:
+    if size is not None and size > _max_chars():
+        _too_big()
+
+
 def _too_big() -> None:
-    raise TemplateLimitError(f"The chat template built a value of more than "
-                             f"{_max_chars()} characters or items.")
+    raise TemplateLimitError(f"The chat template would build a value of more than "
+                             f"{_max_chars()} characters (a list item counts as "
+                             f"{ITEM_CHARS}).")
 
 
-def _planned_size(value: Any) -> int:
-    return len(value) if isinstance(value, (str, list, tuple)) else 0
+def _bounded(value: Any) -> Any:
+    """`value`, or an iterator's items listed within the limit (template_plans)."""
+    try:
+        return bounded_items(value, _max_chars())
+    except PlannedTooBig:
+        _too_big()
+
+
+def _bounded_output(value: Any) -> Any:
+    """The environment's finalize: what `{{ }}` prints is sized before str() runs
+    (a list of references to one long string prints as that string, many times)."""
+    _check_plan(text_size(value, _max_chars()))
+    return value
+
+
+def _range(*args: int) -> range:
+    try:
+        return safe_range(*args)
+    except OverflowError as exc:  # the sandbox's MAX_RANGE, as our clear refusal
+        raise TemplateLimitError(f"The chat template asked for {exc}") from None
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -158,33 +191,86 @@ class _Namespace(jinja2.utils.Namespace):
                 f"Chat templates cannot store underscore-prefixed attributes, got {name!r}.")
 
 
+class _BoundedBuffer(list):
+    """What a `{% set %}` block, a macro or a loop body writes before it is joined:
+    refused as it passes the limit, not once the whole body has been written."""
+
+    size = 0
+
+    def append(self, part) -> None:
+        self.size += text_size(part, _max_chars())
+        if self.size > _max_chars():
+            _too_big()
+        list.append(self, part)
+
+    def extend(self, parts) -> None:
+        for part in parts:
+            self.append(part)
+
+
+class _BoundedCodeGenerator(CodeGenerator):
+    """jinja's code generator, its output buffers bounded (`_BoundedBuffer`)."""
+
+    def buffer(self, frame) -> None:
+        frame.buffer = self.temporary_identifier()
+        self.writeline(f"{frame.buffer} = environment.new_buffer()")
+
+
 class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
     """The sandbox with its open ends bounded (see the module docstring)."""
 
     intercepted_binops = frozenset({"+", "*", "**", "%"})
+    code_generator_class = _BoundedCodeGenerator
+    new_buffer = staticmethod(_BoundedBuffer)
 
     def call_binop(self, context, operator, left, right):
         if operator == "**" and _huge_power(left, right):
             raise TemplateLimitError("The chat template raised a number to too large a power.")
         if operator == "*":
-            count = right if isinstance(right, int) else left if isinstance(left, int) else 1
-            if max(_planned_size(left), _planned_size(right)) * max(count, 0) > _max_chars():
-                _too_big()
-        if operator == "+" and _planned_size(left) + _planned_size(right) > _max_chars():
-            _too_big()
-        if operator == "%" and isinstance(left, str) and _WIDE_FORMAT.search(left):
-            raise TemplateLimitError("The chat template formats a field too wide.")
+            _check_plan(_product_size(left, right))
+        if operator == "+":
+            _check_plan(size_of(left, _max_chars()) + size_of(right, _max_chars()))
+        if operator == "%" and isinstance(left, str):
+            if _WIDE_FORMAT.search(left) or ("*" in left and _has_wide_int(right)):
+                raise TemplateLimitError("The chat template formats a field too wide.")
+            _check_plan(format_size(left, right, _max_chars()))
         return _check_size(super().call_binop(context, operator, left, right))
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
-        if getattr(__obj, "__name__", None) in _PADDING_METHODS and isinstance(
-                getattr(__obj, "__self__", None), str):
+        method = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format
+        if getattr(method, "__name__", None) in _PADDING_METHODS and isinstance(
+                getattr(method, "__self__", None), str):
             _check_args(args, kwargs)
+        args = tuple(_bounded(a) for a in args)  # `''.join(generator)` sized first
+        _check_plan(_planned(method_plan, __obj, args, kwargs))
         return _check_size(super().call(__context, __obj, *args, **kwargs))
 
     @staticmethod
     def concat(parts):  # `{% set x %}...{% endset %}`, macros, caller()
         return _bounded_join(parts)
+
+
+def _planned(planner, *args) -> int | None:
+    """A plan, or None where the call's arguments do not fit it (the call itself then
+    raises its own error, on inputs that are all bounded)."""
+    try:
+        return planner(*args, _max_chars())
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return None
+
+
+def _product_size(left: Any, right: Any) -> int:
+    if isinstance(left, int) and isinstance(right, int):  # ints: bits, not characters
+        if left.bit_length() + right.bit_length() > MAX_POWER_BITS:
+            raise TemplateLimitError("The chat template multiplied numbers too large.")
+        return 0
+    count = right if isinstance(right, int) else left if isinstance(left, int) else 1
+    return max(size_of(left, _max_chars()), size_of(right, _max_chars())) * max(count, 0)
+
+
+def _has_wide_int(args: Any) -> bool:
+    values = args if isinstance(args, tuple) else (args,)
+    return any(isinstance(v, int) and v > _max_chars() for v in values)
 
 
 def _huge_power(base: Any, exponent: Any) -> bool:
@@ -206,20 +292,29 @@ def _check_args(args, kwargs) -> None:
 
 
 def _bounded_join(parts) -> str:
+    """`~`, `{% set %}` blocks, the render's output: each part sized before str()."""
     out, size, limit = [], 0, _max_chars()
     for part in parts:
-        part = str(part)
-        size += len(part)
+        size += text_size(part, limit - size)
         if size > limit:
             _too_big()
-        out.append(part)
+        out.append(str(part))
     return "".join(out)
 
 
 def _bounded_filter(name: str, function):
+    """`function` (a jinja filter), refused before it runs when its plan passes the
+    limit; an iterator it is given is listed within the limit first."""
+    skip = 1 if _PassArg.from_obj(function) is not None else 0  # eval_ctx/env/context
+
     @functools.wraps(function)
     def bounded(*args, **kwargs):
-        _check_args(args[1:], kwargs)
+        if len(args) > skip:
+            args = (*args[:skip], _bounded(args[skip]), *args[skip + 1:])
+            if name in _PADDING_FILTERS:
+                _check_args(args[skip + 1:], kwargs)
+            _check_plan(_planned(lambda *a: filter_plan(name, *a), args[skip],
+                                 args[skip + 1:], kwargs))
         return _check_size(function(*args, **kwargs))
 
     return bounded
@@ -229,6 +324,16 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
     # transformers' filter: no HTML escaping; options exposed
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                       sort_keys=sort_keys)
+
+
+@jinja2.pass_eval_context
+def _join(eval_ctx, value, d="", attribute=None):
+    """jinja's join, its items sized before they are joined (they are listed by then)."""
+    if attribute is not None:
+        value = list(map(jinja2.filters.make_attrgetter(eval_ctx.environment, attribute),
+                         value))
+    _check_plan(_planned(join_size, list(value), d))
+    return jinja2.filters.do_join(eval_ctx, value, d)
 
 
 def _raise_exception(message):
@@ -242,11 +347,13 @@ def compile_chat_template(source: str) -> jinja2.Template:
         raise TemplateLimitError(f"The chat template is longer than {MAX_TEMPLATE_CHARS} "
                                  f"characters.")
     env = ChatTemplateEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                  extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    for name in ("center", "indent", "wordwrap", "format", "join", "replace", "truncate"):
-        env.filters[name] = _bounded_filter(name, env.filters[name])
+                                  extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+                                  finalize=_bounded_output)
     env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, dict=_TemplateDict(),
+    env.filters["join"] = _join
+    for name in list(env.filters):
+        env.filters[name] = _bounded_filter(name, env.filters[name])
+    env.globals.update(raise_exception=_raise_exception, dict=_TemplateDict(), range=_range,
                        namespace=_Namespace,
                        strftime_now=lambda fmt: datetime.now().strftime(fmt))
     template = env.from_string(source)
@@ -276,41 +383,3 @@ def render(source: str, **variables: Any) -> str:
         return _bounded_join(template.generate(**variables))
     finally:
         sys.settrace(previous)
-
-
-def render_chat(tokenizer: Any, conversation: Sequence[Mapping[str, Any]],
-                tools: list | None, add_generation_prompt: bool,
-                continue_final_message: bool, template_kwargs: Mapping[str, Any]) -> str:
-    """transformers' `tokenizer.apply_chat_template(conversation, tools=...,
-    tokenize=False, ...)`, sandboxed. `template_kwargs` may hold `chat_template` (a
-    template, or the name of one of the tokenizer's) and `documents`."""
-    kwargs = dict(template_kwargs)
-    source = tokenizer.get_chat_template(kwargs.pop("chat_template", None), tools)
-    documents = kwargs.pop("documents", None)
-    chat = [_aliased({k: v for k, v in dict(m).items() if v is not None}) for m in conversation]
-    final = None
-    if continue_final_message:
-        final = chat[-1].get("content")
-        if not isinstance(final, str):
-            raise ValueError("continue_final_message is set but the final message has no text.")
-        chat[-1] = {**chat[-1], "content": final + _CONTINUE_TAG}
-    text = render(source, messages=chat, tools=tools, documents=documents,
-                  add_generation_prompt=add_generation_prompt,
-                  **{**getattr(tokenizer, "special_tokens_map", {}), **kwargs})
-    if final is None:
-        return text
-    if final.strip() not in text or _CONTINUE_TAG.strip() not in text:
-        raise ValueError("continue_final_message is set but the chat template drops the "
-                         "final message.")
-    cut = text.rindex(_CONTINUE_TAG.strip())
-    return text[:cut] if text[cut:cut + len(_CONTINUE_TAG)] == _CONTINUE_TAG \
-        else text[:cut].rstrip()
-
-
-def _aliased(message: dict) -> dict:
-    """transformers' reasoning aliases: `reasoning_content` (and `thinking`) from
-    whichever name the message used."""
-    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
-    if reasoning is not None:
-        message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-    return message

@@ -128,9 +128,11 @@ def chat_input(messages: list[dict], add_generation_prompt: bool, continue_final
                chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
                documents: list[dict] | None = None) -> tuple[list[dict], tpb.ChatInput]:
     """(the normalized messages, the tokenizer's typed chat input); a 400 naming the
-    field (messages, tools, chat_template_kwargs) for invalid input."""
+    field (messages, tools, chat_template_kwargs) for invalid input. Tool-call
+    arguments travel as the client's JSON string: the tokenizer parses them once, where
+    the template reads them (its verdict on invalid JSON is the request's 400)."""
     try:
-        messages = normalize_messages(messages)
+        messages = normalize_messages(messages, parse_arguments=False)
         return messages, chat_input_to_proto(messages, add_generation_prompt,
                                              continue_final_message, chat_template_kwargs, tools,
                                              documents)

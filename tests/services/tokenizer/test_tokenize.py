@@ -98,6 +98,31 @@ def test_typed_chat_messages_and_tools_reach_the_template_unchanged(stub, smollm
     assert back["chat_template_kwargs"] == kwargs
 
 
+def test_a_requests_tool_call_arguments_are_parsed_once(stub, monkeypatch):
+    """Gateway (chat_input) -> wire -> tokenizer -> template: the client's JSON string is
+    parsed once, where the template reads it; invalid JSON is still the request's 400
+    (the tokenizer's INVALID_ARGUMENT) naming the field."""
+    from pagoda.services.gateway.openai.routes import chat_input  # lazy: gateway code, one test
+    arguments = MESSAGES[2]["tool_calls"][0]["function"]["arguments"]
+    parsed = []
+    loads = json.loads
+    monkeypatch.setattr(json, "loads", lambda text, *a, **k: (
+        parsed.append(1) if text == arguments else None, loads(text, *a, **k))[1])
+    _, chat = chat_input(copy.deepcopy(MESSAGES), False, False, {"chat_template": TEMPLATE},
+                         TOOLS)
+    reply = stub.Tokenize(pb.TokenizeRequest(chat=chat))
+    assert '{"city": "Paris"}' in reply.prompt
+    assert len(parsed) == 1
+    bad = copy.deepcopy(MESSAGES)
+    bad[2]["tool_calls"][0]["function"]["arguments"] = "{oops"
+    _, chat = chat_input(bad, False, False, {"chat_template": TEMPLATE}, TOOLS)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Tokenize(pb.TokenizeRequest(chat=chat))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(
+        "messages[2].tool_calls[0].function.arguments is not valid JSON")
+
+
 @pytest.mark.parametrize("messages, tools, kwargs, where", [
     ([{"role": "user", "content": "x", "name": 3}], None, None, "messages[0].name"),
     ([{"role": "assistant", "content": None, "tool_calls": [{"id": "1", "function": "f"}]}],
