@@ -4,8 +4,12 @@ Starts a private Redis (unless `--redis-url`), the kv-cache-manager, tokenizer,
 `--data-parallel-size` model replicas (a gpu-worker and a scheduler each) and the
 gateway (routing with `--router`) on free loopback ports (the gateway on
 `--host:--port`), waits until each is healthy, prints the URL, and stops them all
-on Ctrl-C/SIGTERM. If a service dies it stops the rest and exits 1, naming it;
-with several replicas, a replica that dies is reported and the others serve on.
+on Ctrl-C/SIGTERM. A service that exits is restarted with its own command line
+(local_cluster.py, supervision.py: backoff, `--max-restarts` per `--restart-window`);
+one that keeps exiting stops the rest and `pagoda serve` exits 1, naming it and
+quoting its last log lines -- or, with several replicas, that replica is retired and
+the others serve on. `pagoda_service_restarts_total{service}` counts the restarts
+(on the gateway's /metrics, through the supervisor's own metrics endpoint).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from pagoda.services.cli.download import hub_flags, prefetch_for_serve
 from pagoda.services.cli.serve_roles import (add_role_args, plan_replicas, role_problem,
                                              scheduler_kv_flags)
 from pagoda.services.cli.local_cluster import LocalCluster, ServiceFailed, ServiceProcess
+from pagoda.services.cli.supervision import RestartPolicy
+from pagoda.services.common.metrics_server import MetricsServer
 from pagoda.metrics import stat_logger
 from pagoda.services.common.grpc_channels import (GrpcTLS, Keepalive, add_generate_read_args,
                                                   add_keepalive_args, add_tls_args,
@@ -86,6 +92,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              "300, 0: none): a replica whose step runs longer fails, and its "
                              "streams move to other replicas.")
     add_role_args(parser)
+    add_supervision_args(parser)
     add_prefix_pull_args(parser.add_argument_group(
         "cluster-wide prefix cache (passed to the gateway)"))
     group = parser.add_argument_group("engine (passed to the scheduler and the gpu-worker)")
@@ -103,6 +110,25 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     tracing.add_cli_args(observability)
     parser.set_defaults(func=run)
     return parser
+
+
+def add_supervision_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "supervision (a service that exits is restarted, like a pod's container)")
+    group.add_argument("--max-restarts", type=int, default=5,
+                       help="Restarts of one service (a model replica counts as one) within "
+                            "--restart-window seconds; one more exit is a crash loop: "
+                            "`pagoda serve` stops, naming the service (0: never restart).")
+    group.add_argument("--restart-window", type=float, default=60.0, metavar="SECONDS",
+                       help="The window --max-restarts counts in.")
+    group.add_argument("--restart-backoff", type=float, default=0.5, metavar="SECONDS",
+                       help="Wait before a restart; doubles with each restart in the window "
+                            "(at most 30 s).")
+
+
+def restart_policy(args: argparse.Namespace) -> RestartPolicy:
+    return RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window,
+                         backoff_s=args.restart_backoff)
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -140,10 +166,12 @@ LIGHT_SERVICE_THREADS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
 
 
 def build_services(args: argparse.Namespace, redis_url: str,
-                   redis_password: str | None = None) -> list[ServiceProcess]:
+                   redis_password: str | None = None,
+                   supervisor_metrics: str | None = None) -> list[ServiceProcess]:
     """The processes of the cluster: one kv-cache-manager, tokenizer and gateway, and
     `--data-parallel-size` model replicas (a scheduler and its gpu-worker each).
-    Secrets (the API key, the Redis URL and password) reach them through their
+    `supervisor_metrics` (host:port): the supervisor's own /metrics, which the
+    gateway's /metrics includes like a service's. Secrets (the API key, the Redis URL and password) reach them through their
     environment, never their command line."""
     loopback = "127.0.0.1"
     plans = plan_replicas(args)  # serve_roles.py: colocated, or prefill + decode
@@ -152,6 +180,8 @@ def build_services(args: argparse.Namespace, redis_url: str,
                                             *(n for r in replicas for n in r[:2]))}
     addr = {name: f"{loopback}:{port}" for name, port in ports.items()}
     metrics_addr = {name: f"{loopback}:{free_port()}" for name in ports}
+    peer_metrics = {**metrics_addr,
+                    **({"supervisor": supervisor_metrics} if supervisor_metrics else {})}
     observe = (["--otlp-traces-endpoint", args.otlp_traces_endpoint]
                if args.otlp_traces_endpoint else [])
     tls = GrpcTLS.from_args(args)
@@ -209,7 +239,7 @@ def build_services(args: argparse.Namespace, redis_url: str,
                        "--scheduler-addrs", ",".join(addr[r[0]] for r in replicas),
                        "--kv-cache-manager-addr", addr["kv-cache-manager"],
                        "--router", args.router,
-                       "--peer-metrics", ",".join(f"{n}={a}" for n, a in metrics_addr.items()),
+                       "--peer-metrics", ",".join(f"{n}={a}" for n, a in peer_metrics.items()),
                        *observe, *names, *gateway_extra),
         f"{_connect_host(args.host)}:{args.port}", http_health=True,
         env={**LIGHT_SERVICE_THREADS_ENV, **gateway_env},
@@ -238,6 +268,9 @@ def run(args: argparse.Namespace) -> int:
     if role_problem(args):
         _say(f"error: {role_problem(args)}")
         return 2
+    if restart_policy(args).problem():
+        _say(f"error: {restart_policy(args).problem()}")
+        return 2
     try:
         configure_grpc_tls(args)  # the supervisor's health checks speak it too
         redis_url, redis_password = args.redis_url, os.environ.get(REDIS_PASSWORD_ENV)
@@ -247,15 +280,22 @@ def run(args: argparse.Namespace) -> int:
                                                                 die_with_parent=True)
             redis_url = redis.url
             _say(f"started a private Redis at {redis_url} (password protected)")
-        cluster = LocalCluster(build_services(args, redis_url, redis_password))
+        # Bound before the services start (port 0: no race for it); serves only the
+        # restart counter, which the gateway's /metrics then includes.
+        supervisor_metrics = MetricsServer("127.0.0.1", 0, lambda: True)
+        services = build_services(args, redis_url, redis_password,
+                                  f"127.0.0.1:{supervisor_metrics.port}")
+        cluster = LocalCluster(services, restart_policy=restart_policy(args))
+        supervisor_metrics.registry = cluster.metrics.registry
+        supervisor_metrics.start()
         cluster.start()
         cluster.wait_healthy(args.startup_timeout, stop)
         scheme = "https" if args.ssl_certfile else "http"
         print(f"Pagoda is serving the OpenAI API at {scheme}://{_connect_host(args.host)}:"
               f"{args.port}/v1 (Ctrl-C to stop)", flush=True)
-        failed = cluster.watch(stop)
-        if failed is not None:
-            raise ServiceFailed(failed)
+        failure = cluster.watch(stop)
+        if failure is not None:
+            raise failure
         return 0
     except (ServiceFailed, TimeoutError, RuntimeError, SystemExit) as exc:
         _say(f"error: {exc}")

@@ -53,6 +53,8 @@ def _sleeper(name: str, kind: str, replica: int | None) -> ServiceProcess:
 
 
 def test_the_supervisor_retires_a_dead_replica_and_stops_when_none_is_left():
+    """With restarts off (the default policy; `pagoda serve --max-restarts 0`), or once a
+    replica crash-loops."""
     services = [_sleeper("gateway", "gateway", None)]
     for i in range(2):
         services += [_sleeper(f"gpu-worker-{i}", "gpu-worker", i),
@@ -73,7 +75,7 @@ def test_the_supervisor_retires_a_dead_replica_and_stops_when_none_is_left():
         assert "replica 1 retired" in log.getvalue()
         by_name["gpu-worker-0"].process.send_signal(signal.SIGKILL)
         watcher.join(10)
-        assert outcome and outcome[0].name == "gpu-worker-0"  # the last replica: fatal
+        assert outcome and outcome[0].service.name == "gpu-worker-0"  # the last: fatal
     finally:
         stop.set()
         cluster.stop(timeout=5)
