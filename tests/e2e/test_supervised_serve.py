@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 
 import httpx
 import openai
@@ -34,7 +33,9 @@ def start(tiny_llama_dir: str, redis_url: str, *flags: str) -> ServeProcess:
 
 @pytest.fixture(scope="module")
 def serve(tiny_llama_dir, redis_server):
-    cluster = start(tiny_llama_dir, redis_server.url, "--restart-backoff", "0.2")
+    # At most 2 restarts a minute: the crash-loop test (last) reaches the limit soon.
+    cluster = start(tiny_llama_dir, redis_server.url, "--restart-backoff", "0.2",
+                    "--max-restarts", "2")
     yield cluster
     cluster.stop()
 
@@ -89,6 +90,12 @@ def restarted(serve: ServeProcess, victim: str, old_pid: int) -> bool:
         return False
 
 
+def healthy(serve: ServeProcess) -> bool:
+    """/health 200 (the gateway polls its peers each second: allow it a few)."""
+    return wait_until(lambda: httpx.get(f"{serve.base}/health", timeout=10).status_code == 200,
+                      5, interval=0.2)
+
+
 def serves_again(serve: ServeProcess) -> bool:
     reply = httpx.post(f"{serve.url}/completions", timeout=30,
                        json={"model": "tiny", "prompt": "again", "max_tokens": 4})
@@ -101,13 +108,14 @@ def test_a_killed_tokenizer_is_restarted_and_serving_resumes(serve):
     # One tokenizer: the requests that needed it while it was down fail, each cleanly
     # (an OpenAI error, no hang); the rest complete.
     failed = [o for o in outcomes if o != "ok"]
+    print(f"tokenizer killed: {len(failed)} of {NUM_REQUESTS} failed: {sorted(set(failed))}")
     assert all(o.endswith("Error") for o in failed), failed
     assert outcomes.count("ok") >= KILL_AFTER
     assert wait_until(lambda: restarted(serve, "tokenizer", old_pid), 20)
     assert wait_until(lambda: serves_again(serve), 30, interval=0.5)
     assert serve.process.poll() is None
     assert restarts(serve)["tokenizer"] == 1
-    assert httpx.get(f"{serve.base}/health", timeout=10).status_code == 200
+    assert healthy(serve)
     assert "service 'tokenizer' exited with code -9: restarting" in serve.stderr_text()
 
 
@@ -119,23 +127,21 @@ def test_a_killed_kv_cache_manager_is_restarted_and_no_request_fails(serve):
     assert wait_until(lambda: restarts(serve).get("kv-cache-manager") == 1, 20)
     assert serves_again(serve)
     assert serve.process.poll() is None
-    assert httpx.get(f"{serve.base}/health", timeout=10).status_code == 200
+    assert healthy(serve)
 
 
-def test_a_crash_loop_stops_serve_naming_the_service(tiny_llama_dir, redis_server):
-    serve = start(tiny_llama_dir, redis_server.url, "--max-restarts", "1",
-                  "--restart-backoff", "0.1")
-    try:
-        first = serve.service_pid("tokenizer")
-        os.kill(first, signal.SIGKILL)  # restart 1 of 1
-        assert wait_until(lambda: restarted(serve, "tokenizer", first), 20)
-        start_wait = time.monotonic()
-        os.kill(serve.service_pid("tokenizer"), signal.SIGKILL)  # one more: a crash loop
-        code = serve.process.wait(30)
-        assert code != 0
-        assert time.monotonic() - start_wait < 30
-        err = serve.stderr_text()
-        assert "service 'tokenizer' exited with code -9 after 1 restart(s)" in err
-        assert "crash loop; its last log lines" in err
-    finally:
-        serve.stop()
+def test_a_crash_loop_stops_serve_naming_the_service(serve):
+    """Last in this module: it ends the shared `pagoda serve`."""
+    for _ in range(3):  # at most 2 restarts a minute, whatever earlier tests used
+        pid = serve.service_pid("tokenizer")
+        os.kill(pid, signal.SIGKILL)
+        if not wait_until(lambda: serve.process.poll() is not None
+                          or restarted(serve, "tokenizer", pid), 20):
+            raise AssertionError("the tokenizer was neither restarted nor reported")
+        if serve.process.poll() is not None:
+            break
+    assert serve.process.wait(30) != 0
+    err = serve.stderr_text()
+    assert "service 'tokenizer' exited with code -9 after 2 restart(s)" in err
+    assert "crash loop; its last log lines" in err
+    assert "stopping" in err
