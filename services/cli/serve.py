@@ -1,6 +1,8 @@
 """`pagoda serve [MODEL]`: the whole cluster on this machine, one process per service.
 
-Starts a private Redis (unless `--redis-url`), the kv-cache-manager, tokenizer,
+Starts a private Redis (unless `--redis-url`), the kv-cache-manager,
+`--tokenizer-replicas` tokenizers (the gateway balances over them and retries an
+idempotent call on another),
 `--data-parallel-size` model replicas (a gpu-worker and a scheduler each) and the
 gateway (routing with `--router`) on free loopback ports (the gateway on
 `--host:--port`), waits until each is healthy, prints the URL, and stops them all
@@ -78,6 +80,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="Chat template instead of the model's: a file or the template "
                              "itself (passed to the tokenizer).")
     add_template_limit_args(parser)  # passed to the tokenizer
+    parser.add_argument("--tokenizer-replicas", type=int, default=DEFAULT_TOKENIZER_REPLICAS,
+                        help="Tokenizer processes (each about 400 MiB resident with the default "
+                             "model): the gateway spreads calls over them round-robin, and a "
+                             "call that meets a dead one is retried on another, so one "
+                             "tokenizer dying or restarting fails no request.")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="Model replicas: each is a scheduler and its gpu-worker, behind the "
                              "one gateway. With several, a replica that exits is reported and "
@@ -110,6 +117,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     tracing.add_cli_args(observability)
     parser.set_defaults(func=run)
     return parser
+
+
+DEFAULT_TOKENIZER_REPLICAS = 2
 
 
 def add_supervision_args(parser: argparse.ArgumentParser) -> None:
@@ -168,7 +178,8 @@ LIGHT_SERVICE_THREADS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
 def build_services(args: argparse.Namespace, redis_url: str,
                    redis_password: str | None = None,
                    supervisor_metrics: str | None = None) -> list[ServiceProcess]:
-    """The processes of the cluster: one kv-cache-manager, tokenizer and gateway, and
+    """The processes of the cluster: one kv-cache-manager and gateway,
+    `--tokenizer-replicas` tokenizers, and
     `--data-parallel-size` model replicas (a scheduler and its gpu-worker each).
     `supervisor_metrics` (host:port): the supervisor's own /metrics, which the
     gateway's /metrics includes like a service's. Secrets (the API key, the Redis URL and password) reach them through their
@@ -176,7 +187,9 @@ def build_services(args: argparse.Namespace, redis_url: str,
     loopback = "127.0.0.1"
     plans = plan_replicas(args)  # serve_roles.py: colocated, or prefill + decode
     replicas = [(p.scheduler, p.worker, p.index) for p in plans]
-    ports = {name: free_port() for name in ("tokenizer", "kv-cache-manager",
+    tokenizers = [replica_name("tokenizer", i, args.tokenizer_replicas)
+                  for i in range(args.tokenizer_replicas)]
+    ports = {name: free_port() for name in (*tokenizers, "kv-cache-manager",
                                             *(n for r in replicas for n in r[:2]))}
     addr = {name: f"{loopback}:{port}" for name, port in ports.items()}
     metrics_addr = {name: f"{loopback}:{free_port()}" for name in ports}
@@ -216,10 +229,12 @@ def build_services(args: argparse.Namespace, redis_url: str,
                      + generate_read_flags(args) + prefix_pull_flags(args))
     services = [
         grpc_service("kv-cache-manager", "kv-cache-manager", env=redis_env),
-        grpc_service("tokenizer", "tokenizer", *model_flags, *seed, *hub_flags(args),
+    ] + [
+        grpc_service("tokenizer", name, *model_flags, *seed, *hub_flags(args),
                      *(["--tokenizer", args.tokenizer] if args.tokenizer else []),
                      *(["--chat-template", args.chat_template] if args.chat_template else []),
-                     *template_limit_flags(args)),
+                     *template_limit_flags(args))
+        for name in tokenizers
     ]
     for plan in plans:
         scheduler, worker, i = plan.scheduler, plan.worker, plan.index
@@ -235,7 +250,7 @@ def build_services(args: argparse.Namespace, redis_url: str,
         ]
     services.append(ServiceProcess(
         "gateway", cmd("gateway", "--host", args.host, "--port", str(args.port),
-                       "--tokenizer-addr", addr["tokenizer"],
+                       "--tokenizer-addr", ",".join(addr[n] for n in tokenizers),
                        "--scheduler-addrs", ",".join(addr[r[0]] for r in replicas),
                        "--kv-cache-manager-addr", addr["kv-cache-manager"],
                        "--router", args.router,
@@ -267,6 +282,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if role_problem(args):
         _say(f"error: {role_problem(args)}")
+        return 2
+    if args.tokenizer_replicas < 1:
+        _say(f"error: --tokenizer-replicas must be at least 1, got {args.tokenizer_replicas}")
         return 2
     if restart_policy(args).problem():
         _say(f"error: {restart_policy(args).problem()}")

@@ -22,7 +22,13 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeStreamBroken(Exception):
-    """The tokenizer stream failed; the completions decoding on it cannot continue."""
+    """The tokenizer stream failed; the completions decoding on it cannot continue there.
+    `stream_lost`: the stream itself is gone (its tokenizer died or closed it), so a
+    completion may start over on the next one (decode_resume.py)."""
+
+    def __init__(self, message: str, stream_lost: bool = True) -> None:
+        super().__init__(message)
+        self.stream_lost = stream_lost
 
 
 class DecodeMux:
@@ -96,7 +102,8 @@ class DecodeMux:
             if future is not None and not future.done():
                 result = results.get(item.request_id)
                 if result is None:
-                    future.set_exception(DecodeStreamBroken(f"no result for {item.request_id}"))
+                    future.set_exception(DecodeStreamBroken(f"no result for {item.request_id}",
+                                                            stream_lost=False))
                 else:
                     future.set_result(result)
 
