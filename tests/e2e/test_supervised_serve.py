@@ -102,7 +102,11 @@ def load_with_kill(serve: ServeProcess, pid: int) -> list[str]:
 
         return await asyncio.gather(*(one(i) for i in range(NUM_REQUESTS)))
 
-    return asyncio.run(run())
+    try:
+        return asyncio.run(run())
+    except asyncio.TimeoutError:
+        raise AssertionError("a request hung; the cluster's log:\n"
+                             + "".join(serve.log[-80:])) from None
 
 
 def pid_on_port(serve: ServeProcess, kind: str, port: str) -> int | None:

@@ -80,9 +80,11 @@ class DecodeMux:
         except asyncio.CancelledError:
             call.cancel()
             raise
-        except (grpc.RpcError, DecodeStreamBroken) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever ends the stream fails its waiters
+            # (an RpcError, the EOF, or InvalidStateError from a write to a stream that
+            # died while idle): none may be left waiting on a task that is gone.
             call.cancel()
-            logger.error("tokenizer decode stream failed: %s", exc)
+            logger.error("tokenizer decode stream failed: %r", exc)
             self._fail_all(exc)
 
     async def _exchange(self, call, batch) -> None:
@@ -90,7 +92,7 @@ class DecodeMux:
             await call.write(pb.DecodeStreamRequest(inputs=[item for item, _ in batch]))
             response = await grpc_channels.read_within(
                 call, grpc_channels.DECODE_READ_TIMEOUT_S, "the tokenizer")
-        except grpc.RpcError as exc:
+        except (grpc.RpcError, asyncio.InvalidStateError) as exc:  # the latter: it had ended
             self._fail(batch, exc)
             raise
         if response is grpc.aio.EOF:

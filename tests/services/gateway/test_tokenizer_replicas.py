@@ -93,7 +93,8 @@ def test_a_decode_stream_resumes_on_another_replica_with_the_same_text(
             if i == len(token_ids) // 2:  # the replica decoding it dies mid-answer
                 holder = next(k for k, s in enumerate(servicers) if s.calls["DecodeStream"])
                 served[holder].server.stop(None)
-            result = await decoding.decode(item)
+                await asyncio.sleep(0.5)  # the stream is seen to end before the next write
+            result = await asyncio.wait_for(decoding.decode(item), 10)  # a hang fails
             part = result.chunk.text if result.HasField("chunk") else result.complete.text
             decoding.shown(part)
             text.append(part)
