@@ -121,6 +121,21 @@ def pid_on_port(serve: ServeProcess, kind: str, port: str) -> int | None:
     return None
 
 
+def decode_stream_holder(serve: ServeProcess) -> tuple[int, str]:
+    """The tokenizer the gateway's decode stream is on (the one that decoded tokens): its
+    pid and port. Killing it is the hard case: its streams must move."""
+    decoded = {dict(labels)["instance"]: value for (name, labels), value in serve.scrape().items()
+               if name == "pagoda_tokenizer_tokens_total"
+               and dict(labels).get("operation") == "DecodeStream" and value > 0}
+    assert len(decoded) == 1, decoded
+    metrics_port = next(iter(decoded)).rsplit(":", 1)[1]
+    for child in psutil.Process(serve.process.pid).children(recursive=True):
+        argv = child.cmdline()
+        if "tokenizer" in argv and flag_value(argv, "--metrics-port") == metrics_port:
+            return child.pid, flag_value(argv, "--port")
+    raise LookupError(metrics_port)
+
+
 def victim(serve: ServeProcess, kind: str) -> tuple[int, str]:
     """A `kind` service's pid and port."""
     pid = serve.service_pid(kind)
@@ -146,9 +161,11 @@ def serves_again(serve: ServeProcess) -> bool:
 def test_a_killed_tokenizer_fails_no_request_and_is_restarted(serve):
     assert restarts(serve) == {"kv-cache-manager": 0, "tokenizer-0": 0, "tokenizer-1": 0,
                                "gpu-worker": 0, "scheduler": 0, "gateway": 0}  # from start-up
-    pid, port = victim(serve, "tokenizer")
+    reference_texts(serve)  # opens the decode stream
+    pid, port = decode_stream_holder(serve)
     outcomes = load_with_kill(serve, pid)
     assert outcomes == ["ok"] * NUM_REQUESTS, outcomes
+    assert "resuming from" in serve.stderr_text()  # streams moved to the other tokenizer
     assert wait_until(lambda: restarted(serve, "tokenizer", port, pid), 20)
     assert serves_again(serve)
     assert serve.process.poll() is None
