@@ -23,7 +23,7 @@ import ipaddress
 import json
 
 from pagoda.services.common.grpc_channels import (CLIENT_OPTIONS, DEFAULT_DEADLINE_S,
-                                                  LONG_CALLS)
+                                                  LONG_CALLS, current_tls)
 
 TOKENIZER_SERVICE = "pagoda.tokenizer.v1.TokenizerService"
 IDEMPOTENT_METHODS = ("Tokenize", "Detokenize", "GetTokenizerInfo")
@@ -79,10 +79,12 @@ def tokenizer_service_config(default_deadline_s: float = DEFAULT_DEADLINE_S) -> 
 
 def tokenizer_channel_options(addresses: str) -> list[tuple[str, object]]:
     """CLIENT_OPTIONS with the tokenizer's service config instead of the default one.
-    A list's authority (what TLS checks without --grpc-tls-server-name) is its first
-    address: the replicas of one service share a certificate."""
+    A list's authority (what TLS checks without --grpc-tls-server-name; with it, the
+    call host must be that name, which gRPC then sets) is its first address: the
+    replicas of one service share a certificate."""
     options = [(key, value) for key, value in CLIENT_OPTIONS if key != "grpc.service_config"]
     options += [("grpc.service_config", tokenizer_service_config()), ("grpc.enable_retries", 1)]
-    if "," in addresses:
+    tls = current_tls()
+    if "," in addresses and (tls is None or not tls.server_name):
         options.append(("grpc.default_authority", addresses.split(",")[0].strip()))
     return options
