@@ -233,6 +233,12 @@ def capacity() -> Dashboard:
                                     f"[{RATE}]))", "{{instance}}")], "percentunit"),
          Panel("Resident memory per process",
                [("sum by (instance) (process_resident_memory_bytes)", "{{instance}}")], "bytes")],
+        [Panel("Service restarts (last hour)",
+               [("sum by (service) (increase(pagoda_service_restarts_total[1h]))",
+                 "{{service}}")], "short",
+               "Services `pagoda serve` restarted after they exited (a model replica restarts "
+               "its scheduler and gpu-worker together). In Kubernetes the kubelet restarts "
+               "pods instead: see kube_pod_container_status_restarts_total.")],
     ])
 
 

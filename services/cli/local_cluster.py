@@ -6,11 +6,16 @@
     supervisor dies, even if it is killed (the child sets PR_SET_PDEATHSIG itself:
     no code runs between fork and exec in a supervisor with gRPC threads, see
     `pagoda.parent_death`);
-  * the cluster is "up" only when every service answers its health check;
-  * if any service exits, `watch()` returns it (its name, exit code and last log
-    lines go into ServiceFailed) -- unless it belongs to one of several model
-    replicas: then that replica's other process is stopped too, and the cluster
-    goes on with the remaining replicas.
+  * the cluster is "up" only when every service answers its health check; a service
+    that exits before then is a start-up failure (ServiceFailed at once: a bad flag
+    is not retried);
+  * once up, a service that exits is restarted under the RestartPolicy
+    (supervision.py: its own command line, backoff, a limit per window; a model
+    replica restarts as a unit). `watch()` returns the service only when it crash-
+    loops (or at once with the default policy, which restarts nothing) -- unless it
+    belongs to one of several model replicas: then that replica is retired, and the
+    cluster goes on with the remaining ones. Each service's last log lines are kept
+    for the message.
 """
 
 from __future__ import annotations
@@ -30,11 +35,13 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagoda.parent_death import dying_with_this_process
+from pagoda.services.cli.supervision import RestartLedger, RestartMetrics, RestartPolicy
 from pagoda.services.common import grpc_channels
 
 # Start order; shutdown goes the other way (the gateway stops taking requests first).
 SERVICE_ORDER = ["kv-cache-manager", "tokenizer", "gpu-worker", "scheduler", "gateway"]
 LOG_TAIL_LINES = 40
+STOP_GRACE_S = 5.0  # a restart unit's surviving members get this long after SIGTERM
 
 
 @dataclass
@@ -80,22 +87,32 @@ class ServiceProcess:
 class ServiceFailed(RuntimeError):
     """A service exited; the message names it and quotes its last log lines."""
 
-    def __init__(self, service: ServiceProcess) -> None:
+    def __init__(self, service: ServiceProcess, restarts: int = 0, window_s: float = 0.0
+                 ) -> None:
         code = service.process.returncode if service.process else None
         lines = "".join(f"    {line}" for line in service.tail)
-        super().__init__(f"service '{service.name}' exited with code {code}; its last log "
-                         f"lines:\n{lines}")
+        loop = (f" after {restarts} restart(s) in {window_s:g} s: a crash loop" if restarts
+                else "")
+        super().__init__(f"service '{service.name}' exited with code {code}{loop}; its last "
+                         f"log lines:\n{lines}")
         self.service = service
+        self.restarts = restarts
 
 
 class LocalCluster:
     """Start, watch and stop a set of ServiceProcess."""
 
-    def __init__(self, services: list[ServiceProcess], log_stream=None) -> None:
+    def __init__(self, services: list[ServiceProcess], log_stream=None,
+                 restart_policy: RestartPolicy | None = None) -> None:
         self.services = {s.name: s for s in services}
         self.retired: list[ServiceProcess] = []  # replicas dropped by watch(), reaped by stop()
         self.log_stream = log_stream if log_stream is not None else sys.stderr
         self._log_lock = threading.Lock()
+        self.policy = restart_policy or RestartPolicy()
+        self.metrics = RestartMetrics([s.name for s in services])
+        self._ledgers: dict[str, RestartLedger] = {}  # by restart unit
+        # Units going down for a restart: (when to start again, when to SIGKILL stragglers).
+        self._restarting: dict[str, tuple[float, float]] = {}
 
     def ordered(self) -> list[ServiceProcess]:
         """Services in start order (by kind, then name)."""
@@ -150,16 +167,73 @@ class LocalCluster:
             if pending:
                 time.sleep(0.25)
 
-    def watch(self, stop: threading.Event, poll: float = 0.2) -> ServiceProcess | None:
-        """Block until `stop` is set (-> None) or a service exits (-> it), outliving
-        the loss of model replicas while at least one remains."""
+    def watch(self, stop: threading.Event, poll: float = 0.2) -> ServiceFailed | None:
+        """Block until `stop` is set (-> None) or a service crash-loops (-> ServiceFailed
+        naming it), restarting services that exit and outliving the loss of model
+        replicas while at least one remains."""
         while not stop.wait(poll):
-            failed = self.failed_service()
-            if failed is None:
-                continue
-            if not self._drop_replica(failed):
-                return failed
+            now = time.monotonic()
+            for service in self._newly_exited():
+                failure = self._on_exit(service, now)
+                if failure is not None:
+                    return failure
+            self._advance_restarts(now)
         return None
+
+    @staticmethod
+    def unit_of(service: ServiceProcess) -> str:
+        """What restarts together: a model replica, else the service alone."""
+        return f"replica {service.replica}" if service.replica is not None else service.name
+
+    def _members(self, unit: str) -> list[ServiceProcess]:
+        return [s for s in self.ordered() if self.unit_of(s) == unit]
+
+    def _newly_exited(self) -> list[ServiceProcess]:
+        return [s for s in self.ordered() if s.process is not None
+                and s.process.poll() is not None and self.unit_of(s) not in self._restarting]
+
+    def _on_exit(self, failed: ServiceProcess, now: float) -> ServiceFailed | None:
+        """Schedule `failed`'s unit for a restart, or report a crash loop."""
+        unit = self.unit_of(failed)
+        ledger = self._ledgers.setdefault(unit, RestartLedger(self.policy))
+        delay = ledger.next_delay(now)
+        code = failed.process.returncode
+        if delay is None:
+            if self._drop_replica(failed):
+                return None
+            return ServiceFailed(failed, ledger.recent, self.policy.window_s)
+        members = self._members(unit)
+        for member in members:
+            if member.process.poll() is None:
+                member.process.send_signal(signal.SIGTERM)
+        self._say(f"service '{failed.name}' exited with code {code}: restarting "
+                  f"{' and '.join(m.name for m in members)} in {delay:g} s (restart "
+                  f"{ledger.recent} of at most {self.policy.max_restarts} in "
+                  f"{self.policy.window_s:g} s)")
+        self._restarting[unit] = (now + delay, now + STOP_GRACE_S)
+        return None
+
+    def _advance_restarts(self, now: float) -> None:
+        """Start each unit again once all its processes are gone and its delay passed."""
+        for unit, (start_at, kill_at) in list(self._restarting.items()):
+            members = self._members(unit)
+            alive = [m for m in members if m.process.poll() is None]
+            if alive and now >= kill_at:
+                for member in alive:
+                    member.process.kill()
+            if alive or now < start_at:
+                continue
+            for member in members:  # start order: a replica's worker before its scheduler
+                member.tail.append("--- restarted by pagoda serve ---\n")
+                self._spawn(member)
+                self.metrics.restarts.labels(member.name).inc()
+            del self._restarting[unit]
+            self._say(f"restarted {', '.join(m.name for m in members)}")
+
+    def _say(self, message: str) -> None:
+        with self._log_lock:
+            self.log_stream.write(f"[pagoda serve] {message}\n")
+            self.log_stream.flush()
 
     def _drop_replica(self, failed: ServiceProcess) -> bool:
         """Retire the replica `failed` belongs to, if another one serves on."""
@@ -172,11 +246,8 @@ class LocalCluster:
             self.retired.append(service)
             if service.process is not None and service.process.poll() is None:
                 service.process.send_signal(signal.SIGTERM)
-        with self._log_lock:
-            self.log_stream.write(
-                f"[pagoda serve] {failed.name} exited with code {failed.process.returncode}: "
-                f"replica {failed.replica} retired, {len(replicas) - 1} replica(s) serve on\n")
-            self.log_stream.flush()
+        self._say(f"{failed.name} exited with code {failed.process.returncode}: replica "
+                  f"{failed.replica} retired, {len(replicas) - 1} replica(s) serve on")
         return True
 
     def stop(self, timeout: float = 15.0) -> None:

@@ -1,11 +1,17 @@
 """`pagoda serve [MODEL]`: the whole cluster on this machine, one process per service.
 
-Starts a private Redis (unless `--redis-url`), the kv-cache-manager, tokenizer,
+Starts a private Redis (unless `--redis-url`), the kv-cache-manager,
+`--tokenizer-replicas` tokenizers (the gateway balances over them and retries an
+idempotent call on another),
 `--data-parallel-size` model replicas (a gpu-worker and a scheduler each) and the
 gateway (routing with `--router`) on free loopback ports (the gateway on
 `--host:--port`), waits until each is healthy, prints the URL, and stops them all
-on Ctrl-C/SIGTERM. If a service dies it stops the rest and exits 1, naming it;
-with several replicas, a replica that dies is reported and the others serve on.
+on Ctrl-C/SIGTERM. A service that exits is restarted with its own command line
+(local_cluster.py, supervision.py: backoff, `--max-restarts` per `--restart-window`);
+one that keeps exiting stops the rest and `pagoda serve` exits 1, naming it and
+quoting its last log lines -- or, with several replicas, that replica is retired and
+the others serve on. `pagoda_service_restarts_total{service}` counts the restarts
+(on the gateway's /metrics, through the supervisor's own metrics endpoint).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from pagoda.services.cli.download import hub_flags, prefetch_for_serve
 from pagoda.services.cli.serve_roles import (add_role_args, plan_replicas, role_problem,
                                              scheduler_kv_flags)
 from pagoda.services.cli.local_cluster import LocalCluster, ServiceFailed, ServiceProcess
+from pagoda.services.cli.supervision import RestartPolicy
+from pagoda.services.common.metrics_server import MetricsServer
 from pagoda.metrics import stat_logger
 from pagoda.services.common.grpc_channels import (GrpcTLS, Keepalive, add_generate_read_args,
                                                   add_keepalive_args, add_tls_args,
@@ -72,6 +80,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="Chat template instead of the model's: a file or the template "
                              "itself (passed to the tokenizer).")
     add_template_limit_args(parser)  # passed to the tokenizer
+    parser.add_argument("--tokenizer-replicas", type=int, default=DEFAULT_TOKENIZER_REPLICAS,
+                        help="Tokenizer processes (each about 400 MiB resident with the default "
+                             "model): the gateway spreads calls over them round-robin, and a "
+                             "call that meets a dead one is retried on another, so one "
+                             "tokenizer dying or restarting fails no request.")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="Model replicas: each is a scheduler and its gpu-worker, behind the "
                              "one gateway. With several, a replica that exits is reported and "
@@ -86,6 +99,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              "300, 0: none): a replica whose step runs longer fails, and its "
                              "streams move to other replicas.")
     add_role_args(parser)
+    add_supervision_args(parser)
     add_prefix_pull_args(parser.add_argument_group(
         "cluster-wide prefix cache (passed to the gateway)"))
     group = parser.add_argument_group("engine (passed to the scheduler and the gpu-worker)")
@@ -103,6 +117,28 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     tracing.add_cli_args(observability)
     parser.set_defaults(func=run)
     return parser
+
+
+DEFAULT_TOKENIZER_REPLICAS = 2
+
+
+def add_supervision_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "supervision (a service that exits is restarted, like a pod's container)")
+    group.add_argument("--max-restarts", type=int, default=5,
+                       help="Restarts of one service (a model replica counts as one) within "
+                            "--restart-window seconds; one more exit is a crash loop: "
+                            "`pagoda serve` stops, naming the service (0: never restart).")
+    group.add_argument("--restart-window", type=float, default=60.0, metavar="SECONDS",
+                       help="The window --max-restarts counts in.")
+    group.add_argument("--restart-backoff", type=float, default=0.5, metavar="SECONDS",
+                       help="Wait before a restart; doubles with each restart in the window "
+                            "(at most 30 s).")
+
+
+def restart_policy(args: argparse.Namespace) -> RestartPolicy:
+    return RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window,
+                         backoff_s=args.restart_backoff)
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -140,18 +176,25 @@ LIGHT_SERVICE_THREADS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
 
 
 def build_services(args: argparse.Namespace, redis_url: str,
-                   redis_password: str | None = None) -> list[ServiceProcess]:
-    """The processes of the cluster: one kv-cache-manager, tokenizer and gateway, and
+                   redis_password: str | None = None,
+                   supervisor_metrics: str | None = None) -> list[ServiceProcess]:
+    """The processes of the cluster: one kv-cache-manager and gateway,
+    `--tokenizer-replicas` tokenizers, and
     `--data-parallel-size` model replicas (a scheduler and its gpu-worker each).
-    Secrets (the API key, the Redis URL and password) reach them through their
+    `supervisor_metrics` (host:port): the supervisor's own /metrics, which the
+    gateway's /metrics includes like a service's. Secrets (the API key, the Redis URL and password) reach them through their
     environment, never their command line."""
     loopback = "127.0.0.1"
     plans = plan_replicas(args)  # serve_roles.py: colocated, or prefill + decode
     replicas = [(p.scheduler, p.worker, p.index) for p in plans]
-    ports = {name: free_port() for name in ("tokenizer", "kv-cache-manager",
+    tokenizers = [replica_name("tokenizer", i, args.tokenizer_replicas)
+                  for i in range(args.tokenizer_replicas)]
+    ports = {name: free_port() for name in (*tokenizers, "kv-cache-manager",
                                             *(n for r in replicas for n in r[:2]))}
     addr = {name: f"{loopback}:{port}" for name, port in ports.items()}
     metrics_addr = {name: f"{loopback}:{free_port()}" for name in ports}
+    peer_metrics = {**metrics_addr,
+                    **({"supervisor": supervisor_metrics} if supervisor_metrics else {})}
     observe = (["--otlp-traces-endpoint", args.otlp_traces_endpoint]
                if args.otlp_traces_endpoint else [])
     tls = GrpcTLS.from_args(args)
@@ -186,10 +229,12 @@ def build_services(args: argparse.Namespace, redis_url: str,
                      + generate_read_flags(args) + prefix_pull_flags(args))
     services = [
         grpc_service("kv-cache-manager", "kv-cache-manager", env=redis_env),
-        grpc_service("tokenizer", "tokenizer", *model_flags, *seed, *hub_flags(args),
+    ] + [
+        grpc_service("tokenizer", name, *model_flags, *seed, *hub_flags(args),
                      *(["--tokenizer", args.tokenizer] if args.tokenizer else []),
                      *(["--chat-template", args.chat_template] if args.chat_template else []),
-                     *template_limit_flags(args)),
+                     *template_limit_flags(args))
+        for name in tokenizers
     ]
     for plan in plans:
         scheduler, worker, i = plan.scheduler, plan.worker, plan.index
@@ -205,11 +250,11 @@ def build_services(args: argparse.Namespace, redis_url: str,
         ]
     services.append(ServiceProcess(
         "gateway", cmd("gateway", "--host", args.host, "--port", str(args.port),
-                       "--tokenizer-addr", addr["tokenizer"],
+                       "--tokenizer-addr", ",".join(addr[n] for n in tokenizers),
                        "--scheduler-addrs", ",".join(addr[r[0]] for r in replicas),
                        "--kv-cache-manager-addr", addr["kv-cache-manager"],
                        "--router", args.router,
-                       "--peer-metrics", ",".join(f"{n}={a}" for n, a in metrics_addr.items()),
+                       "--peer-metrics", ",".join(f"{n}={a}" for n, a in peer_metrics.items()),
                        *observe, *names, *gateway_extra),
         f"{_connect_host(args.host)}:{args.port}", http_health=True,
         env={**LIGHT_SERVICE_THREADS_ENV, **gateway_env},
@@ -238,6 +283,12 @@ def run(args: argparse.Namespace) -> int:
     if role_problem(args):
         _say(f"error: {role_problem(args)}")
         return 2
+    if args.tokenizer_replicas < 1:
+        _say(f"error: --tokenizer-replicas must be at least 1, got {args.tokenizer_replicas}")
+        return 2
+    if restart_policy(args).problem():
+        _say(f"error: {restart_policy(args).problem()}")
+        return 2
     try:
         configure_grpc_tls(args)  # the supervisor's health checks speak it too
         redis_url, redis_password = args.redis_url, os.environ.get(REDIS_PASSWORD_ENV)
@@ -247,15 +298,22 @@ def run(args: argparse.Namespace) -> int:
                                                                 die_with_parent=True)
             redis_url = redis.url
             _say(f"started a private Redis at {redis_url} (password protected)")
-        cluster = LocalCluster(build_services(args, redis_url, redis_password))
+        # Bound before the services start (port 0: no race for it); serves only the
+        # restart counter, which the gateway's /metrics then includes.
+        supervisor_metrics = MetricsServer("127.0.0.1", 0, lambda: True)
+        services = build_services(args, redis_url, redis_password,
+                                  f"127.0.0.1:{supervisor_metrics.port}")
+        cluster = LocalCluster(services, restart_policy=restart_policy(args))
+        supervisor_metrics.registry = cluster.metrics.registry
+        supervisor_metrics.start()
         cluster.start()
         cluster.wait_healthy(args.startup_timeout, stop)
         scheme = "https" if args.ssl_certfile else "http"
         print(f"Pagoda is serving the OpenAI API at {scheme}://{_connect_host(args.host)}:"
               f"{args.port}/v1 (Ctrl-C to stop)", flush=True)
-        failed = cluster.watch(stop)
-        if failed is not None:
-            raise ServiceFailed(failed)
+        failure = cluster.watch(stop)
+        if failure is not None:
+            raise failure
         return 0
     except (ServiceFailed, TimeoutError, RuntimeError, SystemExit) as exc:
         _say(f"error: {exc}")

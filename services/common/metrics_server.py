@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TypeVar
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 
 logger = logging.getLogger(__name__)
 
@@ -43,15 +43,19 @@ def one_per_process(make: Callable[[], T]) -> Callable[[], T]:
 
 
 class MetricsServer:
-    """Serves GET /metrics (Prometheus text) and GET /health (200 or 503)."""
+    """Serves GET /metrics (Prometheus text of `registry`, which may be replaced before
+    `start`) and GET /health (200 or 503)."""
 
-    def __init__(self, host: str, port: int, is_healthy: Callable[[], bool]) -> None:
+    def __init__(self, host: str, port: int, is_healthy: Callable[[], bool],
+                 registry: CollectorRegistry = REGISTRY) -> None:
         is_healthy_fn = is_healthy
+        self.registry = registry
+        server = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
                 if self.path.split("?")[0] == "/metrics":
-                    self._reply(200, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
+                    self._reply(200, generate_latest(server.registry), CONTENT_TYPE_LATEST)
                 elif self.path.split("?")[0] == "/health":
                     ok = is_healthy_fn()
                     self._reply(200 if ok else 503, b"ok\n" if ok else b"unhealthy\n")

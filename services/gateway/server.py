@@ -27,7 +27,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="Listen address.")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port.")
     parser.add_argument("--tokenizer-addr", default="127.0.0.1:50051",
-                        help="host:port of the tokenizer service.")
+                        help="The tokenizer replicas, balanced round-robin with idempotent "
+                             "calls retried on another one: host:port (every address the name "
+                             "resolves to, e.g. a Kubernetes headless Service), "
+                             "dns:///NAME:PORT, or a comma-separated list of IP:PORT.")
     parser.add_argument("--scheduler-addrs", default="127.0.0.1:50052",
                         help="Comma-separated scheduler replicas: host:port; "
                              "dns:///NAME:PORT for every address NAME resolves to (re-resolved "

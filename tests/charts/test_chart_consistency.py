@@ -97,8 +97,12 @@ def test_peer_addresses_reach_the_right_services(chart, values):
     rendered = chart.template(values=(values,))
     (gateway,) = [p for p in pods(rendered) if p.deployment == "pagoda-gateway"]
     g = flags(gateway.container("gateway"))
-    host, port = g["tokenizer-addr"].rsplit(":", 1)
-    _backend_running(rendered, host, int(port), "tokenizer")
+    # dns:///<headless service>.<namespace>.svc.<domain>:<port>: every Ready tokenizer pod,
+    # balanced round-robin by the gateway.
+    match = re.fullmatch(r"dns:///([a-z0-9-]+)\.([a-z0-9-]+)\.svc\.[a-z.]+:(\d+)",
+                         g["tokenizer-addr"])
+    assert match, g["tokenizer-addr"]
+    _backend_running(rendered, match.group(1), int(match.group(3)), "tokenizer")
     host, port = g["kv-cache-manager-addr"].rsplit(":", 1)
     _backend_running(rendered, host, int(port), "kv-cache-manager")
 
@@ -213,3 +217,22 @@ def test_gateway_streams_finish_inside_the_pods_grace_period(chart, values):
     sleep = container["lifecycle"]["preStop"]["sleep"]["seconds"]
     grace = float(flags(container)["shutdown-grace-period"])
     assert 0 < grace and sleep + grace + 5 == gateway.spec["terminationGracePeriodSeconds"]
+
+
+def test_tokenizer_pods_are_replicated_behind_a_headless_service_and_a_budget(chart, values):
+    """One tokenizer pod's death or eviction must fail no request: the gateway needs a
+    second pod, every pod's address (headless DNS), and a budget that keeps one up."""
+    rendered = chart.template(values=(values,))
+    (deployment,) = [d for d in rendered.of_kind("Deployment")
+                     if d["metadata"]["name"] == "pagoda-tokenizer"]
+    scalers = [h for h in rendered.of_kind("HorizontalPodAutoscaler")
+               if h["spec"]["scaleTargetRef"]["name"] == "pagoda-tokenizer"]
+    replicas = scalers[0]["spec"]["minReplicas"] if scalers else deployment["spec"]["replicas"]
+    assert replicas >= 2
+    (service,) = [s for s in rendered.of_kind("Service")
+                  if s["metadata"]["name"] == "pagoda-tokenizer"]
+    assert service["spec"]["clusterIP"] == "None"
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    budgets = [b for b in rendered.of_kind("PodDisruptionBudget")
+               if selects(b["spec"]["selector"]["matchLabels"], labels)]
+    assert budgets and budgets[0]["spec"]["maxUnavailable"] == 1

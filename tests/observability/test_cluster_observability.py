@@ -142,7 +142,9 @@ def test_gateway_and_service_metrics_count_exactly(traffic):
     assert t.delta("pagoda_kv_index_event_lag_seconds_count") > 0
     peers = {dict(ls)["service"]: v for (n, ls), v in t.after.items()
              if n == "pagoda_metrics_peer_up"}
-    assert peers == {"tokenizer": 1, "scheduler": 1, "gpu-worker": 1, "kv-cache-manager": 1}
+    assert peers == {"tokenizer-0": 1, "tokenizer-1": 1, "scheduler": 1, "gpu-worker": 1,
+                     "kv-cache-manager": 1,
+                     "supervisor": 1}  # `pagoda serve`'s own: the restart counter
 
 
 def test_every_dashboard_panel_query_returns_data(traffic, prometheus):

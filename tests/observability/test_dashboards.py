@@ -15,6 +15,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from pagoda.metrics.engine_metrics import EngineMetrics
+from pagoda.services.cli.supervision import RestartMetrics
 from pagoda.services.common.kv_transfer_metrics import KvTransferMetrics
 from pagoda.services.gateway.observability.metrics import GatewayMetrics
 from pagoda.services.gpu_worker.metrics import WorkerMetrics
@@ -70,10 +71,11 @@ def test_every_queried_metric_is_defined_by_the_code():
         metrics(registry)
     KvPublisherMetrics("m", registry)
     ProcessCollector(registry=registry)
+    supervisor = RestartMetrics(["tokenizer"]).registry  # `pagoda serve`'s own
     # Sample names by family, children or not (a labelled metric shows no sample until
     # its first use, but it is defined).
-    exported = {family.name + suffix for family in registry.collect()
-                for suffix in SUFFIXES[family.type]}
+    exported = {family.name + suffix for source in (registry, supervisor)
+                for family in source.collect() for suffix in SUFFIXES[family.type]}
     queried = {m for d in _dashboards().values() for p in d["panels"] for t in p["targets"]
                for m in METRIC.findall(t["expr"])}
     assert queried and queried <= exported, sorted(queried - exported)

@@ -27,7 +27,7 @@ def test_each_replica_is_a_scheduler_with_its_own_worker_behind_one_gateway():
     services = {s.name: s for s in build_services(args, "redis://127.0.0.1:1/0")}
     assert sorted(services) == ["gateway", "gpu-worker-0", "gpu-worker-1", "gpu-worker-2",
                                 "kv-cache-manager", "scheduler-0", "scheduler-1", "scheduler-2",
-                                "tokenizer"]
+                                "tokenizer-0", "tokenizer-1"]
     for i in range(3):
         scheduler = services[f"scheduler-{i}"]
         assert flag(scheduler.argv, "--worker-addr") == services[f"gpu-worker-{i}"].address
@@ -37,13 +37,19 @@ def test_each_replica_is_a_scheduler_with_its_own_worker_behind_one_gateway():
     assert flag(gateway, "--scheduler-addrs").split(",") == \
         [services[f"scheduler-{i}"].address for i in range(3)]
     assert flag(gateway, "--router") == "session"
-    # The tokenizer hashes blocks for the router: it must use the schedulers' seed.
-    assert flag(services["tokenizer"].argv, "--prefix-cache-hash-seed") == "s33d"
+    # The tokenizers hash blocks for the router: they must use the schedulers' seed.
+    for name in ("tokenizer-0", "tokenizer-1"):
+        assert flag(services[name].argv, "--prefix-cache-hash-seed") == "s33d"
+    # The gateway balances over every tokenizer (two by default).
+    assert flag(gateway, "--tokenizer-addr").split(",") == \
+        [services["tokenizer-0"].address, services["tokenizer-1"].address]
 
 
 def test_one_replica_keeps_the_plain_names_and_kv_aware_is_the_default():
-    services = {s.name: s for s in build_services(serve_args(), "redis://127.0.0.1:1/0")}
-    assert {"scheduler", "gpu-worker"} <= set(services)
+    services = {s.name: s for s in build_services(serve_args("--tokenizer-replicas", "1"),
+                                                  "redis://127.0.0.1:1/0")}
+    assert {"scheduler", "gpu-worker", "tokenizer"} <= set(services)
+    assert flag(services["gateway"].argv, "--tokenizer-addr") == services["tokenizer"].address
     assert flag(services["gateway"].argv, "--router") == "kv_aware"
 
 
@@ -53,6 +59,8 @@ def _sleeper(name: str, kind: str, replica: int | None) -> ServiceProcess:
 
 
 def test_the_supervisor_retires_a_dead_replica_and_stops_when_none_is_left():
+    """With restarts off (the default policy; `pagoda serve --max-restarts 0`), or once a
+    replica crash-loops."""
     services = [_sleeper("gateway", "gateway", None)]
     for i in range(2):
         services += [_sleeper(f"gpu-worker-{i}", "gpu-worker", i),
@@ -73,7 +81,7 @@ def test_the_supervisor_retires_a_dead_replica_and_stops_when_none_is_left():
         assert "replica 1 retired" in log.getvalue()
         by_name["gpu-worker-0"].process.send_signal(signal.SIGKILL)
         watcher.join(10)
-        assert outcome and outcome[0].name == "gpu-worker-0"  # the last replica: fatal
+        assert outcome and outcome[0].service.name == "gpu-worker-0"  # the last: fatal
     finally:
         stop.set()
         cluster.stop(timeout=5)

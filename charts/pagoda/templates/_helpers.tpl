@@ -39,8 +39,10 @@ helm.sh/chart: {{ printf "%s-%s" (index . 0).Chart.Name (index . 0).Chart.Versio
 {{- end -}}
 
 {{/* Addresses the services are given for each other. */}}
+{{- /* Every Ready tokenizer pod (the headless Service's A records): the gateway balances
+over them round-robin and retries an idempotent call on another one. */}}
 {{- define "pagoda.tokenizerAddr" -}}
-{{- printf "%s:%v" (include "pagoda.componentName" (list . "tokenizer")) .Values.tokenizer.port -}}
+{{- printf "dns:///%s.%s.svc.%s:%v" (include "pagoda.componentName" (list . "tokenizer")) .Release.Namespace .Values.global.clusterDomain .Values.tokenizer.port -}}
 {{- end -}}
 
 {{- define "pagoda.kvCacheManagerAddr" -}}

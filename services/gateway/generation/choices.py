@@ -34,6 +34,7 @@ from pagoda.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagoda.services.common.protocol.sampling_params import decode_options_to_proto
 from pagoda.services.gateway.errors import APIError, from_grpc_error
 from pagoda.services.gateway.generation.decode_mux import DecodeMux, DecodeStreamBroken
+from pagoda.services.gateway.generation.decode_resume import ResumableDecode
 from pagoda.services.gateway.generation.migration import ChoiceRoute, Migration, enders
 from pagoda.services.gateway.openai.logprobs import TokenLogprob, candidate_ids, token_logprobs
 from pagoda.services.gateway.routing.peers import ReplicaLost, ReplicaRefused, SchedulerReplica
@@ -115,6 +116,7 @@ async def stream_choice(replica: SchedulerReplica, mux: DecodeMux, request: Engi
     rid = request.request_id
     options = decode_options_to_proto(request.prompt_token_ids, request.sampling_params)
     rows = _LogprobRows(request, discard_output)
+    decoding = ResumableDecode(mux, options)  # a dead tokenizer's stream resumes elsewhere
     outputs = _finish_with_last_tokens(
         _migrating_outputs(replica, ChoiceRoute(request), migration), request)
     first, complete = True, False
@@ -127,12 +129,13 @@ async def stream_choice(replica: SchedulerReplica, mux: DecodeMux, request: Engi
             if first:
                 item.options.CopyFrom(options)
             was_first, first = first, False
-            result = await mux.decode(item)
+            result = await decoding.decode(item)
             logprobs = rows.read(out, was_first, result.decoded_tokens)
             if migration is not None:
                 migration.started = True
             if result.HasField("chunk"):
                 if token_ids or result.chunk.text:  # not a prompt-logprobs-only message
+                    decoding.shown(result.chunk.text)
                     yield ChoiceDelta(index, result.chunk.text, token_ids,
                                       num_cached_tokens=out.num_cached_tokens,
                                       logprobs=logprobs, prompt_logprobs=rows.take_prompt())

@@ -22,7 +22,13 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeStreamBroken(Exception):
-    """The tokenizer stream failed; the completions decoding on it cannot continue."""
+    """The tokenizer stream failed; the completions decoding on it cannot continue there.
+    `stream_lost`: the stream itself is gone (its tokenizer died or closed it), so a
+    completion may start over on the next one (decode_resume.py)."""
+
+    def __init__(self, message: str, stream_lost: bool = True) -> None:
+        super().__init__(message)
+        self.stream_lost = stream_lost
 
 
 class DecodeMux:
@@ -74,9 +80,11 @@ class DecodeMux:
         except asyncio.CancelledError:
             call.cancel()
             raise
-        except (grpc.RpcError, DecodeStreamBroken) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever ends the stream fails its waiters
+            # (an RpcError, the EOF, or InvalidStateError from a write to a stream that
+            # died while idle): none may be left waiting on a task that is gone.
             call.cancel()
-            logger.error("tokenizer decode stream failed: %s", exc)
+            logger.error("tokenizer decode stream failed: %r", exc)
             self._fail_all(exc)
 
     async def _exchange(self, call, batch) -> None:
@@ -84,7 +92,7 @@ class DecodeMux:
             await call.write(pb.DecodeStreamRequest(inputs=[item for item, _ in batch]))
             response = await grpc_channels.read_within(
                 call, grpc_channels.DECODE_READ_TIMEOUT_S, "the tokenizer")
-        except grpc.RpcError as exc:
+        except (grpc.RpcError, asyncio.InvalidStateError) as exc:  # the latter: it had ended
             self._fail(batch, exc)
             raise
         if response is grpc.aio.EOF:
@@ -96,7 +104,8 @@ class DecodeMux:
             if future is not None and not future.done():
                 result = results.get(item.request_id)
                 if result is None:
-                    future.set_exception(DecodeStreamBroken(f"no result for {item.request_id}"))
+                    future.set_exception(DecodeStreamBroken(f"no result for {item.request_id}",
+                                                            stream_lost=False))
                 else:
                     future.set_result(result)
 

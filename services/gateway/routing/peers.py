@@ -41,6 +41,8 @@ from pagoda.services.gateway.routing.block_hash_check import check_block_hashes
 from pagoda.services.gateway.routing.discovery import Discovery, parse_scheduler_addrs
 from pagoda.services.gateway.routing.prefix_index import PrefixIndexClient
 from pagoda.services.gateway.routing.router import DEFAULT_POLICY, Router
+from pagoda.services.gateway.routing.tokenizer_channel import (tokenizer_channel_options,
+                                                               tokenizer_target)
 
 logger = logging.getLogger(__name__)
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -193,8 +195,12 @@ class SchedulerReplica(Peer):
 
 
 class TokenizerPeer(Peer):
+    """Every tokenizer replica behind one round-robin channel (tokenizer_channel.py):
+    `serving` while any of them is."""
+
     def __init__(self, address: str) -> None:
-        super().__init__("tokenizer", address)
+        super().__init__("tokenizer", tokenizer_target(address),
+                         tokenizer_channel_options(address))
         self.stub = tpb_grpc.TokenizerServiceStub(self.channel)
         self.info: tpb.GetTokenizerInfoResponse | None = None
         self.mux = DecodeMux(self.stub)

@@ -88,6 +88,6 @@ def test_serve_gives_the_worker_the_cores_and_the_small_services_one_thread():
     args = subparser("serve").parse_args(["/models/m", "--batch-invariant"])
     services = {s.name: s for s in build_services(args, "redis://127.0.0.1:1/0")}
     assert "OMP_NUM_THREADS" not in services["gpu-worker"].env
-    for name in ("gateway", "tokenizer", "scheduler", "kv-cache-manager"):
+    for name in ("gateway", "tokenizer-0", "tokenizer-1", "scheduler", "kv-cache-manager"):
         assert services[name].env["OMP_NUM_THREADS"] == "1", name
     assert "--batch-invariant" in services["gpu-worker"].argv  # reaches the worker's engine

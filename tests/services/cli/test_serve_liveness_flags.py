@@ -30,19 +30,21 @@ def test_serve_passes_the_liveness_flags_to_the_services_that_use_them():
                      "--execute-model-timeout", "120", "--generate-read-timeout", "60",
                      "--chat-template-render-timeout", "0.5",
                      "--chat-template-max-output-chars", "2000")
-    assert set(argvs) == {"kv-cache-manager", "tokenizer", "gpu-worker-0", "scheduler-0",
+    assert set(argvs) == {"kv-cache-manager", "tokenizer-0", "tokenizer-1", "gpu-worker-0",
+                          "scheduler-0",
                           "gpu-worker-1", "scheduler-1", "gateway"}
     for name, argv in argvs.items():
         assert (value(argv, "--grpc-keepalive-time"), value(argv, "--grpc-keepalive-timeout")
                 ) == ("2", "3"), name
         has_deadline = name.startswith("scheduler")
         assert ("--execute-model-timeout" in argv) == has_deadline, name
-        assert ("--chat-template-render-timeout" in argv) == (name == "tokenizer"), name
+        assert ("--chat-template-render-timeout" in argv) == name.startswith("tokenizer"), name
         assert ("--generate-read-timeout" in argv) == (name == "gateway"), name
     assert value(argvs["gateway"], "--generate-read-timeout") == "60"
     assert value(argvs["scheduler-1"], "--execute-model-timeout") == "120"
-    assert value(argvs["tokenizer"], "--chat-template-render-timeout") == "0.5"
-    assert value(argvs["tokenizer"], "--chat-template-max-output-chars") == "2000"
+    for name in ("tokenizer-0", "tokenizer-1"):
+        assert value(argvs[name], "--chat-template-render-timeout") == "0.5"
+        assert value(argvs[name], "--chat-template-max-output-chars") == "2000"
 
 
 def test_the_defaults_add_no_flag():

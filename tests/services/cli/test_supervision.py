@@ -1,0 +1,122 @@
+"""The local cluster's supervisor restarts what exits, like a pod controller: the same
+command line, backoff, a limit per window, a model replica as one unit, and a crash
+loop reported with the service's name and last log lines."""
+
+from __future__ import annotations
+
+import io
+import signal
+import sys
+import threading
+import time
+
+from prometheus_client import generate_latest
+
+from pagoda.services.cli.local_cluster import LocalCluster, ServiceProcess
+from pagoda.services.cli.supervision import RestartLedger, RestartPolicy
+
+SLEEPER = "import sys, time; print('hello from', sys.argv[1], file=sys.stderr); time.sleep(60)"
+
+
+def _sleeper(name: str, kind: str, replica: int | None = None) -> ServiceProcess:
+    return ServiceProcess(name, [sys.executable, "-c", SLEEPER, name], "127.0.0.1:1",
+                          kind=kind, replica=replica)
+
+
+def _wait_new_pid(service: ServiceProcess, old: int, timeout: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if service.pid != old and service.process.poll() is None:
+            return service.pid
+        time.sleep(0.02)
+    raise AssertionError(f"{service.name} was not restarted")
+
+
+def _restarts(cluster: LocalCluster, name: str) -> float:
+    return cluster.metrics.registry.get_sample_value("pagoda_service_restarts_total",
+                                                     {"service": name})
+
+
+class Watched:
+    def __init__(self, services: list[ServiceProcess], policy: RestartPolicy) -> None:
+        self.log = io.StringIO()
+        self.cluster = LocalCluster(services, log_stream=self.log, restart_policy=policy)
+        self.by_name = {s.name: s for s in services}
+        self.stop = threading.Event()
+        self.outcome: list = []
+        self.cluster.start()
+        self.thread = threading.Thread(
+            target=lambda: self.outcome.append(self.cluster.watch(self.stop, poll=0.02)))
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        self.cluster.stop(timeout=5)
+        assert all(s.process.poll() is not None for s in self.by_name.values())
+
+
+def test_the_ledger_backs_off_and_forgets_restarts_older_than_the_window():
+    ledger = RestartLedger(RestartPolicy(max_restarts=3, window_s=10, backoff_s=1))
+    assert [ledger.next_delay(t) for t in (0, 1, 2)] == [1, 2, 4]
+    assert ledger.next_delay(3) is None  # a 4th within 10 s: crash loop
+    assert ledger.next_delay(10.5) == 4  # the first fell out of the window
+
+
+def test_a_killed_service_restarts_with_its_command_line_and_is_counted():
+    tokenizer = _sleeper("tokenizer", "tokenizer")
+    watched = Watched([_sleeper("gateway", "gateway"), tokenizer],
+                      RestartPolicy(max_restarts=5, backoff_s=0.05))
+    try:
+        assert _restarts(watched.cluster, "tokenizer") == 0  # exported from start-up
+        assert _restarts(watched.cluster, "gateway") == 0
+        old = tokenizer.pid
+        gateway_pid = watched.by_name["gateway"].pid
+        tokenizer.process.send_signal(signal.SIGKILL)
+        _wait_new_pid(tokenizer, old)
+        assert tokenizer.argv == watched.by_name["tokenizer"].argv
+        assert _restarts(watched.cluster, "tokenizer") == 1
+        assert watched.by_name["gateway"].pid == gateway_pid  # nobody else was touched
+        assert watched.thread.is_alive()
+        assert "service 'tokenizer' exited with code -9: restarting" in watched.log.getvalue()
+        text = generate_latest(watched.cluster.metrics.registry).decode()
+        assert 'pagoda_service_restarts_total{service="tokenizer"} 1.0' in text
+    finally:
+        watched.close()
+
+
+def test_a_replica_restarts_as_a_unit():
+    services = [_sleeper("gateway", "gateway"), _sleeper("gpu-worker", "gpu-worker", 0),
+                _sleeper("scheduler", "scheduler", 0)]
+    watched = Watched(services, RestartPolicy(max_restarts=5, backoff_s=0.05))
+    try:
+        worker, scheduler = watched.by_name["gpu-worker"], watched.by_name["scheduler"]
+        old_worker, old_scheduler = worker.pid, scheduler.pid
+        worker.process.send_signal(signal.SIGKILL)
+        _wait_new_pid(worker, old_worker)
+        _wait_new_pid(scheduler, old_scheduler)  # its failed engine is not reused
+        assert _restarts(watched.cluster, "gpu-worker") == 1
+        assert _restarts(watched.cluster, "scheduler") == 1
+    finally:
+        watched.close()
+
+
+def test_a_crash_loop_ends_the_watch_naming_the_service_and_its_last_lines():
+    tokenizer = _sleeper("tokenizer", "tokenizer")
+    watched = Watched([_sleeper("gateway", "gateway"), tokenizer],
+                      RestartPolicy(max_restarts=2, window_s=60, backoff_s=0.05))
+    try:
+        for _ in range(2):
+            old = tokenizer.pid
+            time.sleep(0.3)  # its greeting reaches the log tail
+            tokenizer.process.send_signal(signal.SIGKILL)
+            _wait_new_pid(tokenizer, old)
+        time.sleep(0.3)
+        tokenizer.process.send_signal(signal.SIGKILL)
+        watched.thread.join(10)
+        assert watched.outcome and watched.outcome[0] is not None
+        message = str(watched.outcome[0])
+        assert "service 'tokenizer' exited with code -9 after 2 restart(s)" in message
+        assert "crash loop" in message and "hello from tokenizer" in message
+    finally:
+        watched.close()
