@@ -8,7 +8,9 @@ returns None. Invariants:
   is the one reported (with both ids and, given a decoder, both texts);
 - logprobs (the chosen token's, and every top-logprob entry) may differ by at most
   `tol` absolutely; the top-logprob ids must be the same set;
-- a tolerance of 0 means bit-equal logprobs (the batch-invariance row).
+- a tolerance of 0 means bit-equal logprobs (the batch-invariance row);
+- vLLM's API sends a logprob of -inf (a token a constraint masks) as -9999.0, so
+  both sides are clamped at API_MIN_LOGPROB before they are compared.
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ from typing import Callable
 # reductions in another order (a chunked prefill, a split over ranks, KV pulled as bytes
 # is exact). Observed differences are far below it; a wrong token's logprob is not.
 FP32_LOGPROB_TOL = 1e-4
+API_MIN_LOGPROB = -9999.0
+
+
+def _clamp(value: float) -> float:
+    return max(value, API_MIN_LOGPROB)
 
 
 @dataclass
@@ -76,6 +83,7 @@ def _choice_difference(want: Choice, got: Choice, tol: float,
         return (f"lengths differ: expected {len(want.token_ids)} tokens, got "
                 f"{len(got.token_ids)} ({side} has {_token(extra, decode)} at index {n})")
     for i, (w, g) in enumerate(zip(want.logprobs, got.logprobs)):
+        w, g = _clamp(w), _clamp(g)
         if not abs(w - g) <= tol:
             return (f"logprob of token {i} ({_token(want.token_ids[i], decode)}): expected "
                     f"{w:.6g}, got {g:.6g} (|diff| {abs(w - g):.3g} > tol {tol:g})")
@@ -83,8 +91,9 @@ def _choice_difference(want: Choice, got: Choice, tol: float,
         if set(w) != set(g):
             return f"top logprobs at token {i}: expected ids {sorted(w)}, got {sorted(g)}"
         for token_id, value in w.items():
-            if not abs(value - g[token_id]) <= tol:
+            value, other = _clamp(value), _clamp(g[token_id])
+            if not abs(value - other) <= tol:
                 return (f"top logprob of {_token(token_id, decode)} at token {i}: expected "
-                        f"{value:.6g}, got {g[token_id]:.6g} (|diff| "
-                        f"{abs(value - g[token_id]):.3g} > tol {tol:g})")
+                        f"{value:.6g}, got {other:.6g} (|diff| {abs(value - other):.3g} > "
+                        f"tol {tol:g})")
     return None

@@ -59,3 +59,12 @@ def test_a_shorter_answer_and_a_choice_count_and_prompt_length_fail():
     assert first_difference(answer(), two) == "choices: expected 1, got 2"
     assert first_difference(answer(), answer(prompt_tokens=5)) == \
         "prompt tokens: expected 4, got 5"
+
+
+def test_a_masked_token_is_minus_inf_offline_and_minus_9999_served():
+    want, got = answer(), answer()
+    want.choices[0].top[0][99] = float("-inf")
+    got.choices[0].top[0][99] = -9999.0
+    assert first_difference(want, got) is None
+    got.choices[0].top[0][99] = -50.0  # a real logprob where the reference masked
+    assert "top logprob of 99 at token 0" in first_difference(want, got)
