@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from clusters import (DIST_PD, NGRAM, SMALL_POOL_BLOCKS, served, session_keys, spec_flags)
-from compare import FP32_LOGPROB_TOL
+from compare import FP32_LOGPROB_TOL, first_difference
 from conftest import ROWS
 from request_set import REQUESTS
 from rows import check_row
@@ -64,7 +64,14 @@ def run_pd(model, want, decode, name, *extra):
                       notes=f"{moved:.0f} KV blocks moved prefill -> decode")]
 
 
-def run_prefix_pull(model, want, decode):
+def run_replicas(model, want, decode, k=3):
+    """Two rows on one `--data-parallel-size 2 --router session --kv-prefix-pull` cluster
+    (one start): the request set on replica 1 after replica 0 served it (every prompt's
+    prefix is pulled from replica 0); then every request streamed at once to replica 1,
+    whose gpu-worker is SIGKILLed once a stream has `k` tokens (the gateway migrates
+    them to replica 0, which continues each from its tokens so far)."""
+    from test_chaos import migrations, replica_processes  # lazy: e2e harness, this path only
+
     with served(model, "--data-parallel-size", "2", "--router", "session", "--kv-prefix-pull",
                 "--kv-prefix-pull-min-blocks", "2", "--kv-lease-timeout", "60") as serve:
         keys = session_keys(serve)
@@ -72,23 +79,12 @@ def run_prefix_pull(model, want, decode):
         time.sleep(2)  # the cluster index learns replica 0's blocks asynchronously
         name = "pagoda_gateway_kv_prefix_pulls_total"
         before = metric(serve, name, result="leased")
-        got = send_all(serve.url, REQUESTS, headers={"X-Session-Id": keys[1]})
+        pulled = send_all(serve.url, REQUESTS, headers={"X-Session-Id": keys[1]})
         leased = metric(serve, name, result="leased") - before
-    assert leased > 0, "prefix pull: no request leased replica 0's prefix"
-    return [check_row("prefix pulled from replica", want, got, FP32_LOGPROB_TOL, decode,
-                      notes=f"{leased:.0f} requests pulled their prefix from replica 0")]
 
-
-def run_migration(model, want, decode, k=3):
-    """Every request streamed at once to replica 1, whose gpu-worker is SIGKILLed once a
-    stream has `k` tokens: the gateway continues them on replica 0."""
-    from test_chaos import migrations, replica_processes  # lazy: e2e harness, this path only
-
-    with served(model, "--data-parallel-size", "2", "--router", "session") as serve:
-        keys = session_keys(serve)
         victim = replica_processes(serve, 1)["gpu-worker"]
         api = client(serve.url, headers={"X-Session-Id": keys[1]})
-        before = sum(migrations(serve).values())
+        migrated_before = sum(migrations(serve).values())
         killed = []
 
         def on_token(n):
@@ -97,13 +93,16 @@ def run_migration(model, want, decode, k=3):
                 os.kill(victim, signal.SIGKILL)
 
         with ThreadPoolExecutor(len(REQUESTS)) as pool:
-            answers = pool.map(lambda r: (r.name, send_streamed(api, r, on_token=on_token)),
-                               REQUESTS)
-            got = dict(answers)
-        moved = sum(migrations(serve).values()) - before
+            migrated = dict(pool.map(
+                lambda r: (r.name, send_streamed(api, r, on_token=on_token)), REQUESTS))
+        moved = sum(migrations(serve).values()) - migrated_before
+    assert leased > 0, "prefix pull: no request leased replica 0's prefix"
     assert killed and moved > 0, f"migration: nothing migrated ({moved})"
-    return [check_row("gpu-worker SIGKILLed, migrated", want, got, FP32_LOGPROB_TOL, decode,
-                      notes=f"{moved:.0f} requests migrated after the kill")]
+    return [check_row("prefix pulled from replica", want, pulled, FP32_LOGPROB_TOL, decode,
+                      notes=f"{leased:.0f} requests pulled their prefix from replica 0"),
+            check_row(f"gpu-worker SIGKILLed after {k} tokens", want, migrated,
+                      FP32_LOGPROB_TOL, decode,
+                      notes=f"{moved:.0f} requests migrated to the other replica")]
 
 
 def run_chunks_and_preemption(model, want, decode):
@@ -124,7 +123,10 @@ def run_chunks_and_preemption(model, want, decode):
 def run_plain(name, *extra, notes=""):
     def run(model, want, decode):
         with served(model, *extra) as serve:
+            worker = serve.service_args("gpu-worker")
             got = send_all(serve.url, REQUESTS)
+        # The path's flags reach the engine (a dropped flag would test the plain path).
+        assert all(flag in worker for flag in extra if flag.startswith("--")), worker
         return [check_row(name, want, got, FP32_LOGPROB_TOL, decode, notes=notes)]
     return run
 
@@ -135,9 +137,13 @@ def run_spec(name, config):
         with served(model, *spec_flags(config_)) as serve:
             got = send_all(serve.url, REQUESTS)
             again = send_all(serve.url, [r for r in REQUESTS if r.seeded])
+            drafted = metric(serve, "vllm:spec_decode_num_draft_tokens_total")
+            accepted = metric(serve, "vllm:spec_decode_num_accepted_tokens_total")
+        assert drafted > 0, f"{name}: nothing was drafted"
         return [check_row(name, want, got, FP32_LOGPROB_TOL, decode, again=again,
-                          notes="seeded: same tokens twice on this path (not the "
-                                "reference's: rejection sampling draws differently)")]
+                          notes=f"{accepted:.0f}/{drafted:.0f} draft tokens accepted; seeded: "
+                                f"same tokens twice on this path (not the reference's: "
+                                f"rejection sampling draws differently)")]
     return run
 
 
@@ -155,6 +161,8 @@ def run_lora(model, want, decode, tmp_path):
     llm = reference_llm(str(merged))
     merged_want = reference_answers(llm, REQUESTS)
     del llm
+    # The adapter changes the answer: a path that ignored it could not pass.
+    assert merged_want["greedy"].choices[0].token_ids != want["greedy"].choices[0].token_ids
     with served(model, "--enable-lora", "--max-lora-rank", "8", "--lora-modules",
                 f"a1={adapter}") as serve:
         got = send_all(serve.url, REQUESTS, model="a1")
@@ -172,6 +180,8 @@ def run_batch_invariant(model, want, decode, streams=32):
         batch = list(itertools.islice(itertools.cycle(REQUESTS), streams))
         with ThreadPoolExecutor(streams) as pool:
             answers = list(pool.map(lambda r: send_streamed(api, r), batch))
+    # bf16 ran (its answers are not the fp32 reference's): else this row tests fp32.
+    assert any(first_difference(want[r.name], solo[r.name]) for r in REQUESTS)
     rows = []
     for i in range(0, streams, len(REQUESTS)):
         got = {r.name: a for r, a in zip(batch[i:i + len(REQUESTS)],
@@ -192,8 +202,7 @@ def run_batch_invariant(model, want, decode, streams=32):
 PATHS = {
     "pd-pagoda": lambda m, w, d, t: run_pd(m, w, d, "P/D, PagodaConnector"),
     "pd-dist": lambda m, w, d, t: run_pd(m, w, d, "P/D, PagodaDistConnector", *DIST_PD),
-    "prefix-pull": lambda m, w, d, t: run_prefix_pull(m, w, d),
-    "migration": lambda m, w, d, t: run_migration(m, w, d),
+    "prefix-pull-and-migration": lambda m, w, d, t: run_replicas(m, w, d),
     "chunk16": lambda m, w, d, t: run_plain("chunked prefill, 16-token chunks",
                                             "--max-num-batched-tokens", "16")(m, w, d),
     "chunk64-preempt": lambda m, w, d, t: run_chunks_and_preemption(m, w, d),
