@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from typing import Iterator
 
 import httpx
@@ -17,8 +18,11 @@ from pagoda.services.common.redis_server import PrivateRedis
 from pagoda.services.gateway.routing.router import _rendezvous
 
 DIST_PD = ["--kv-connector", "PagodaDistConnector", "--distributed-executor-backend", "mp"]
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
-         "prompt_lookup_max": 4}
+# Lookup from one token: the random model's answers rarely repeat two tokens of their
+# prompt, but the JSON and tool answers repeat single tokens (whitespace, quotes), so the
+# proposer drafts there (the row checks that it did).
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
 # 48 blocks of 16 tokens: the longest request (~470 prompt tokens, 30 blocks) fits alone,
 # the request set sent at once (~70 blocks) does not: the scheduler must preempt.
 SMALL_POOL_BLOCKS = 48
@@ -36,6 +40,10 @@ def served(model_dir: str, *extra: str, pd: bool = False) -> Iterator[ServeProce
                                   *extra], timeout=300)
         try:
             yield serve
+        except BaseException:
+            # The cluster's own account of a failed path (pytest shows captured stderr).
+            print("".join(serve.log[-80:]), file=sys.stderr)
+            raise
         finally:
             serve.stop()
 
