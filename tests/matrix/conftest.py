@@ -1,6 +1,6 @@
 """The matrix's shared pieces: the fp32 reference (computed once per session), the
-tokenizer's decoder for failure messages, and the rows every path adds, printed as one
-table at the end of the run (`pytest_terminal_summary`)."""
+tokenizer's decoder for failure messages, and the table of the rows every path added
+(rows.ROWS), printed at the end of the run (`pytest_terminal_summary`)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,6 @@ for folder in ("disaggregation", "lora", "e2e"):
     path = str(pathlib.Path(__file__).parents[1] / folder)
     if path not in sys.path:
         sys.path.append(path)
-
-ROWS: list = []  # rows.Row, in the order the paths ran
 
 
 @pytest.fixture(scope="session")
@@ -50,8 +48,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter):
-    if ROWS:
-        from rows import table  # lazy: only when a matrix test ran
-
+    rows = sys.modules.get("rows")  # the matrix's rows.py, once a matrix test imported it
+    if rows is not None and getattr(rows, "ROWS", None):
         terminalreporter.write_sep("=", "differential matrix: same answer on every path")
-        terminalreporter.write_line(table(ROWS))
+        terminalreporter.write_line(rows.table(rows.ROWS))

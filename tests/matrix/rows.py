@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from compare import Answer, first_difference
 from request_set import COLUMNS, REQUESTS
 
+ROWS: list["Row"] = []  # every path's row, in the order the paths ran (test_matrix.record)
+
 
 @dataclass
 class Row:

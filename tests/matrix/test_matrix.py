@@ -25,9 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from clusters import (DIST_PD, NGRAM, SMALL_POOL_BLOCKS, served, session_keys, spec_flags)
 from compare import FP32_LOGPROB_TOL, first_difference
-from conftest import ROWS
 from request_set import REQUESTS
-from rows import check_row
+from rows import ROWS, check_row
 from served import client, send_all, send_streamed
 from serve_cluster import wait_until
 
