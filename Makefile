@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # cpu-kernels: Pagoda's fused C++ kernels for the bf16 CPU path, compiled once per machine
 # and source into ~/.cache/pagoda (~15 s; a no-op when built; the engine builds them on
 # first use otherwise and falls back to torch ops if it cannot).
-.PHONY: install cpu-kernels proto run test test-chaos test-fast bench bench-routing bench-peers dashboards clean
+.PHONY: install cpu-kernels proto run test test-chaos test-matrix test-fast bench bench-routing bench-peers dashboards clean
 
 install: $(STAMP)
 
@@ -44,6 +44,11 @@ test: install cpu-kernels
 test-chaos: install
 	PAGODA_OMP_SPIN=0 PAGODA_CHAOS=1 PAGODA_CHAOS_REQUESTS=1000 $(PY) -m pytest -q tests/e2e/test_chaos.py $(PYTEST_ARGS)
 	PAGODA_OMP_SPIN=0 $(PY) -m pytest -q -m soak $(PYTEST_ARGS)
+
+# The differential matrix (tests/matrix, issue 26): every serving path answers the same
+# requests as the offline float32 engine; make test runs its cut (the colocated row).
+test-matrix: install cpu-kernels
+	PAGODA_OMP_SPIN=0 PAGODA_MATRIX=full $(PY) -m pytest -q -m matrix tests/matrix --durations=25 $(PYTEST_ARGS)
 
 test-fast: install cpu-kernels
 	PAGODA_OMP_SPIN=0 $(PY) -m pytest -q -m "not slow and not soak" $(PYTEST_ARGS)

@@ -110,10 +110,15 @@ class Generation:
                                        len(prompt.token_ids), info.max_model_len, prompt_param)
             if limit not in params_by_limit:
                 params_by_limit[limit] = body.to_sampling_params(limit, tokenizer.vocab_size)
+            params = params_by_limit[limit]
             for i in range(body.n):
+                # vLLM's rule, and the offline engine's (llm_engine.py): choice i of a seeded
+                # request samples with seed + i (one seed for all: n identical choices).
+                choice_params = params.clone(seed=params.seed + i) \
+                    if body.n > 1 and params.seed is not None else params
                 self.requests.append(EngineCoreRequest(
                     request_id=f"{engine_id}-{p_idx}-{i}", prompt_token_ids=prompt.token_ids,
-                    sampling_params=params_by_limit[limit], eos_token_ids=eos, arrival_time=now,
+                    sampling_params=choice_params, eos_token_ids=eos, arrival_time=now,
                     cache_salt=body.cache_salt, priority=body.priority,
                     lora_request=lora_request))
 
