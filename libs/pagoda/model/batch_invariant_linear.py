@@ -65,6 +65,15 @@ class FixedRowsLinearMethod(LinearMethodBase):
     def create_weights(self, layer, input_size, output_size, full_input_size, params_dtype):
         self.base.create_weights(layer, input_size, output_size, full_input_size, params_dtype)
 
+    def checkpoint_shape(self, layer, attr, shape):
+        return self.base.checkpoint_shape(layer, attr, shape)
+
+    def load_weight(self, layer, attr, full, src, dst):
+        self.base.load_weight(layer, attr, full, src, dst)
+
+    def process_weights_after_loading(self, layer):
+        self.base.process_weights_after_loading(layer)
+
     def apply(self, layer, x, bias=None):
         return in_fixed_rows(lambda rows: self.base.apply(layer, rows, bias), x)
 
