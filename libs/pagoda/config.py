@@ -267,7 +267,8 @@ class EngineConfig:
     # "auto" (the model dtype) or "fp8" (float8_e4m3fn, CUDA only).
     kv_cache_dtype: str = "auto"
     # vLLM's VLLM_BATCH_INVARIANT: greedy/seeded output independent of the batch,
-    # chunking and prefix-cache hits (CPU torch attention; `pagoda.model.attention`).
+    # chunking and prefix-cache hits (CPU: torch attention, `pagoda.model.attention`;
+    # fixed-size linear products, `pagoda.model.batch_invariant_linear`).
     batch_invariant: bool = False
     # A GGUF 4-bit checkpoint on the CPU in bf16: small steps multiply from packed int4
     # (`pagoda.model.quantization.gguf_int4`); --gguf-int4 / --no-gguf-int4.

@@ -148,7 +148,7 @@ class EngineArgs:
                             default=None,
                             help="A request's greedy or seeded output independent of the rest "
                                  "of the batch, chunking and prefix-cache hits, at a cost in "
-                                 "decode attention (default: $PAGODA_BATCH_INVARIANT or "
+                                 "decode attention and small steps (default: $PAGODA_BATCH_INVARIANT or "
                                  "$VLLM_BATCH_INVARIANT, else off). CPU only.")
         parser.add_argument("--enable-expert-parallel", action="store_true",
                             help="Place mixture-of-experts experts whole on the tensor-parallel "

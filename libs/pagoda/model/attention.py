@@ -16,7 +16,13 @@ there is no cached context (SDPA's top-left diagonal is then the right one), an
 explicit mask otherwise.
 
 Batch invariance (`AttentionMetadata.batch_invariant`): a token's attention output
-must not depend on the batch, the chunking or a prefix-cache hit. CPU SDPA's rounding
+must not depend on the batch, the chunking or a prefix-cache hit. With a per-row decode
+kernel (`decode_kernel`: the fused bf16 CPU kernel, whose reduction over a row's keys
+runs in a fixed order that depends on that row alone) every query token of the step,
+prompt tokens included, is one row of that kernel: keys 0..its position, through its
+request's block table (`_token_rows`). Prefill and decode then share one arithmetic,
+so nothing else is needed. Without the kernel (other dtypes, PAGODA_CPU_KERNELS=0),
+SDPA is made invariant as follows. CPU SDPA's rounding
 depends on how many keys it reads past the visible ones (masked keys still shape
 its loops), and, with fewer than 4 rows, on the query count. Found by measurement
 (tests/model/test_batch_invariance.py): reading keys in whole multiples of SDPA's
@@ -149,11 +155,9 @@ def _make_plan(md: AttentionMetadata, block_size: int, window: int | None,
     return _Plan(decode_block_ids, decode_mask, prefills)
 
 
-def _get_plan(md: AttentionMetadata, block_size: int, window: int | None,
-              with_decodes: bool = True) -> _Plan:
+def _step_memo(md: AttentionMetadata) -> dict:
     # Memoised on the metadata object, which lives for exactly one step, so the
-    # 30-odd layers of a model do not rebuild the same index tensors. Keyed by the
-    # window: Gemma's local and global layers need different plans.
+    # 30-odd layers of a model do not rebuild the same index tensors.
     plans = getattr(md, _PLAN_ATTR, None)
     if plans is None:
         plans = {}
@@ -161,10 +165,36 @@ def _get_plan(md: AttentionMetadata, block_size: int, window: int | None,
             setattr(md, _PLAN_ATTR, plans)
         except AttributeError:  # a slotted/frozen metadata: correct, just rebuilt per layer
             pass
+    return plans
+
+
+def _get_plan(md: AttentionMetadata, block_size: int, window: int | None,
+              with_decodes: bool = True) -> _Plan:
+    # Keyed by the window: Gemma's local and global layers need different plans.
+    plans = _step_memo(md)
     key = (block_size, window, with_decodes)
     if key not in plans:
         plans[key] = _make_plan(md, block_size, window, with_decodes)
     return plans[key]
+
+
+def _token_rows(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block table [T, W], keys seen [T]) of every query token, as decode rows: token j
+    of a request with q query tokens and seq_len keys sees its first seq_len - q + j + 1.
+    Memoised on the step's metadata like the plans."""
+    plans = _step_memo(md)
+    if "token_rows" in plans:
+        return plans["token_rows"]
+    starts = md.query_start_loc.long()
+    query_lens = starts[1:] - starts[:-1]
+    num_tokens = md.query_start_loc_cpu[-1]
+    request = torch.repeat_interleave(torch.arange(md.num_reqs, device=starts.device),
+                                      query_lens, output_size=num_tokens)
+    offset = torch.arange(num_tokens, device=starts.device) - starts[request]
+    seen = md.seq_lens.long()[request] - query_lens[request] + offset + 1
+    plans["token_rows"] = (md.block_tables.index_select(0, request).contiguous(),
+                           seen.to(torch.int32))
+    return plans["token_rows"]
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -271,6 +301,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     `decode_kernel` (`pagoda.kernels.cpu.paged_decode_attention`'s signature), when
     given, computes the decodes straight over the cache instead of gather + SDPA.
     """
+    if decode_kernel is not None and attn_metadata.batch_invariant:
+        tables, seen = _token_rows(attn_metadata)  # every token a decode row: module doc
+        return decode_kernel(query, key_cache, value_cache, tables, seen, scale,
+                             sliding_window, logits_soft_cap)
     nd = attn_metadata.num_decodes
     plan = _get_plan(attn_metadata, key_cache.shape[1], sliding_window,
                      with_decodes=decode_kernel is None)

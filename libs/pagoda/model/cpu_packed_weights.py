@@ -5,9 +5,10 @@
 small model that is most of a call's time: on this 2-core Zen 5 SmolLM2-135M's 120
 layer products at 32 rows take 10.8 ms from prepacked weights against ~18 ms through
 `F.linear`, and the 49,152-row LM head 3.3 ms against 6.2 ms. The product itself is
-the same oneDNN kernel, so results are bit-equal to `F.linear`'s at every row count
-(and as batch invariant as it is); `tests/model/test_cpu_packed_weights.py` checks
-that with `torch.equal`.
+the same oneDNN kernel, so results are bit-equal to `F.linear`'s at every row count;
+`tests/model/test_cpu_packed_weights.py` checks that with `torch.equal`. Neither is
+batch invariant at SmolLM2's widths (a row's bits depend on the row count):
+batch-invariant mode calls them on fixed-size blocks (`batch_invariant_linear`).
 
 Invariants, once `prepack_cpu_weights.pack_linear_weights(model)` has run:
 - A packed layer's `weight` is the packed tensor (`weight.is_mkldnn`), the same shape

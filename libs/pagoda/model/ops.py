@@ -16,7 +16,7 @@ swaps `from pagoda.model.attention import paged_attention` for
 bf16 tensors on the CPU go to Pagoda's fused C++ kernels (`pagoda.kernels.cpu`: one
 pass instead of a chain of small torch calls; decode attention reads the paged cache
 in place) for every function but gelu_tanh_and_mul, and in paged_attention for decodes
-outside batch-invariant mode; other dtypes, or PAGODA_CPU_KERNELS=0, keep the torch path.
+(for every token in batch-invariant mode); other dtypes, or PAGODA_CPU_KERNELS=0, keep the torch path.
 
 An FP8 KV cache (`--kv-cache-dtype fp8`) goes through `fp8_kv_cache` first, on any
 device: writes quantize, attention reads the step's blocks dequantized.
@@ -80,11 +80,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         return kernel(query, key_cache, value_cache, attn_metadata, scale,
                       sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     decode_kernel = None
-    # Prefills stay on SDPA. Under batch invariance a prompt token's attention must not
-    # depend on whether its chunk had one token (a "decode") or more, so decodes stay
-    # on the SDPA path that mode makes round like the prefill one.
-    if (cpu_kernels.applies(query) and key_cache.dtype == query.dtype
-            and not attn_metadata.batch_invariant):
+    # Prefills stay on SDPA, but under batch invariance every token (prompt ones too)
+    # goes to the kernel as a decode row, so a prompt token's attention does not depend
+    # on whether its chunk had one token or more (`pagoda.model.attention`'s doc).
+    if cpu_kernels.applies(query) and key_cache.dtype == query.dtype:
         decode_kernel = cpu_kernels.paged_decode_attention
     return torch_attention.paged_attention(query, key_cache, value_cache, attn_metadata, scale,
                                            sliding_window, logits_soft_cap, decode_kernel)

@@ -32,6 +32,7 @@ from torch import nn
 from pagoda.distributed.communication import all_reduce, gather
 from pagoda.distributed.parallel_state import SINGLE, ParallelContext, kv_head_start
 from pagoda.model import cpu_packed_weights
+from pagoda.model.batch_invariant_linear import in_fixed_rows
 from pagoda.model.layers import Embedding, empty_parameter
 from pagoda.model.quantization import new_linear_method
 from pagoda.model.quantization.base import LinearMethodBase, Slice, shard_attrs
@@ -208,6 +209,9 @@ class VocabParallelEmbedding(Embedding):
         self.vocab_size = vocab_size
         self.vocab_start = parallel.tp_rank * rows
         self.parallel = parallel
+        # Batch-invariant mode: the logits product runs in calls of this many rows
+        # (`batch_invariant_linear.fix_linear_rows` sets it); None: one call.
+        self.fixed_rows: int | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.parallel.tp_size == 1:
@@ -235,7 +239,12 @@ class VocabParallelEmbedding(Embedding):
         logits = int4_logits(self, hidden)  # a GGUF 4-bit head in a small CPU step
         if logits is None:
             packed = self._buffers.get("packed_weight")  # a tied head's packed copy
-            logits = cpu_packed_weights.linear(hidden, self.weight if packed is None else packed)
+            weight = self.weight if packed is None else packed
+            if self.fixed_rows is None:
+                logits = cpu_packed_weights.linear(hidden, weight)
+            else:  # batch-invariant mode: see batch_invariant_linear
+                logits = in_fixed_rows(lambda rows: cpu_packed_weights.linear(rows, weight),
+                                       hidden, self.fixed_rows)
         parallel = self.parallel
         if parallel.tp_size > 1:
             logits = gather(logits, parallel.tp_group, parallel.tp_size, parallel.tp_rank)

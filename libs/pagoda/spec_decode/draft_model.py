@@ -25,10 +25,11 @@ from collections.abc import Sequence
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.model import cpu_packed_weights, prepack_cpu_weights
+from pagoda.model import batch_invariant_linear, cpu_packed_weights, prepack_cpu_weights
 from pagoda.model.attention_metadata import AttentionMetadata
 from pagoda.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from pagoda.model.loader import load_arch_config, load_model
+from pagoda.model.quantization.gguf_int4 import logits_head
 
 
 class DraftModelRunner:
@@ -44,6 +45,8 @@ class DraftModelRunner:
         self.model = load_model(spec.model, self.arch, dtype, device)
         if cpu_packed_weights.applies(device, dtype):
             prepack_cpu_weights.pack_linear_weights(self.model)
+        if config.batch_invariant:
+            batch_invariant_linear.fix_linear_rows(self.model, logits_head(self.model))
         self.device = device
         self.block_size = config.cache.block_size
         self.batch_invariant = config.batch_invariant

@@ -14,7 +14,7 @@ from pagoda.worker.batch_state import CachedRequestState
 from pagoda.worker.input_builder import ModelInputs, build_model_inputs
 from pagoda.kernels import cpu as cpu_kernels
 from pagoda.lora.manager import LoRAModelManager
-from pagoda.model import cpu_packed_weights, prepack_cpu_weights
+from pagoda.model import batch_invariant_linear, cpu_packed_weights, prepack_cpu_weights
 from pagoda.model.intermediate_tensors import IntermediateTensors
 from pagoda.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block, kv_cache_torch_dtype
 from pagoda.model.loader import load_model
@@ -80,6 +80,8 @@ class ModelRunner:
                 gguf_int4.MAX_INT4_ROWS_PACKED if pack_bf16 else gguf_int4.MAX_INT4_ROWS)
         if pack_bf16:
             prepack_cpu_weights.pack_linear_weights(self.model)
+        if self.config.batch_invariant:
+            batch_invariant_linear.fix_linear_rows(self.model, gguf_int4.logits_head(self.model))
         self.sampler = Sampler()
         if self.config.pooler_config is not None:
             self.pooler = Pooler(self.config.pooler_config, self.model)
