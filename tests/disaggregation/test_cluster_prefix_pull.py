@@ -74,7 +74,8 @@ class PullCluster:
             winner = max(range(2), key=lambda r: _rendezvous(key, addresses[r]))
             self.session.setdefault(winner, key)
         self.addresses = addresses
-        self.tokenizer = flag(gateway.argv, "--tokenizer-addr")
+        # One of the tokenizer replicas the gateway balances over (any answers the same).
+        self.tokenizer = flag(gateway.argv, "--tokenizer-addr").split(",")[0]
         self.index = flag(gateway.argv, "--kv-cache-manager-addr")
         self.model = flag(self.by_name["scheduler-0"].argv, "--model")
 

@@ -24,7 +24,11 @@ PLACES = ["dragons", "ice", "fire", "sand", "kings", "robots", "rivers", "stars"
 PROMPTS = [s.format(p) for s in SETTINGS for p in PLACES]  # 32 prompts
 
 
-@pytest.fixture(scope="module", params=["default-gguf", "tiny-bf16"])
+# The default model shows the defect this guards against (its wide layers, where oneDNN's
+# summation order follows the row count); the tiny bf16 model is the matrix's
+# batch-invariant row too, so make test leaves it to make test-chaos.
+@pytest.fixture(scope="module", params=["default-gguf",
+                                        pytest.param("tiny-bf16", marks=pytest.mark.soak)])
 def served(request, tiny_llama_dir):
     model = [] if request.param == "default-gguf" else [tiny_llama_dir, "--dtype", "bfloat16"]
     serve = ServeProcess([*model, "--batch-invariant", "--max-model-len", "2048"], timeout=400)

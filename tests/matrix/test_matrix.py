@@ -224,6 +224,5 @@ def test_path(path, tiny_llama_dir, matrix_reference, tmp_path):
 
 
 @pytest.mark.matrix_full
-@pytest.mark.xfail(strict=False, reason="served batch invariance: fixed on branch batchinv")
 def test_batch_invariant(tiny_llama_dir, matrix_reference):
     record(*run_batch_invariant(tiny_llama_dir, *matrix_reference))
