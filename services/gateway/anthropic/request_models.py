@@ -1,0 +1,79 @@
+"""The Messages API's request bodies (Anthropic's field names), validated by pydantic.
+
+Types and required fields are pydantic's (a 400 naming the field, in Anthropic's error
+shape); the content blocks are plain dicts checked where they are converted
+(conversion.py), so one message names the block that is wrong. Unknown fields are
+logged and ignored, as on every other route.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# The gateway's request-body base (extra fields ignored with a warning, no NaN).
+from pagoda.services.gateway.openai.request_models import INT32_MAX, _Body
+
+
+class Thinking(BaseModel):
+    """`{"type": "enabled", "budget_tokens": N}`, `{"type": "adaptive"}` (the same here)
+    or `{"type": "disabled"}`. The budget is accepted and not enforced: the reasoning
+    ends where the model ends it."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["enabled", "adaptive", "disabled"]
+    budget_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+
+
+class Tool(BaseModel):
+    """A client tool: its name, description and the JSON schema of its input."""
+
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class ToolChoice(BaseModel):
+    """auto (the model decides), any (some tool must be called), tool (this one),
+    none (no call); `disable_parallel_tool_use`: at most one call."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class MessagesInput(_Body):
+    """What /v1/messages and /v1/messages/count_tokens share: the conversation."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+
+
+class MessagesRequest(MessagesInput):
+    """POST /v1/messages. `max_tokens` is required, as Anthropic's API requires it."""
+
+    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)]
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Annotated[int, Field(le=INT32_MAX)] | None = None
+    metadata: dict[str, Any] | None = None
+    stream: bool = False
+    service_tier: str | None = None
+
+    @property
+    def user(self) -> str | None:
+        """metadata.user_id, the session key of the `session` router."""
+        user = (self.metadata or {}).get("user_id")
+        return user if isinstance(user, str) else None
+
+
+class CountTokensRequest(MessagesInput):
+    """POST /v1/messages/count_tokens: the conversation only."""
