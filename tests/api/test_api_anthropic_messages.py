@@ -154,3 +154,18 @@ def test_image_block_is_refused(client):
             {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}])
     assert info.value.body["error"]["type"] == "invalid_request_error"
     assert "messages[0].content[1]" in info.value.body["error"]["message"]
+
+
+def test_chat_limits_apply(client):
+    """The chat route's limits (limits/request_limits.py), as Anthropic errors."""
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(model=MODEL, max_tokens=4, messages=HELLO,
+                               stop_sequences=[f"s{i}" for i in range(65)])
+    assert "--max-stop-strings" in info.value.body["error"]["message"]
+    nested: dict = {"type": "string"}
+    for _ in range(40):
+        nested = {"type": "object", "properties": {"x": nested}}
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(model=MODEL, max_tokens=4, messages=HELLO, tools=[
+            {"name": "deep", "input_schema": nested}])
+    assert "nested more than" in info.value.body["error"]["message"]

@@ -22,11 +22,13 @@ from pagoda.services.gateway.anthropic.conversion import to_chat_request
 from pagoda.services.gateway.anthropic.errors import anthropic_error_body
 from pagoda.services.gateway.anthropic.output import (BlockEvents, content_blocks, message_object,
                                                       sse_event, stop_reason)
-from pagoda.services.gateway.anthropic.request_models import CountTokensRequest, MessagesRequest
+from pagoda.services.gateway.anthropic.request_models import (CountTokensRequest, MessagesInput,
+                                                              MessagesRequest)
 from pagoda.services.gateway.errors import APIError, internal_error_message
 from pagoda.services.gateway.generation.choices import ChoiceDelta
 from pagoda.services.gateway.generation.fan_out import Generation
 from pagoda.services.gateway.openai import routes as chat_routes
+from pagoda.services.gateway.openai.request_models import ChatCompletionRequest
 from pagoda.services.gateway.state import GatewayState
 
 logger = logging.getLogger(__name__)
@@ -38,7 +40,7 @@ PATH_PREFIX = "/v1/messages"
 @router.post("/v1/messages")
 async def create_message(body: MessagesRequest, request: Request):
     state: GatewayState = request.app.state.gateway
-    chat = to_chat_request(body)
+    chat = converted(state, body)
     run = await chat_routes.start_chat(state, chat, request, id_prefix="msg")
     message_id = f"msg_{uuid.uuid4().hex}"
     if body.stream:
@@ -61,7 +63,7 @@ async def create_message(body: MessagesRequest, request: Request):
 async def count_tokens(body: CountTokensRequest, request: Request):
     """The prompt's token count, as the chat template renders it for /v1/messages."""
     state: GatewayState = request.app.state.gateway
-    chat = to_chat_request(body)
+    chat = converted(state, body)
     state.check_model(chat.model)
     lora = state.lora_request(chat.model)
     chat_routes.check_chat_request(state, chat)
@@ -71,6 +73,15 @@ async def count_tokens(body: CountTokensRequest, request: Request):
     reply = await chat_routes.tokenize(state, tpb.TokenizeRequest(
         chat=chat_input, lora_key=lora.cache_key if lora else ""))
     return JSONResponse({"input_tokens": len(reply.token_ids)})
+
+
+def converted(state: GatewayState, body: MessagesInput) -> ChatCompletionRequest:
+    """`body` as a chat request, after the limits a chat body has (--max-messages,
+    nesting) on the request as sent: the converted one is checked again by start_chat."""
+    state.options.limits.check_messages(
+        body.messages, system=body.system, metadata=getattr(body, "metadata", None),
+        tools=[t.input_schema for t in body.tools or ()])
+    return to_chat_request(body)
 
 
 async def _events(gen: Generation, blocks: BlockEvents, first: ChoiceDelta,
