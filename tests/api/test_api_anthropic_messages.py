@@ -9,6 +9,8 @@ the model's garbage a valid input object."""
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import pytest
@@ -130,6 +132,14 @@ def test_forced_tool_call_then_tool_result(client):
     assert longer.input_tokens > follow.usage.input_tokens
 
 
+def test_output_format_makes_the_answer_json(client):
+    m = greedy(client, max_tokens=64, output_config={
+        "format": {"type": "json_schema", "schema": WEATHER["input_schema"]}})
+    assert m.stop_reason == "end_turn"
+    answer = json.loads(text_of(m))
+    assert answer["city"] in ("Paris", "Tokyo", "Lima") and isinstance(answer["celsius"], bool)
+
+
 def test_missing_max_tokens_is_anthropic_400_naming_the_field(serve):
     r = httpx.post(f"{serve.base}/v1/messages", json={"model": MODEL, "messages": HELLO},
                    timeout=30)
@@ -154,6 +164,10 @@ def test_image_block_is_refused(client):
             {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}])
     assert info.value.body["error"]["type"] == "invalid_request_error"
     assert "messages[0].content[1]" in info.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as info:  # a server tool runs at Anthropic
+        client.messages.create(model=MODEL, max_tokens=4, messages=HELLO, tools=[
+            {"type": "web_search_20250305", "name": "web_search"}])
+    assert info.value.body["error"]["message"].startswith("tools.0.type")
 
 
 def test_chat_limits_apply(client):

@@ -8,6 +8,8 @@
                thinking blocks         -> dropped (chat templates drop earlier reasoning)
     tools [{name, description, input_schema}] -> function tools
     tool_choice auto | any | tool{name} | none -> "auto" | "required" | named | "none"
+    output_config.format json_schema   -> structured_outputs json, as a forced tool's input
+                                          is constrained (no free whitespace)
     thinking enabled/adaptive|disabled -> chat_template_kwargs.enable_thinking; disabled
                                           also drops the reasoning from the answer
     max_tokens, stop_sequences, temperature, top_p, top_k, metadata.user_id, stream
@@ -46,7 +48,14 @@ def to_chat_request(req: MessagesInput) -> ChatCompletionRequest:
         parallel_tool_calls=(False if req.tool_choice is not None
                              and req.tool_choice.disable_parallel_tool_use else None),
         chat_template_kwargs=({"enable_thinking": thinking} if thinking is not None else None),
-        **fields)
+        structured_outputs=structured_outputs(req), **fields)
+
+
+def structured_outputs(req: MessagesInput) -> dict[str, Any] | None:
+    fmt = req.output_config.format if req.output_config is not None else None
+    if fmt is None:
+        return None
+    return {"json": fmt.schema_, "disable_any_whitespace": True}
 
 
 def chat_tool_choice(req: MessagesInput) -> str | dict[str, Any] | None:

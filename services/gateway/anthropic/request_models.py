@@ -27,12 +27,31 @@ class Thinking(BaseModel):
 
 
 class Tool(BaseModel):
-    """A client tool: its name, description and the JSON schema of its input."""
+    """A client tool: its name, description and the JSON schema of its input. Server
+    tools (web search, code execution, ...: a `type` other than "custom") run at
+    Anthropic, not here: a 400 naming the tool."""
 
     model_config = ConfigDict(extra="ignore")
+    type: Literal["custom"] | None = None
     name: str
     description: str | None = None
     input_schema: dict[str, Any]
+
+
+class OutputFormat(BaseModel):
+    """`output_config.format`: the answer is JSON following `schema` (structured outputs)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    """`effort` is accepted and has no effect here; `format` constrains the answer."""
+
+    model_config = ConfigDict(extra="ignore")
+    effort: str | None = None
+    format: OutputFormat | None = None
 
 
 class ToolChoice(BaseModel):
@@ -54,6 +73,7 @@ class MessagesInput(_Body):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
 
 
 class MessagesRequest(MessagesInput):
