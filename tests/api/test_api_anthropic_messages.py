@@ -168,6 +168,11 @@ def test_image_block_is_refused(client):
         client.messages.create(model=MODEL, max_tokens=4, messages=HELLO, tools=[
             {"type": "web_search_20250305", "name": "web_search"}])
     assert info.value.body["error"]["message"].startswith("tools.0.type")
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(model=MODEL, max_tokens=4, messages=HELLO,
+                               extra_body={"mcp_servers": [{"type": "url", "url": "http://x",
+                                                           "name": "x"}]})
+    assert "mcp_servers" in info.value.body["error"]["message"]
 
 
 def test_chat_limits_apply(client):

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 # The gateway's request-body base (extra fields ignored with a warning, no NaN).
+from pagoda.services.gateway.errors import APIError
 from pagoda.services.gateway.openai.request_models import INT32_MAX, _Body
 
 
@@ -87,6 +88,15 @@ class MessagesRequest(MessagesInput):
     metadata: dict[str, Any] | None = None
     stream: bool = False
     service_tier: str | None = None
+    # Anthropic-hosted features: refused by name (check), never silently dropped.
+    container: Any = None
+    mcp_servers: Any = None
+
+    def check(self) -> None:
+        for name in ("container", "mcp_servers"):
+            if getattr(self, name):
+                raise APIError(f"{name} is not supported: Pagoda runs no Anthropic-hosted "
+                               f"tools or containers.", param=name)
 
     @property
     def user(self) -> str | None:

@@ -40,6 +40,7 @@ PATH_PREFIX = "/v1/messages"
 @router.post("/v1/messages")
 async def create_message(body: MessagesRequest, request: Request):
     state: GatewayState = request.app.state.gateway
+    body.check()
     chat = converted(state, body)
     run = await chat_routes.start_chat(state, chat, request, id_prefix="msg")
     message_id = f"msg_{uuid.uuid4().hex}"
