@@ -13,6 +13,8 @@ import httpx
 from fastapi import FastAPI
 
 import pagoda
+from pagoda.services.gateway.anthropic import routes as anthropic_routes
+from pagoda.services.gateway.anthropic.errors import anthropic_error_body
 from pagoda.services.gateway.auth.api_key import APIKeyMiddleware
 from pagoda.services.gateway.disagg.prefill_decode import disaggregation_of
 from pagoda.services.gateway.disagg.prefix_pull import PrefixPull, PrefixPullOptions
@@ -63,9 +65,11 @@ def build_app(state: GatewayState, make_peers: Callable[[], Peers],
 
     app = FastAPI(title="Pagoda", version=pagoda.__version__, lifespan=lifespan)
     app.state.gateway = state
-    install_error_handlers(app)
+    # Every error under /v1/messages in Anthropic's shape, OpenAI's elsewhere.
+    install_error_handlers(app, {anthropic_routes.PATH_PREFIX: anthropic_error_body})
     app.include_router(openai_routes.router)
     app.include_router(responses_api.router)  # /v1/responses
+    app.include_router(anthropic_routes.router)  # /v1/messages[/count_tokens]
     app.include_router(server_routes.router)  # /ping, /load, /v1/models[/{model}]
     app.add_middleware(server_routes.ServerLoadMiddleware)  # counts authorized requests
     app.include_router(pooling_routes.router)  # embeddings, score, rerank, classify

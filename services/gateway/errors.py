@@ -1,8 +1,14 @@
-"""OpenAI's error JSON: `{"error": {"message", "type", "param", "code"}}`, code = HTTP status."""
+"""OpenAI's error JSON: `{"error": {"message", "type", "param", "code"}}`, code = HTTP status.
+
+Another API served by the gateway (the Anthropic Messages API) may give the routes under
+its path prefix their own error shape (`install_error_handlers(app, formats)`): the
+handlers below build every error, whatever raised it, in the shape of the route it hit.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 from http import HTTPStatus
 
 import grpc
@@ -103,38 +109,52 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     return f"{'.'.join(loc)}: {msg}", loc[0]
 
 
-def install_error_handlers(app: FastAPI) -> None:
+# (message, status, param, err_type) -> an error body in one API's shape.
+ErrorFormat = Callable[[str, int, "str | None", "str | None"], dict]
+
+
+def install_error_handlers(app: FastAPI, formats: Mapping[str, ErrorFormat] | None = None
+                           ) -> None:
+    """`formats`: path prefix -> the error shape of the routes under it (default:
+    OpenAI's `error_body` everywhere)."""
+    formats = dict(formats or {})
+
+    def respond(request: Request, message: str, status: int, param: str | None = None,
+                err_type: str | None = None, headers: dict | None = None) -> JSONResponse:
+        shape = next((f for prefix, f in formats.items()
+                      if request.url.path.startswith(prefix)), error_body)
+        return JSONResponse(shape(message, status, param, err_type), status_code=status,
+                            headers=headers)
+
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return respond(request, exc.message, exc.status, exc.param, exc.err_type, exc.headers)
 
     @app.exception_handler(UnicodeEncodeError)
-    async def _bad_unicode(_: Request, exc: UnicodeEncodeError) -> JSONResponse:
+    async def _bad_unicode(request: Request, exc: UnicodeEncodeError) -> JSONResponse:
         # JSON may escape a lone surrogate ("\ud800"), which no UTF-8 peer accepts.
-        return JSONResponse(error_body(
-            "The request contains text that is not valid Unicode (an unpaired surrogate).",
-            400), status_code=400)
+        return respond(request, "The request contains text that is not valid Unicode (an "
+                       "unpaired surrogate).", 400)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         # vLLM answers 400 (never 422) for a malformed body.
         message, param = validation_message(exc.errors())
-        return JSONResponse(error_body(message, 400, param), status_code=400)
+        return respond(request, message, 400, param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(exc.detail), exc.status_code),
-                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return respond(request, str(exc.detail), exc.status_code,
+                       headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RecursionError)
-    async def _too_deep(_: Request, exc: RecursionError) -> JSONResponse:
-        return JSONResponse(error_body("The request body is nested too deeply.", 400),
-                            status_code=400)
+    async def _too_deep(request: Request, exc: RecursionError) -> JSONResponse:
+        return respond(request, "The request body is nested too deeply.", 400)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("%s %s failed", request.method, request.url.path)
-        return JSONResponse(error_body(internal_error_message(exc), 500), status_code=500)
+        return respond(request, internal_error_message(exc), 500)
 
 
 def internal_error_message(exc: BaseException) -> str:

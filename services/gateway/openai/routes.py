@@ -6,6 +6,7 @@ import asyncio
 import logging
 import re
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 from fastapi import APIRouter, Request
@@ -67,7 +68,36 @@ async def create_completion(body: CompletionRequest, request: Request):
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
-    state: GatewayState = request.app.state.gateway
+    run = await start_chat(request.app.state.gateway, body, request)
+    gen, output = run.gen, run.output
+    head = ResponseHeader(gen.request_id, run.model)
+    fmt = LogprobsFormat(body.num_logprobs(), body.return_tokens_as_token_ids)
+    echo = _chat_echo(run.messages) if body.echo else ""
+    if body.stream:
+        return await stream_response(gen, ChatChunks(*_renderer_args(head, fmt, gen, body),
+                                                     echo=echo, output=output), body, request)
+    choices = await collect(gen, request)
+    return JSONResponse(chat_body(head, choices, gen.usage, fmt, echo, output))
+
+
+@dataclass
+class ChatRun:
+    """A chat request accepted and ready to run: its generation (nothing submitted
+    until its deltas are read), its output stages, the model name to report and
+    the normalized messages."""
+
+    gen: Generation
+    output: ChatOutput
+    model: str
+    messages: list[dict]
+
+
+async def start_chat(state: GatewayState, body: ChatCompletionRequest, request: Request,
+                     id_prefix: str = "chatcmpl") -> ChatRun:
+    """Everything the chat route does before generating: every check (a 400/404 as
+    APIError), the tokenization and the Generation. Other chat-shaped APIs (the
+    Anthropic Messages API) convert their body to a ChatCompletionRequest and call this,
+    so they validate, sample and route exactly as chat completions do."""
     model = state.check_model(body.model)
     lora = state.lora_request(model)
     body.check_common(state.options.max_logprobs)
@@ -80,7 +110,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     reply = await tokenize(state, tpb.TokenizeRequest(
         chat=chat, block_size=state.peers.routing_block_size(), cache_salt=body.cache_salt or "",
         add_special_tokens=body.add_special_tokens, lora_key=lora.cache_key if lora else ""))
-    rid, unique = _request_id(request, "chatcmpl")
+    rid, unique = _request_id(request, id_prefix)
     prompt = Prompt(list(reply.token_ids), reply.prompt, _hashes(reply))
     output.prompt = reply.prompt  # where the template left the thinking block
     await apply_prompt_fields(state, body, [prompt], tokenize)  # truncation, bad words
@@ -88,14 +118,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     gen = Generation(state.peers, rid, [prompt], body, max_tokens, "messages", unique,
                      lora_request=lora)
     state.options.on_generation(gen)
-    head = ResponseHeader(gen.request_id, model)
-    fmt = LogprobsFormat(body.num_logprobs(), body.return_tokens_as_token_ids)
-    echo = _chat_echo(messages) if body.echo else ""
-    if body.stream:
-        return await stream_response(gen, ChatChunks(*_renderer_args(head, fmt, gen, body),
-                                                     echo=echo, output=output), body, request)
-    choices = await collect(gen, request)
-    return JSONResponse(chat_body(head, choices, gen.usage, fmt, echo, output))
+    return ChatRun(gen, output, model, messages)
 
 
 def chat_output(state: GatewayState, body: ChatCompletionRequest) -> ChatOutput:
