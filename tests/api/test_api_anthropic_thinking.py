@@ -7,6 +7,7 @@ test_api_anthropic_messages.py."""
 from __future__ import annotations
 
 import anthropic
+import httpx
 import pytest
 from api_fakes import Gateway
 from test_api_tool_calling import THINKING, ScriptedPeers
@@ -84,3 +85,22 @@ def test_thinking_disabled_drops_the_thinking_block(client):
     m = client.messages.create(model=MODEL, max_tokens=200, messages=MESSAGES, tools=TOOLS,
                                thinking={"type": "disabled"})
     assert blocks(m) == EXPECTED[1:]
+
+
+def test_the_anthropic_sdk_authenticates_with_its_own_header(peers):
+    """`--api-key`: the anthropic SDK sends `x-api-key`, and a refusal under /v1/messages
+    is Anthropic's authentication_error (OpenAI's routes keep OpenAI's shape)."""
+    gw = Gateway(peers, api_key="k-1")
+    try:
+        good = anthropic.Anthropic(base_url=gw.url, api_key="k-1", max_retries=0)
+        assert good.messages.count_tokens(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}]).input_tokens > 0
+        bad = anthropic.Anthropic(base_url=gw.url, api_key="wrong", max_retries=0)
+        with pytest.raises(anthropic.AuthenticationError) as refused:
+            bad.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
+        assert refused.value.body["error"]["type"] == "authentication_error"
+        openai_shape = httpx.post(f"{gw.url}/v1/completions", headers={"x-api-key": "wrong"},
+                                  json={"model": MODEL, "prompt": "Hi"}).json()
+        assert openai_shape["error"]["code"] == 401
+    finally:
+        gw.stop()

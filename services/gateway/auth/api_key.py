@@ -1,4 +1,5 @@
-"""API-key authentication (vLLM's `--api-key`): `Authorization: Bearer KEY`.
+"""API-key authentication (vLLM's `--api-key`): `Authorization: Bearer KEY`, or
+`x-api-key: KEY` (the header the anthropic SDK sends).
 
 A pure ASGI middleware (streamed responses pass through untouched). Every route
 needs the key (/v1/*, /tokenize, /detokenize, and any route added later) except
@@ -13,9 +14,11 @@ from __future__ import annotations
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pagoda.services.gateway.anthropic.errors import anthropic_error_body
 from pagoda.services.gateway.errors import error_body
 from pagoda.services.gateway.serving_options import route_path
 
+ANTHROPIC_PREFIX = "/v1/messages"  # its 401 comes in Anthropic's error JSON
 # The API description (FastAPI's /docs and its schema) holds no data; vLLM leaves it open.
 OPEN_PATHS = frozenset({"/health", "/version", "/ping", "/load", "/docs", "/docs/oauth2-redirect",
                         "/openapi.json", "/redoc"})
@@ -32,9 +35,11 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or not self._needs_key(scope) or self._authorized(scope):
             await self.app(scope, receive, send)
             return
+        body = anthropic_error_body if route_path(scope).startswith(ANTHROPIC_PREFIX) \
+            else error_body
         response = JSONResponse(
-            error_body("Unauthorized: a valid API key is required "
-                       "(Authorization: Bearer KEY).", 401),
+            body("Unauthorized: a valid API key is required "
+                 "(Authorization: Bearer KEY, or x-api-key: KEY).", 401),
             status_code=401, headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
 
@@ -47,9 +52,13 @@ class APIKeyMiddleware:
         return path not in OPEN_PATHS
 
     def _authorized(self, scope: Scope) -> bool:
-        header = None
+        """Either header with the key will do; a wrong one in either is refused only if
+        the other does not hold the key."""
+        offered = []
         for name, value in scope["headers"]:
             if name == b"authorization":
-                header = value.decode("latin-1")
-                break
-        return self.state.is_authorized(header)
+                offered.append(value.decode("latin-1"))
+            elif name == b"x-api-key":
+                offered.append(f"Bearer {value.decode('latin-1')}")
+        return any(self.state.is_authorized(header) for header in offered) or \
+            (not offered and self.state.is_authorized(None))
