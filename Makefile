@@ -37,7 +37,7 @@ run: install cpu-kernels
 	$(VENV)/bin/pagoda serve $(MODEL) --host 127.0.0.1 --port $(PORT)
 
 # make test: everything but the soak-marked runs (pyproject.toml), which make test-chaos
-# runs beside the chaos scenarios at the issue's 1,000 requests (make test sends 128).
+# runs beside the chaos scenarios at the issue's 1,000 requests (make test sends 250).
 test: install cpu-kernels
 	PAGODA_OMP_SPIN=0 $(PY) -m pytest -q -m "not soak" --durations=25 $(PYTEST_ARGS)
 
@@ -46,7 +46,8 @@ test-chaos: install
 	PAGODA_OMP_SPIN=0 $(PY) -m pytest -q -m soak $(PYTEST_ARGS)
 
 # The differential matrix (tests/matrix, issue 26): every serving path answers the same
-# requests as the offline float32 engine; make test runs its cut (the colocated row).
+# requests as the offline float32 engine, and injected faults end in that answer or a clean
+# error; make test runs its cut (the colocated row and the comparison's own tests).
 test-matrix: install cpu-kernels
 	PAGODA_OMP_SPIN=0 PAGODA_MATRIX=full $(PY) -m pytest -q -m matrix tests/matrix --durations=25 $(PYTEST_ARGS)
 

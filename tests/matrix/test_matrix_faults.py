@@ -38,7 +38,8 @@ from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc as
 from pagoda.services.common.redis_server import PrivateRedis
 from pagoda.services.scheduler.kv_consumer import FETCH_GRACE_S
 
-pytestmark = [pytest.mark.matrix, pytest.mark.slow]
+# Part of `make test-matrix` (PAGODA_MATRIX=full): a P/D cluster and nine faults, ~2.5 min.
+pytestmark = [pytest.mark.matrix, pytest.mark.matrix_full, pytest.mark.slow]
 LEASE_TIMEOUT_S = 3.0
 # A stall long enough for the lease to lapse, be reaped and its blocks be reused (or for
 # the source's worker to be set up again) before the pull goes on.
