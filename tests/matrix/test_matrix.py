@@ -104,19 +104,35 @@ def run_replicas(model, want, decode, k=3):
                       notes=f"{moved:.0f} requests migrated to the other replica")]
 
 
+PREEMPT_ROUNDS = 4
+
+
 def run_chunks_and_preemption(model, want, decode):
     with served(model, "--max-num-batched-tokens", "64", "--num-gpu-blocks-override",
                 str(SMALL_POOL_BLOCKS)) as serve:
         alone = send_all(serve.url, REQUESTS)
         name = "vllm:num_preemptions_total"
         before = metric(serve, name)
-        together = send_all(serve.url, REQUESTS, concurrent=True)
-        preempted = metric(serve, name) - before
-    assert preempted > 0, "the small KV pool preempted nothing"
+        # Whether the concurrent requests overlap enough to run the pool dry depends on
+        # their arrival (a loaded machine spreads them out): send the set again, up to
+        # PREEMPT_ROUNDS times, until one preempts; every round's answers are checked.
+        rounds = []
+        for _ in range(PREEMPT_ROUNDS):
+            rounds.append(send_all(serve.url, REQUESTS, concurrent=True))
+            preempted = metric(serve, name) - before
+            if preempted > 0:
+                break
+    assert preempted > 0, f"the small KV pool preempted nothing in {len(rounds)} rounds"
+    title = f"KV pool of {SMALL_POOL_BLOCKS} blocks, preempting"
+    notes = f"{preempted:.0f} preemptions in {len(rounds)} round(s)"
+    rows = [check_row(title, want, together, FP32_LOGPROB_TOL, decode, notes=notes)
+            for together in rounds]
+    row = rows[-1]  # the table's cells: a column failed in any round shows its failure
+    row.failures = [line for r in rows for line in r.failures]
+    for r in rows[:-1]:
+        row.cells.update({c: v for c, v in r.cells.items() if v != "ok"})
     return [check_row("chunked prefill, 64-token chunks", want, alone, FP32_LOGPROB_TOL,
-                      decode),
-            check_row(f"KV pool of {SMALL_POOL_BLOCKS} blocks, preempting", want, together,
-                      FP32_LOGPROB_TOL, decode, notes=f"{preempted:.0f} preemptions")]
+                      decode), row]
 
 
 def run_plain(name, *extra, notes=""):
