@@ -38,8 +38,12 @@ run: install cpu-kernels
 
 # make test: everything but the soak-marked runs (pyproject.toml), which make test-chaos
 # runs beside the chaos scenarios at the issue's 1,000 requests (make test sends 250).
+# Two modules at a time (pytest-xdist; tests/parallel_groups.py says how the suite is split):
+# most tests wait on other processes with a core idle. TEST_WORKERS=0 runs them one by one.
+TEST_WORKERS ?= 2
+
 test: install cpu-kernels
-	PAGODA_OMP_SPIN=0 $(PY) -m pytest -q -m "not soak" --durations=25 $(PYTEST_ARGS)
+	PAGODA_OMP_SPIN=0 $(PY) -m pytest -q -m "not soak" --durations=25 -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-chaos: install
 	PAGODA_OMP_SPIN=0 PAGODA_CHAOS=1 PAGODA_CHAOS_REQUESTS=1000 $(PY) -m pytest -q tests/e2e/test_chaos.py $(PYTEST_ARGS)

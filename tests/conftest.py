@@ -20,7 +20,7 @@ import torch  # noqa: E402
 # The worker-group tests' shared prompts and one-device `reference` (tests/distributed,
 # tests/executor): registered here so the reference is computed once per session; and the
 # served clusters that several modules share (tests/shared_clusters.py).
-pytest_plugins = ["group_cases", "shared_clusters"]
+pytest_plugins = ["group_cases", "shared_clusters", "parallel_groups"]
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 TINY_LLAMA_CONFIG = FIXTURES / "tiny_llama" / "config.json"

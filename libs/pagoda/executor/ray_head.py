@@ -50,7 +50,7 @@ class PrivateRayHead:
         port = _free_port()
         argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
                 f"--port={port}", f"--temp-dir={self._dir}", "--include-dashboard=false",
-                "--disable-usage-stats"]
+                "--disable-usage-stats", *_own_ports()]
         argv += [f"--num-cpus={self.num_cpus}"] if self.num_cpus is not None else []
         argv += [f"--num-gpus={self.num_gpus}"] if self.num_gpus is not None else []
         log = Path(self._dir) / "head.log"
@@ -102,6 +102,16 @@ def join_with_token(auth_env: dict[str, str]) -> None:
     os.environ.pop("RAY_AUTH_TOKEN", None)  # it would win over the head's file
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
+
+
+def _own_ports() -> list[str]:
+    """Free ports for the head's servers whose Ray defaults are fixed numbers (the client
+    server's 10001, the dashboard agent's 52365): two private heads on one machine (two
+    `pagoda serve --tensor-parallel-size 2`, or tests run in parallel) would otherwise
+    collide, and a raylet whose agent cannot bind exits."""
+    flags = ("--ray-client-server-port", "--dashboard-agent-listen-port",
+             "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port")
+    return [f"{flag}={_free_port()}" for flag in flags]
 
 
 def _free_port() -> int:
