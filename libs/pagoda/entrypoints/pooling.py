@@ -3,6 +3,7 @@
     encode(prompts)          -> PoolingRequestOutput        (the model's own task)
     embed(prompts)           -> EmbeddingRequestOutput      (.outputs.embedding)
     classify(prompts)        -> ClassificationRequestOutput (.outputs.probs)
+    reward(prompts)          -> PoolingRequestOutput        (.outputs.data [tokens, labels])
     score(data_1, data_2)    -> ScoringRequestOutput        (.outputs.score)
 
 `score` pairs 1 -> 1, 1 -> N or N -> N texts. A cross-encoder (a classifier with one
@@ -60,6 +61,16 @@ class PoolingMethods:
         outputs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
                               use_tqdm=use_tqdm, pooling_task="classify")
         return [ClassificationRequestOutput.from_base(o) for o in outputs]
+
+    def reward(self, prompts: Prompt | Sequence[Prompt], /, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+               pooling_params: Params = None) -> list[PoolingRequestOutput]:
+        """Each prompt's per-token rewards (vLLM's `LLM.reward`: the `token_classify`
+        task): `.outputs.data` is [prompt tokens, labels], the classification head's
+        probabilities at every token."""
+        self._pooler_config("LLM.reward()")
+        return self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+                           use_tqdm=use_tqdm, pooling_task="token_classify")
 
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], /, *,
               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,

@@ -39,6 +39,9 @@ GATEWAY_ONLY = frozenset({"n"})
 # Applied where the prompt is tokenized (the gateway, the offline engine): the bad words
 # travel as `bad_words_token_ids`, a truncation as the shorter prompt itself.
 EDGE_ONLY = frozenset({"bad_words", "truncate_prompt_tokens"})
+# Read where an offline `LLM` runs its requests (the output container, the custom logits
+# processors' per-request arguments); the gateway accepts neither field (400 by name).
+OFFLINE_ONLY = frozenset({"flat_logprobs", "extra_args"})
 # Field defaults: an empty repeated field reads back as None where None is the default.
 _DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
 # Read by the scheduler alone (it compiles the grammar; its worker gets bitmasks).
@@ -56,7 +59,7 @@ TEXT_FIELDS = _carried_by(tpb.DecodeOptions)  # the tokenizer's
 
 def _check_every_field_is_sent() -> None:
     unsent = {f.name for f in fields(SamplingParams)} - set(ENGINE_FIELDS) - set(TEXT_FIELDS) \
-        - GATEWAY_ONLY - EDGE_ONLY
+        - GATEWAY_ONLY - EDGE_ONLY - OFFLINE_ONLY
     if unsent:
         raise RuntimeError(f"SamplingParams fields no message carries: {sorted(unsent)}; add "
                            f"them to common.v1.SamplingParams or tokenizer.v1.DecodeOptions")
