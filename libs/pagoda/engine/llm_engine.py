@@ -26,8 +26,6 @@ from pagoda.metrics.reader import Metric, get_metrics_snapshot
 from pagoda.metrics.recorder import EngineStatsRecorder
 from pagoda.pooling_params import PREFILL_ONLY, TOKEN_TASKS, PoolingParams
 from pagoda.request_checks import check_request
-from pagoda.sample.logits_processor import (resolve_logits_processor_classes,
-                                            validate_request_params)
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer.bad_words import bad_words_token_ids
 from pagoda.tokenizer.loader import load_tokenizer
@@ -49,8 +47,6 @@ class LLMEngine:
         self.log_stats = log_stats
         self.stats_registry = CollectorRegistry()  # this engine's series alone
         self.stats = make_stats_recorder(self.config, self.stats_registry) if log_stats else None
-        self._logits_processor_classes = resolve_logits_processor_classes(
-            self.config.logits_processors)
 
     def add_request(self, prompt: str | None, prompt_token_ids: list[int] | None,
                     params: SamplingParams | PoolingParams, request_id: str | None = None,
@@ -72,7 +68,6 @@ class LLMEngine:
         prompt_token_ids, params = apply_prompt_fields(prompt_token_ids, params, self.tokenizer,
                                                        self.config.scheduler.max_model_len,
                                                        self.config.arch.vocab_size)
-        validate_request_params(self._logits_processor_classes, params)
         eos = self.config.arch.eos_token_ids
         # The n children differ only in their ids and seeds: one check covers them all.
         check_request(EngineCoreRequest(request_id, list(prompt_token_ids), params, eos,
