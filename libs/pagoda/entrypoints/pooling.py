@@ -34,6 +34,7 @@ class PoolingMethods:
     order of the inputs, one per prompt (one per pair for `score`)."""
 
     llm_engine: Any
+    _keep_enqueued_output: Any  # QueueMethods' (LLM mixes both in)
 
     def encode(self, prompts: Prompt | Sequence[Prompt], pooling_params: Params = None, *,
                truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
@@ -157,6 +158,8 @@ class PoolingMethods:
         with tqdm(total=len(items), desc="Processed prompts", disable=not use_tqdm) as bar:
             while engine.has_unfinished_requests():
                 for output in engine.step():
+                    if self._keep_enqueued_output(output):
+                        continue  # an enqueued request's: for wait_for_completion
                     if output.request_id in order:
                         results[order[output.request_id]] = output
                         bar.update(1)
