@@ -240,7 +240,8 @@ class PoolerConfig:
         and with one output also scores text pairs (a cross-encoder)."""
         if self.task == "embed":
             return ("embed",)
-        return ("classify", "score") if len(self.labels) == 1 else ("classify",)
+        tasks = ("classify", "score") if len(self.labels) == 1 else ("classify",)
+        return tasks + ("token_classify",)  # the head on every token (`LLM.reward`)
 
 
 @dataclass
@@ -283,6 +284,9 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     # vLLM's --enable-lora with --max-loras/--max-lora-rank/--max-cpu-loras (None: no LoRA).
     lora: LoRAConfig | None = None
+    # vLLM's logits_processors / --logits-processors: custom processor classes or their
+    # fully qualified names, built in the worker (`pagoda.sample.logits_processor`).
+    logits_processors: tuple = ()
 
     @property
     def world_size(self) -> int:

@@ -21,10 +21,13 @@ if TYPE_CHECKING:
 
 # The sequence-level tasks a pooling model runs (vLLM's `PoolingTask` without the
 # token-level ones). "score" is a classifier's one-label score of a text pair.
-POOLING_TASKS = ("embed", "classify", "score")
+# "token_classify" (`LLM.reward`) classifies every prompt token: one row of label
+# probabilities per token (vLLM's token reward models).
+POOLING_TASKS = ("embed", "classify", "score", "token_classify")
+TOKEN_TASKS = ("token_classify",)  # tasks whose output has one row per prompt token
 # The request fields each task reads (vLLM's `valid_parameters`); the rest must be unset.
 _TASK_FIELDS = {"embed": ("dimensions", "normalize"), "classify": ("use_activation",),
-                "score": ("use_activation",)}
+                "score": ("use_activation",), "token_classify": ("use_activation",)}
 _TASK_SPECIFIC = ("dimensions", "normalize", "use_activation")
 
 # What a pooling request is scheduled with: the prompt and one step, no sampling. Every

@@ -51,7 +51,19 @@ def check_request(request: EngineCoreRequest, config: EngineConfig, *,
         if from_wire:
             _check_wire_params(request.sampling_params)
         check_sampling_params(request.sampling_params, config)
+        if config.logits_processors:
+            check_logits_processor_params(request.sampling_params, config)
     _check_lengths(request, config)
+
+
+def check_logits_processor_params(params, config: EngineConfig) -> None:
+    """Each custom logits processor's `validate_params` (vLLM checks them on intake),
+    so a request its processor cannot serve is refused here, never in a worker step."""
+    # lazy: the processors' module imports torch; only an engine with processors needs it
+    from pagoda.sample.logits_processor import (resolve_logits_processor_classes,
+                                                validate_request_params)
+
+    validate_request_params(resolve_logits_processor_classes(config.logits_processors), params)
 
 
 # ---------------------------------------------------------------- the request

@@ -151,6 +151,10 @@ class SamplingParams:
     # Keep only the prompt's last N tokens (-1: the context length); applied where the
     # prompt is tokenized (`pagoda.tokenizer.truncation`), so it never travels further.
     truncate_prompt_tokens: int | None = None
+    # vLLM's extra_args: free-form per-request arguments for custom logits processors.
+    extra_args: dict[str, Any] | None = None
+    # vLLM's flat_logprobs: logprobs as one `FlatLogprobs` container (pagoda.logprobs).
+    flat_logprobs: bool = False
 
     def __post_init__(self) -> None:
         self._normalize()

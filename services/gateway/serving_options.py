@@ -39,6 +39,7 @@ from pagoda.config import DEFAULT_MAX_LOGPROBS
 from pagoda.generation_config import FIELDS as GENERATION_FIELDS
 from pagoda.generation_config import (default_max_tokens, load_generation_defaults,
                                       parse_override)
+from pagoda.json_flag import json_object
 from pagoda.reasoning import get_reasoning_parser
 from pagoda.services.gateway.limits.request_limits import RequestLimits, add_limit_args
 from pagoda.services.gateway.openai.responses_api.store import DEFAULT_MAX_STORED_RESPONSES
@@ -77,6 +78,8 @@ class ServingOptions:
     shutdown_grace_period: float = DEFAULT_SHUTDOWN_GRACE_S
     trust_request_chat_template: bool = False
     metrics_require_key: bool = False
+    # vLLM's --default-chat-template-kwargs: under each request's chat_template_kwargs.
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     limits: RequestLimits = field(default_factory=RequestLimits)
     # Tools and reasoning (openai/tools.py, openai/chat_output.py): --enable-auto-tool-choice with
     # --tool-call-parser NAME, --reasoning-parser NAME.
@@ -97,6 +100,9 @@ class ServingOptions:
                       metrics_require_key=args.metrics_require_key,
                       limits=RequestLimits.from_args(args))
         options.max_stored_responses = args.max_stored_responses
+        options.default_chat_template_kwargs = json_object(
+            getattr(args, "default_chat_template_kwargs", None),
+            "--default-chat-template-kwargs") or {}
         if options.max_stored_responses < 0:
             raise ValueError("--max-stored-responses must be 0 or more")
         if options.generation_config != "auto":  # a folder: fail at start-up, not per request
@@ -207,6 +213,10 @@ def add_serving_args(parser: argparse.ArgumentParser, engine_shared: bool = True
                        help="Let requests bring their own chat template (chat_template, "
                             "or chat_template_kwargs.chat_template); refused with a 400 "
                             "otherwise. Templates render sandboxed, time- and size-bounded.")
+    group.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
+                       help="Chat template kwargs every chat request gets (a JSON object, "
+                            "e.g. '{\"enable_thinking\": false}'); a request's own "
+                            "chat_template_kwargs override them key by key.")
     group.add_argument("--metrics-require-key", action="store_true",
                        help="With --api-key, /metrics asks for the key too (/health never).")
     group.add_argument("--migration-limit", type=_non_negative_int,

@@ -84,7 +84,7 @@ def test_a_classifier_knows_its_labels_and_matryoshka_is_read(tmp_path):
                             id2label={0: "negative", 1: "positive"})
     pooler = resolve(classifier).pooler_config
     assert pooler.task == "classify" and pooler.labels == ("negative", "positive")
-    assert pooler.supported_tasks == ("classify",)
+    assert pooler.supported_tasks == ("classify", "token_classify")
     matryoshka = build_bert(tmp_path / "m", matryoshka_dimensions=[8, 16])
     pooler = resolve(matryoshka).pooler_config
     assert pooler.is_matryoshka and pooler.matryoshka_dimensions == (8, 16)

@@ -77,6 +77,8 @@ class EngineArgs:
     max_cpu_loras: int | None = None
     # vLLM's --speculative-config JSON (pagoda.spec_decode.config.SpeculativeConfig).
     speculative_config: dict | str | None = None
+    # vLLM's logits_processors: classes or "pkg.module.Class" names (--logits-processors).
+    logits_processors: list | None = None
     # vLLM flags kept for its command lines (pagoda.engine.legacy_args).
     task: str | None = None
     tokenizer_mode: str = "auto"
@@ -118,6 +120,9 @@ class EngineArgs:
         parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
         parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
         parser.add_argument("--seed", type=int, default=d.seed)
+        parser.add_argument("--logits-processors", nargs="+", default=None, metavar="FQCN",
+                            help="Custom logits processor classes (package.module.ClassName), "
+                                 "vLLM's v1 LogitsProcessor interface.")
         parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
         parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
         parser.add_argument("--distributed-executor-backend", default=None, choices=["ray", "mp"],
@@ -279,7 +284,22 @@ class EngineArgs:
                                                              self.reasoning_parser),
             runner=pooling.runner, pooler_config=pooling.pooler_config,
             is_encoder=pooling.is_encoder,
-            lora=self._lora_config())
+            lora=self._lora_config(),
+            logits_processors=self._logits_processors(pooling.runner))
+
+    def _logits_processors(self, runner: str) -> tuple:
+        # lazy: torch, loaded where an engine is built
+        from pagoda.sample.logits_processor import resolve_logits_processor_classes
+
+        if not self.logits_processors:
+            return ()
+        if runner != "generate":
+            raise ValueError("Pooling models do not support custom logits processors.")
+        if self.speculative_config:
+            raise ValueError("logits_processors cannot be combined with speculative decoding "
+                             "(a processor sees one row per request)")
+        resolve_logits_processor_classes(self.logits_processors)  # fail here, not in a worker
+        return tuple(self.logits_processors)
 
     def _resolve_batch_invariant(self, device: str) -> bool:
         on = envs.get("PAGODA_BATCH_INVARIANT") if self.batch_invariant is None \

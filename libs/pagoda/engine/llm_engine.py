@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from typing import Any
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.messages import EngineCoreRequest, FinishReason
@@ -19,7 +21,10 @@ from pagoda.executor.factory import make_executor
 from pagoda.engine.output_processor import OutputProcessor, ParentRequest
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
-from pagoda.pooling_params import PREFILL_ONLY, PoolingParams
+from pagoda.metrics.engine_metrics import EngineMetrics
+from pagoda.metrics.reader import Metric, get_metrics_snapshot
+from pagoda.metrics.recorder import EngineStatsRecorder
+from pagoda.pooling_params import PREFILL_ONLY, TOKEN_TASKS, PoolingParams
 from pagoda.request_checks import check_request
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer.bad_words import bad_words_token_ids
@@ -32,13 +37,16 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     """Invariant: every request added is eventually returned by `step` exactly once."""
 
-    def __init__(self, engine_args: EngineArgs) -> None:
+    def __init__(self, engine_args: EngineArgs, log_stats: bool = False) -> None:
         self.config = engine_args.create_engine_config()
         self.tokenizer = load_tokenizer(self.config.model, self.config.tokenizer)
         self.core = EngineCore(self.config, make_executor(self.config))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-        self._pooling: dict[str, list[int]] = {}  # unfinished pooling requests' prompts
+        self._pooling: dict[str, tuple[list[int], PoolingParams]] = {}  # unfinished ones
+        self.log_stats = log_stats
+        self.stats_registry = CollectorRegistry()  # this engine's series alone
+        self.stats = make_stats_recorder(self.config, self.stats_registry) if log_stats else None
 
     def add_request(self, prompt: str | None, prompt_token_ids: list[int] | None,
                     params: SamplingParams | PoolingParams, request_id: str | None = None,
@@ -54,8 +62,8 @@ class LLMEngine:
                                         cache_salt=cache_salt, pooling_params=params,
                                         priority=priority)
             check_request(request, self.config)
-            self.core.add_request(request)
-            self._pooling[request_id] = list(prompt_token_ids)
+            self._add_core_request(request)
+            self._pooling[request_id] = (list(prompt_token_ids), params)
             return request_id
         prompt_token_ids, params = apply_prompt_fields(prompt_token_ids, params, self.tokenizer,
                                                        self.config.scheduler.max_model_len,
@@ -72,11 +80,11 @@ class LLMEngine:
                 child_params = params
                 if params.n > 1 and params.seed is not None:
                     child_params = params.clone(seed=params.seed + index)
-                self.core.add_request(EngineCoreRequest(child_id, parent.prompt_token_ids,
-                                                        child_params, eos,
-                                                        cache_salt=cache_salt,
-                                                        priority=priority,
-                                                        lora_request=lora_request))
+                self._add_core_request(EngineCoreRequest(child_id, parent.prompt_token_ids,
+                                                         child_params, eos,
+                                                         cache_salt=cache_salt,
+                                                         priority=priority,
+                                                         lora_request=lora_request))
         except ValueError:
             self.core.abort_requests(child_ids)
             for child_id in child_ids:
@@ -84,8 +92,16 @@ class LLMEngine:
             raise
         return request_id
 
+    def _add_core_request(self, request: EngineCoreRequest) -> None:
+        self.core.add_request(request)
+        if self.stats is not None:
+            self.stats.on_add(request)
+
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
+        step_start = time.time()
         core_outputs = self.core.step()
+        if self.stats is not None:
+            self.stats.on_step(self.core, step_start, core_outputs)
         failed = {**self.core.take_rejected(), **self.core.take_invalid()}
         for request_id, why in failed.items():  # they end "abort"
             logger.warning("request %s failed: %s", request_id, why)
@@ -101,11 +117,14 @@ class LLMEngine:
         for out in core_outputs:
             if out.request_id not in self._pooling or not out.finished:
                 continue
-            prompt_token_ids = self._pooling.pop(out.request_id)
+            prompt_token_ids, params = self._pooling.pop(out.request_id)
             if out.pooling_output is not None:
+                data = torch.tensor(out.pooling_output)
+                if params.task in TOKEN_TASKS:  # one row per prompt token
+                    data = data.reshape(len(prompt_token_ids), -1)
                 results.append(PoolingRequestOutput(
-                    out.request_id, PoolingOutput(torch.tensor(out.pooling_output)),
-                    prompt_token_ids, out.num_cached_tokens))
+                    out.request_id, PoolingOutput(data), prompt_token_ids,
+                    out.num_cached_tokens))
         return results
 
     def has_unfinished_requests(self) -> bool:
@@ -116,6 +135,29 @@ class LLMEngine:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's metric objects, from this engine's own stats (`log_stats`)."""
+        if self.stats is None:
+            raise ValueError("Stat logging is disabled: create the LLM with "
+                             "disable_log_stats=False to read its metrics.")
+        return get_metrics_snapshot(self.stats_registry)
+
+
+def make_stats_recorder(config, registry: CollectorRegistry) -> EngineStatsRecorder:
+    """vLLM's metrics for one offline engine, in `registry` (several engines in one
+    process never share series), set up as the scheduler service sets up its own."""
+    metrics = EngineMetrics(config.served_model_name[0], config.scheduler.max_model_len,
+                            registry=registry)
+    metrics.log_cache_config(config.cache.block_size, config.cache.num_blocks,
+                             config.cache.enable_prefix_caching,
+                             config.cache.gpu_memory_utilization)
+    if config.lora is not None:
+        metrics.log_lora_config(config.lora.max_loras)
+    spec = config.scheduler.speculative_config
+    if spec is not None:
+        metrics.log_spec_config(spec.num_speculative_tokens)
+    return EngineStatsRecorder(metrics)
 
 
 def apply_prompt_fields(prompt_token_ids: list[int], params: SamplingParams, tokenizer,

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagoda.logprobs import new_logprobs_container
 from pagoda.messages import EngineCoreOutput, FinishReason, LogprobsLists
 from pagoda.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -57,7 +58,8 @@ class OutputProcessor:
         n = parent.params.n
         parent.num_unfinished = n
         if parent.params.prompt_logprobs is not None:
-            parent.prompt_logprobs = [None]  # the first token has no prefix to score it
+            parent.prompt_logprobs = new_logprobs_container(parent.params.flat_logprobs,
+                                                            prompt=True)
         ids = []
         for index in range(n):
             child_id = child_request_id(parent.request_id, index, n)
@@ -65,7 +67,8 @@ class OutputProcessor:
                 self.tokenizer, parent.prompt_token_ids, parent.params)
             parent.completions.append(CompletionOutput(
                 index, "", [], 0.0 if parent.params.logprobs is not None else None,
-                [] if parent.params.logprobs is not None else None))
+                new_logprobs_container(parent.params.flat_logprobs)
+                if parent.params.logprobs is not None else None))
             self.children[child_id] = ChildState(parent, index, decoder)
             ids.append(child_id)
         return ids

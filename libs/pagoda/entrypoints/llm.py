@@ -8,16 +8,18 @@ from tqdm.auto import tqdm
 
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.entrypoints.enqueue import QueueMethods
 from pagoda.entrypoints.pooling import PoolingMethods
 from pagoda.entrypoints.prompts import Prompt, as_prompt_list, normalize_prompt
 from pagoda.generation_config import load_generation_defaults, parse_override
 from pagoda.lora.request import LoRARequest
+from pagoda.metrics.reader import Metric
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer.chat import apply_chat_template
 
 
-class LLM(PoolingMethods):
+class LLM(PoolingMethods, QueueMethods):
     """Generate text from prompts in one process; with a pooling model (`runner="pooling"`,
     or an encoder such as BERT) embed, classify and score them instead (`PoolingMethods`).
 
@@ -27,10 +29,14 @@ class LLM(PoolingMethods):
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: str = "auto",
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 seed: int = 0, **kwargs: Any) -> None:
+                 seed: int = 0, disable_log_stats: bool = True,
+                 default_chat_template_kwargs: dict[str, Any] | None = None,
+                 **kwargs: Any) -> None:
         args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
                           enable_prefix_caching=enable_prefix_caching, seed=seed, **kwargs)
-        self.llm_engine = LLMEngine(args)
+        self.llm_engine = LLMEngine(args, log_stats=not disable_log_stats)
+        # vLLM's --default-chat-template-kwargs: under each call's chat_template_kwargs.
+        self.default_chat_template_kwargs = dict(default_chat_template_kwargs or {})
         self.generation_defaults = load_generation_defaults(
             self.llm_engine.config.model, args.generation_config,
             parse_override(args.override_generation_config))
@@ -42,6 +48,11 @@ class LLM(PoolingMethods):
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's metric objects (Counter, Gauge, Histogram, Vector) from the engine's
+        stats so far; needs `disable_log_stats=False`, as in vLLM."""
+        return self.llm_engine.get_metrics()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -63,15 +74,21 @@ class LLM(PoolingMethods):
              continue_final_message: bool = False,
              chat_template_kwargs: dict[str, Any] | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             tools: list[dict[str, Any]] | None = None,
              ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
+        """Apply the model's chat template to one conversation or a list of them;
+        `tools` (OpenAI function definitions) reach the template as the served chat
+        route passes them; `chat_template_kwargs` go over the LLM's
+        `default_chat_template_kwargs`."""
+        chat_template_kwargs = {**self.default_chat_template_kwargs,
+                                **(chat_template_kwargs or {})}
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         items = []
         for conversation in conversations:
             ids = apply_chat_template(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
                                       continue_final_message=continue_final_message,
-                                      chat_template_kwargs=chat_template_kwargs)
+                                      chat_template_kwargs=chat_template_kwargs, tools=tools)
             items.append((tokenizer.decode(ids), ids, None))
         return self._run(items, sampling_params, use_tqdm, lora_request=lora_request)
 
@@ -80,6 +97,24 @@ class LLM(PoolingMethods):
              use_tqdm: bool, priority: list[int] | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
              ) -> list[RequestOutput]:
+        order = self._add_requests(items, sampling_params, priority, lora_request)
+        engine = self.llm_engine
+        results: list[RequestOutput | None] = [None] * len(items)
+        with tqdm(total=len(items), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if self._keep_enqueued_output(output):
+                        continue  # an enqueued request's: for wait_for_completion
+                    results[order[output.request_id]] = output
+                    bar.update(1)
+        return results  # type: ignore[return-value]
+
+    def _add_requests(self, items: list[tuple[str | None, list[int] | None, str | None]],
+                      sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                      priority: list[int] | None,
+                      lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                      ) -> dict[str, int]:
+        """Add one request per item; request id -> item index (all or none added)."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _params_per_prompt(sampling_params, len(items))
@@ -96,13 +131,7 @@ class LLM(PoolingMethods):
         except Exception:
             engine.abort_request(list(order))
             raise
-        results: list[RequestOutput | None] = [None] * len(items)
-        with tqdm(total=len(items), desc="Processed prompts", disable=not use_tqdm) as bar:
-            while engine.has_unfinished_requests():
-                for output in engine.step():
-                    results[order[output.request_id]] = output
-                    bar.update(1)
-        return results  # type: ignore[return-value]
+        return order
 
 
 def _loras_per_prompt(lora: LoRARequest | Sequence[LoRARequest | None] | None,

@@ -3,6 +3,7 @@
     encode(prompts)          -> PoolingRequestOutput        (the model's own task)
     embed(prompts)           -> EmbeddingRequestOutput      (.outputs.embedding)
     classify(prompts)        -> ClassificationRequestOutput (.outputs.probs)
+    reward(prompts)          -> PoolingRequestOutput        (.outputs.data [tokens, labels])
     score(data_1, data_2)    -> ScoringRequestOutput        (.outputs.score)
 
 `score` pairs 1 -> 1, 1 -> N or N -> N texts. A cross-encoder (a classifier with one
@@ -33,6 +34,7 @@ class PoolingMethods:
     order of the inputs, one per prompt (one per pair for `score`)."""
 
     llm_engine: Any
+    _keep_enqueued_output: Any  # QueueMethods' (LLM mixes both in)
 
     def encode(self, prompts: Prompt | Sequence[Prompt], pooling_params: Params = None, *,
                truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
@@ -60,6 +62,16 @@ class PoolingMethods:
         outputs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
                               use_tqdm=use_tqdm, pooling_task="classify")
         return [ClassificationRequestOutput.from_base(o) for o in outputs]
+
+    def reward(self, prompts: Prompt | Sequence[Prompt], /, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+               pooling_params: Params = None) -> list[PoolingRequestOutput]:
+        """Each prompt's per-token rewards (vLLM's `LLM.reward`: the `token_classify`
+        task): `.outputs.data` is [prompt tokens, labels], the classification head's
+        probabilities at every token."""
+        self._pooler_config("LLM.reward()")
+        return self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+                           use_tqdm=use_tqdm, pooling_task="token_classify")
 
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], /, *,
               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
@@ -146,6 +158,8 @@ class PoolingMethods:
         with tqdm(total=len(items), desc="Processed prompts", disable=not use_tqdm) as bar:
             while engine.has_unfinished_requests():
                 for output in engine.step():
+                    if self._keep_enqueued_output(output):
+                        continue  # an enqueued request's: for wait_for_completion
                     if output.request_id in order:
                         results[order[output.request_id]] = output
                         bar.update(1)

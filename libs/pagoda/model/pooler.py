@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.config import PoolerConfig
-from pagoda.pooling_params import PoolingParams
+from pagoda.pooling_params import TOKEN_TASKS, PoolingParams
 
 
 def _pool_rows(rows: torch.Tensor, pooling_type: str) -> torch.Tensor:
@@ -43,6 +43,8 @@ class Pooler:
     def __init__(self, config: PoolerConfig, model: nn.Module) -> None:
         self.config = config
         self.classify = getattr(model, "classify", None)
+        # The classification head on each token's hidden state (token_classify, `LLM.reward`).
+        self.classify_tokens = getattr(model, "classify_tokens", None)
         if config.task == "classify" and self.classify is None:
             raise ValueError(f"{type(model).__name__} has no classification head")
 
@@ -50,6 +52,8 @@ class Pooler:
                  params: Sequence[PoolingParams]) -> list[torch.Tensor]:
         """`spans[i]` = (first row, end row, whether the rows are the whole prompt) of
         request i in `hidden`; `params[i]` its verified pooling params."""
+        if any(p.task in TOKEN_TASKS for p in params):
+            return self._per_request(hidden, spans, params)
         if self.config.pooling_type != "LAST" and not all(whole for _, _, whole in spans):
             raise ValueError(f"{self.config.pooling_type} pooling needs each prompt whole in "
                              "one step")
@@ -59,6 +63,23 @@ class Pooler:
             return [_embedding(row.float(), p) for row, p in zip(pooled, params)]
         logits = self.classify(pooled.to(hidden.dtype)).float()
         return [_activate(row, p) for row, p in zip(logits, params)]
+
+
+    def _per_request(self, hidden: torch.Tensor, spans, params) -> list[torch.Tensor]:
+        """A step with a token-level request: each request pooled on its own (a
+        token_classify result is its [L, labels] probabilities, flattened)."""
+        results = []
+        for span, p in zip(spans, params):
+            if p.task not in TOKEN_TASKS:
+                results += self(hidden, [span], [p])
+                continue
+            start, end, whole = span
+            if not whole or self.classify_tokens is None:
+                raise ValueError("token_classify needs a classification head and each prompt "
+                                 "whole in one step")
+            logits = self.classify_tokens(hidden[start:end]).float()
+            results.append(torch.stack([_activate(row, p) for row in logits]).reshape(-1))
+        return results
 
 
 def _embedding(vector: torch.Tensor, params: PoolingParams) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,3 +41,6 @@ class SamplingMetadata:
     bad_words_token_ids: dict[int, list[list[int]]] = field(default_factory=dict)
     # Largest top-logprobs count requested by any row (None = no row wants logprobs).
     max_num_logprobs: int | None = None
+    # The engine's custom logits processors (`sample.logits_processor_batch`), as one
+    # function of the batch's logits; None: none are loaded.
+    custom_logits: Callable[[torch.Tensor], torch.Tensor] | None = None

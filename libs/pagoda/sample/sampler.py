@@ -3,6 +3,7 @@
 Order of operations (vLLM v1's, with its default `raw_logprobs` mode):
 
   1. logprobs, when requested, from the raw logits (before anything below);
+  1b. the engine's custom logits processors (`logits_processors`), on a copy;
   2. allowed_token_ids, bad_words, logit_bias, then min_tokens suppression of
      stop/EOS ids;
   3. repetition, frequency and presence penalties;
@@ -49,6 +50,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()  # no copy when already float32
+        raw = logits  # logprobs come from the logits before any processing (vLLM's raw mode)
+        if metadata.custom_logits is not None:
+            logits = metadata.custom_logits(logits.clone())
         if needs_processing(metadata):
             sampled = self.sample(self.process_logits(logits, metadata), metadata)
         elif metadata.all_greedy:
@@ -57,7 +61,7 @@ class Sampler:
             sampled = self.sample(logits, metadata)
         logprobs = None
         if metadata.max_num_logprobs is not None:
-            logprobs = compute_topk_logprobs(logits, sampled, metadata.max_num_logprobs)
+            logprobs = compute_topk_logprobs(raw, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     @staticmethod

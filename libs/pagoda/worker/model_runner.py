@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import torch
@@ -22,6 +23,8 @@ from pagoda.model.pooler import Pooler
 from pagoda.model.quantization import gguf_int4
 from pagoda.sample.builder import build_sampling_metadata, make_generator
 from pagoda.sample.grammar import apply_grammar_bitmask
+from pagoda.sample.logits_processor import resolve_logits_processor_classes
+from pagoda.sample.logits_processor_batch import CustomLogitsProcessors
 from pagoda.sample.logprobs import compute_topk_logprobs
 from pagoda.sample.rejection_sampler import verify_drafts
 from pagoda.sample.sampler import Sampler, advance_generator
@@ -83,6 +86,11 @@ class ModelRunner:
         if self.config.batch_invariant:
             batch_invariant_linear.fix_linear_rows(self.model, gguf_int4.logits_head(self.model))
         self.sampler = Sampler()
+        self.custom_logits = None  # CustomLogitsProcessors under logits_processors
+        if self.config.logits_processors and self.config.runner == "generate":
+            self.custom_logits = CustomLogitsProcessors(
+                resolve_logits_processor_classes(self.config.logits_processors), self.config,
+                self.device)
         if self.config.pooler_config is not None:
             self.pooler = Pooler(self.config.pooler_config, self.model)
         spec = self.config.scheduler.speculative_config
@@ -295,6 +303,10 @@ class ModelRunner:
             [s.sampling_params for s, _ in expanded], [s.prompt_token_ids for s, _ in expanded],
             [out for _, out in expanded], generators, self.config.arch.vocab_size,
             [eos for _ in expanded], self.device)
+        if self.custom_logits is not None:  # no drafts: one row per state (config check)
+            self.custom_logits.update(states)
+            metadata.custom_logits = functools.partial(self.custom_logits.apply,
+                                                       all_greedy=metadata.all_greedy)
         if inputs.num_drafts is not None:
             verified = verify_drafts(logits, metadata, drafts)
             token_lists, lists = verified.token_ids, (

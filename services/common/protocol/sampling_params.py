@@ -32,13 +32,17 @@ from google.protobuf.message import Message
 from pagoda.sampling_params import STRUCTURED_OUTPUT_KINDS, SamplingParams, StructuredOutputsParams
 from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
-from pagoda.services.common.protocol.common import json_value_from_proto, json_value_to_proto
+from pagoda.services.common.protocol.common import (json_object_from_proto, json_object_to_proto,
+                                                    json_value_from_proto, json_value_to_proto)
 
 # Read by the gateway alone: it fans `n` out into n requests of n = 1.
 GATEWAY_ONLY = frozenset({"n"})
 # Applied where the prompt is tokenized (the gateway, the offline engine): the bad words
 # travel as `bad_words_token_ids`, a truncation as the shorter prompt itself.
 EDGE_ONLY = frozenset({"bad_words", "truncate_prompt_tokens"})
+# Read where an offline `LLM` assembles its outputs (the logprobs container): the
+# gateway's API has no such field (its JSON has one shape).
+OFFLINE_ONLY = frozenset({"flat_logprobs"})
 # Field defaults: an empty repeated field reads back as None where None is the default.
 _DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
 # Read by the scheduler alone (it compiles the grammar; its worker gets bitmasks).
@@ -56,7 +60,7 @@ TEXT_FIELDS = _carried_by(tpb.DecodeOptions)  # the tokenizer's
 
 def _check_every_field_is_sent() -> None:
     unsent = {f.name for f in fields(SamplingParams)} - set(ENGINE_FIELDS) - set(TEXT_FIELDS) \
-        - GATEWAY_ONLY - EDGE_ONLY
+        - GATEWAY_ONLY - EDGE_ONLY - OFFLINE_ONLY
     if unsent:
         raise RuntimeError(f"SamplingParams fields no message carries: {sorted(unsent)}; add "
                            f"them to common.v1.SamplingParams or tokenizer.v1.DecodeOptions")
@@ -74,6 +78,8 @@ def _fill(msg: Message, params: SamplingParams, names: Sequence[str]) -> None:
             continue
         if isinstance(value, StructuredOutputsParams):
             structured_outputs_to_proto(value, getattr(msg, name))
+        elif isinstance(getattr(msg, name), cpb.JsonObject):  # free-form JSON (extra_args)
+            json_object_to_proto(value, getattr(msg, name))
         elif isinstance(value, dict):
             getattr(msg, name).update(value)
         elif isinstance(value, list) and value and isinstance(value[0], list):
@@ -105,6 +111,8 @@ def _read(msg: Message, names: Sequence[str]) -> dict[str, Any]:
             values[name] = None
         elif isinstance(value, cpb.StructuredOutputsParams):
             values[name] = structured_outputs_from_proto(value)
+        elif isinstance(value, cpb.JsonObject):
+            values[name] = json_object_from_proto(value)
         else:
             values[name] = value
     return values

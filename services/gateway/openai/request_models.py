@@ -109,6 +109,9 @@ class SamplingFields(_Body):
     # so either one asked for is refused (check_common), never silently ignored.
     use_beam_search: bool = False
     best_of: Annotated[int, Field(le=INT32_MAX)] | None = None
+    # vLLM's: free-form arguments for the custom logits processors (--logits-processors),
+    # which read them as SamplingParams.extra_args.
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
 
     # ------------------------------------------------------------ per-API answers
     def num_logprobs(self) -> int | None:
@@ -173,7 +176,8 @@ class SamplingFields(_Body):
                       logit_bias=self._logit_bias(vocab_size),
                       allowed_token_ids=self._allowed_token_ids(vocab_size),
                       bad_words_token_ids=self._bad_words_token_ids,
-                      structured_outputs=self.structured_output_params())
+                      structured_outputs=self.structured_output_params(),
+                      extra_args=self.vllm_xargs)
         try:
             return SamplingParams(**values)
         except ValueError as exc:

@@ -179,7 +179,8 @@ def check_chat_request(state: GatewayState, body) -> None:
     """What a chat body (completions or /tokenize) may bring: its own chat template only
     when the operator trusts request templates (vLLM's --trust-request-chat-template;
     it then travels in chat_template_kwargs), and messages and free-form fields within
-    the limits (limits/request_limits.py). Raises APIError (400)."""
+    the limits (limits/request_limits.py). Raises APIError (400). Then lays the
+    request's chat_template_kwargs over --default-chat-template-kwargs."""
     kwargs = dict(body.chat_template_kwargs or {})
     template = getattr(body, "chat_template", None)
     if template is not None or "chat_template" in kwargs:
@@ -189,6 +190,9 @@ def check_chat_request(state: GatewayState, body) -> None:
             body.chat_template_kwargs = {**kwargs, "chat_template": template}
     state.options.limits.check_messages(body.messages, chat_template_kwargs=kwargs,
                                         tools=getattr(body, "tools", None))
+    defaults = state.options.default_chat_template_kwargs
+    if defaults:  # the operator's (--default-chat-template-kwargs), under the request's
+        body.chat_template_kwargs = {**defaults, **(body.chat_template_kwargs or {})}
 
 
 def _hashes(reply: tpb.TokenizeResponse) -> list[bytes] | None:

@@ -247,6 +247,10 @@ class BertForSequenceClassification(nn.Module):
     def classify(self, cls_hidden: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.bert.pooler(cls_hidden))
 
+    def classify_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The linear head on every token (vLLM's token_classify: no BERT pooler)."""
+        return self.classifier(hidden)
+
     def needs_checkpoint_tensor(self, name: str) -> bool:
         return True
 

@@ -22,7 +22,7 @@ import numpy as np
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
 from pagoda.services.common.protocol.kv_events import kv_event_from_proto, kv_event_to_proto
-from pagoda.services.common.protocol.sampling_params import (EDGE_ONLY, ENGINE_FIELDS,
+from pagoda.services.common.protocol.sampling_params import (EDGE_ONLY, ENGINE_FIELDS, OFFLINE_ONLY,
                                                              GATEWAY_ONLY,
                                                              TEXT_FIELDS, decode_options_from_proto,
                                                              decode_options_to_proto,
@@ -54,6 +54,8 @@ def _non_default(name: str, hint, default):
         return [[3, 4], [5]]
     if dict[int, float] in args:
         return {5: -100.0, 9: 2.5}
+    if dict[str, typing.Any] in args:
+        return {"ban_token_id": 7, "words": ["a", 1.5]}
     if StructuredOutputsParams in args:
         return StructuredOutputsParams(regex=r"[a-z]+\d")
     raise AssertionError(f"teach this test a non-default value for {name}: {hint}")
@@ -83,7 +85,8 @@ def test_every_sampling_field_travels_to_the_service_that_reads_it():
     for name in TEXT_FIELDS:  # the tokenizer's
         assert getattr(text, name) == getattr(params, name), name
     everything = {f.name for f in fields(SamplingParams)}
-    assert set(ENGINE_FIELDS) | set(TEXT_FIELDS) | GATEWAY_ONLY | EDGE_ONLY == everything
+    assert set(ENGINE_FIELDS) | set(TEXT_FIELDS) | GATEWAY_ONLY | EDGE_ONLY | OFFLINE_ONLY \
+        == everything
     # The bad words travel encoded; the words and the truncation stay at the edge.
     assert "bad_words_token_ids" in ENGINE_FIELDS and not EDGE_ONLY & set(ENGINE_FIELDS)
     # Nothing travels where it is not read: the scheduler never sees stop strings.
