@@ -121,7 +121,7 @@ class ApiServers:
             json.dump({"parent": os.getpid(), "api_servers": pids}, f)
         os.replace(tmp, self.pid_file)  # readers never see half a file
 
-    def run(self) -> int:
+    def run(self, stop_timeout: float = 60.0) -> int:
         """Serve until SIGTERM/SIGINT (0) or a crash loop (1)."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stopping.set())
@@ -132,7 +132,7 @@ class ApiServers:
             if not self.check(time.monotonic()):
                 code = 1
                 break
-        self.stop()
+        self.stop(stop_timeout)
         return code
 
     def check(self, now: float) -> bool:

@@ -88,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
         logger.error("--api-server-count must be at least 1, got %d", args.api_server_count)
         return 2
     if args.api_server_count > 1 and inherited is None:
-        return _run_api_servers(args)
+        return _run_api_servers(args, options.shutdown_grace_period)
     grpc_channels.configure_from_args(args)
     tracing.init_tracing("gateway", args.otlp_traces_endpoint)
     schedulers = [a.strip() for a in args.scheduler_addrs.split(",") if a.strip()]
@@ -129,7 +129,7 @@ def main(args: argparse.Namespace) -> int:
     return 1 if fatal else 0
 
 
-def _run_api_servers(args: argparse.Namespace) -> int:
+def _run_api_servers(args: argparse.Namespace, grace_period: float) -> int:
     """The parent of --api-server-count N: binds the port, runs N gateways on it."""
     try:
         sock = api_servers.bind(args.host, args.port)
@@ -140,4 +140,5 @@ def _run_api_servers(args: argparse.Namespace) -> int:
                 args.api_server_count)
     parent = api_servers.ApiServers(args.api_server_count, sock, api_servers.child_argv(),
                                     pid_file=args.api_server_pid_file)
-    return parent.run()
+    # On SIGTERM each API server lets its streams finish (the grace period), then exits.
+    return parent.run(stop_timeout=grace_period + 10.0)
