@@ -118,6 +118,12 @@ class ServeProcess:
                 return pid
         raise LookupError(name)
 
+    def api_server_pids(self) -> list[int]:
+        """The gateway's API-server processes under `--api-server-count N` > 1 (the
+        children of its parent, which holds the port); [] with one process. Their
+        indexes: `--api-server-pid-file`, or the `api server K of N: pid P` log lines."""
+        return [c.pid for c in psutil.Process(self.service_pid("gateway")).children()]
+
     def service_args(self, name: str) -> list[str]:
         return psutil.Process(self.service_pid(name)).cmdline()
 

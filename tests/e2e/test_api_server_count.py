@@ -21,7 +21,6 @@ from collections import Counter
 
 import httpx
 import openai
-import psutil
 import pytest
 from serve_cluster import ServeProcess, wait_until
 
@@ -65,8 +64,7 @@ def restarts(serve: ServeProcess) -> dict[str, float]:
 def test_requests_land_on_both_processes_and_metrics_count_each_once(serve, pid_file):
     pids = api_server_pids(pid_file)
     assert sorted(pids) == ["0", "1"] and len(set(pids.values())) == 2
-    gateway = psutil.Process(serve.service_pid("gateway"))  # the parent holds the port
-    assert {c.pid for c in gateway.children()} == set(pids.values())
+    assert set(serve.api_server_pids()) == set(pids.values())  # the parent's children
     assert f"api server 1 of 2: pid {pids['1']}" in serve.stderr_text()
     before = completions_counted(serve)
 
@@ -150,7 +148,10 @@ def test_a_killed_api_server_fails_only_its_own_streams_and_comes_back(serve, pi
     victim = killed[0]
     failed = [(where, what) for where, what in outcomes if what != "ok"]
     assert failed, outcomes  # the victim's open streams ended...
-    assert all(where == victim for where, _ in failed), outcomes  # ...and only those
+    # ...and only those ("?": refused before its answer began, a connection the victim
+    # had accepted; the survivor answers every request it accepts).
+    assert all(where == victim or (where == "?" and what == "APIConnectionError")
+               for where, what in failed), outcomes
     assert len(failed) <= CONCURRENCY
     assert all(what in ("APIConnectionError", "RemoteProtocolError", "ReadError",
                         "APIError") for _, what in failed), failed  # errors, not wrong text
