@@ -106,7 +106,10 @@ class ApiServers:
         env = dict(os.environ, **{FD_ENV: str(self.sock.fileno()), INDEX_ENV: str(index)})
         child = subprocess.Popen(dying_with_this_process(self.argv, signal.SIGTERM),
                                  pass_fds=(self.sock.fileno(),), env=env,
-                                 stdin=subprocess.DEVNULL)
+                                 stdin=subprocess.DEVNULL,
+                                 # Ctrl-C reaches the parent only, which then stops each
+                                 # once (a second signal would make uvicorn cut streams).
+                                 start_new_session=True)
         self.children[index] = child
         logger.info("api server %d of %d: pid %d", index, self.count, child.pid)
         self.write_pid_file()

@@ -27,8 +27,8 @@ from serve_cluster import ServeProcess, wait_until
 pytestmark = pytest.mark.slow
 
 HEADER = "x-pagoda-api-server"
-REQUEST_BOUND_S = 60.0  # detects a hang, not a speed
-STREAMS, CONCURRENCY, KILL_AFTER, MAX_TOKENS = 32, 8, 8, 48
+REQUEST_BOUND_S = 240.0  # detects a hang, not a speed (a shared 2-core machine stalls)
+STREAMS, CONCURRENCY, KILL_AFTER, MAX_TOKENS = 24, 8, 6, 32
 
 
 @pytest.fixture(scope="module")
