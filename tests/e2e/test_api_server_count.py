@@ -147,6 +147,7 @@ def test_a_killed_api_server_fails_only_its_own_streams_and_comes_back(serve, pi
     assert killed, "no stream was open when the kill was due"
     victim = killed[0]
     failed = [(where, what) for where, what in outcomes if what != "ok"]
+    print(f"api server {victim} killed; outcomes by process: {Counter(outcomes)}")
     assert failed, outcomes  # the victim's open streams ended...
     # ...and only those ("?": refused before its answer began, a connection the victim
     # had accepted; the survivor answers every request it accepts).

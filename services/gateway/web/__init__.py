@@ -2,4 +2,5 @@
 with their flags (`cors_request_id.py`), and vLLM's small server routes `/ping`,
 `/load`, `/v1/models[/{model}]` with the load counter behind `/load`
 (`server_routes.py`), and `X-Pagoda-Api-Server` naming the process that answered under
-`--api-server-count` (`api_server_header.py`). Who may call is `auth/`; how much a request may ask, `limits/`."""
+`--api-server-count` (`api_server_header.py`). Who may call is `auth/`; how much a
+request may ask, `limits/`."""
