@@ -103,15 +103,26 @@ class ServeProcess:
         return "".join(self._stderr)
 
     def service_pid(self, name: str) -> int:
-        """The pid of the child running `pagoda.services.cli.main <name>`."""
+        """The pid of the child running `pagoda.services.cli.main <name>` (the outermost
+        one: a gateway's API servers, `--api-server-count`, run its command line too)."""
+        matches = {}
         for child in psutil.Process(self.process.pid).children(recursive=True):
             try:
-                cmdline = child.cmdline()
+                cmdline, parent = child.cmdline(), child.ppid()
             except psutil.Error:
                 continue
             if CLI_MODULE in cmdline and cmdline[cmdline.index(CLI_MODULE) + 1] == name:
-                return child.pid
+                matches[child.pid] = parent
+        for pid, parent in matches.items():
+            if parent not in matches:
+                return pid
         raise LookupError(name)
+
+    def api_server_pids(self) -> list[int]:
+        """The gateway's API-server processes under `--api-server-count N` > 1 (the
+        children of its parent, which holds the port); [] with one process. Their
+        indexes: `--api-server-pid-file`, or the `api server K of N: pid P` log lines."""
+        return [c.pid for c in psutil.Process(self.service_pid("gateway")).children()]
 
     def service_args(self, name: str) -> list[str]:
         return psutil.Process(self.service_pid(name)).cmdline()

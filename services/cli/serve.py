@@ -85,6 +85,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              "model): the gateway spreads calls over them round-robin, and a "
                              "call that meets a dead one is retried on another, so one "
                              "tokenizer dying or restarting fails no request.")
+    parser.add_argument("--api-server-count", "-asc", type=int, default=1,
+                        help="vLLM's: gateway processes serving the one HTTP port (for a "
+                             "gateway that runs out of CPU: each process streams and "
+                             "detokenizes its own connections). One that exits is restarted "
+                             "by the gateway's parent; only its own streams fail.")
+    parser.add_argument("--api-server-pid-file", default=None, metavar="PATH",
+                        help="With --api-server-count > 1: the gateway keeps "
+                             "{\"parent\": PID, \"api_servers\": {INDEX: PID}} here.")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="Model replicas: each is a scheduler and its gpu-worker, behind the "
                              "one gateway. With several, a replica that exits is reported and "
@@ -226,7 +234,8 @@ def build_services(args: argparse.Namespace, redis_url: str,
         redis_env[REDIS_PASSWORD_ENV] = redis_password
     gateway_env = {"PAGODA_API_KEY": args.api_key} if args.api_key else {}
     gateway_extra = (http_flags(args) + gateway_flags(args) + lora_flags(args)
-                     + generate_read_flags(args) + prefix_pull_flags(args))
+                     + generate_read_flags(args) + prefix_pull_flags(args)
+                     + api_server_flags(args))
     services = [
         grpc_service("kv-cache-manager", "kv-cache-manager", env=redis_env),
     ] + [
@@ -282,6 +291,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if role_problem(args):
         _say(f"error: {role_problem(args)}")
+        return 2
+    if args.api_server_count < 1:
+        _say(f"error: --api-server-count must be at least 1, got {args.api_server_count}")
         return 2
     if args.tokenizer_replicas < 1:
         _say(f"error: --tokenizer-replicas must be at least 1, got {args.tokenizer_replicas}")
@@ -355,6 +367,15 @@ def _health_check_ssl(args: argparse.Namespace) -> ssl.SSLContext | None:
     if args.ssl_cert_reqs == ssl.CERT_REQUIRED:
         context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
     return context
+
+
+def api_server_flags(args: argparse.Namespace) -> list[str]:
+    """--api-server-count and its pid file, for the gateway (nothing at the default)."""
+    if args.api_server_count == 1:
+        return []
+    pid_file = ["--api-server-pid-file", args.api_server_pid_file] \
+        if args.api_server_pid_file else []
+    return ["--api-server-count", str(args.api_server_count), *pid_file]
 
 
 def _execute_model_timeout(args: argparse.Namespace) -> list[str]:

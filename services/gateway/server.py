@@ -11,6 +11,7 @@ import pagoda.envs as envs
 import pagoda.tracing as tracing
 from pagoda.services.common import grpc_channels
 from pagoda.services.common.logs import setup_logging
+from pagoda.services.gateway import api_servers
 from pagoda.services.gateway.disagg.prefix_pull import PrefixPullOptions, add_prefix_pull_args
 from pagoda.services.gateway.lora.registry import add_lora_args, registry_from_args
 from pagoda.services.gateway.observability.metrics import PeerMetrics
@@ -18,6 +19,7 @@ from pagoda.services.gateway.routing.router import DEFAULT_POLICY, POLICIES
 from pagoda.services.gateway.serving_options import (ServingOptions, add_serving_args,
                                                      add_uvicorn_args, uvicorn_kwargs)
 from pagoda.services.gateway.web.cors_request_id import HttpOptions, add_http_args
+from pagoda.services.gateway.web.api_server_header import ApiServerHeaderMiddleware
 
 DEFAULT_PORT = 8000
 logger = logging.getLogger(__name__)
@@ -61,6 +63,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_serving_args(parser)  # vLLM's: --max-logprobs, --enable-log-requests, ...
     add_uvicorn_args(parser)  # vLLM's: --ssl-*, --root-path, --uvicorn-log-level
     add_lora_args(parser)  # vLLM's --lora-modules; the runtime load/unload switch
+    parser.add_argument("--api-server-count", "-asc", type=int, default=1,
+                        help="vLLM's: gateway processes serving the one port (a parent binds "
+                             "it and hands it to each; one that exits is restarted). Metrics "
+                             "are summed over them; stored responses and runtime-loaded LoRA "
+                             "adapters are shared (api_servers.py).")
+    parser.add_argument("--api-server-pid-file", default=None, metavar="PATH",
+                        help="With --api-server-count > 1: keep {\"parent\": PID, "
+                             "\"api_servers\": {INDEX: PID}} in this file while serving.")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -73,6 +83,12 @@ def main(args: argparse.Namespace) -> int:
     setup_logging("gateway")
     options = ServingOptions.from_args(args)  # a bad --generation-config fails here
     server_kwargs = uvicorn_kwargs(args)
+    inherited = api_servers.child_socket()  # set: this is one of --api-server-count
+    if args.api_server_count < 1:
+        logger.error("--api-server-count must be at least 1, got %d", args.api_server_count)
+        return 2
+    if args.api_server_count > 1 and inherited is None:
+        return _run_api_servers(args, options.shutdown_grace_period)
     grpc_channels.configure_from_args(args)
     tracing.init_tracing("gateway", args.otlp_traces_endpoint)
     schedulers = [a.strip() for a in args.scheduler_addrs.split(",") if a.strip()]
@@ -92,17 +108,37 @@ def main(args: argparse.Namespace) -> int:
                      on_fatal=on_fatal, options=options, loras=registry_from_args(args),
                      prefix_pull=PrefixPullOptions.from_args(args))
     scheme = "https" if "ssl_certfile" in server_kwargs else "http"
-    logger.info("gateway on %s://%s:%d (tokenizer %s, schedulers %s, router %s)", scheme,
-                args.host, args.port, args.tokenizer_addr, ", ".join(schedulers), args.router)
+    logger.info("gateway on %s://%s:%d (tokenizer %s, schedulers %s, router %s)%s", scheme,
+                args.host, args.port, args.tokenizer_addr, ", ".join(schedulers), args.router,
+                f" as api server {inherited[1]}" if inherited else "")
+    if inherited is not None:  # which process answered: X-Pagoda-Api-Server (tests, debugging)
+        app.add_middleware(ApiServerHeaderMiddleware, index=inherited[1])
     # uvicorn handles SIGTERM/SIGINT itself (stop accepting, let in-flight requests and
     # streams finish for up to --shutdown-grace-period, run the lifespan exit), then
     # re-raises the signal to the handler it found: make that one a no-op so a clean
     # shutdown exits 0 instead of dying by the signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    uvicorn.run(app, host=args.host, port=args.port,
-                timeout_graceful_shutdown=options.shutdown_grace_period,
-                limit_concurrency=options.limits.limit_concurrency, **server_kwargs)
+    config = uvicorn.Config(app, host=args.host, port=args.port,
+                            timeout_graceful_shutdown=options.shutdown_grace_period,
+                            limit_concurrency=options.limits.limit_concurrency,
+                            backlog=api_servers.BACKLOG, **server_kwargs)
+    uvicorn.Server(config).run(sockets=[inherited[0]] if inherited else None)
     tracing.shutdown_tracing()
     logger.info("gateway stopped")
     return 1 if fatal else 0
+
+
+def _run_api_servers(args: argparse.Namespace, grace_period: float) -> int:
+    """The parent of --api-server-count N: binds the port, runs N gateways on it."""
+    try:
+        sock = api_servers.bind(args.host, args.port)
+    except OSError as exc:
+        logger.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
+        return 1
+    logger.info("gateway on %s:%d: %d api servers", args.host, args.port,
+                args.api_server_count)
+    parent = api_servers.ApiServers(args.api_server_count, sock, api_servers.child_argv(),
+                                    pid_file=args.api_server_pid_file)
+    # On SIGTERM each API server lets its streams finish (the grace period), then exits.
+    return parent.run(stop_timeout=grace_period + 10.0)

@@ -14,6 +14,8 @@ Invariant: names are unique; each name maps to one `LoRARequest` until unloaded.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 import pagoda.envs as envs
 from pagoda.lora.request import LoRARequest
+from pagoda.services.gateway.shared_state import shared_path
 
 
 
@@ -72,38 +75,90 @@ def runtime_updates_allowed(flag: bool) -> bool:
 
 
 class LoRARegistry:
-    """name -> (LoRARequest, parent model name or None for the base's first name)."""
+    """name -> (LoRARequest, parent model name or None for the base's first name).
+
+    `shared_file` (the API servers of one gateway, shared_state.py): the registry after
+    the last runtime change, kept in that JSON file; every process rereads it when it
+    changed (a stat per lookup), so an adapter loaded through one process is served by
+    all. Changes are serialized by an flock and the file is replaced whole, so a reader
+    never sees half of one. Without it (one process) the registry is this object."""
 
     def __init__(self, modules: list[LoRAModulePath] | None = None,
-                 runtime_updates: bool = False) -> None:
+                 runtime_updates: bool = False, shared_file: str | None = None) -> None:
         self.runtime_updates = runtime_updates
+        self.shared_file = shared_file
+        self._seen: tuple | None = None  # the shared file's (inode, mtime, size) last read
         self._adapters: dict[str, tuple[LoRARequest, str | None]] = {}
         for module in modules or []:
             if module.name in self._adapters:
                 raise ValueError(f"--lora-modules names {module.name!r} twice")
-            self.add(module.name, module.path, module.base_model_name)
+            self._put(module.name, module.path, module.base_model_name)
 
     def get(self, name: str | None) -> LoRARequest | None:
+        self._sync()
         entry = self._adapters.get(name) if name else None
         return entry[0] if entry else None
 
     def __contains__(self, name: object) -> bool:
+        self._sync()
         return name in self._adapters
 
     def __len__(self) -> int:
+        self._sync()
         return len(self._adapters)
 
     def add(self, name: str, path: str, parent: str | None = None) -> LoRARequest:
         """Register (or replace) an adapter; its request."""
+        with self._changing():
+            return self._put(name, path, parent)
+
+    def remove(self, name: str) -> bool:
+        with self._changing():
+            return self._adapters.pop(name, None) is not None
+
+    def items(self) -> list[tuple[LoRARequest, str | None]]:
+        self._sync()
+        return list(self._adapters.values())
+
+    def _put(self, name: str, path: str, parent: str | None) -> LoRARequest:
         lora = LoRARequest(name, adapter_id(name, path), path)
         self._adapters[name] = (lora, parent)
         return lora
 
-    def remove(self, name: str) -> bool:
-        return self._adapters.pop(name, None) is not None
+    def _sync(self) -> None:
+        """Reread the shared file if another process changed it."""
+        if self.shared_file is None:
+            return
+        try:
+            st = os.stat(self.shared_file)
+        except FileNotFoundError:
+            return  # no runtime change yet: every process has the same flags
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if stamp == self._seen:
+            return
+        with open(self.shared_file) as f:
+            entries = json.load(f)
+        self._adapters = {}
+        for name, path, parent in entries:
+            self._put(name, path, parent)
+        self._seen = stamp
 
-    def items(self) -> list[tuple[LoRARequest, str | None]]:
-        return list(self._adapters.values())
+    @contextlib.contextmanager
+    def _changing(self):
+        """Around a runtime change: the latest shared registry in, the result out."""
+        if self.shared_file is None:
+            yield
+            return
+        with open(f"{self.shared_file}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one change at a time, across processes
+            self._sync()
+            yield
+            tmp = f"{self.shared_file}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump([[lora.lora_name, lora.lora_path, parent]
+                           for lora, parent in self._adapters.values()], f)
+            os.replace(tmp, self.shared_file)
+            self._seen = None  # reread (and stamp) our own write on the next lookup
 
 
 def add_lora_args(parser: argparse.ArgumentParser) -> None:
@@ -136,4 +191,5 @@ def lora_flags(args: argparse.Namespace) -> list[str]:
 def registry_from_args(args: argparse.Namespace) -> LoRARegistry:
     return LoRARegistry(getattr(args, "lora_modules", None),
                         runtime_updates_allowed(getattr(args, "allow_runtime_lora_updating",
-                                                        False)))
+                                                        False)),
+                        shared_file=shared_path("lora_adapters.json"))

@@ -33,6 +33,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 import pagoda.tracing as tracing
 from pagoda.metrics.aggregate import render
 from pagoda.services.common.metrics_server import one_per_process
+from pagoda.services.gateway.observability.multiprocess import metrics_registry
 from pagoda.services.gateway.disagg.labels import DISAGG_FALLBACK_KINDS, HANDSHAKE_MISMATCH_FIELDS
 from pagoda.services.gateway.serving_options import route_path
 
@@ -57,7 +58,8 @@ class GatewayMetrics:
             "Seconds from a request's arrival to the last byte of its response.", ["route"],
             buckets=DURATION_BUCKETS, registry=registry)
         self.in_flight = Gauge("pagoda_gateway_requests_in_flight",
-                               "HTTP requests being answered.", ["route"], registry=registry)
+                               "HTTP requests being answered.", ["route"], registry=registry,
+                               multiprocess_mode="livesum")  # over the API servers
         self.rejected = Counter(
             "pagoda_gateway_requests_rejected",
             "Generation requests refused: invalid_request, unauthorized, overloaded (429), "
@@ -98,7 +100,8 @@ class GatewayMetrics:
             "The pulls themselves are pagoda_kv_transfer_*.", ["result"], registry=registry)
         self.peer_up = Gauge("pagoda_metrics_peer_up",
                              "1 if the last scrape of a peer's /metrics through the gateway "
-                             "worked.", ["service", "peer"], registry=registry)
+                             "worked.", ["service", "peer"], registry=registry,
+                             multiprocess_mode="mostrecent")  # the latest scrape, any process
         for reason in set(REJECT_REASONS.values()):
             self.rejected.labels(reason)
         for route in GENERATION_ROUTES:  # series that exist before the first request
@@ -216,7 +219,7 @@ class PeerMetrics:
 
 async def render_cluster_metrics(peers: list[PeerMetrics], client: httpx.AsyncClient,
                                  metrics: GatewayMetrics | None = None,
-                                 registry: CollectorRegistry = REGISTRY) -> bytes:
+                                 registry: CollectorRegistry | None = None) -> bytes:
     """This process's metrics merged with each reachable peer's (fetched concurrently;
     an unreachable peer is left out and marked down in `pagoda_metrics_peer_up`)."""
     metrics = metrics or gateway_metrics()
@@ -232,7 +235,7 @@ async def render_cluster_metrics(peers: list[PeerMetrics], client: httpx.AsyncCl
     texts = await asyncio.gather(*(fetch(p) for p in peers))
     for peer, text in zip(peers, texts):
         metrics.peer_up.labels(peer.service, peer.address).set(0 if text is None else 1)
-    own = generate_latest(registry).decode()
+    own = generate_latest(registry or metrics_registry()).decode()
     if not peers:
         return own.encode()
     sources = [({}, own)] + [({"instance": p.address}, t)

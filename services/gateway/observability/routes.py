@@ -4,7 +4,8 @@
   prefill/decode cluster, a prefill and a decode replica pass their pairing check; else
   503 with `{"status": "not ready", "reason": ...}` (the probes' route: no API key, as
   auth/api_key.py lists);
-* `/metrics`: this gateway's registry, or with `--peer-metrics` the whole local
+* `/metrics`: this gateway's registry (every API server's, summed, under
+  `--api-server-count`: multiprocess.py), or with `--peer-metrics` the whole local
   cluster's (`render_cluster_metrics`, metrics.py), in Prometheus' text format;
 * `/version`: `{"version": pagoda.__version__}`.
 
@@ -16,10 +17,11 @@ from __future__ import annotations
 import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import pagoda
 from pagoda.services.gateway.observability.metrics import PeerMetrics, render_cluster_metrics
+from pagoda.services.gateway.observability.multiprocess import metrics_registry
 
 
 def monitoring_router(peer_metrics: list[PeerMetrics] | None,
@@ -38,7 +40,7 @@ def monitoring_router(peer_metrics: list[PeerMetrics] | None,
     @router.get("/metrics")
     async def metrics() -> Response:
         body = (await render_cluster_metrics(peer_metrics, scraper) if scraper is not None
-                else generate_latest(REGISTRY))
+                else generate_latest(metrics_registry()))
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @router.get("/version")

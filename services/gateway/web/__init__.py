@@ -1,4 +1,6 @@
 """The HTTP layer around every route, whatever API it serves: CORS and `X-Request-Id`
 with their flags (`cors_request_id.py`), and vLLM's small server routes `/ping`,
 `/load`, `/v1/models[/{model}]` with the load counter behind `/load`
-(`server_routes.py`). Who may call is `auth/`; how much a request may ask, `limits/`."""
+(`server_routes.py`), and `X-Pagoda-Api-Server` naming the process that answered under
+`--api-server-count` (`api_server_header.py`). Who may call is `auth/`; how much a
+request may ask, `limits/`."""

@@ -40,8 +40,10 @@ from pagoda.services.gateway.openai.responses_api.models import (ResponsesReques
                                                                  input_messages, output_message,
                                                                  output_text_part, response_object,
                                                                  to_chat_request, usage_object)
+from pagoda.services.gateway.openai.responses_api.shared_store import SharedResponseStore
 from pagoda.services.gateway.openai.responses_api.store import (DEFAULT_MAX_STORED_RESPONSES,
                                                                 ResponseStore, StoredResponse)
+from pagoda.services.gateway.shared_state import shared_path
 from pagoda.services.gateway.state import GatewayState
 
 logger = logging.getLogger(__name__)
@@ -95,12 +97,15 @@ def not_found(response_id: str) -> APIError:
 
 
 def response_store(app: FastAPI) -> ResponseStore:
-    """The app's store, sized by --max-stored-responses on first use."""
+    """The app's store, sized by --max-stored-responses on first use; with
+    --api-server-count > 1, the one every API server shares (shared_state.py)."""
     store = getattr(app.state, "response_store", None)
     if store is None:
         options = app.state.gateway.options
-        store = ResponseStore(getattr(options, "max_stored_responses",
-                                      DEFAULT_MAX_STORED_RESPONSES))
+        capacity = getattr(options, "max_stored_responses", DEFAULT_MAX_STORED_RESPONSES)
+        path = shared_path("responses.sqlite")  # several API servers: one store for all
+        store = (SharedResponseStore(path, capacity) if path and capacity > 0
+                 else ResponseStore(capacity))
         app.state.response_store = store
     return store
 

@@ -5,7 +5,9 @@ dropped first (a lookup counts as a use), so a chain of turns that keeps being
 continued stays while abandoned ones age out. `capacity` 0 stores nothing (each
 request's `store` is then ignored, as vLLM does without its store switch).
 Invariant: `len(store) <= capacity`. Only the event loop touches it, so it needs no
-lock; it is per gateway process (a follow-up must reach the gateway that answered).
+lock; it is per gateway process (a follow-up must reach the gateway that answered),
+except that the API servers of one gateway (`--api-server-count`) share one store
+(shared_store.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,52 @@
+"""The Responses API's store shared by the gateway's API servers (`--api-server-count`):
+the same bounded LRU as store.py, in one SQLite file every process opens.
+
+Invariants: at most `capacity` rows, the least recently used (stored or read) dropped
+first; a response stored by one process is found by every other from the moment its
+`put` returns (each statement commits; WAL lets readers run beside the writer). Rows
+are small JSON (a response and its conversation); each call is one short local
+transaction, cheap beside the generation that produced the response.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+
+from pagoda.services.gateway.openai.responses_api.store import ResponseStore, StoredResponse
+
+
+class SharedResponseStore(ResponseStore):
+    def __init__(self, path: str, capacity: int) -> None:
+        super().__init__(capacity)
+        # One connection per process, used from its event loop thread only.
+        self._db = sqlite3.connect(path, timeout=10.0, isolation_level=None,
+                                   check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, "
+                         "used REAL NOT NULL, item TEXT NOT NULL)")
+        self._db.execute("CREATE INDEX IF NOT EXISTS responses_used ON responses (used)")
+
+    def put(self, response_id: str, item: StoredResponse) -> None:
+        if not self.enabled:
+            return
+        text = json.dumps({"response": item.response, "messages": item.messages})
+        with self._db:  # one transaction: insert, then trim to capacity
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?)",
+                             (response_id, time.time(), text))
+            self._db.execute("DELETE FROM responses WHERE id NOT IN (SELECT id FROM "
+                             "responses ORDER BY used DESC LIMIT ?)", (self.capacity,))
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        row = self._db.execute("SELECT item FROM responses WHERE id = ?",
+                               (response_id,)).fetchone()
+        if row is None:
+            return None
+        self._db.execute("UPDATE responses SET used = ? WHERE id = ?", (time.time(), response_id))
+        data = json.loads(row[0])
+        return StoredResponse(data["response"], data["messages"])
+
+    def __len__(self) -> int:
+        return self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0]
