@@ -283,6 +283,10 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     # vLLM's --enable-lora with --max-loras/--max-lora-rank/--max-cpu-loras (None: no LoRA).
     lora: LoRAConfig | None = None
+    # vLLM's enable_sleep_mode: `sleep`/`wake_up` may free the weights and KV cache.
+    enable_sleep_mode: bool = False
+    # vLLM's weight_transfer_config ({"backend": "gloo" | "nccl"}; None: by device).
+    weight_transfer_config: dict | None = None
 
     @property
     def world_size(self) -> int:

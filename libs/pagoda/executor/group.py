@@ -34,6 +34,7 @@ from __future__ import annotations
 import abc
 import atexit
 import gc
+import json
 import logging
 import time
 from typing import Callable
@@ -45,6 +46,7 @@ from pagoda.distributed.process_group import (GroupInit, brief_error, create_mas
                                               is_peer_loss, joined_ranks, leave_group,
                                               recorded_errors)
 from pagoda.worker.rank_worker import SHUTDOWN, RankWorker, broadcast_call
+from pagoda.worker.worker_ops import callable_name
 from pagoda.executor.base import Executor, InsufficientResources, StepFailed, WorkerGroupFailed
 from pagoda.executor.restart_budget import RestartBudget
 from pagoda.kv_transfer.block_shares import as_bytes, check_block_ids, runner_geometry
@@ -135,6 +137,19 @@ class WorkerGroupExecutor(Executor, abc.ABC):
         """Forget every request on every rank (as `ModelRunner.reset`)."""
         self._run("reset")
         self._sampled = {}
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """Every rank's result in rank order: rank 0's as returned, the others' as JSON
+        brought them (lists for tuples and tensors). Arguments must be JSON values; a
+        callable must be a module-level function (`worker_ops.callable_name`).
+        RuntimeError naming the ranks when any rank raised (the group stays up)."""
+        name = method if isinstance(method, str) else callable_name(method)
+        payload = json.dumps({"args": list(args), "kwargs": kwargs or {}})
+        outcomes = self._run("collective_rpc", name, payload)
+        errors = [f"rank {rank}: {o['error']}" for rank, o in enumerate(outcomes) if "error" in o]
+        if errors:
+            raise RuntimeError(f"collective_rpc({name!r}) failed on " + "; ".join(errors))
+        return [o["ok"] for o in outcomes]
 
     def memory_report(self) -> list[dict[str, int]]:
         """Bytes of parameters and KV cache held by each rank, in rank order."""
