@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -93,7 +93,7 @@ def backend_for(device: str | torch.device) -> str:
 
 
 def join(master_address: str, master_port: int, rank: int, world_size: int, backend: str,
-         is_master: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S):
+         is_master: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S) -> "TransferGroup":
     """One member of the transfer group; blocks until all `world_size` have joined.
     The trainer (rank 0) hosts the store."""
     if backend not in BACKENDS:
@@ -108,14 +108,22 @@ def join(master_address: str, master_port: int, rank: int, world_size: int, back
         group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
     else:
         group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-    group._pagoda_store = store  # the store must outlive the group
-    return group
+    return TransferGroup(group, store)
 
 
-def broadcast(tensor: torch.Tensor, group, src: int = 0) -> torch.Tensor:
+@dataclasses.dataclass
+class TransferGroup:
+    """The trainer's and engine ranks' process group, and the store it was formed on
+    (kept alive with it)."""
+
+    group: Any
+    store: Any
+
+
+def broadcast(tensor: torch.Tensor, group: TransferGroup, src: int = 0) -> torch.Tensor:
     opts = dist.BroadcastOptions()
     opts.rootRank = src
-    group.broadcast([tensor], opts).wait()
+    group.group.broadcast([tensor], opts).wait()
     return tensor
 
 
