@@ -15,6 +15,7 @@ from group_cases import engine_kwargs
 
 from pagoda import LLM, SamplingParams
 from pagoda.distributed import weight_transfer
+from pagoda.executor.base import WorkerGroupFailed
 
 import group_rpc_funcs
 
@@ -84,6 +85,13 @@ def test_group_runs_calls_on_every_rank_sleeps_and_takes_new_weights(
         thread.join(120)
         assert not errors and not thread.is_alive()
         updated = greedy(llm)
+        # A rank that dies now cannot be replaced from the checkpoint: that would
+        # serve the old model. The group fails, saying why.
+        executor = llm.llm_engine.core.executor
+        executor.processes[1].kill()
+        executor.processes[1].wait(10)
+        with pytest.raises(WorkerGroupFailed, match="update_weights"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     finally:
         llm.llm_engine.core.shutdown()
     assert updated != before

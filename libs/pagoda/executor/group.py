@@ -82,6 +82,7 @@ class WorkerGroupExecutor(Executor, abc.ABC):
         self._stopped = False
         self._sampled: dict[str, list[int]] = {}
         self._store = None
+        self.weights_from_trainer = False  # set by update_weights (see _rebuild)
         self.worker: RankWorker | None = None
         try:
             self._place_group(self._device_type)
@@ -145,6 +146,9 @@ class WorkerGroupExecutor(Executor, abc.ABC):
         RuntimeError naming the ranks when any rank raised (the group stays up)."""
         name = method if isinstance(method, str) else callable_name(method)
         payload = json.dumps({"args": list(args), "kwargs": kwargs or {}})
+        if name == "update_weights":
+            # From now on the checkpoint is not this group's weights: no rebuild (below).
+            self.weights_from_trainer = True
         outcomes = self._run("collective_rpc", name, payload)
         errors = [f"rank {rank}: {o['error']}" for rank, o in enumerate(outcomes) if "error" in o]
         if errors:
@@ -224,6 +228,13 @@ class WorkerGroupExecutor(Executor, abc.ABC):
         """Stop the failed group and start a new one, waiting the budget's backoff
         first; a start-up that fails counts as a failure too. Raises the failure
         (final) once the budget is spent."""
+        if self.weights_from_trainer:  # a rebuild would load the old checkpoint, silently
+            self._failure = WorkerGroupFailed(
+                f"{failure}. Not rebuilt: its weights came from update_weights, and a "
+                "group rebuilt from the checkpoint would serve the old model")
+            logger.error("%s", self._failure)
+            self._teardown()
+            raise self._failure from exc
         logger.error("%s; rebuilding the group", failure)
         while True:
             self._stop_group()
