@@ -56,7 +56,7 @@ class SleepState:
             if level == 1:
                 self._host[name] = data if data.device.type == "cpu" else data.to("cpu")
             param.data = torch.empty(0, dtype=data.dtype, device=data.device)
-        del data
+        data = None  # the last parameter's storage: not kept alive here
         self.level, self.asleep = level, set(TAGS)
         _release(runner.device)
 
