@@ -287,6 +287,10 @@ class EngineConfig:
     # vLLM's logits_processors / --logits-processors: custom processor classes or their
     # fully qualified names, built in the worker (`pagoda.sample.logits_processor`).
     logits_processors: tuple = ()
+    # vLLM's enable_sleep_mode: `sleep`/`wake_up` may free the weights and KV cache.
+    enable_sleep_mode: bool = False
+    # vLLM's weight_transfer_config ({"backend": "gloo" | "nccl"}; None: by device).
+    weight_transfer_config: dict | None = None
 
     @property
     def world_size(self) -> int:

@@ -57,6 +57,8 @@ class EngineArgs:
     generation_config: str = "auto"
     override_generation_config: dict | str | None = None
     trust_remote_code: bool = False
+    enable_sleep_mode: bool = False  # offline `LLM` (no serving flag yet)
+    weight_transfer_config: dict | None = None  # {"backend": "gloo" | "nccl"}
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     enable_expert_parallel: bool = False
@@ -285,7 +287,9 @@ class EngineArgs:
             runner=pooling.runner, pooler_config=pooling.pooler_config,
             is_encoder=pooling.is_encoder,
             lora=self._lora_config(),
-            logits_processors=self._logits_processors(pooling.runner))
+            logits_processors=self._logits_processors(pooling.runner),
+            enable_sleep_mode=self.enable_sleep_mode,
+            weight_transfer_config=_weight_transfer_config(self.weight_transfer_config))
 
     def _logits_processors(self, runner: str) -> tuple:
         # lazy: torch, loaded where an engine is built
@@ -407,3 +411,15 @@ def _check_positive(**values: int) -> None:
     for name, value in values.items():
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
+
+
+def _weight_transfer_config(raw) -> dict | None:
+    """vLLM's WeightTransferConfig as a dict (an object with `.backend` too)."""
+    if raw is None:
+        return None
+    raw = raw if isinstance(raw, dict) else {"backend": getattr(raw, "backend", None)}
+    backends = ("gloo", "nccl")
+    if set(raw) != {"backend"} or raw["backend"] not in backends:
+        raise ValueError(f"weight_transfer_config must be {{'backend': one of {backends}}}, "
+                         f"got {raw!r}")
+    return dict(raw)

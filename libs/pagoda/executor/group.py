@@ -34,6 +34,7 @@ from __future__ import annotations
 import abc
 import atexit
 import gc
+import json
 import logging
 import time
 from typing import Callable
@@ -45,6 +46,7 @@ from pagoda.distributed.process_group import (GroupInit, brief_error, create_mas
                                               is_peer_loss, joined_ranks, leave_group,
                                               recorded_errors)
 from pagoda.worker.rank_worker import SHUTDOWN, RankWorker, broadcast_call
+from pagoda.worker.worker_ops import callable_name
 from pagoda.executor.base import Executor, InsufficientResources, StepFailed, WorkerGroupFailed
 from pagoda.executor.restart_budget import RestartBudget
 from pagoda.kv_transfer.block_shares import as_bytes, check_block_ids, runner_geometry
@@ -80,6 +82,7 @@ class WorkerGroupExecutor(Executor, abc.ABC):
         self._stopped = False
         self._sampled: dict[str, list[int]] = {}
         self._store = None
+        self.weights_from_trainer = False  # set by update_weights (see _rebuild)
         self.worker: RankWorker | None = None
         try:
             self._place_group(self._device_type)
@@ -135,6 +138,22 @@ class WorkerGroupExecutor(Executor, abc.ABC):
         """Forget every request on every rank (as `ModelRunner.reset`)."""
         self._run("reset")
         self._sampled = {}
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """Every rank's result in rank order: rank 0's as returned, the others' as JSON
+        brought them (lists for tuples and tensors). Arguments must be JSON values; a
+        callable must be a module-level function (`worker_ops.callable_name`).
+        RuntimeError naming the ranks when any rank raised (the group stays up)."""
+        name = method if isinstance(method, str) else callable_name(method)
+        payload = json.dumps({"args": list(args), "kwargs": kwargs or {}})
+        if name == "update_weights":
+            # From now on the checkpoint is not this group's weights: no rebuild (below).
+            self.weights_from_trainer = True
+        outcomes = self._run("collective_rpc", name, payload)
+        errors = [f"rank {rank}: {o['error']}" for rank, o in enumerate(outcomes) if "error" in o]
+        if errors:
+            raise RuntimeError(f"collective_rpc({name!r}) failed on " + "; ".join(errors))
+        return [o["ok"] for o in outcomes]
 
     def memory_report(self) -> list[dict[str, int]]:
         """Bytes of parameters and KV cache held by each rank, in rank order."""
@@ -209,6 +228,13 @@ class WorkerGroupExecutor(Executor, abc.ABC):
         """Stop the failed group and start a new one, waiting the budget's backoff
         first; a start-up that fails counts as a failure too. Raises the failure
         (final) once the budget is spent."""
+        if self.weights_from_trainer:  # a rebuild would load the old checkpoint, silently
+            self._failure = WorkerGroupFailed(
+                f"{failure}. Not rebuilt: its weights came from update_weights, and a "
+                "group rebuilt from the checkpoint would serve the old model")
+            logger.error("%s", self._failure)
+            self._teardown()
+            raise self._failure from exc
         logger.error("%s; rebuilding the group", failure)
         while True:
             self._stop_group()

@@ -10,6 +10,7 @@ from pagoda.kv_transfer.block_shares import (check_block_ids, read_share, runner
                                              runner_share, write_share)
 from pagoda.messages import ModelRunnerOutput, SchedulerOutput
 from pagoda.worker.model_runner import ModelRunner
+from pagoda.worker.worker_ops import WorkerOps
 
 
 class InProcessExecutor(Executor):
@@ -18,6 +19,10 @@ class InProcessExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self.runner = ModelRunner(config)
         self.runner.load_model()
+        self.ops = WorkerOps(self.runner)
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        return [self.ops.call(method, args, kwargs)]
 
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()

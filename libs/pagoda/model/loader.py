@@ -127,15 +127,7 @@ def load_model(model_path: str, arch: ModelArchConfig, dtype: torch.dtype,
         if quant is not None:
             quantization_methods.unquantize_ignored(model, quant)
     include = model.needs_checkpoint_tensor if parallel and parallel.world_size > 1 else None
-    if is_gguf(model_path):
-        weights = iter_gguf_weights(model_path, arch, include)
-    else:
-        files = local_weight_files(model_path)
-        if files is None:
-            raise FileNotFoundError(f"no model weights at {model_path}: not a folder "
-                                    "or GGUF file that can be read")
-        weights = (iter_pt_weights(model_path, include) if files.format == "pt"
-                   else iter_safetensors_weights(model_path, include))
+    weights = iter_checkpoint_weights(model_path, arch, include)
     if quant is not None:
         weights = quantization_methods.checkpoint_tensors(weights, quant)
     model.load_weights(weights)
@@ -144,6 +136,18 @@ def load_model(model_path: str, arch: ModelArchConfig, dtype: torch.dtype,
                 quantization_methods.weight_bytes(model) / 1024**3,
                 f"{quant.name} quantization" if quant else f"unquantized, {dtype}")
     return model.eval()
+
+
+def iter_checkpoint_weights(model_path: str, arch: ModelArchConfig, include=None):
+    """(HF name, tensor) of every checkpoint tensor `include` accepts (None: all)."""
+    if is_gguf(model_path):
+        return iter_gguf_weights(model_path, arch, include)
+    files = local_weight_files(model_path)
+    if files is None:
+        raise FileNotFoundError(f"no model weights at {model_path}: not a folder "
+                                "or GGUF file that can be read")
+    return (iter_pt_weights(model_path, include) if files.format == "pt"
+            else iter_safetensors_weights(model_path, include))
 
 
 @functools.lru_cache(maxsize=4)

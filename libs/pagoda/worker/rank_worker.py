@@ -16,6 +16,7 @@ of waiting for a timeout, and the driver can report the cause.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -39,6 +40,7 @@ from pagoda.distributed.process_group import (GroupInit, brief_error, configure_
 import pagoda.fault_injection as fault_injection
 from pagoda.parent_death import set_parent_death_signal
 from pagoda.worker.parallel_runner import ParallelModelRunner
+from pagoda.worker.worker_ops import WorkerOps, rpc_outcome
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +49,10 @@ _RESULT_TAG = 7  # control-group tag of the output rank's step result
 # What the driver may ask a follower to run: RankWorker's collective methods. A call's
 # arguments travel typed by the method's own annotations (wire_codec), never pickled.
 CALLS = ("load_model", "determine_num_blocks", "initialize_kv_cache", "reset",
-         "execute_model", "memory_report", "export_kv_blocks", "import_kv_blocks")
+         "execute_model", "memory_report", "export_kv_blocks", "import_kv_blocks",
+         "collective_rpc")
 _KV_TAG = 8  # control-group tag of a rank's share of exported KV blocks
+_RPC_TAG = 9  # control-group tag of a rank's collective_rpc result
 MemoryReport = dict[str, int]
 
 
@@ -67,6 +71,7 @@ class RankWorker:
         self.parallel = handles.parallel
         self.control = handles.control
         self.runner = ParallelModelRunner(config, self.parallel)
+        self.ops = WorkerOps(self.runner, rank)
         # Rank 0 only: the bytes `import_kv_blocks` broadcasts, set by the driver just
         # before the call (KV bytes never travel as a call's typed arguments).
         self.kv_payload: bytes | None = None
@@ -118,6 +123,18 @@ class RankWorker:
         world = self.parallel.world_size
         return [mine] + [recv_object(self.control, r, MemoryReport, _RESULT_TAG)
                          for r in range(1, world)]
+
+    def collective_rpc(self, method: str, payload: str) -> list[dict] | None:
+        """`method` (a worker_ops name or `callable:module:qualname`) with the JSON
+        `payload` {"args", "kwargs"} on every rank. At rank 0: each rank's outcome in
+        rank order, {"ok": result} or {"error": why}. A rank's error never fails the
+        group (it is the caller's): it is reported, the group goes on."""
+        mine = rpc_outcome(self.ops, method, payload, encode=self.rank != 0)
+        if self.rank != 0:
+            send_object(mine, self.control, 0, str, _RPC_TAG)
+            return None
+        return [mine] + [json.loads(recv_object(self.control, r, str, _RPC_TAG))
+                         for r in range(1, self.parallel.world_size)]
 
     def export_kv_blocks(self, block_ids: list[int]) -> bytes | None:
         """At rank 0: whole blocks (pagoda.kv_transfer.block_shares), assembled from
