@@ -233,6 +233,8 @@ class PoolerConfig:
     is_matryoshka: bool = False  # leading dimensions form usable smaller embeddings
     matryoshka_dimensions: tuple[int, ...] = ()  # the sizes it was trained for (empty: any)
     labels: tuple[str, ...] = ()  # a classifier's class names, in output order
+    # Cohere's input_type -> the prefix put before each text (/v2/embed), in order.
+    prompts: tuple[tuple[str, str], ...] = ()
 
     @property
     def supported_tasks(self) -> tuple[str, ...]:

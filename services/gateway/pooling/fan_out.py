@@ -116,10 +116,12 @@ def input_items(value) -> list:
 
 
 async def tokenize_inputs(state: GatewayState, value, truncate: int | None,
-                          add_special_tokens: bool = True) -> list[PoolingInput]:
+                          add_special_tokens: bool = True, truncate_left: bool = False
+                          ) -> list[PoolingInput]:
     """Text, texts, token ids or lists of token ids -> tokenized inputs (the first with
-    its block hashes when routing wants them). 400 for no input, or more than the
-    request limits allow (checked before any is tokenized)."""
+    its block hashes when routing wants them); `truncate_left`: truncation drops a
+    text's beginning. 400 for no input, or more than the request limits allow (checked
+    before any is tokenized)."""
     items = input_items(value)
     state.options.limits.check_prompts(len(items), "input")
     max_length = _max_length(state, truncate)
@@ -130,7 +132,7 @@ async def tokenize_inputs(state: GatewayState, value, truncate: int | None,
             return PoolingInput(list(item)[-max_length:] if max_length else list(item))
         reply = await tokenize(state, tpb.TokenizeRequest(
             prompt=item, add_special_tokens=add_special_tokens, max_length=max_length,
-            block_size=block_size if i == 0 else 0))
+            block_size=block_size if i == 0 else 0, truncate_left=truncate_left))
         return PoolingInput(list(reply.token_ids), None, list(reply.block_hashes) or None)
 
     return list(await asyncio.gather(*(one(item, i) for i, item in enumerate(items))))
