@@ -8,7 +8,8 @@
 `score` pairs 1 -> 1, 1 -> N or N -> N texts. A cross-encoder (a classifier with one
 label) reads each pair as one prompt, tokenized as a text pair (BERT: `[CLS] a [SEP]
 b [SEP]`, token type 1 on b); an embedding model embeds both sides and scores the
-cosine similarity of each pair. Prompts are tokenized here, with
+cosine similarity of each pair; a late-interaction model (ColBERT, task token_embed)
+embeds every token of both sides and scores MaxSim. Prompts are tokenized here, with
 `truncate_prompt_tokens` applied as the tokenizer truncates (special tokens kept);
 a prompt given as token ids keeps its last k tokens.
 """
@@ -23,7 +24,7 @@ from pagoda.entrypoints.prompts import Prompt, as_prompt_list, normalize_prompt
 from pagoda.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput,
                             PoolingRequestOutput, ScoringOutput, ScoringRequestOutput)
 from pagoda.pooling_params import PoolingParams
-from pagoda.score_utils import cosine_similarity, score_pairs, token_type_split
+from pagoda.score_utils import cosine_similarity, maxsim, score_pairs, token_type_split
 
 Params = PoolingParams | Sequence[PoolingParams] | None
 
@@ -71,6 +72,9 @@ class PoolingMethods:
         if pooler.task == "embed":
             return self._embedding_score(left, right, truncate_prompt_tokens, use_tqdm,
                                          pooling_params)
+        if pooler.task == "token_embed":
+            return self._late_interaction_score(left, right, truncate_prompt_tokens, use_tqdm,
+                                                pooling_params, pooler.hidden_size)
         params = [_clone_or_new(pooling_params, "score") for _ in left]
         items = [self._tokenize_pair(a, b, truncate_prompt_tokens, p)
                  for a, b, p in zip(left, right, params)]
@@ -94,6 +98,24 @@ class PoolingMethods:
         for a, b in zip(left, right):
             ea, eb = embedded[a], embedded[b]
             score = cosine_similarity(ea.outputs.embedding, eb.outputs.embedding)
+            results.append(ScoringRequestOutput(f"{ea.request_id}_{eb.request_id}",
+                                                ScoringOutput(score),
+                                                ea.prompt_token_ids + eb.prompt_token_ids))
+        return results
+
+    def _late_interaction_score(self, left: list[str], right: list[str], truncate: int | None,
+                                use_tqdm: bool, params: PoolingParams | None, dim: int
+                                ) -> list[ScoringRequestOutput]:
+        """MaxSim of each (query, document) pair's token embeddings (ColBERT); each
+        distinct text is encoded once."""
+        unique = list(dict.fromkeys(left + right))
+        encoded = dict(zip(unique, self.encode(
+            unique, [_clone_or_new(params, "token_embed") for _ in unique],
+            truncate_prompt_tokens=truncate, use_tqdm=use_tqdm, pooling_task="token_embed")))
+        results = []
+        for a, b in zip(left, right):
+            ea, eb = encoded[a], encoded[b]
+            score = maxsim(ea.outputs.data.tolist(), eb.outputs.data.tolist(), dim)
             results.append(ScoringRequestOutput(f"{ea.request_id}_{eb.request_id}",
                                                 ScoringOutput(score),
                                                 ea.prompt_token_ids + eb.prompt_token_ids))

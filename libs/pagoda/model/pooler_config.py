@@ -121,14 +121,19 @@ def resolve_pooling(model_path: str, arch: ModelArchConfig, runner: str = "auto"
         if convert != "auto":
             raise ValueError("--convert applies to --runner pooling")
         return PoolingSetup("generate")
-    task = "classify" if hasattr(model_cls, "classify") else "embed"
+    task = "classify" if hasattr(model_cls, "classify") else getattr(model_cls, "pooling_task",
+                                                                        "embed")
+    size = model_cls.embedding_size(arch) if hasattr(model_cls, "embedding_size") else None
     pooler = PoolerConfig(
         pooling_type=getattr(model_cls, "default_pooling_type", "LAST"), task=task,
-        hidden_size=arch.hidden_size, labels=_labels(model_dir, arch) if task == "classify" else ())
+        hidden_size=size or arch.hidden_size, labels=_labels(model_dir, arch) if task == "classify" else ())
     if st is not None:
         pooler.pooling_type = st.pooling_type or pooler.pooling_type
         pooler.normalize = st.normalize
     _apply_overrides(pooler, overrides)
+    if (pooler.pooling_type == "ALL") != (task == "token_embed"):
+        raise ValueError("pooling_type ALL is a late-interaction (token_embed) model's, and "
+                         f"only its; this model's task is {task!r}")
     _read_matryoshka(model_dir, pooler)
     pooler.prompts = read_input_type_prompts(model_dir)
     return PoolingSetup("pooling", pooler, st.max_seq_length if st else None,

@@ -58,7 +58,8 @@ class PooledResult:
 
 def pooling_model(state: GatewayState, task: str) -> spb.PoolingModelInfo:
     """The served pooling model's info; a 400 if it cannot do `task` ("score": a
-    cross-encoder or an embedding model; "encode": any pooling model)."""
+    cross-encoder, an embedding model or a late-interaction one; "encode": any
+    pooling model)."""
     info = state.peers.model_info()
     if not info.HasField("pooling"):
         raise APIError(f"The model does not support {API_NAMES[task]}: it generates text "
@@ -66,7 +67,7 @@ def pooling_model(state: GatewayState, task: str) -> spb.PoolingModelInfo:
     pooling = info.pooling
     able = {"encode": True, "embed": pooling.task == "embed",
             "classify": pooling.task == "classify",
-            "score": pooling.task == "embed" or len(pooling.labels) == 1}[task]
+            "score": pooling.task in ("embed", "token_embed") or len(pooling.labels) == 1}[task]
     if not able:
         raise APIError(f"The model does not support {API_NAMES[task]} (its task is "
                        f"{pooling.task!r}).")
