@@ -18,6 +18,10 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from mcp import ClientSession
+from mcp.client.sse import sse_client
+from mcp.client.streamable_http import streamablehttp_client
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -61,11 +65,7 @@ class MCPToolServer:
 
     @asynccontextmanager
     async def _session(self, url: str):
-        from mcp import ClientSession  # imported on use: a gateway without --tool-server
-        if url.rstrip("/").endswith("/sse"):
-            from mcp.client.sse import sse_client as client
-        else:
-            from mcp.client.streamable_http import streamablehttp_client as client
+        client = sse_client if url.rstrip("/").endswith("/sse") else streamablehttp_client
         async with client(url) as streams:
             async with ClientSession(streams[0], streams[1]) as session:
                 init = await session.initialize()
