@@ -38,13 +38,18 @@ class PoolingMethods:
     def encode(self, prompts: Prompt | Sequence[Prompt], pooling_params: Params = None, *,
                truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
                pooling_task: str | None = None) -> list[PoolingRequestOutput]:
-        """The pooled vector of each prompt (`.outputs.data`, a float32 tensor) for
-        `pooling_task` (default: the model's own task)."""
+        """The pooled vector of each prompt (`.outputs.data`, a float32 tensor; for
+        token_embed one row per prompt token) for `pooling_task` (default: the model's
+        own task)."""
         pooler = self._pooler_config("LLM.encode()")
         prompts = as_prompt_list(prompts)
         params = _params_per_prompt(pooling_params, len(prompts), pooling_task or pooler.task)
         items = [self._tokenize(p, truncate_prompt_tokens, q) for p, q in zip(prompts, params)]
-        return self._run_pooling(items, params, use_tqdm)
+        outputs = self._run_pooling(items, params, use_tqdm)
+        if (pooling_task or pooler.task) == "token_embed":  # one row per token, as vLLM's
+            for out in outputs:
+                out.outputs.data = out.outputs.data.reshape(-1, pooler.hidden_size)
+        return outputs
 
     def embed(self, prompts: Prompt | Sequence[Prompt], *,
               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
@@ -115,7 +120,8 @@ class PoolingMethods:
         results = []
         for a, b in zip(left, right):
             ea, eb = encoded[a], encoded[b]
-            score = maxsim(ea.outputs.data.tolist(), eb.outputs.data.tolist(), dim)
+            score = maxsim(ea.outputs.data.reshape(-1).tolist(),
+                           eb.outputs.data.reshape(-1).tolist(), dim)
             results.append(ScoringRequestOutput(f"{ea.request_id}_{eb.request_id}",
                                                 ScoringOutput(score),
                                                 ea.prompt_token_ids + eb.prompt_token_ids))

@@ -69,14 +69,19 @@ async def create_embedding(body: EmbeddingRequest, request: Request):
 async def create_pooling(body: PoolingRequest, request: Request):
     state: GatewayState = request.app.state.gateway
     model = state.check_model(body.model, allow_lora=False)
-    pooling_model(state, "encode")
+    task = pooling_model(state, "encode").task
     inputs = await tokenize_inputs(state, body.input, body.truncate_prompt_tokens,
                                    body.add_special_tokens)
     rid, results, usage = await _run(state, request, "pool", inputs, body.pooling_params(),
                                      body.user)
-    return _list_body(rid, model, [{"index": r.index, "object": "pooling",
-                                    "data": encode_vector(r.data, body.encoding_format)}
-                                   for r in results], usage)
+    data = []
+    for r in results:
+        vector = encode_vector(r.data, body.encoding_format)
+        if task == "token_embed" and body.encoding_format == "float":  # one row per token
+            dim = len(r.data) // len(inputs[r.index].token_ids)
+            vector = [r.data[i:i + dim] for i in range(0, len(r.data), dim)]
+        data.append({"index": r.index, "object": "pooling", "data": vector})
+    return _list_body(rid, model, data, usage)
 
 
 @router.post("/classify")

@@ -59,8 +59,9 @@ def test_llm_score_is_maxsim(colbert_dir):
     # Not a cosine of pooled vectors: the MaxSim sums over the query's tokens.
     assert max(got) > 1.5
     tokens = llm.encode([QUERY], use_tqdm=False)[0]
-    data = tokens.outputs.data.reshape(len(tokens.prompt_token_ids), DIM)
-    assert torch.linalg.norm(data, dim=-1) == pytest.approx([1.0] * len(data), abs=1e-5)
+    data = tokens.outputs.data
+    assert tuple(data.shape) == (len(tokens.prompt_token_ids), DIM)
+    assert torch.linalg.norm(data, dim=-1).tolist() == pytest.approx([1.0] * len(data), abs=1e-5)
 
 
 def test_score_and_rerank_routes_are_maxsim(colbert_dir):
@@ -77,6 +78,10 @@ def test_score_and_rerank_routes_are_maxsim(colbert_dir):
         assert [r["index"] for r in rerank["results"]] == order
         assert [r["relevance_score"] for r in rerank["results"]] == \
             pytest.approx([want[i] for i in order], abs=1e-4)
+        pooled = httpx.post(f"{url}/pooling", json={"input": [QUERY, "paris"]},
+                            timeout=60).json()["data"]
+        assert [len(p["data"][0]) for p in pooled] == [DIM, DIM]
+        assert len(pooled[0]["data"]) > len(pooled[1]["data"])  # one row per token
         refused = httpx.post(f"{url}/v1/embeddings", json={"input": "paris"}, timeout=60)
         assert refused.status_code == 400 and "token_embed" in refused.json()["error"]["message"]
     finally:
