@@ -212,7 +212,7 @@ class StructuredOutputsConfig:
 
 # vLLM's pooling types this engine runs: the last token's hidden state (decoders),
 # the mean over the prompt, or the first token's ([CLS] of an encoder).
-POOLING_TYPES = ("LAST", "MEAN", "CLS")
+POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL")  # ALL: every token (token_embed)
 
 
 @dataclass
@@ -222,7 +222,9 @@ class PoolerConfig:
     (sentence-transformers' modules.json, 1_Pooling/config.json) and `--pooler-config`
     by `pagoda.model.pooler_config`.
 
-    Invariant: `pooling_type` is one of POOLING_TYPES; `task` is "embed" or "classify";
+    Invariant: `pooling_type` is one of POOLING_TYPES; `task` is "embed", "classify" or
+    "token_embed" (a late-interaction model, ColBERT: one embedding per token, each of
+    `hidden_size` values, scored by MaxSim; its pooling type is ALL);
     a classifier has one label name per output (`labels`), an embedding model none.
     """
 
@@ -233,13 +235,15 @@ class PoolerConfig:
     is_matryoshka: bool = False  # leading dimensions form usable smaller embeddings
     matryoshka_dimensions: tuple[int, ...] = ()  # the sizes it was trained for (empty: any)
     labels: tuple[str, ...] = ()  # a classifier's class names, in output order
+    # Cohere's input_type -> the prefix put before each text (/v2/embed), in order.
+    prompts: tuple[tuple[str, str], ...] = ()
 
     @property
     def supported_tasks(self) -> tuple[str, ...]:
         """Tasks a request may name: an embedding model embeds; a classifier classifies,
         and with one output also scores text pairs (a cross-encoder)."""
-        if self.task == "embed":
-            return ("embed",)
+        if self.task in ("embed", "token_embed"):
+            return (self.task,)
         tasks = ("classify", "score") if len(self.labels) == 1 else ("classify",)
         return tasks + ("token_classify",)  # the head on every token (`LLM.reward`)
 

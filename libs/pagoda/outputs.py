@@ -58,7 +58,8 @@ class RequestOutput:
 
 @dataclass
 class PoolingOutput:
-    """The pooled vector of one request, as a 1-D float32 torch tensor."""
+    """The pooled vector of one request, as a 1-D float32 torch tensor ([tokens, dim]
+    for a late-interaction model's token_embed)."""
 
     data: Any  # torch.Tensor (torch is imported only where outputs are made)
 

@@ -22,12 +22,14 @@ if TYPE_CHECKING:
 # The sequence-level tasks a pooling model runs (vLLM's `PoolingTask` without the
 # token-level ones). "score" is a classifier's one-label score of a text pair.
 # "token_classify" (`LLM.reward`) classifies every prompt token: one row of label
-# probabilities per token (vLLM's token reward models).
-POOLING_TASKS = ("embed", "classify", "score", "token_classify")
-TOKEN_TASKS = ("token_classify",)  # tasks whose output has one row per prompt token
+# probabilities per token (vLLM's token reward models). "token_embed": a late-interaction
+# model's per-token embeddings, flattened (token-major).
+POOLING_TASKS = ("embed", "classify", "score", "token_classify", "token_embed")
+TOKEN_TASKS = ("token_classify",)  # classify tasks whose output has one row per prompt token
 # The request fields each task reads (vLLM's `valid_parameters`); the rest must be unset.
 _TASK_FIELDS = {"embed": ("dimensions", "normalize"), "classify": ("use_activation",),
-                "score": ("use_activation",), "token_classify": ("use_activation",)}
+                "score": ("use_activation",), "token_classify": ("use_activation",),
+                "token_embed": ("normalize",)}
 _TASK_SPECIFIC = ("dimensions", "normalize", "use_activation")
 
 # What a pooling request is scheduled with: the prompt and one step, no sampling. Every
@@ -95,7 +97,7 @@ class PoolingParams:
         if wrong:
             raise ValueError(f"Task {task} only supports {list(_TASK_FIELDS[task])} parameters, "
                              f"does not support {wrong} parameters")
-        if task == "embed":
+        if task in ("embed", "token_embed"):
             if self.normalize is None:
                 self.normalize = pooler_config.normalize
             if self.dimensions is not None:

@@ -1,6 +1,7 @@
 """Scoring text pairs, shared by `LLM.score` and the gateway's /score and /rerank
-(vLLM's `score_utils`): how texts pair up, where a pair's second text starts, and the
-cosine similarity an embedding model scores a pair with. Plain Python: no torch."""
+(vLLM's `score_utils`): how texts pair up, where a pair's second text starts, the
+cosine similarity an embedding model scores a pair with, and the MaxSim a
+late-interaction model (ColBERT) scores one with. Plain Python: no torch."""
 
 from __future__ import annotations
 
@@ -36,6 +37,19 @@ def token_type_split(token_type_ids: Sequence[int] | None) -> int | None:
         raise ValueError("Token type ids are expected to be a sequence of zeros followed by "
                          "a sequence of ones")
     return split if split < len(types) else None
+
+
+def maxsim(query: Sequence[float], document: Sequence[float], dim: int) -> float:
+    """ColBERT's late-interaction score (vLLM's `compute_maxsim_score`): for each query
+    token, the largest dot product with any document token, summed over the query
+    tokens. The inputs are token embeddings flattened token-major, `dim` values each
+    (L2-normalised by the model, so each dot product is a cosine)."""
+    if dim < 1 or len(query) % dim or len(document) % dim or not document:
+        raise ValueError(f"Token embeddings of {len(query)} and {len(document)} values do not "
+                         f"split into tokens of {dim}.")
+    q = [query[i:i + dim] for i in range(0, len(query), dim)]
+    d = [document[j:j + dim] for j in range(0, len(document), dim)]
+    return math.fsum(max(math.fsum(x * y for x, y in zip(qt, dt)) for dt in d) for qt in q)
 
 
 def cosine_similarity(a: Sequence[float], b: Sequence[float]) -> float:

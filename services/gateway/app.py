@@ -28,6 +28,7 @@ from pagoda.services.gateway.observability.routes import monitoring_router
 from pagoda.services.gateway.openai import routes as openai_routes
 from pagoda.services.gateway.openai import tokenize_routes
 from pagoda.services.gateway.openai.responses_api import routes as responses_api
+from pagoda.services.gateway.pooling import cohere_embed
 from pagoda.services.gateway.pooling import routes as pooling_routes
 from pagoda.services.gateway.routing.context import RoutingHeaderMiddleware
 from pagoda.services.gateway.routing.peers import Peers
@@ -73,6 +74,7 @@ def build_app(state: GatewayState, make_peers: Callable[[], Peers],
     app.include_router(server_routes.router)  # /ping, /load, /v1/models[/{model}]
     app.add_middleware(server_routes.ServerLoadMiddleware)  # counts authorized requests
     app.include_router(pooling_routes.router)  # embeddings, score, rerank, classify
+    app.include_router(cohere_embed.router)  # /v2/embed
     if state.loras.runtime_updates:  # vLLM serves these only when allowed
         app.include_router(lora_routes.router)  # /v1/load_lora_adapter, /v1/unload_...
 

@@ -86,6 +86,9 @@ class ServingOptions:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # --tool-server host:port,...: MCP servers whose tools the Responses API runs
+    # (openai/responses_api/tool_server.py); None: none.
+    tool_server: str | None = None
     _defaults: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -110,6 +113,7 @@ class ServingOptions:
         options.enable_auto_tool_choice = getattr(args, "enable_auto_tool_choice", False)
         options.tool_call_parser = getattr(args, "tool_call_parser", None)
         options.reasoning_parser = getattr(args, "reasoning_parser", None)
+        options.tool_server = getattr(args, "tool_server", None)
         options.check_parsers()
         return options
 
@@ -189,7 +193,13 @@ def add_serving_args(parser: argparse.ArgumentParser, engine_shared: bool = True
                        help='tool_choice "auto" (the default with tools): --tool-call-parser '
                             "reads the calls out of the answer.")
     group.add_argument("--tool-call-parser", default=None,
-                       help="hermes, llama3_json, mistral or pythonic (the model's format).")
+                       help="The model's tool-call format, vLLM's names: hermes, llama3_json, "
+                            "mistral, pythonic, qwen3_coder, deepseek_v3, granite, kimi_k2, "
+                            "glm45, openai, llama4_pythonic, ...")
+    group.add_argument("--tool-server", default=None,
+                       help="Comma-separated MCP servers (host:port: its SSE endpoint, or a "
+                            "URL) whose tools the Responses API runs for tools of type mcp "
+                            "(needs --enable-auto-tool-choice and --tool-call-parser).")
     group.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="Report prompt_tokens_details.cached_tokens in usage.")
     group.add_argument("--enable-force-include-usage", action="store_true",

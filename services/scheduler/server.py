@@ -135,6 +135,7 @@ def model_info(config, instance_id: str) -> pb.GetModelInfoResponse:
     if config.pooler_config is not None:  # --runner pooling: what the gateway may ask
         info.pooling.task = config.pooler_config.task
         info.pooling.labels.extend(config.pooler_config.labels)
+        info.pooling.prompts.update(dict(config.pooler_config.prompts))
     return info
 
 

@@ -78,6 +78,10 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
                                               **chat_input_from_proto(request.chat))
             # vLLM's chat add_special_tokens (off by default): on top of the template's.
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
+        elif request.truncate_left and request.max_length > 0 and not request.HasField("text_pair"):
+            prompt = request.prompt
+            token_ids = _truncated_left(self.tokenizer, prompt, request.max_length,
+                                        request.add_special_tokens)
         elif request.HasField("text_pair") or request.max_length > 0:
             prompt = request.prompt
             pair = request.text_pair if request.HasField("text_pair") else None
@@ -164,3 +168,16 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
                 text = self._token_strs[token_id] = self.tokenizer.decode([token_id])
             out.append(text)
         return out
+
+
+def _truncated_left(tokenizer, text: str, max_length: int, add_special_tokens: bool) -> list[int]:
+    """`text`'s last tokens, at most `max_length` with the special tokens the tokenizer
+    puts around them (kept, as the tokenizer's own left-side truncation keeps them)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    full = tokenizer.encode(text, add_special_tokens=True) if add_special_tokens else ids
+    # The special tokens are what surrounds the text's own ids in the full encoding.
+    start = next((k for k in range(len(full) - len(ids) + 1)
+                  if full[k:k + len(ids)] == ids), 0)
+    prefix, suffix = full[:start], full[start + len(ids):]
+    room = max(max_length - len(prefix) - len(suffix), 0)
+    return prefix + (ids[len(ids) - room:] if room else []) + suffix

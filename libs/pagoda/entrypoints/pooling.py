@@ -9,7 +9,8 @@
 `score` pairs 1 -> 1, 1 -> N or N -> N texts. A cross-encoder (a classifier with one
 label) reads each pair as one prompt, tokenized as a text pair (BERT: `[CLS] a [SEP]
 b [SEP]`, token type 1 on b); an embedding model embeds both sides and scores the
-cosine similarity of each pair. Prompts are tokenized here, with
+cosine similarity of each pair; a late-interaction model (ColBERT, task token_embed)
+embeds every token of both sides and scores MaxSim. Prompts are tokenized here, with
 `truncate_prompt_tokens` applied as the tokenizer truncates (special tokens kept);
 a prompt given as token ids keeps its last k tokens.
 """
@@ -24,7 +25,7 @@ from pagoda.entrypoints.prompts import Prompt, as_prompt_list, normalize_prompt
 from pagoda.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput,
                             PoolingRequestOutput, ScoringOutput, ScoringRequestOutput)
 from pagoda.pooling_params import PoolingParams
-from pagoda.score_utils import cosine_similarity, score_pairs, token_type_split
+from pagoda.score_utils import cosine_similarity, maxsim, score_pairs, token_type_split
 
 Params = PoolingParams | Sequence[PoolingParams] | None
 
@@ -39,13 +40,18 @@ class PoolingMethods:
     def encode(self, prompts: Prompt | Sequence[Prompt], pooling_params: Params = None, *,
                truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
                pooling_task: str | None = None) -> list[PoolingRequestOutput]:
-        """The pooled vector of each prompt (`.outputs.data`, a float32 tensor) for
-        `pooling_task` (default: the model's own task)."""
+        """The pooled vector of each prompt (`.outputs.data`, a float32 tensor; for
+        token_embed one row per prompt token) for `pooling_task` (default: the model's
+        own task)."""
         pooler = self._pooler_config("LLM.encode()")
         prompts = as_prompt_list(prompts)
         params = _params_per_prompt(pooling_params, len(prompts), pooling_task or pooler.task)
         items = [self._tokenize(p, truncate_prompt_tokens, q) for p, q in zip(prompts, params)]
-        return self._run_pooling(items, params, use_tqdm)
+        outputs = self._run_pooling(items, params, use_tqdm)
+        if (pooling_task or pooler.task) == "token_embed":  # one row per token, as vLLM's
+            for out in outputs:
+                out.outputs.data = out.outputs.data.reshape(-1, pooler.hidden_size)
+        return outputs
 
     def embed(self, prompts: Prompt | Sequence[Prompt], *,
               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
@@ -83,6 +89,9 @@ class PoolingMethods:
         if pooler.task == "embed":
             return self._embedding_score(left, right, truncate_prompt_tokens, use_tqdm,
                                          pooling_params)
+        if pooler.task == "token_embed":
+            return self._late_interaction_score(left, right, truncate_prompt_tokens, use_tqdm,
+                                                pooling_params, pooler.hidden_size)
         params = [_clone_or_new(pooling_params, "score") for _ in left]
         items = [self._tokenize_pair(a, b, truncate_prompt_tokens, p)
                  for a, b, p in zip(left, right, params)]
@@ -106,6 +115,25 @@ class PoolingMethods:
         for a, b in zip(left, right):
             ea, eb = embedded[a], embedded[b]
             score = cosine_similarity(ea.outputs.embedding, eb.outputs.embedding)
+            results.append(ScoringRequestOutput(f"{ea.request_id}_{eb.request_id}",
+                                                ScoringOutput(score),
+                                                ea.prompt_token_ids + eb.prompt_token_ids))
+        return results
+
+    def _late_interaction_score(self, left: list[str], right: list[str], truncate: int | None,
+                                use_tqdm: bool, params: PoolingParams | None, dim: int
+                                ) -> list[ScoringRequestOutput]:
+        """MaxSim of each (query, document) pair's token embeddings (ColBERT); each
+        distinct text is encoded once."""
+        unique = list(dict.fromkeys(left + right))
+        encoded = dict(zip(unique, self.encode(
+            unique, [_clone_or_new(params, "token_embed") for _ in unique],
+            truncate_prompt_tokens=truncate, use_tqdm=use_tqdm, pooling_task="token_embed")))
+        results = []
+        for a, b in zip(left, right):
+            ea, eb = encoded[a], encoded[b]
+            score = maxsim(ea.outputs.data.reshape(-1).tolist(),
+                           eb.outputs.data.reshape(-1).tolist(), dim)
             results.append(ScoringRequestOutput(f"{ea.request_id}_{eb.request_id}",
                                                 ScoringOutput(score),
                                                 ea.prompt_token_ids + eb.prompt_token_ids))

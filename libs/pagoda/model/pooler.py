@@ -5,6 +5,8 @@
        its rows, CLS: its first row)             └─ classify / score: the model's
                                                      `classify` head -> logits, then
                                                      softmax (sigmoid for one label)
+    token_embed (ALL): every row of a request, through the model's `project_tokens`
+      (ColBERT's linear), each L2-normalised, flattened token-major [T * D]
 
 Pooling is computed in float32 whatever the model dtype. MEAN and CLS read every
 row of a request, so they need its whole prompt in the step (the engine gives a
@@ -45,6 +47,7 @@ class Pooler:
         self.classify = getattr(model, "classify", None)
         # The classification head on each token's hidden state (token_classify, `LLM.reward`).
         self.classify_tokens = getattr(model, "classify_tokens", None)
+        self.project_tokens = getattr(model, "project_tokens", None)
         if config.task == "classify" and self.classify is None:
             raise ValueError(f"{type(model).__name__} has no classification head")
 
@@ -57,6 +60,9 @@ class Pooler:
         if self.config.pooling_type != "LAST" and not all(whole for _, _, whole in spans):
             raise ValueError(f"{self.config.pooling_type} pooling needs each prompt whole in "
                              "one step")
+        if self.config.task == "token_embed":
+            return [self._token_embedding(hidden[start:end], p)
+                    for (start, end, _), p in zip(spans, params)]
         pooled = torch.stack([_pool_rows(hidden[start:end], self.config.pooling_type)
                               for start, end, _ in spans])
         if self.config.task == "embed":
@@ -80,6 +86,14 @@ class Pooler:
             logits = self.classify_tokens(hidden[start:end]).float()
             results.append(torch.stack([_activate(row, p) for row in logits]).reshape(-1))
         return results
+
+    def _token_embedding(self, rows: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+        """Every token's embedding (projected when the model projects them, e.g.
+        ColBERT's linear), each L2-normalised if asked, flattened token-major."""
+        if self.project_tokens is not None:
+            rows = self.project_tokens(rows)
+        rows = rows.float()
+        return (F.normalize(rows, dim=-1) if params.normalize else rows).reshape(-1)
 
 
 def _embedding(vector: torch.Tensor, params: PoolingParams) -> torch.Tensor:

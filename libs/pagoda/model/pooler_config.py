@@ -121,15 +121,21 @@ def resolve_pooling(model_path: str, arch: ModelArchConfig, runner: str = "auto"
         if convert != "auto":
             raise ValueError("--convert applies to --runner pooling")
         return PoolingSetup("generate")
-    task = "classify" if hasattr(model_cls, "classify") else "embed"
+    task = "classify" if hasattr(model_cls, "classify") else getattr(model_cls, "pooling_task",
+                                                                        "embed")
+    size = model_cls.embedding_size(arch) if hasattr(model_cls, "embedding_size") else None
     pooler = PoolerConfig(
         pooling_type=getattr(model_cls, "default_pooling_type", "LAST"), task=task,
-        hidden_size=arch.hidden_size, labels=_labels(model_dir, arch) if task == "classify" else ())
+        hidden_size=size or arch.hidden_size, labels=_labels(model_dir, arch) if task == "classify" else ())
     if st is not None:
         pooler.pooling_type = st.pooling_type or pooler.pooling_type
         pooler.normalize = st.normalize
     _apply_overrides(pooler, overrides)
+    if (pooler.pooling_type == "ALL") != (task == "token_embed"):
+        raise ValueError("pooling_type ALL is a late-interaction (token_embed) model's, and "
+                         f"only its; this model's task is {task!r}")
     _read_matryoshka(model_dir, pooler)
+    pooler.prompts = read_input_type_prompts(model_dir)
     return PoolingSetup("pooling", pooler, st.max_seq_length if st else None,
                         getattr(model_cls, "is_encoder", False))
 
@@ -160,6 +166,20 @@ def _read_matryoshka(model_dir: str, pooler: PoolerConfig) -> None:
     dims = config.get("matryoshka_dimensions")
     pooler.is_matryoshka = bool(config.get("is_matryoshka") or dims)
     pooler.matryoshka_dimensions = tuple(int(d) for d in dims or ())
+
+
+def read_input_type_prompts(model_dir: str) -> tuple[tuple[str, str], ...]:
+    """The prefixes a Cohere `input_type` selects (vLLM's sources, first found wins):
+    config.json's `task_instructions`, else config_sentence_transformers.json's
+    `prompts`; string values only."""
+    config = _read_json(os.path.join(model_dir, "config.json")) or {}
+    prompts = config.get("task_instructions")
+    if not isinstance(prompts, dict) or not prompts:
+        st = _read_json(os.path.join(model_dir, "config_sentence_transformers.json")) or {}
+        prompts = st.get("prompts")
+    if not isinstance(prompts, dict):
+        return ()
+    return tuple((str(k), v) for k, v in prompts.items() if isinstance(v, str))
 
 
 def _labels(model_dir: str, arch: ModelArchConfig) -> tuple[str, ...]:

@@ -91,8 +91,8 @@ def plan_tools(body: Any, auto_parser: str | None) -> ToolPlan:
     if choice == "auto":
         if auto_parser is None:
             raise APIError(AUTO_NEEDS_FLAGS, param="tool_choice")
-        return ToolPlan("auto", _SingleCall(get_tool_parser(auto_parser))
-                        if not parallel else get_tool_parser(auto_parser))
+        parser = get_tool_parser(auto_parser, tools)
+        return ToolPlan("auto", _SingleCall(parser) if not parallel else parser)
     if choice == "required":
         try:
             schema = required_schema(tools, parallel)

@@ -58,7 +58,8 @@ class PooledResult:
 
 def pooling_model(state: GatewayState, task: str) -> spb.PoolingModelInfo:
     """The served pooling model's info; a 400 if it cannot do `task` ("score": a
-    cross-encoder or an embedding model; "encode": any pooling model)."""
+    cross-encoder, an embedding model or a late-interaction one; "encode": any
+    pooling model)."""
     info = state.peers.model_info()
     if not info.HasField("pooling"):
         raise APIError(f"The model does not support {API_NAMES[task]}: it generates text "
@@ -66,7 +67,7 @@ def pooling_model(state: GatewayState, task: str) -> spb.PoolingModelInfo:
     pooling = info.pooling
     able = {"encode": True, "embed": pooling.task == "embed",
             "classify": pooling.task == "classify",
-            "score": pooling.task == "embed" or len(pooling.labels) == 1}[task]
+            "score": pooling.task in ("embed", "token_embed") or len(pooling.labels) == 1}[task]
     if not able:
         raise APIError(f"The model does not support {API_NAMES[task]} (its task is "
                        f"{pooling.task!r}).")
@@ -116,10 +117,12 @@ def input_items(value) -> list:
 
 
 async def tokenize_inputs(state: GatewayState, value, truncate: int | None,
-                          add_special_tokens: bool = True) -> list[PoolingInput]:
+                          add_special_tokens: bool = True, truncate_left: bool = False
+                          ) -> list[PoolingInput]:
     """Text, texts, token ids or lists of token ids -> tokenized inputs (the first with
-    its block hashes when routing wants them). 400 for no input, or more than the
-    request limits allow (checked before any is tokenized)."""
+    its block hashes when routing wants them); `truncate_left`: truncation drops a
+    text's beginning. 400 for no input, or more than the request limits allow (checked
+    before any is tokenized)."""
     items = input_items(value)
     state.options.limits.check_prompts(len(items), "input")
     max_length = _max_length(state, truncate)
@@ -130,7 +133,7 @@ async def tokenize_inputs(state: GatewayState, value, truncate: int | None,
             return PoolingInput(list(item)[-max_length:] if max_length else list(item))
         reply = await tokenize(state, tpb.TokenizeRequest(
             prompt=item, add_special_tokens=add_special_tokens, max_length=max_length,
-            block_size=block_size if i == 0 else 0))
+            block_size=block_size if i == 0 else 0, truncate_left=truncate_left))
         return PoolingInput(list(reply.token_ids), None, list(reply.block_hashes) or None)
 
     return list(await asyncio.gather(*(one(item, i) for i, item in enumerate(items))))

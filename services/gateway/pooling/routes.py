@@ -4,7 +4,8 @@ Response shapes are vLLM's (OpenAI's for embeddings). An embedding travels as fl
 or, with `encoding_format: "base64"`, as the base64 of its little-endian float32
 bytes (what the openai client asks for by default and decodes). /score and /rerank
 score pairs with a cross-encoder (a one-label classifier reads each pair as one
-prompt) or, on an embedding model, by the cosine similarity of the two embeddings.
+prompt), on an embedding model by the cosine similarity of the two embeddings, or on
+a late-interaction model (ColBERT) by the MaxSim of the two texts' token embeddings.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from pagoda.pooling_params import PoolingParams
-from pagoda.score_utils import cosine_similarity, score_pairs
+from pagoda.score_utils import cosine_similarity, maxsim, score_pairs
 from pagoda.services.gateway.errors import APIError
 from pagoda.services.gateway.openai.completion_bodies import Usage
 from pagoda.services.gateway.openai.routes import until_disconnected
@@ -68,14 +69,19 @@ async def create_embedding(body: EmbeddingRequest, request: Request):
 async def create_pooling(body: PoolingRequest, request: Request):
     state: GatewayState = request.app.state.gateway
     model = state.check_model(body.model, allow_lora=False)
-    pooling_model(state, "encode")
+    task = pooling_model(state, "encode").task
     inputs = await tokenize_inputs(state, body.input, body.truncate_prompt_tokens,
                                    body.add_special_tokens)
     rid, results, usage = await _run(state, request, "pool", inputs, body.pooling_params(),
                                      body.user)
-    return _list_body(rid, model, [{"index": r.index, "object": "pooling",
-                                    "data": encode_vector(r.data, body.encoding_format)}
-                                   for r in results], usage)
+    data = []
+    for r in results:
+        vector = encode_vector(r.data, body.encoding_format)
+        if task == "token_embed" and body.encoding_format == "float":  # one row per token
+            dim = len(r.data) // len(inputs[r.index].token_ids)
+            vector = [r.data[i:i + dim] for i in range(0, len(r.data), dim)]
+        data.append({"index": r.index, "object": "pooling", "data": vector})
+    return _list_body(rid, model, data, usage)
 
 
 @router.post("/classify")
@@ -98,9 +104,11 @@ async def create_classify(body: ClassificationRequest, request: Request):
 async def _scores(state: GatewayState, request: Request, prefix: str, left: list[str],
                   right: list[str], truncate: int | None, use_activation: bool | None,
                   user: str | None) -> tuple[str, list[float], Usage]:
-    """The score of each pair (left[i], right[i]): a cross-encoder's, or the cosine
-    similarity of an embedding model's embeddings (each distinct text embedded once)."""
-    if pooling_model(state, "score").task == "classify":
+    """The score of each pair (left[i], right[i]): a cross-encoder's, the cosine
+    similarity of an embedding model's embeddings, or the MaxSim of a late-interaction
+    model's token embeddings (each distinct text embedded once)."""
+    task = pooling_model(state, "score").task
+    if task == "classify":
         inputs = await tokenize_pairs(state, left, right, truncate)
         rid, results, usage = await _run(state, request, prefix, inputs,
                                          PoolingParams(task="score", use_activation=use_activation),
@@ -112,8 +120,12 @@ async def _scores(state: GatewayState, request: Request, prefix: str, left: list
     texts = list(dict.fromkeys(left + right))
     inputs = await tokenize_inputs(state, texts, truncate)
     rid, results, usage = await _run(state, request, prefix, inputs,
-                                     PoolingParams(task="embed"), user)
+                                     PoolingParams(task="token_embed" if task == "token_embed"
+                                                   else "embed"), user)
     vectors = {text: r.data for text, r in zip(texts, results)}
+    if task == "token_embed":  # one embedding per token: the size is what each token got
+        dim = len(results[0].data) // len(inputs[0].token_ids)
+        return rid, [maxsim(vectors[a], vectors[b], dim) for a, b in zip(left, right)], usage
     return rid, [cosine_similarity(vectors[a], vectors[b]) for a, b in zip(left, right)], usage
 
 

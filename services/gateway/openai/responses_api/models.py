@@ -61,9 +61,11 @@ class ResponsesRequest(_Body):
             raise APIError("background mode is not supported.", param="background")
         if self.prompt is not None:
             raise APIError("prompt template is not supported", param="prompt")
-        if self.tools:
-            raise APIError("tools are not supported by the Responses API here; use chat "
-                           "completions for tool calling.", param="tools")
+        other = [t for t in self.tools if not isinstance(t, dict) or t.get("type") != "mcp"]
+        if other:
+            raise APIError("tools other than type mcp (run on the gateway's --tool-server) are "
+                           "not supported by the Responses API here; use chat completions "
+                           "for tool calling.", param="tools")
 
     @property
     def wants_logprobs(self) -> bool:
@@ -107,9 +109,10 @@ def conversation(req: ResponsesRequest, history: list[dict[str, Any]]) -> list[d
     return system + history + input_messages(req.input)
 
 
-def to_chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]
-                    ) -> ChatCompletionRequest:
-    """The chat completion that answers `req` (n = 1; its own validation applies)."""
+def to_chat_request(req: ResponsesRequest, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+    """The chat completion that answers `req` (n = 1; its own validation applies);
+    `tools`: chat function tools the model may call (tool_choice auto)."""
     logprobs = req.wants_logprobs
     return ChatCompletionRequest(
         model=req.model, messages=messages, max_completion_tokens=req.max_output_tokens,
@@ -117,7 +120,8 @@ def to_chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]
         user=req.user, cache_salt=req.cache_salt, priority=req.priority,
         skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
         top_logprobs=(req.top_logprobs or 0) if logprobs else None,
-        response_format=response_format(req.text))
+        response_format=response_format(req.text), tools=tools or None,
+        tool_choice="auto" if tools else None)
 
 
 def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -36,11 +36,13 @@ from pagoda.services.gateway.generation.fan_out import Generation, Prompt
 from pagoda.services.gateway.openai import routes as openai_routes
 from pagoda.services.gateway.openai.logprobs import chat_logprobs
 from pagoda.services.gateway.openai.request_models import ChatCompletionRequest
+from pagoda.services.gateway.openai.responses_api.mcp_turn import mcp_entries, respond_with_tools
 from pagoda.services.gateway.openai.responses_api.models import (ResponsesRequest, conversation,
                                                                  input_messages, output_message,
                                                                  output_text_part, response_object,
                                                                  to_chat_request, usage_object)
 from pagoda.services.gateway.openai.responses_api.shared_store import SharedResponseStore
+from pagoda.services.gateway.openai.responses_api.tool_server import MCPToolServer
 from pagoda.services.gateway.openai.responses_api.store import (DEFAULT_MAX_STORED_RESPONSES,
                                                                 ResponseStore, StoredResponse)
 from pagoda.services.gateway.shared_state import shared_path
@@ -66,6 +68,15 @@ async def create_response(body: ResponsesRequest, request: Request):
         if previous is None:
             raise not_found(body.previous_response_id)
         history = previous.messages
+    if mcp_entries(body):  # the gateway runs the tools (--tool-server)
+        response, stored = await respond_with_tools(state, body, model,
+                                                    conversation(body, history), request,
+                                                    tool_server(request.app))
+        if body.store:
+            store.put(response["id"], StoredResponse(
+                response, history + input_messages(body.input) + stored[
+                    len(conversation(body, history)):]))
+        return JSONResponse(response)
     chat = to_chat_request(body, conversation(body, history))
     openai_routes.check_chat_request(state, chat)
     chat.check_common(state.options.max_logprobs)
@@ -94,6 +105,15 @@ async def retrieve_response(response_id: str, request: Request):
 
 def not_found(response_id: str) -> APIError:
     return APIError(f"Response with id '{response_id}' not found.", 404, param="response_id")
+
+
+def tool_server(app: FastAPI) -> MCPToolServer | None:
+    """The app's --tool-server client (None without the flag), made on first use."""
+    server = getattr(app.state, "tool_server", None)
+    entries = getattr(app.state.gateway.options, "tool_server", None)
+    if server is None and entries:
+        server = app.state.tool_server = MCPToolServer(entries.split(","))
+    return server
 
 
 def response_store(app: FastAPI) -> ResponseStore:

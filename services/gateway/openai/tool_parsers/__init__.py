@@ -7,23 +7,38 @@ then constrained by a JSON schema built from the tools, so it always parses.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pagoda.named_classes import named_class
 from pagoda.services.gateway.openai.tool_parsers.base import (CallSoFar, ParsedOutput,
                                                               ToolCallStream, ToolParser,
                                                               tool_call_id)
 
 # Name -> "module:class".
+_M = "pagoda.services.gateway.openai.tool_parsers"
 PARSERS = {
-    "hermes": "pagoda.services.gateway.openai.tool_parsers.hermes:HermesToolParser",
-    "llama3_json": "pagoda.services.gateway.openai.tool_parsers.llama3_json:Llama3JsonToolParser",
-    "mistral": "pagoda.services.gateway.openai.tool_parsers.mistral:MistralToolParser",
-    "pythonic": "pagoda.services.gateway.openai.tool_parsers.pythonic:PythonicToolParser",
+    "deepseek_v3": f"{_M}.deepseek_v3:DeepSeekV3ToolParser",
+    "deepseek_v31": f"{_M}.deepseek_v3:DeepSeekV31ToolParser",
+    "glm45": f"{_M}.glm45:Glm45ToolParser",
+    "glm47": f"{_M}.glm45:Glm45ToolParser",
+    "granite": f"{_M}.granite:GraniteToolParser",
+    "hermes": f"{_M}.hermes:HermesToolParser",
+    "kimi_k2": f"{_M}.kimi_k2:KimiK2ToolParser",
+    "llama3_json": f"{_M}.llama3_json:Llama3JsonToolParser",
+    "llama4_json": f"{_M}.llama3_json:Llama3JsonToolParser",
+    "llama4_pythonic": f"{_M}.llama4_pythonic:Llama4PythonicToolParser",
+    "mistral": f"{_M}.mistral:MistralToolParser",
+    "openai": f"{_M}.openai:GptOssToolParser",
+    "pythonic": f"{_M}.pythonic:PythonicToolParser",
+    "qwen3_coder": f"{_M}.qwen3_coder:Qwen3CoderToolParser",
+    "qwen3_xml": f"{_M}.qwen3_coder:Qwen3CoderToolParser",
 }
 
 
-def get_tool_parser(name: str) -> ToolParser:
-    """The parser called `name`; ValueError listing the known names otherwise."""
-    return named_class("tool-call parser", PARSERS, name)()
+def get_tool_parser(name: str, tools: list[dict[str, Any]] | None = None) -> ToolParser:
+    """The parser called `name` for a request with `tools` (its functions, as
+    `tools.check_tools` returns them); ValueError listing the known names otherwise."""
+    return named_class("tool-call parser", PARSERS, name)(tools)
 
 
 __all__ = ["PARSERS", "CallSoFar", "ParsedOutput", "ToolCallStream", "ToolParser",

@@ -50,6 +50,19 @@ class ToolParser(ABC):
     # The format's markers are special tokens the decoder must keep (vLLM's adjust_request).
     keeps_special_tokens: ClassVar[bool] = False
 
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        # The request's functions ({"name", "parameters"}): formats whose argument values
+        # are bare text (qwen3_coder, glm45) read each parameter's JSON type from them.
+        self.tools = tools or []
+
+    def parameter_types(self, function: str) -> dict[str, Any]:
+        """`function`'s parameters -> their JSON schema `type` (empty if unknown)."""
+        for tool in self.tools:
+            if tool.get("name") == function:
+                props = (tool.get("parameters") or {}).get("properties") or {}
+                return {k: v.get("type") for k, v in props.items() if isinstance(v, dict)}
+        return {}
+
     @abstractmethod
     def parse(self, text: str, final: bool) -> ParsedOutput:
         """Parse the answer so far; `final`: the whole answer (nothing is held back, and a
