@@ -73,7 +73,8 @@ class OutputBuilder:
             self._close("completed")
         self._open = {"kind": kind, "index": len(self.items), "text": ""}
         self.items.append(item)
-        self._emit("response.output_item.added", item=dict(item))
+        self._emit("response.output_item.added", output_index=self._open["index"],
+                   item=dict(item))
 
     def _where(self, content: bool = True) -> dict[str, Any]:
         where = {"item_id": self.items[-1]["id"], "output_index": self._open["index"]}
