@@ -72,10 +72,10 @@ class ResponsesRequest(_Body):
             raise APIError("background mode is not supported.", param="background")
         if self.prompt is not None:
             raise APIError("prompt template is not supported", param="prompt")
-        if self.previous_response_id is not None and not self.previous_response_id.startswith(
-                "resp"):
-            raise APIError(f"Invalid 'previous_response_id': '{self.previous_response_id}'. "
-                           f"Expected an ID that begins with 'resp'.",
+        previous = self.previous_response_id
+        if previous is not None and (not previous.startswith("resp") or len(previous) > 256):
+            raise APIError(f"Invalid 'previous_response_id': '{previous[:256]}'. Expected an "
+                           f"ID that begins with 'resp' (at most 256 characters).",
                            param="previous_response_id")
         for value in self.include or ():
             if value not in INCLUDABLE:

@@ -59,7 +59,10 @@ class OutputBuilder:
 
     def finish(self, status: str) -> None:
         """Close the open item; `status`: "completed" or "incomplete" (the answer hit
-        max_output_tokens)."""
+        max_output_tokens). An answer with no output at all is one empty message, so
+        a response always has an item to read (as OpenAI's and vLLM's do)."""
+        if not self.items:
+            self._text("", [])
         if self._open is not None:
             self._close(status)
 
@@ -99,8 +102,9 @@ class OutputBuilder:
                        **self._where())
         self._open["text"] += text
         self._logprobs += logprobs
-        self._emit("response.output_text.delta", delta=text, logprobs=logprobs,
-                   **self._where())
+        if text:
+            self._emit("response.output_text.delta", delta=text, logprobs=logprobs,
+                       **self._where())
 
     def _call(self, call: dict[str, Any]) -> None:
         function = call.get("function") or {}
