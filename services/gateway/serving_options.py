@@ -42,7 +42,9 @@ from pagoda.generation_config import (default_max_tokens, load_generation_defaul
 from pagoda.json_flag import json_object
 from pagoda.reasoning import get_reasoning_parser
 from pagoda.services.gateway.limits.request_limits import RequestLimits, add_limit_args
-from pagoda.services.gateway.openai.responses_api.store import DEFAULT_MAX_STORED_RESPONSES
+from pagoda.services.gateway.openai.responses_api.store import (DEFAULT_MAX_BYTES,
+                                                                DEFAULT_MAX_STORED_RESPONSES,
+                                                                DEFAULT_TTL_S)
 from pagoda.services.gateway.openai.tool_parsers import get_tool_parser
 
 request_logger = logging.getLogger("pagoda.services.gateway.requests")
@@ -74,6 +76,9 @@ class ServingOptions:
     max_log_len: int | None = None
     # The Responses API's bounded store (openai/responses_api/store.py); 0: `store` is ignored.
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
+    # In the cluster's Redis (through the kv-cache-manager): seconds kept, bytes at most.
+    responses_store_ttl: int = DEFAULT_TTL_S
+    max_stored_response_bytes: int = DEFAULT_MAX_BYTES
     migration_limit: int = DEFAULT_MIGRATION_LIMIT
     shutdown_grace_period: float = DEFAULT_SHUTDOWN_GRACE_S
     trust_request_chat_template: bool = False
@@ -108,6 +113,12 @@ class ServingOptions:
             "--default-chat-template-kwargs") or {}
         if options.max_stored_responses < 0:
             raise ValueError("--max-stored-responses must be 0 or more")
+        options.responses_store_ttl = getattr(args, "responses_store_ttl", DEFAULT_TTL_S)
+        options.max_stored_response_bytes = getattr(args, "max_stored_response_bytes",
+                                                    DEFAULT_MAX_BYTES)
+        if options.responses_store_ttl < 1 or options.max_stored_response_bytes < 1:
+            raise ValueError("--responses-store-ttl and --max-stored-response-bytes must be "
+                             "1 or more")
         if options.generation_config != "auto":  # a folder: fail at start-up, not per request
             options.generation_defaults(None)
         options.enable_auto_tool_choice = getattr(args, "enable_auto_tool_choice", False)
@@ -214,7 +225,14 @@ def add_serving_args(parser: argparse.ArgumentParser, engine_shared: bool = True
                        default=DEFAULT_MAX_STORED_RESPONSES,
                        help="Responses API: most responses kept for previous_response_id and "
                             "GET /v1/responses/{id}, least recently used dropped first (0: "
-                            "store nothing).")
+                            "store nothing). With a kv-cache-manager the responses live in "
+                            "the cluster's Redis instead, shared by every gateway replica.")
+    group.add_argument("--responses-store-ttl", type=int, default=DEFAULT_TTL_S,
+                       help="Responses API: seconds a stored response stays in the cluster's "
+                            "Redis (then previous_response_id and GET find it no more).")
+    group.add_argument("--max-stored-response-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                       help="Responses API: a response whose JSON (with its conversation) is "
+                            "larger is not stored in Redis.")
     group.add_argument("--enable-request-id-headers", action="store_true",
                        help="Always on in Pagoda: every response carries X-Request-Id.")
     group.add_argument("--enable-server-load-tracking", action="store_true",

@@ -5,7 +5,7 @@ Shared (through files in the directory the parent names in `PAGODA_GATEWAY_SHARE
 local to the one host the API servers run on):
   * stored responses (`/v1/responses`' `previous_response_id`, `GET /v1/responses/{id}`):
     a follow-up lands on any process, so the store is one SQLite file
-    (openai/responses_api/shared_store.py), bounded by --max-stored-responses overall;
+    (openai/responses_api/shared_store.py) when there is no kv-cache-manager (else its Redis, shared by every replica), bounded by --max-stored-responses overall;
   * LoRA adapters loaded or unloaded at runtime (`/v1/load_lora_adapter`): one
     process answers the call, every process must serve the name; the registry's
     runtime changes go to a JSON file every process rereads when it changes

@@ -14,6 +14,7 @@ from pagoda.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from pagoda.services.common.protocol.kv_events import kv_event_from_proto
 from pagoda.services.kv_cache_manager.index import IndexReply, PrefixIndex
 from pagoda.services.kv_cache_manager.metrics import KvIndexMetrics
+from pagoda.services.kv_cache_manager.response_store import RedisResponseStore, ResponseStoreError
 from pagoda.services.kv_cache_manager.sequencing import Action, Reason
 
 logger = logging.getLogger(__name__)
@@ -24,9 +25,11 @@ class KvCacheManagerServicer(pb_grpc.KvCacheManagerServiceServicer):
     """Redis errors become UNAVAILABLE: callers degrade (routing falls back to load,
     publishers drop the batch and resync later)."""
 
-    def __init__(self, index: PrefixIndex, metrics: KvIndexMetrics | None = None) -> None:
+    def __init__(self, index: PrefixIndex, metrics: KvIndexMetrics | None = None,
+                 responses: RedisResponseStore | None = None) -> None:
         self.index = index
         self.metrics = metrics
+        self.responses = responses or RedisResponseStore(index.redis)
 
     def PublishKvEvents(self, request: pb.PublishKvEventsRequest, context: grpc.ServicerContext
                         ) -> pb.PublishKvEventsResponse:
@@ -94,6 +97,35 @@ class KvCacheManagerServicer(pb_grpc.KvCacheManagerServiceServicer):
             seconds_since_seen=i.seconds_since_seen, resync_pending=i.resync_pending,
             num_leases=i.num_leases)
             for i in infos])
+
+    # ---------------------------------------------- the gateways' stored responses
+    def PutStoredResponse(self, request: pb.PutStoredResponseRequest,
+                          context: grpc.ServicerContext) -> pb.PutStoredResponseResponse:
+        self._responses("put_response", context, self.responses.put, request.response_id,
+                        request.payload, request.ttl_seconds)
+        return pb.PutStoredResponseResponse()
+
+    def GetStoredResponse(self, request: pb.GetStoredResponseRequest,
+                          context: grpc.ServicerContext) -> pb.GetStoredResponseResponse:
+        payload = self._responses("get_response", context, self.responses.get,
+                                  request.response_id)
+        if payload is None:
+            return pb.GetStoredResponseResponse(found=False)
+        return pb.GetStoredResponseResponse(found=True, payload=payload)
+
+    def DeleteStoredResponse(self, request: pb.DeleteStoredResponseRequest,
+                             context: grpc.ServicerContext) -> pb.DeleteStoredResponseResponse:
+        deleted = self._responses("delete_response", context, self.responses.delete,
+                                  request.response_id)
+        return pb.DeleteStoredResponseResponse(deleted=deleted)
+
+    def _responses(self, operation: str, context: grpc.ServicerContext, call, *args):
+        try:
+            return call(*args)
+        except ResponseStoreError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except redis.RedisError as exc:
+            self._redis_error(operation, context, exc)
 
     def _count(self, reply: IndexReply) -> None:
         if self.metrics is None:

@@ -106,10 +106,10 @@ def test_unknown_or_unstored_previous_responses_are_404(client):
 
 
 def test_what_is_not_served_is_a_400_naming_the_field(gateway):
-    cases = [({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    cases = [({"tools": [{"type": "mcp", "server_label": "x"}]}, "tools"),
              ({"background": True}, "background"),
              ({"input": [{"type": "function_call_output", "call_id": "c", "output": "o"}]},
-              "input"),
+              "input"),  # answers no function call of the conversation
              ({"input": [{"role": "user", "content": [{"type": "input_image",
                                                        "image_url": "x"}]}]}, "input")]
     for extra, param in cases:

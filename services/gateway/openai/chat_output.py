@@ -78,6 +78,13 @@ class ChoiceOutputStream:
         self._tools = ToolCallStream(output.tools) if output.tools is not None else None
 
     @property
+    def in_reasoning(self) -> bool:
+        """Whether the answer so far ends inside the thinking block (the Responses
+        API counts the tokens fed while this holds before and after as reasoning)."""
+        return (self._reasoning is not None
+                and self._reasoning.state == self._reasoning.REASONING)
+
+    @property
     def num_tool_calls(self) -> int:
         return self._tools.num_calls if self._tools is not None else 0
 

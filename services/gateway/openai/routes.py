@@ -93,11 +93,14 @@ class ChatRun:
 
 
 async def start_chat(state: GatewayState, body: ChatCompletionRequest, request: Request,
-                     id_prefix: str = "chatcmpl") -> ChatRun:
+                     id_prefix: str = "chatcmpl", clamp_max_tokens: bool = False) -> ChatRun:
     """Everything the chat route does before generating: every check (a 400/404 as
     APIError), the tokenization and the Generation. Other chat-shaped APIs (the
-    Anthropic Messages API) convert their body to a ChatCompletionRequest and call this,
-    so they validate, sample and route exactly as chat completions do."""
+    Anthropic Messages and OpenAI Responses APIs) convert their body to a
+    ChatCompletionRequest and call this, so they validate, sample and route exactly as
+    chat completions do. `clamp_max_tokens`: a max token count over the room the prompt
+    leaves is lowered to it (the Responses API's max_output_tokens, as vLLM does)
+    instead of refused."""
     model = state.check_model(body.model)
     lora = state.lora_request(model)
     body.check_common(state.options.max_logprobs)
@@ -114,7 +117,11 @@ async def start_chat(state: GatewayState, body: ChatCompletionRequest, request: 
     prompt = Prompt(list(reply.token_ids), reply.prompt, _hashes(reply))
     output.prompt = reply.prompt  # where the template left the thinking block
     await apply_prompt_fields(state, body, [prompt], tokenize)  # truncation, bad words
-    max_tokens = state.fill_defaults(body, body.requested_max_tokens(), [prompt])
+    requested = body.requested_max_tokens()
+    if clamp_max_tokens and requested is not None:
+        room = state.peers.model_info().max_model_len - len(prompt.token_ids)
+        requested = min(requested, room) if room > 0 else requested
+    max_tokens = state.fill_defaults(body, requested, [prompt])
     gen = Generation(state.peers, rid, [prompt], body, max_tokens, "messages", unique,
                      lora_request=lora)
     state.options.on_generation(gen)

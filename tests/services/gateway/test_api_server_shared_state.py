@@ -5,6 +5,7 @@ runtime-loaded LoRA adapters (a JSON file), and the metrics summed over processe
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -14,8 +15,12 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from pagoda.services.gateway.lora.registry import LoRAModulePath, LoRARegistry
-from pagoda.services.gateway.openai.responses_api.shared_store import SharedResponseStore
+from pagoda.services.gateway.openai.responses_api.shared_store import FileResponseStore
 from pagoda.services.gateway.openai.responses_api.store import StoredResponse
+
+
+def run(call):
+    return asyncio.run(call)
 
 
 def item(text: str) -> StoredResponse:
@@ -24,30 +29,30 @@ def item(text: str) -> StoredResponse:
 
 def test_a_response_stored_by_one_process_is_found_by_another(tmp_path):
     path = str(tmp_path / "responses.sqlite")
-    first, second = SharedResponseStore(path, 10), SharedResponseStore(path, 10)
-    first.put("resp_1", item("hello"))
-    found = second.get("resp_1")
+    first, second = FileResponseStore(path, 10), FileResponseStore(path, 10)
+    run(first.put("resp_1", item("hello")))
+    found = run(second.get("resp_1"))
     assert found is not None and found.response["output_text"] == "hello"
     assert found.messages == [{"role": "user", "content": "hello"}]
-    assert second.get("resp_missing") is None
+    assert run(second.get("resp_missing")) is None
 
 
 def test_the_shared_store_keeps_capacity_dropping_the_least_recently_used(tmp_path):
     path = str(tmp_path / "responses.sqlite")
-    first, second = SharedResponseStore(path, 2), SharedResponseStore(path, 2)
-    first.put("a", item("a"))
-    second.put("b", item("b"))
-    assert first.get("a") is not None  # a read counts as a use: b is now the oldest
-    second.put("c", item("c"))
+    first, second = FileResponseStore(path, 2), FileResponseStore(path, 2)
+    run(first.put("a", item("a")))
+    run(second.put("b", item("b")))
+    assert run(first.get("a")) is not None  # a read counts as a use: b is now the oldest
+    run(second.put("c", item("c")))
     assert len(first) == 2
-    assert first.get("b") is None
-    assert second.get("a") is not None and second.get("c") is not None
+    assert run(first.get("b")) is None
+    assert run(second.get("a")) is not None and run(second.get("c")) is not None
 
 
 def test_a_disabled_shared_store_stores_nothing(tmp_path):
-    store = SharedResponseStore(str(tmp_path / "r.sqlite"), 0)
-    store.put("a", item("a"))
-    assert store.get("a") is None
+    store = FileResponseStore(str(tmp_path / "r.sqlite"), 0)
+    run(store.put("a", item("a")))
+    assert run(store.get("a")) is None
 
 
 def test_an_adapter_loaded_through_one_process_is_served_by_all(tmp_path):

@@ -27,8 +27,9 @@ from fastapi import Request
 from pagoda.services.gateway.errors import APIError
 from pagoda.services.gateway.openai import routes as openai_routes
 from pagoda.services.gateway.openai.responses_api.models import (ResponsesRequest,
-                                                                 output_message, response_object,
+                                                                 response_object,
                                                                  to_chat_request, usage_object)
+from pagoda.services.gateway.openai.responses_api.output_items import output_message
 from pagoda.services.gateway.openai.responses_api.tool_server import (MCPToolServer, McpTool,
                                                                       ToolServerError)
 from pagoda.services.gateway.state import GatewayState

@@ -1,11 +1,11 @@
 """The OpenAI Responses API's request and response objects, mapped onto the chat path.
 
-A `ResponsesRequest` becomes chat messages (`conversation`) and a
-`ChatCompletionRequest` (`to_chat_request`), so the Responses API samples, validates and
-routes exactly as chat completions do; only its input and output shapes are its own.
-Fields OpenAI defines but Pagoda cannot honour (tools, background mode, prompt
-templates, non-text input) are refused with a 400 naming them; the rest are echoed
-back in the response object, as OpenAI and vLLM do.
+A `ResponsesRequest` becomes chat messages (`conversation`, input_items.py) and a
+`ChatCompletionRequest` (`to_chat_request`), so the Responses API samples, validates,
+renders its tools and routes exactly as chat completions do; only its input and output
+shapes are its own. Fields OpenAI defines but Pagoda cannot honour (background mode,
+prompt templates, non-function tools, non-text input) are refused with a 400 naming
+them; the rest are echoed back in the response object, as OpenAI and vLLM do.
 """
 
 from __future__ import annotations
@@ -16,12 +16,22 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from pagoda.services.gateway.errors import APIError
-# The gateway's request-body base (extra fields ignored with a warning, no NaN).
 from pagoda.services.gateway.openai.request_models import INT32_MAX, ChatCompletionRequest, _Body
+from pagoda.services.gateway.openai.responses_api.input_items import (chat_tool_choice,
+                                                                      chat_tools, input_messages)
 
 # The `include` entry that asks for the output text's logprobs.
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
-_TEXT_PARTS = {"input_text", "output_text", "text"}
+# OpenAI's `include` values (only the logprobs change what Pagoda returns).
+INCLUDABLE = frozenset({INCLUDE_LOGPROBS, "reasoning.encrypted_content",
+                        "file_search_call.results", "web_search_call.results",
+                        "web_search_call.action.sources", "message.input_image.image_url",
+                        "computer_call_output.output.image_url",
+                        "code_interpreter_call.outputs"})
+REASONING_EFFORTS = frozenset({"none", "minimal", "low", "medium", "high", "xhigh"})
+TEXT_FORMATS = frozenset({"text", "json_schema", "json_object"})
+# OpenAI's metadata limits: 16 pairs, keys up to 64 characters, values up to 512.
+MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
 class ResponsesRequest(_Body):
@@ -56,72 +66,90 @@ class ResponsesRequest(_Body):
     skip_special_tokens: bool = True
 
     def check(self) -> None:
-        """What Pagoda's Responses API does not serve: a 400 naming the field."""
+        """What Pagoda's Responses API does not serve, and malformed fields the chat
+        path does not see: a 400 naming the field."""
         if self.background:
             raise APIError("background mode is not supported.", param="background")
         if self.prompt is not None:
             raise APIError("prompt template is not supported", param="prompt")
-        other = [t for t in self.tools if not isinstance(t, dict) or t.get("type") != "mcp"]
-        if other:
-            raise APIError("tools other than type mcp (run on the gateway's --tool-server) are "
-                           "not supported by the Responses API here; use chat completions "
-                           "for tool calling.", param="tools")
+        previous = self.previous_response_id
+        if previous is not None and (not previous.startswith("resp") or len(previous) > 256):
+            raise APIError(f"Invalid 'previous_response_id': '{previous[:256]}'. Expected an "
+                           f"ID that begins with 'resp' (at most 256 characters).",
+                           param="previous_response_id")
+        for value in self.include or ():
+            if value not in INCLUDABLE:
+                raise APIError(f"include: {value!r} is not one of "
+                               f"{', '.join(sorted(INCLUDABLE))}.", param="include")
+        if len(self.include or ()) > len(INCLUDABLE):
+            raise APIError("include lists a value more than once.", param="include")
+        self._check_metadata()
+        self._check_reasoning()
+        kind = ((self.text or {}).get("format") or {"type": "text"}).get("type")
+        if kind not in TEXT_FORMATS:
+            raise APIError(f"text.format.type must be one of {', '.join(sorted(TEXT_FORMATS))}"
+                           f", got {kind!r}.", param="text")
+
+    def _check_metadata(self) -> None:
+        metadata = self.metadata or {}
+        if len(metadata) > MAX_METADATA:
+            raise APIError(f"metadata has {len(metadata)} keys; at most {MAX_METADATA}.",
+                           param="metadata")
+        for key, value in metadata.items():
+            if len(key) > MAX_METADATA_KEY or not isinstance(value, str) or \
+                    len(value) > MAX_METADATA_VALUE:
+                raise APIError(f"metadata[{key[:MAX_METADATA_KEY]!r}]: keys are strings of up "
+                               f"to {MAX_METADATA_KEY} characters and values strings of up "
+                               f"to {MAX_METADATA_VALUE}.", param="metadata")
+
+    def _check_reasoning(self) -> None:
+        reasoning = self.reasoning or {}
+        unknown = set(reasoning) - {"effort", "summary", "generate_summary"}
+        if unknown:
+            raise APIError(f"reasoning: unknown field(s) {', '.join(sorted(unknown))}.",
+                           param="reasoning")
+        effort = reasoning.get("effort")
+        if effort is not None and effort not in REASONING_EFFORTS:
+            raise APIError(f"reasoning.effort must be one of "
+                           f"{', '.join(sorted(REASONING_EFFORTS))}, got {effort!r}.",
+                           param="reasoning")
 
     @property
     def wants_logprobs(self) -> bool:
         return INCLUDE_LOGPROBS in (self.include or ())
 
 
-def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The request's `input` as chat messages: a string is one user message; a list
-    holds messages (`{"role", "content"}`, with or without `"type": "message"`),
-    whose content is a string or text parts (input_text, output_text)."""
-    if isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    if not value:
-        raise APIError("input must not be empty.", param="input")
-    messages = []
-    for i, item in enumerate(value):
-        kind = item.get("type", "message")
-        if kind != "message":
-            raise APIError(f"input[{i}]: items of type {kind!r} are not supported (only "
-                           f"messages).", param="input")
-        content = item.get("content")
-        if isinstance(content, list):
-            content = "\n".join(_part_text(part, f"input[{i}].content[{j}]")
-                                for j, part in enumerate(content))
-        messages.append({"role": item.get("role"), "content": content})
-    return messages
-
-
-def _part_text(part: Any, where: str) -> str:
-    kind = part.get("type") if isinstance(part, dict) else None
-    if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-        raise APIError(f"{where}: only text parts (input_text, output_text) are supported, "
-                       f"got {kind!r}.", param="input")
-    return part["text"]
-
-
-def conversation(req: ResponsesRequest, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The chat the model answers: the instructions (as a system message), the stored
-    conversation of `previous_response_id`, then this request's input."""
+def conversation(req: ResponsesRequest, history: list[dict[str, Any]]
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the chat the model answers, the conversation a follow-up continues): the
+    instructions (as a system message) lead the first only, since a follow-up does not
+    inherit them (OpenAI's rule); then the stored conversation of
+    `previous_response_id`, then this request's input."""
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    return system + history + input_messages(req.input)
+    turn = history + input_messages(req.input, history)
+    return system + turn, turn
 
 
 def to_chat_request(req: ResponsesRequest, messages: list[dict[str, Any]],
-                    tools: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
-    """The chat completion that answers `req` (n = 1; its own validation applies);
-    `tools`: chat function tools the model may call (tool_choice auto)."""
+                    extra_tools: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+    """The chat completion that answers `req` (n = 1; its own validation applies):
+    its function tools, and `extra_tools` (chat tools of the gateway's --tool-server
+    that the gateway runs itself; tool_choice auto unless the client chose)."""
     logprobs = req.wants_logprobs
+    effort = (req.reasoning or {}).get("effort")
+    function_tools = (chat_tools(req.tools) or []) + (extra_tools or []) or None
     return ChatCompletionRequest(
         model=req.model, messages=messages, max_completion_tokens=req.max_output_tokens,
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, stream=req.stream,
         user=req.user, cache_salt=req.cache_salt, priority=req.priority,
         skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
         top_logprobs=(req.top_logprobs or 0) if logprobs else None,
-        response_format=response_format(req.text), tools=tools or None,
-        tool_choice="auto" if tools else None)
+        response_format=response_format(req.text), tools=function_tools,
+        tool_choice=chat_tool_choice(req.tool_choice, "tool_choice" in req.model_fields_set)
+        or ("auto" if extra_tools else None),
+        parallel_tool_calls=req.parallel_tool_calls,
+        # gpt-oss style templates read the effort (vLLM passes it the same way).
+        chat_template_kwargs={"reasoning_effort": effort} if effort else None)
 
 
 def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -134,19 +162,6 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
         return {"type": "json_schema", "json_schema": {
             k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
     return {"type": kind}
-
-
-# ---------------------------------------------------------------- response objects
-def output_message(message_id: str, text: str, status: str,
-                   logprobs: list[dict] | None = None) -> dict[str, Any]:
-    """The assistant's message item; an in-progress one has no content part yet."""
-    content = [output_text_part(text, logprobs)] if status != "in_progress" else []
-    return {"id": message_id, "type": "message", "status": status, "role": "assistant",
-            "content": content}
-
-
-def output_text_part(text: str, logprobs: list[dict] | None = None) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def response_object(req: ResponsesRequest, response_id: str, model: str, created_at: int,
@@ -169,9 +184,10 @@ def response_object(req: ResponsesRequest, response_id: str, model: str, created
     }
 
 
-def usage_object(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+def usage_object(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+                 reasoning_tokens: int = 0) -> dict:
     return {"input_tokens": prompt_tokens,
             "input_tokens_details": {"cached_tokens": cached_tokens},
             "output_tokens": completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt_tokens + completion_tokens}

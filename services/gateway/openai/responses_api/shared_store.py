@@ -1,5 +1,7 @@
-"""The Responses API's store shared by the gateway's API servers (`--api-server-count`):
-the same bounded LRU as store.py, in one SQLite file every process opens.
+"""The Responses API's store shared by one gateway's API servers (`--api-server-count`)
+when the gateway has no kv-cache-manager (whose Redis store every replica shares,
+store.py): the same bounded LRU as the in-memory store, in one SQLite file every
+process opens.
 
 Invariants: at most `capacity` rows, the least recently used (stored or read) dropped
 first; a response stored by one process is found by every other from the moment its
@@ -14,10 +16,10 @@ import json
 import sqlite3
 import time
 
-from pagoda.services.gateway.openai.responses_api.store import ResponseStore, StoredResponse
+from pagoda.services.gateway.openai.responses_api.store import MemoryResponseStore, StoredResponse
 
 
-class SharedResponseStore(ResponseStore):
+class FileResponseStore(MemoryResponseStore):
     def __init__(self, path: str, capacity: int) -> None:
         super().__init__(capacity)
         # One connection per process, used from its event loop thread only.
@@ -28,7 +30,7 @@ class SharedResponseStore(ResponseStore):
                          "used REAL NOT NULL, item TEXT NOT NULL)")
         self._db.execute("CREATE INDEX IF NOT EXISTS responses_used ON responses (used)")
 
-    def put(self, response_id: str, item: StoredResponse) -> None:
+    async def put(self, response_id: str, item: StoredResponse) -> None:
         if not self.enabled:
             return
         text = json.dumps({"response": item.response, "messages": item.messages})
@@ -39,7 +41,7 @@ class SharedResponseStore(ResponseStore):
             self._db.execute("DELETE FROM responses WHERE id NOT IN (SELECT id FROM "
                              "responses ORDER BY used DESC LIMIT ?)", (self.capacity,))
 
-    def get(self, response_id: str) -> StoredResponse | None:
+    async def get(self, response_id: str) -> StoredResponse | None:
         row = self._db.execute("SELECT item FROM responses WHERE id = ?",
                                (response_id,)).fetchone()
         if row is None:
@@ -47,6 +49,10 @@ class SharedResponseStore(ResponseStore):
         self._db.execute("UPDATE responses SET used = ? WHERE id = ?", (time.time(), response_id))
         data = json.loads(row[0])
         return StoredResponse(data["response"], data["messages"])
+
+    async def delete(self, response_id: str) -> bool:
+        return self._db.execute("DELETE FROM responses WHERE id = ?",
+                                (response_id,)).rowcount > 0
 
     def __len__(self) -> int:
         return self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0]
