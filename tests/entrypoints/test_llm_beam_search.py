@@ -1,0 +1,154 @@
+"""`LLM.beam_search` (vLLM's API) on the tiny random Llama in float32: token for token
+equal to transformers' beam search where the two algorithms agree (pagoda/beam_search.py
+says where), and the beams share the prompt's KV blocks instead of copying them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagoda import LLM, BeamSearchOutput, BeamSearchParams
+
+PROMPTS = ["The quick brown fox jumps over", "Once upon a time, in a land"]
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(model=tiny_llama_dir, dtype="float32", block_size=BLOCK_SIZE, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32)
+    return model.eval()
+
+
+def hf_beams(model, prompt_ids, k, max_tokens, eos, length_penalty, early_stopping):
+    """transformers' k best sequences (prompt included, padding cut) and their scores."""
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = eos if eos is not None else 0
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), num_beams=k, num_return_sequences=k,
+                             do_sample=False, max_new_tokens=max_tokens,
+                             length_penalty=length_penalty, early_stopping=early_stopping,
+                             output_scores=True, return_dict_in_generate=True,
+                             top_k=None, top_p=None, temperature=None)
+    seqs = []
+    for row in out.sequences.tolist():
+        if eos is not None and eos in row[len(prompt_ids):]:
+            row = row[:row.index(eos, len(prompt_ids)) + 1]
+        seqs.append(row)
+    return seqs, out.sequences_scores.tolist()
+
+
+@pytest.mark.parametrize("k,length_penalty,early_stopping", [(2, 1.0, False), (3, 0.5, True),
+                                                              (4, 2.0, "never")])
+def test_equals_transformers_without_eos(llm, hf_model, k, length_penalty, early_stopping):
+    """ignore_eos: no hypothesis ends early, so every length_penalty and early_stopping
+    of transformers gives vLLM's answer; the scores agree too (transformers divides by
+    the generated length, vLLM by the whole length)."""
+    tok = llm.get_tokenizer()
+    params = BeamSearchParams(beam_width=k, max_tokens=7, ignore_eos=True,
+                              length_penalty=length_penalty)
+    outs = llm.beam_search(PROMPTS, params)
+    assert all(isinstance(o, BeamSearchOutput) for o in outs)
+    for prompt, out in zip(PROMPTS, outs):
+        ids = tok.encode(prompt)
+        hf, scores = hf_beams(hf_model, ids, k, 7, None, length_penalty, early_stopping)
+        assert [s.tokens for s in out.sequences] == hf
+        for seq, score in zip(out.sequences, scores):
+            assert seq.cum_logprob == pytest.approx(score * 7 ** length_penalty, abs=1e-3)
+            assert seq.text == tok.decode(seq.tokens)
+        assert len({tuple(s.tokens) for s in out.sequences}) == k
+
+
+@pytest.fixture(scope="module")
+def eos_case(llm, tiny_llama_dir, tmp_path_factory):
+    """A copy of the tiny model whose EOS is a token the search picks early: the third
+    generated token of the second-best beam (so a beam finishes mid-search)."""
+    tok = llm.get_tokenizer()
+    ids = tok.encode(PROMPTS[0])
+    out = llm.beam_search([ids], BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True))
+    eos = out[0].sequences[1].tokens[len(ids) + 2]
+    path = tmp_path_factory.mktemp("tiny_llama_eos")
+    for f in Path(tiny_llama_dir).iterdir():
+        shutil.copy(f, path / f.name)
+    for name in ("config.json", "generation_config.json"):
+        if (path / name).exists():
+            data = json.loads((path / name).read_text())
+            data["eos_token_id"] = eos
+            (path / name).write_text(json.dumps(data))
+    return str(path), ids, eos
+
+
+def test_equals_transformers_canonical_with_eos(eos_case, hf_model):
+    """A beam that ends in EOS: transformers' canonical beam search (early_stopping
+    "never", length_penalty 0) and vLLM's give the same sequences, the finished one
+    included, with equal cumulative logprobs."""
+    path, ids, eos = eos_case
+    llm = LLM(model=path, dtype="float32", block_size=BLOCK_SIZE, max_model_len=256)
+    for k in (2, 3):
+        out = llm.beam_search([ids], BeamSearchParams(beam_width=k, max_tokens=8,
+                                                      length_penalty=0.0))[0]
+        hf, scores = hf_beams(hf_model, ids, k, 8, eos, 0.0, "never")
+        assert [s.tokens for s in out.sequences] == hf
+        assert [s.cum_logprob for s in out.sequences] == pytest.approx(scores, abs=1e-3)
+        finished = [s for s in out.sequences if s.tokens[-1] == eos]
+        assert finished and all(len(s.tokens) < len(ids) + 8 for s in finished)
+
+
+def used_blocks_per_step(llm: LLM):
+    """Wrap the executor: the blocks in use (ref_cnt > 0) when each step runs."""
+    core = llm.llm_engine.core
+    pool = core.scheduler.kv_cache_manager.pool
+    seen: list[int] = []
+    run = core.executor.execute_model
+
+    def counting(plan):
+        seen.append(pool.num_blocks - pool.num_free_blocks)
+        return run(plan)
+
+    core.executor.execute_model = counting
+    return seen
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_beams_share_the_prompt_blocks(tiny_llama_dir, caching):
+    """Width 4 on a 160-token prompt (40 blocks of 4): each step holds the prompt's
+    blocks once, plus each beam's few generated blocks -- not 4 copies of the prompt.
+    Without prefix caching the same search holds a copy per beam (the invariant comes
+    from the cache's ref counts, and this count can tell)."""
+    k, max_tokens = 4, 6
+    llm = LLM(model=tiny_llama_dir, dtype="float32", block_size=BLOCK_SIZE, max_model_len=256,
+              enable_prefix_caching=caching)
+    prompt = [(7 * i) % 1000 + 10 for i in range(160)]
+    seen = used_blocks_per_step(llm)
+    out = llm.beam_search([prompt], BeamSearchParams(beam_width=k, max_tokens=max_tokens,
+                                                     ignore_eos=True))[0]
+    assert len(out.sequences) == k
+    prompt_blocks = len(prompt) // BLOCK_SIZE
+    # Per beam at most its generated tokens' blocks and one partial block.
+    per_beam = -(-max_tokens // BLOCK_SIZE) + 1
+    if caching:
+        assert max(seen) <= prompt_blocks + k * per_beam
+        assert max(seen) < 2 * prompt_blocks
+    else:
+        assert max(seen) >= k * prompt_blocks
+
+
+def test_bad_params_name_the_field(llm):
+    with pytest.raises(ValueError, match="beam_width"):
+        BeamSearchParams(beam_width=0, max_tokens=4)
+    with pytest.raises(ValueError, match="max_tokens"):
+        BeamSearchParams(beam_width=2, max_tokens=0)
+    with pytest.raises(ValueError, match="beam_width"):  # 2 * 11 logprobs > 20
+        llm.beam_search(["hi"], BeamSearchParams(beam_width=11, max_tokens=2))
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.beam_search(["hi"], BeamSearchParams(beam_width=2, max_tokens=300))
