@@ -119,28 +119,35 @@ def used_blocks_per_step(llm: LLM):
     return seen
 
 
-@pytest.mark.parametrize("caching", [True, False])
-def test_beams_share_the_prompt_blocks(tiny_llama_dir, caching):
-    """Width 4 on a 160-token prompt (40 blocks of 4): each step holds the prompt's
-    blocks once, plus each beam's few generated blocks -- not 4 copies of the prompt.
-    Without prefix caching the same search holds a copy per beam (the invariant comes
-    from the cache's ref counts, and this count can tell)."""
-    k, max_tokens = 4, 6
-    llm = LLM(model=tiny_llama_dir, dtype="float32", block_size=BLOCK_SIZE, max_model_len=256,
-              enable_prefix_caching=caching)
-    prompt = [(7 * i) % 1000 + 10 for i in range(160)]
+LONG_PROMPT = [(7 * i) % 1000 + 10 for i in range(160)]  # 40 blocks of 4
+K, MAX_TOKENS = 4, 6
+
+
+def max_used_blocks(llm: LLM) -> int:
     seen = used_blocks_per_step(llm)
-    out = llm.beam_search([prompt], BeamSearchParams(beam_width=k, max_tokens=max_tokens,
-                                                     ignore_eos=True))[0]
-    assert len(out.sequences) == k
-    prompt_blocks = len(prompt) // BLOCK_SIZE
-    # Per beam at most its generated tokens' blocks and one partial block.
-    per_beam = -(-max_tokens // BLOCK_SIZE) + 1
-    if caching:
-        assert max(seen) <= prompt_blocks + k * per_beam
-        assert max(seen) < 2 * prompt_blocks
-    else:
-        assert max(seen) >= k * prompt_blocks
+    out = llm.beam_search([LONG_PROMPT], BeamSearchParams(beam_width=K, max_tokens=MAX_TOKENS,
+                                                          ignore_eos=True))[0]
+    assert len(out.sequences) == K
+    return max(seen)
+
+
+def test_beams_share_the_prompt_blocks(llm):
+    """Width 4 on a 160-token prompt: each step holds the prompt's 40 blocks once, plus
+    per beam at most its generated tokens' blocks and one partial block -- not 4 copies
+    of the prompt (the invariant in pagoda/beam_search.py)."""
+    prompt_blocks = len(LONG_PROMPT) // BLOCK_SIZE
+    per_beam = -(-MAX_TOKENS // BLOCK_SIZE) + 1
+    used = max_used_blocks(llm)
+    assert prompt_blocks <= used <= prompt_blocks + K * per_beam
+
+
+@pytest.mark.slow
+def test_without_prefix_caching_each_beam_holds_a_copy(tiny_llama_dir):
+    """The contrast that shows the count above can fail: the sharing is the prefix
+    cache's ref counting, and without it every beam holds the prompt's blocks."""
+    llm = LLM(model=tiny_llama_dir, dtype="float32", block_size=BLOCK_SIZE, max_model_len=256,
+              enable_prefix_caching=False)
+    assert max_used_blocks(llm) >= K * (len(LONG_PROMPT) // BLOCK_SIZE)
 
 
 def test_bad_params_name_the_field(llm):
