@@ -105,14 +105,16 @@ def test_equals_transformers_canonical_with_eos(eos_case, hf_model):
 
 
 def used_blocks_per_step(llm: LLM):
-    """Wrap the executor: the blocks in use (ref_cnt > 0) when each step runs."""
+    """Wrap the executor: (blocks in use (ref_cnt > 0), the most references one block
+    has) when each step runs."""
     core = llm.llm_engine.core
     pool = core.scheduler.kv_cache_manager.pool
-    seen: list[int] = []
+    seen: list[tuple[int, int]] = []
     run = core.executor.execute_model
 
     def counting(plan):
-        seen.append(pool.num_blocks - pool.num_free_blocks)
+        seen.append((pool.num_blocks - pool.num_free_blocks,
+                     max(b.ref_cnt for b in pool.blocks)))
         return run(plan)
 
     core.executor.execute_model = counting
@@ -128,7 +130,7 @@ def max_used_blocks(llm: LLM) -> int:
     out = llm.beam_search([LONG_PROMPT], BeamSearchParams(beam_width=K, max_tokens=MAX_TOKENS,
                                                           ignore_eos=True))[0]
     assert len(out.sequences) == K
-    return max(seen)
+    return max(used for used, _ in seen), max(refs for _, refs in seen)
 
 
 def test_beams_share_the_prompt_blocks(llm):
@@ -137,8 +139,9 @@ def test_beams_share_the_prompt_blocks(llm):
     of the prompt (the invariant in pagoda/beam_search.py)."""
     prompt_blocks = len(LONG_PROMPT) // BLOCK_SIZE
     per_beam = -(-MAX_TOKENS // BLOCK_SIZE) + 1
-    used = max_used_blocks(llm)
+    used, refs = max_used_blocks(llm)
     assert prompt_blocks <= used <= prompt_blocks + K * per_beam
+    assert refs == K  # a prompt block is referenced by every beam, not copied
 
 
 @pytest.mark.slow
@@ -147,7 +150,8 @@ def test_without_prefix_caching_each_beam_holds_a_copy(tiny_llama_dir):
     cache's ref counting, and without it every beam holds the prompt's blocks."""
     llm = LLM(model=tiny_llama_dir, dtype="float32", block_size=BLOCK_SIZE, max_model_len=256,
               enable_prefix_caching=False)
-    assert max_used_blocks(llm) >= K * (len(LONG_PROMPT) // BLOCK_SIZE)
+    used, refs = max_used_blocks(llm)
+    assert used >= K * (len(LONG_PROMPT) // BLOCK_SIZE) and refs == 1
 
 
 def test_bad_params_name_the_field(llm):
