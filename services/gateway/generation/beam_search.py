@@ -105,9 +105,9 @@ class BeamGeneration:
                      for j, beam in enumerate(inst.beams)]
             if not beams:
                 break
-            rows = await asyncio.gather(*(
-                _candidates(replica, self._step_request(beam.tokens, f"{i}-{step}-{j}"))
-                for i, j, beam in beams))
+            rows = await _all(_candidates(replica, self._step_request(beam.tokens,
+                                                                      f"{i}-{step}-{j}"))
+                              for i, j, beam in beams)
             if step == 0:
                 cached = rows[0][1]
             for i, inst in enumerate(instances):
@@ -133,6 +133,18 @@ class BeamGeneration:
         except grpc.RpcError as exc:
             raise from_grpc_error(exc, "tokenizer") from None
         return reply.text
+
+
+async def _all(coroutines) -> list:
+    """Their results in order; the first failure cancels the rest (their streams close,
+    so the replica aborts those step requests) and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _candidates(replica, request: EngineCoreRequest) -> tuple[dict[int, float], int]:
