@@ -151,15 +151,20 @@ async def _candidates(replica, request: EngineCoreRequest) -> tuple[dict[int, fl
     """One beam's step: (its next-token candidates, token id -> logprob; the prompt's
     cached tokens on the replica)."""
     stream = replica.generate(request)
+    found = None
     try:
+        # Read to the end (the finish follows the token at once): the request finishes
+        # on the replica instead of being aborted under its last write.
         async for out in stream:
-            if out.new_logprobs is not None and out.new_logprobs.token_ids:
+            if found is None and out.new_logprobs is not None and out.new_logprobs.token_ids:
                 row = out.new_logprobs
-                return dict(zip(row.token_ids[0], row.logprobs[0])), out.num_cached_tokens
+                found = dict(zip(row.token_ids[0], row.logprobs[0])), out.num_cached_tokens
             if out.finished:
                 break
     except grpc.RpcError as exc:
         raise from_grpc_error(exc, "scheduler") from None
     finally:
         await stream.aclose()
-    raise APIError("The scheduler ended a beam search step without its logprobs.", 500)
+    if found is None:
+        raise APIError("The scheduler ended a beam search step without its logprobs.", 500)
+    return found
