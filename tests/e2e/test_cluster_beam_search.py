@@ -25,8 +25,11 @@ def client(plain_tiny_cluster):
 
 @pytest.fixture(scope="module")
 def offline(tiny_llama_dir):
-    """The cluster's model and shape (shared_clusters.PLAIN_TINY_FLAGS) in one process."""
-    return LLM(model=tiny_llama_dir, dtype="float32", max_model_len=1024, block_size=16)
+    """The cluster's model and shape (shared_clusters.PLAIN_TINY_FLAGS) in one process,
+    with a small KV cache (the default takes a share of this machine's memory, which the
+    cluster's processes need too)."""
+    return LLM(model=tiny_llama_dir, dtype="float32", max_model_len=1024, block_size=16,
+               num_gpu_blocks_override=512)
 
 
 def offline_texts(llm: LLM, prompt_ids: list[int], k: int, max_tokens: int, **kwargs) -> list:

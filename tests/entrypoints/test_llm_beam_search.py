@@ -15,11 +15,13 @@ from pagoda import LLM, BeamSearchOutput, BeamSearchParams
 
 PROMPTS = ["The quick brown fox jumps over", "Once upon a time, in a land"]
 BLOCK_SIZE = 4
+NUM_BLOCKS = 1024  # a small KV cache: plenty for these searches, light on the machine
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return LLM(model=tiny_llama_dir, dtype="float32", block_size=BLOCK_SIZE, max_model_len=256)
+    return LLM(model=tiny_llama_dir, dtype="float32", block_size=BLOCK_SIZE, max_model_len=256,
+              num_gpu_blocks_override=NUM_BLOCKS)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +95,8 @@ def test_equals_transformers_canonical_with_eos(eos_case, hf_model):
     "never", length_penalty 0) and vLLM's give the same sequences, the finished one
     included, with equal cumulative logprobs."""
     path, ids, eos = eos_case
-    llm = LLM(model=path, dtype="float32", block_size=BLOCK_SIZE, max_model_len=256)
+    llm = LLM(model=path, dtype="float32", block_size=BLOCK_SIZE, max_model_len=256,
+              num_gpu_blocks_override=NUM_BLOCKS)
     for k in (2, 3):
         out = llm.beam_search([ids], BeamSearchParams(beam_width=k, max_tokens=8,
                                                       length_penalty=0.0))[0]
@@ -149,6 +152,7 @@ def test_without_prefix_caching_each_beam_holds_a_copy(tiny_llama_dir):
     """The contrast that shows the count above can fail: the sharing is the prefix
     cache's ref counting, and without it every beam holds the prompt's blocks."""
     llm = LLM(model=tiny_llama_dir, dtype="float32", block_size=BLOCK_SIZE, max_model_len=256,
+              num_gpu_blocks_override=NUM_BLOCKS,
               enable_prefix_caching=False)
     used, refs = max_used_blocks(llm)
     assert used >= K * (len(LONG_PROMPT) // BLOCK_SIZE) and refs == 1
