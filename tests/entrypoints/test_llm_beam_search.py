@@ -147,7 +147,6 @@ def test_beams_share_the_prompt_blocks(llm):
     assert refs == K  # a prompt block is referenced by every beam, not copied
 
 
-@pytest.mark.slow
 def test_without_prefix_caching_each_beam_holds_a_copy(tiny_llama_dir):
     """The contrast that shows the count above can fail: the sharing is the prefix
     cache's ref counting, and without it every beam holds the prompt's blocks."""
