@@ -26,6 +26,7 @@ if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     else:
         os.environ["GOMP_SPINCOUNT"] = "100000"
 
+from pagoda.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagoda.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput,
                             EmbeddingOutput, EmbeddingRequestOutput, Logprob, PoolingOutput,
                             PoolingRequestOutput, RequestOutput, ScoringOutput,
@@ -37,7 +38,8 @@ from pagoda.sampling_params import SamplingParams
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
            "PoolingParams", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",
            "EmbeddingRequestOutput", "ClassificationOutput", "ClassificationRequestOutput",
-           "ScoringOutput", "ScoringRequestOutput", "LoRARequest"]
+           "ScoringOutput", "ScoringRequestOutput", "LoRARequest", "BeamSearchParams",
+           "BeamSearchOutput", "BeamSearchSequence"]
 __version__ = "0.1.0"
 
 

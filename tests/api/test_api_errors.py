@@ -84,7 +84,14 @@ def test_out_of_range_parameters_are_400_naming_the_field(gateway, field, value)
     ({"model": MODEL, "prompt": "Hi\ud800"}, None),
     ({"model": MODEL, "prompt": "Hi", "stop": "\udfff"}, "stop"),
     # Not silently ignored: the answer without them would differ from what was asked.
-    ({"model": MODEL, "prompt": "Hi", "use_beam_search": True}, "use_beam_search"),
+    # Beam search (n is the beam width): what it cannot honour is named, never ignored.
+    ({"model": MODEL, "prompt": "Hi", "use_beam_search": True, "n": 0}, "n"),
+    ({"model": MODEL, "prompt": "Hi", "use_beam_search": True, "n": 11}, "n"),
+    ({"model": MODEL, "prompt": "Hi", "use_beam_search": True, "n": 2, "best_of": 3}, "best_of"),
+    ({"model": MODEL, "prompt": "Hi", "use_beam_search": True, "logprobs": 2}, "logprobs"),
+    ({"model": MODEL, "prompt": "Hi", "use_beam_search": True, "top_p": 0.5}, "top_p"),
+    ({"model": MODEL, "prompt": "Hi", "use_beam_search": True, "temperature": -1},
+     "temperature"),
     ({"model": MODEL, "prompt": "Hi", "best_of": 3}, "best_of"),
     ({"model": MODEL, "prompt": "Hi", "n": 2, "best_of": 4}, "best_of"),
 ])
@@ -114,7 +121,8 @@ def test_bad_completion_bodies_are_400(gateway, body, param):
      "response_format"),
     ({"model": MODEL, "messages": HELLO, "tool_choice": "required"}, "tool_choice"),
     ({"model": MODEL, "messages": HELLO, "max_completion_tokens": 0}, "max_tokens"),
-    ({"model": MODEL, "messages": HELLO, "use_beam_search": True}, "use_beam_search"),
+    ({"model": MODEL, "messages": HELLO, "use_beam_search": True, "stop": ["x"]}, "stop"),
+    ({"model": MODEL, "messages": HELLO, "use_beam_search": True, "n": 11}, "n"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
 ])
 def test_bad_chat_bodies_are_400(gateway, body, param):

@@ -6,8 +6,10 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
+from pagoda.beam_search import BeamSearchOutput, BeamSearchParams
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.entrypoints.beam_search import run_beam_search
 from pagoda.entrypoints.enqueue import QueueMethods
 from pagoda.entrypoints.llm_control import ControlMethods
 from pagoda.entrypoints.pooling import PoolingMethods
@@ -69,6 +71,14 @@ class LLM(PoolingMethods, QueueMethods, ControlMethods):
         `enable_lora=True`)."""
         items = [normalize_prompt(p) for p in as_prompt_list(prompts)]
         return self._run(items, sampling_params, use_tqdm, priority, lora_request)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                    use_tqdm: bool = False, concurrency_limit: int | None = None,
+                    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search: the best `params.beam_width` sequences (prompt tokens
+        included) of each prompt, best first (entrypoints/beam_search.py)."""
+        return run_beam_search(self, prompts, params, lora_request, use_tqdm, concurrency_limit)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -20,6 +20,7 @@ from pagoda.config import DEFAULT_MAX_LOGPROBS
 from pagoda.request_checks import MAX_LOGIT_BIAS, check_allowed_token_ids, check_logit_bias
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.services.gateway.errors import APIError
+from pagoda.services.gateway.openai.beam_fields import check_beam_search
 from pagoda.services.gateway.openai.structured_outputs import request_structured_outputs
 from pagoda.services.gateway.openai.tools import forced_constraint
 
@@ -105,10 +106,11 @@ class SamplingFields(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # vLLM's beam search and best_of: Pagoda samples each of the n choices on its own,
-    # so either one asked for is refused (check_common), never silently ignored.
+    # vLLM's beam search (beam_fields.py: n is the beam width) and best_of (only equal
+    # to n: each of the n sampled choices is sampled on its own).
     use_beam_search: bool = False
     best_of: Annotated[int, Field(le=INT32_MAX)] | None = None
+    length_penalty: float = 1.0
     # vLLM's: free-form arguments for the custom logits processors (--logits-processors),
     # which read them as SamplingParams.extra_args.
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
@@ -128,6 +130,8 @@ class SamplingFields(_Body):
         the gateway's --max-logprobs (-1: no limit)."""
         if not 1 <= self.n <= MAX_N:
             raise APIError(f"n must be between 1 and {MAX_N}, got {self.n}.", param="n")
+        if self.use_beam_search:
+            check_beam_search(self, max_logprobs)
         self._refuse_unsupported_search()
         if self.stream_options is not None and not self.stream:
             raise APIError("Stream options can only be defined when `stream=True`.",
@@ -150,11 +154,8 @@ class SamplingFields(_Body):
         self.structured_output_params()
 
     def _refuse_unsupported_search(self) -> None:
-        """Beam search, and best_of beyond n, would change which answers come back:
-        a 400 naming the field, since the answer without them would differ."""
-        if self.use_beam_search:
-            raise APIError("Beam search (use_beam_search) is not supported by Pagoda; "
-                           "use n and temperature sampling instead.", param="use_beam_search")
+        """best_of beyond n would change which answers come back: a 400 naming the
+        field, since the answer without it would differ."""
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(f"best_of ({self.best_of}) different from n ({self.n}) is not "
                            f"supported by Pagoda: each of the n choices is sampled on its "

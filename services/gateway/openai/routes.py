@@ -16,6 +16,7 @@ from pagoda.reasoning import get_reasoning_parser
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
 from pagoda.services.common.protocol.tokenizer import chat_input_to_proto
 from pagoda.services.gateway.errors import APIError, from_grpc_error, internal_error_message
+from pagoda.services.gateway.generation.beam_search import BeamGeneration
 from pagoda.services.gateway.generation.fan_out import Generation, Prompt, new_request_id
 from pagoda.services.gateway.openai.chat_output import ChatOutput
 from pagoda.services.gateway.openai.completion_bodies import (DONE, ChoiceText, LogprobsFormat,
@@ -52,7 +53,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         await fill_prompt_texts(state, prompts, body.skip_special_tokens)
     rid, unique = _request_id(request, "cmpl")
     max_tokens = state.fill_defaults(body, body.max_tokens, prompts)  # --generation-config
-    gen = Generation(state.peers, rid, prompts, body, max_tokens, "prompt", unique,
+    gen = _generation(body)(state.peers, rid, prompts, body, max_tokens, "prompt", unique,
                      echo_only=body.echo and body.max_tokens == 0, lora_request=lora)
     state.options.on_generation(gen)  # usage details, request log
     head = ResponseHeader(gen.request_id, model)
@@ -122,10 +123,15 @@ async def start_chat(state: GatewayState, body: ChatCompletionRequest, request: 
         room = state.peers.model_info().max_model_len - len(prompt.token_ids)
         requested = min(requested, room) if room > 0 else requested
     max_tokens = state.fill_defaults(body, requested, [prompt])
-    gen = Generation(state.peers, rid, [prompt], body, max_tokens, "messages", unique,
+    gen = _generation(body)(state.peers, rid, [prompt], body, max_tokens, "messages", unique,
                      lora_request=lora)
     state.options.on_generation(gen)
     return ChatRun(gen, output, model, messages)
+
+
+def _generation(body: SamplingFields) -> type[Generation] | type[BeamGeneration]:
+    """Sampled choices, or vLLM's beam search (generation/beam_search.py)."""
+    return BeamGeneration if body.use_beam_search else Generation
 
 
 def chat_output(state: GatewayState, body: ChatCompletionRequest) -> ChatOutput:
