@@ -109,6 +109,11 @@ class SamplingFields(_Body):
     # so either one asked for is refused (check_common), never silently ignored.
     use_beam_search: bool = False
     best_of: Annotated[int, Field(le=INT32_MAX)] | None = None
+    # vLLM's: at most N reasoning tokens (-1: no budget), the replica's --reasoning-config
+    # naming the markers; and early stop of a looping answer (finish_reason
+    # "repetition"; unknown keys of the object are refused by name).
+    thinking_token_budget: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    repetition_detection: dict[str, Any] | None = None
 
     # ------------------------------------------------------------ per-API answers
     def num_logprobs(self) -> int | None:
@@ -312,4 +317,5 @@ def _library_rule(check, *args, param: str) -> None:
 def _param_of(message: str) -> str | None:
     """The SamplingParams field a validation message names (its first word)."""
     first = message.split(" ", 1)[0].rstrip(":")
-    return first if first.isidentifier() else None
+    # a nested field ("repetition_detection.min_count") is named whole
+    return first if all(part.isidentifier() for part in first.split(".")) else None
