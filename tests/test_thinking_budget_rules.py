@@ -89,3 +89,22 @@ def test_both_fields_cross_the_wire():
 ])
 def test_check_sequence_repetition(tokens, params, found):
     assert check_sequence_repetition(tokens, params) is found
+
+
+def test_drafts_are_cut_where_the_budget_forces_the_end_marker():
+    from types import SimpleNamespace
+
+    from pagoda.spec_decode.budget_cut import ThinkingBudgetDrafts
+
+    hook = ThinkingBudgetDrafts(ReasoningConfig(think_start_token_ids=S, think_end_token_ids=E))
+
+    def cut(tokens, budget, drafts):
+        request = SimpleNamespace(all_token_ids=tokens, spec_token_ids=list(drafts),
+                                  sampling_params=SamplingParams(thinking_token_budget=budget))
+        hook.after_step(request, None, 1)
+        return request.spec_token_ids
+
+    assert cut([1, *S, 7], 4, [8, 8, 8, 8]) == [8, 8, 8]      # 3 free tokens left
+    assert cut([1, *S, 7, 7, 7, 7], 4, [92, 93]) == []         # forcing: no draft verified
+    assert cut([1, *S, 7, *E], 4, [8, 8, 8, 8]) == [8, 8, 8, 8]  # the answer: uncapped
+    assert cut([1, *S, 7], None, [8, 8, 8, 8]) == [8, 8, 8, 8]   # no budget

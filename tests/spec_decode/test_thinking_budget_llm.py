@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from pagoda import LLM, SamplingParams
+from pagoda.repetition_detection import RepetitionDetectionParams, check_sequence_repetition
 
 REASONING = {"think_start_str": "<think>", "think_end_str": "</think>"}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
@@ -97,9 +98,13 @@ def test_repetition_detection_stops_a_real_loop(engines, prompts):
         assert out.token_ids == [1000] * 4
     out = engines["plain"].generate(prompts[:1], SamplingParams(**loop), use_tqdm=False)[0]
     assert out.outputs[0].finish_reason == "length"  # without detection: to max_tokens
+    detection = RepetitionDetectionParams(max_pattern_size=2, min_count=6)
     varied = engines["plain"].generate(prompts, SamplingParams(
-        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
-        repetition_detection={"max_pattern_size": 2, "min_count": 6}), use_tqdm=False)
-    free = _outputs(engines["plain"], prompts, None)
-    for o, tokens in zip(varied, free):  # a non-looping answer runs its full length
-        assert o.outputs[0].finish_reason == "length" and o.outputs[0].token_ids == tokens
+        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, repetition_detection=detection),
+        use_tqdm=False)
+    for o, free in zip(varied, _outputs(engines["plain"], prompts, None)):
+        # the answer without detection, cut where its output first loops (if it does)
+        cut = next((k for k in range(1, len(free) + 1)
+                    if check_sequence_repetition(free[:k], detection)), None)
+        assert o.outputs[0].token_ids == free[:cut]
+        assert o.outputs[0].finish_reason == ("length" if cut is None else "repetition")
