@@ -15,6 +15,8 @@ import pytest
 from pagoda import LLM, SamplingParams
 from pagoda.repetition_detection import RepetitionDetectionParams, check_sequence_repetition
 
+pytestmark = pytest.mark.slow  # three engines of the tiny model
+
 REASONING = {"think_start_str": "<think>", "think_end_str": "</think>"}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "prompt_lookup_max": 2}
