@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pagoda.json_flag import json_object
 from pagoda.lora.config import LoRAConfig
 from pagoda.reasoning import get_reasoning_parser
+from pagoda.reasoning.budget import ReasoningConfig
 from pagoda.spec_decode.config import SpeculativeConfig
 from pagoda.structured_output.backend import resolve_backend_name
 
@@ -174,6 +175,10 @@ class SchedulerConfig:
     max_loras: int | None = None
     # vLLM's --speculative-config: draft tokens verified each decode step (None: off).
     speculative_config: SpeculativeConfig | None = None
+    # vLLM's --reasoning-config, resolved to token ids (None: off): requests'
+    # thinking_token_budget is enforced (the worker forces the end marker; the
+    # scheduler cuts drafts that would cross the budget).
+    reasoning_config: ReasoningConfig | None = None
 
 
 @dataclass

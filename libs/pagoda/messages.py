@@ -88,6 +88,9 @@ class FinishReason(enum.IntEnum):
     STOP = 0  # EOS, a stop token id, or a stop string
     LENGTH = 1  # max_tokens or max_model_len
     ABORT = 2  # client disconnect / abort / error
+    # vLLM's (3 is its ERROR): the output looped (SamplingParams.repetition_detection);
+    # stop_reason "repetition_detected".
+    REPETITION = 4
 
     def __str__(self) -> str:
         return self.name.lower()

@@ -188,6 +188,9 @@ def check_sampling_params(params: SamplingParams, config: EngineConfig) -> None:
             raise ValueError(f"bad_words: a word of {len(words)} tokens is longer than the "
                              f"maximum model length ({max_len}).")
     check_logit_bias(params.logit_bias or {}, vocab)
+    if params.thinking_token_budget is not None and config.scheduler.reasoning_config is None:
+        raise ValueError("thinking_token_budget needs the thinking markers: start the engine "
+                         "with --reasoning-config (think_start_str/think_end_str).")
 
 
 def check_logprobs_limit(params: SamplingParams, max_logprobs: int) -> None:

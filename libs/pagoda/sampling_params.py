@@ -14,6 +14,9 @@ import json as _json
 from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any
 
+from pagoda.reasoning.budget import validate_thinking_token_budget
+from pagoda.repetition_detection import RepetitionDetectionParams
+
 # Below this temperature sampling is treated as greedy (as vLLM does), which avoids
 # dividing logits by a number that would overflow them.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -155,6 +158,12 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None
     # vLLM's flat_logprobs: logprobs as one `FlatLogprobs` container (pagoda.logprobs).
     flat_logprobs: bool = False
+    # vLLM's: at most this many reasoning tokens, then the end-of-thinking marker is
+    # forced (needs --reasoning-config; pagoda.reasoning.budget). None or -1: no budget.
+    thinking_token_budget: int | None = None
+    # vLLM's: end the request (finish_reason "repetition") once its output loops
+    # (pagoda.repetition_detection). A dict is accepted and converted.
+    repetition_detection: RepetitionDetectionParams | None = None
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -194,6 +203,10 @@ class SamplingParams:
         self.bad_words = list(self.bad_words) if self.bad_words else None
         self.bad_words_token_ids = ([list(w) for w in self.bad_words_token_ids]
                                     if self.bad_words_token_ids else None)
+        if isinstance(self.repetition_detection, dict):
+            self.repetition_detection = RepetitionDetectionParams.from_value(self.repetition_detection)
+        if self.thinking_token_budget == -1:
+            self.thinking_token_budget = None
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
@@ -232,6 +245,12 @@ class SamplingParams:
                or isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
                "structured_outputs must be a StructuredOutputsParams.")
         self._validate_token_fields()
+        validate_thinking_token_budget(self.thinking_token_budget)
+        _check(self.repetition_detection is None
+               or isinstance(self.repetition_detection, RepetitionDetectionParams),
+               "repetition_detection", "repetition_detection must be a RepetitionDetectionParams.")
+        if self.repetition_detection is not None:
+            self.repetition_detection.validate()
 
     def _validate_token_fields(self) -> None:
         """allowed_token_ids, bad_words and truncate_prompt_tokens, with vLLM's messages

@@ -48,6 +48,7 @@ from pagoda.services.gateway.serving_options import (ServingOptions, add_serving
                                                      uvicorn_kwargs)
 from pagoda.config import StructuredOutputsConfig
 from pagoda.engine.arg_utils import EngineArgs, TRUST_REMOTE_CODE_REFUSED
+from pagoda.reasoning.budget import ReasoningConfig
 from pagoda.services.common.redis_server import PrivateRedis, free_port
 from pagoda.tokenizer.chat_template import load_chat_template
 
@@ -348,6 +349,7 @@ def _flag_problem(args: argparse.Namespace) -> str | None:
         uvicorn_kwargs(args)
         load_chat_template(args.chat_template)
         StructuredOutputsConfig.parse(args.structured_outputs_config, args.reasoning_parser)
+        ReasoningConfig.parse(args.reasoning_config)
         ServingOptions(enable_auto_tool_choice=args.enable_auto_tool_choice,
                        tool_call_parser=args.tool_call_parser,
                        reasoning_parser=args.reasoning_parser).check_parsers()

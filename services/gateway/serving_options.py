@@ -198,7 +198,7 @@ def add_serving_args(parser: argparse.ArgumentParser, engine_shared: bool = True
         group.add_argument("--override-generation-config", default=None, metavar="JSON",
                            help="Laid over the generation config.")
         group.add_argument("--reasoning-parser", default=None,
-                           help="deepseek_r1 or qwen3: chat answers carry the reasoning in "
+                           help="deepseek_r1, qwen3, granite, glm45, gpt_oss, kimi or mistral: chat answers carry the reasoning in "
                                 "reasoning_content, apart from content.")
     group.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='tool_choice "auto" (the default with tools): --tool-call-parser '

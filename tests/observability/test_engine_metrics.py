@@ -60,7 +60,7 @@ def test_metrics_have_vllms_names_labels_and_buckets():
             assert s.labels["model_name"] == "tiny" and s.labels["engine"] == "0", s
     reasons = {s.labels["finished_reason"] for s in samples
                if s.name == "vllm:request_success_total"}
-    assert reasons == {"stop", "length", "abort"}
+    assert reasons == {"stop", "length", "abort", "repetition"}
     info = next(s for s in samples if s.name == "vllm:cache_config_info")
     assert (info.labels["block_size"], info.labels["num_gpu_blocks"], info.value) == \
         ("16", "4096", 1.0)

@@ -7,6 +7,7 @@ import time
 
 from pagoda.core.block_hash import BlockHash, hash_request_tokens, request_keys
 from pagoda.messages import EngineCoreRequest, FinishReason
+from pagoda.repetition_detection import REPETITION_STOP_REASON, check_sequence_repetition
 from pagoda.sampling_params import SamplingParams
 
 
@@ -108,6 +109,9 @@ class Request:
             self.finish_reason, self.stop_reason = FinishReason.STOP, last
         elif self.num_output_tokens >= self.max_tokens:
             self.finish_reason = FinishReason.LENGTH
+        elif params.repetition_detection is not None and check_sequence_repetition(
+                self.output_token_ids, params.repetition_detection):
+            self.finish_reason, self.stop_reason = FinishReason.REPETITION, REPETITION_STOP_REASON
         return self.finish_reason is not None
 
     def _update_block_hashes(self) -> None:

@@ -39,6 +39,7 @@ from pagoda.core.scheduler_hook import SchedulerHook
 from pagoda.lora.scheduler_hook import LoRAGate
 from pagoda.messages import (CachedRequestData, EngineCoreOutput, EngineCoreRequest, FinishReason,
                              ModelRunnerOutput, NewRequestData, SchedulerOutput)
+from pagoda.spec_decode.budget_cut import ThinkingBudgetDrafts
 from pagoda.spec_decode.scheduler_hook import DraftTokens
 from pagoda.spec_decode.stats import SpecDecodingStats
 from pagoda.structured_output.manager import StructuredOutputManager
@@ -71,6 +72,8 @@ def feature_hooks(config: SchedulerConfig,
     hooks: list[SchedulerHook] = [GrammarGate(structured_output_manager)]
     if config.speculative_config is not None:
         hooks.append(DraftTokens(config.speculative_config))
+        if config.reasoning_config is not None:  # after DraftTokens: it cuts their drafts
+            hooks.append(ThinkingBudgetDrafts(config.reasoning_config))
     if config.max_loras is not None:
         hooks.append(LoRAGate(config.max_loras))
     return hooks

@@ -13,6 +13,7 @@ import pagoda.envs as envs
 from pagoda.distributed.parallel_state import validate_parallel_config
 from pagoda.engine.legacy_args import add_legacy_cli_args, resolve_legacy_args
 from pagoda.lora.config import LoRAConfig
+from pagoda.reasoning.budget import ReasoningConfig
 from pagoda.spec_decode.config import SpeculativeConfig
 
 # Why --trust-remote-code is refused rather than ignored: a user who passes it expects
@@ -68,6 +69,8 @@ class EngineArgs:
     # --reasoning-parser (the grammar starts after the reasoning ends).
     structured_outputs_config: dict | str | None = None
     reasoning_parser: str | None = None
+    # vLLM's --reasoning-config JSON: the thinking markers thinking_token_budget uses.
+    reasoning_config: dict | str | None = None
     # vLLM's --runner / --convert / --pooler-config (pagoda.model.pooler_config).
     runner: str = "auto"
     convert: str = "auto"
@@ -164,9 +167,13 @@ class EngineArgs:
                             help='Structured outputs, e.g. \'{"backend": "xgrammar"}\' '
                                  '(backends: auto, xgrammar).')
         parser.add_argument("--reasoning-parser", default=None,
-                            help="deepseek_r1 or qwen3: a structured-output grammar applies "
+                            help="deepseek_r1, qwen3, granite, glm45, gpt_oss, kimi or mistral: a structured-output grammar applies "
                                  "after the reasoning ends (the gateway splits "
                                  "reasoning_content from content).")
+        parser.add_argument("--reasoning-config", default=None, metavar="JSON",
+                            help='The thinking markers, for requests\' thinking_token_budget, '
+                                 'e.g. \'{"think_start_str": "<think>", "think_end_str": '
+                                 '"</think>"}\' (or think_start_token_ids / think_end_token_ids).')
         parser.add_argument("--runner", default=d.runner, choices=["auto", "generate", "pooling"],
                             help="generate: text; pooling: embeddings, classification and "
                                  "scores (auto: pooling for encoders such as BertModel and "
@@ -266,7 +273,8 @@ class EngineArgs:
                                           if pooling.runner == "generate" else 0),
             max_waiting_requests=self.max_waiting_requests, policy=self.scheduling_policy,
             max_loras=self.max_loras if self.enable_lora else None,
-            speculative_config=self._speculative_config(pooling.runner, arch))
+            speculative_config=self._speculative_config(pooling.runner, arch),
+            reasoning_config=self._reasoning_config(model_path, arch.vocab_size))
         names = self.served_model_name
         if isinstance(names, str):
             names = [names]
@@ -348,6 +356,25 @@ class EngineArgs:
                              f"vocabulary of {draft.vocab_size} tokens, the target "
                              f"{arch.vocab_size}: a draft model must share the tokenizer")
         return dataclasses.replace(config, model=path, vocab_size=arch.vocab_size)
+
+    def _reasoning_config(self, model_path: str, vocab_size: int):
+        """--reasoning-config with its markers as token ids (strings tokenized with the
+        model's tokenizer, as vLLM does), else None."""
+        config = ReasoningConfig.parse(self.reasoning_config)
+        if config is None:
+            return None
+        tokenizer = None
+
+        def tokenize(text: str) -> list[int]:
+            nonlocal tokenizer
+            if tokenizer is None:
+                # lazy: transformers, loaded only when a marker is given as a string
+                from pagoda.tokenizer.loader import load_tokenizer
+
+                tokenizer = load_tokenizer(model_path, self._resolve_tokenizer())
+            return tokenizer.convert_tokens_to_ids(tokenizer.tokenize(text))
+
+        return config.resolve(tokenize, vocab_size)
 
     def _lora_config(self):
         """The LoRA settings under --enable-lora (validated), else None."""

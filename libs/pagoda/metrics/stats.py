@@ -30,7 +30,7 @@ class FinishedRequestStats:
     (aborted while waiting) are zero-length at the finish time."""
 
     request_id: str
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" | "repetition"
     e2e_latency: float
     queued_time: float
     prefill_time: float

@@ -18,6 +18,13 @@ from pagoda.reasoning.base import ReasoningParser, ReasoningStream
 PARSERS = {
     "deepseek_r1": "pagoda.reasoning.deepseek_r1:DeepSeekR1ReasoningParser",
     "qwen3": "pagoda.reasoning.qwen3:Qwen3ReasoningParser",
+    "granite": "pagoda.reasoning.granite:GraniteReasoningParser",
+    "glm45": "pagoda.reasoning.glm45:Glm45ReasoningParser",
+    "gpt_oss": "pagoda.reasoning.gpt_oss:GptOssReasoningParser",
+    "openai_gptoss": "pagoda.reasoning.gpt_oss:GptOssReasoningParser",  # vLLM's name
+    "kimi": "pagoda.reasoning.kimi:KimiReasoningParser",
+    "kimi_k2": "pagoda.reasoning.kimi:KimiReasoningParser",  # vLLM's name
+    "mistral": "pagoda.reasoning.mistral:MistralReasoningParser",
 }
 
 

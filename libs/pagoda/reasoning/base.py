@@ -28,6 +28,21 @@ class ReasoningParser:
     start_token: ClassVar[str] = "<think>"
     end_token: ClassVar[str] = "</think>"
     starts_in_reasoning: ClassVar[bool] = True
+    # Other spellings of the markers (Granite's "Here's my ..."), and markers that end
+    # the reasoning but belong to the content (Kimi's tool-call section opener, which
+    # the tool parser reads). `start_token`/`end_token` stay the primary ones: the
+    # engine's grammar gate looks them up as single tokens.
+    other_start_tokens: ClassVar[tuple[str, ...]] = ()
+    other_end_tokens: ClassVar[tuple[str, ...]] = ()
+    content_end_tokens: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def start_markers(self) -> tuple[str, ...]:
+        return (self.start_token, *self.other_start_tokens)
+
+    @property
+    def end_markers(self) -> tuple[str, ...]:
+        return (self.end_token, *self.other_end_tokens, *self.content_end_tokens)
 
     def stream(self, prompt: str | None = None) -> "ReasoningStream":
         return ReasoningStream(self, self.starts_in_reasoning_after(prompt))
@@ -36,7 +51,8 @@ class ReasoningParser:
         """Whether an answer to `prompt` (its rendered text; None: unknown) begins inside
         the thinking block."""
         prompt = prompt or ""
-        last_start, last_end = prompt.rfind(self.start_token), prompt.rfind(self.end_token)
+        last_start = max(prompt.rfind(m) for m in self.start_markers)
+        last_end = max(prompt.rfind(m) for m in self.end_markers)
         if last_start == last_end == -1:
             return self.starts_in_reasoning
         return last_start > last_end
@@ -77,25 +93,28 @@ class ReasoningStream:
                 break
             if self._opening:
                 stripped = text.lstrip()
-                start = self.parser.start_token
-                if stripped.startswith(start):
+                starts = self.parser.start_markers
+                start = next((m for m in starts if stripped.startswith(m)), None)
+                if start is not None:
                     text = stripped[len(start):]
                     self._opening, self.state = False, self.REASONING
                     continue
-                if start.startswith(stripped):  # maybe the start marker: wait
+                if any(m.startswith(stripped) for m in starts):  # maybe a start marker: wait
                     self._held = text
                     break
                 self._opening = False
                 if self.state == self.UNDECIDED:  # an answer without thinking
                     self.state = self.CONTENT
                     continue
-            end = self.parser.end_token
-            before, marker, after = text.partition(end)
-            if marker:
-                reasoning.append(before)
-                self.state, text = self.CONTENT, after
+            ends = self.parser.end_markers
+            found = [(text.find(m), m) for m in ends if m in text]
+            if found:
+                at, marker = min(found, key=lambda f: (f[0], -len(f[1])))
+                reasoning.append(text[:at])
+                kept = marker in self.parser.content_end_tokens  # it opens the content
+                self.state, text = self.CONTENT, text[at if kept else at + len(marker):]
                 continue
-            keep = _partial_suffix(text, end)
+            keep = max(_partial_suffix(text, m) for m in ends)
             reasoning.append(text[:len(text) - keep])
             self._held = text[len(text) - keep:]
             break

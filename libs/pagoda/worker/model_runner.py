@@ -25,6 +25,7 @@ from pagoda.sample.builder import build_sampling_metadata, make_generator
 from pagoda.sample.grammar import apply_grammar_bitmask
 from pagoda.sample.logits_processor import resolve_logits_processor_classes
 from pagoda.sample.logits_processor_batch import CustomLogitsProcessors
+from pagoda.sample.thinking_budget import force_thinking_end
 from pagoda.sample.logprobs import compute_topk_logprobs
 from pagoda.sample.rejection_sampler import verify_drafts
 from pagoda.sample.sampler import Sampler, advance_generator
@@ -296,6 +297,9 @@ class ModelRunner:
         expanded = [(s, s.output_token_ids + d[:j] if j else s.output_token_ids)
                     for s, d in zip(states, drafts)
                     for j in range(len(d) + 1)]
+        force_thinking_end(logits, [(s.sampling_params, s.token_ids + d[:j] if j else s.token_ids)
+                                    for s, d in zip(states, drafts) for j in range(len(d) + 1)],
+                           self.config.scheduler.reasoning_config)
         generators = {first_row[j]: s.generator for j, s in enumerate(states)
                       if s.generator is not None}
         eos = self.config.arch.eos_token_ids

@@ -44,6 +44,7 @@ _FINISH_TO_PROTO = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+    FinishReason.REPETITION: pb.FINISH_REASON_REPETITION,
 }
 _FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from google.protobuf.message import Message
 
+from pagoda.repetition_detection import RepetitionDetectionParams
 from pagoda.sampling_params import STRUCTURED_OUTPUT_KINDS, SamplingParams, StructuredOutputsParams
 from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
@@ -80,6 +81,8 @@ def _fill(msg: Message, params: SamplingParams, names: Sequence[str]) -> None:
             structured_outputs_to_proto(value, getattr(msg, name))
         elif isinstance(getattr(msg, name), cpb.JsonObject):  # free-form JSON (extra_args)
             json_object_to_proto(value, getattr(msg, name))
+        elif isinstance(value, RepetitionDetectionParams):  # same field names both sides
+            getattr(msg, name).CopyFrom(cpb.RepetitionDetectionParams(**vars(value)))
         elif isinstance(value, dict):
             getattr(msg, name).update(value)
         elif isinstance(value, list) and value and isinstance(value[0], list):
@@ -113,6 +116,11 @@ def _read(msg: Message, names: Sequence[str]) -> dict[str, Any]:
             values[name] = structured_outputs_from_proto(value)
         elif isinstance(value, cpb.JsonObject):
             values[name] = json_object_from_proto(value)
+        elif isinstance(value, cpb.RepetitionDetectionParams):
+            detection = RepetitionDetectionParams.__new__(RepetitionDetectionParams)
+            for f in value.DESCRIPTOR.fields:  # validated by the receiver's request check
+                setattr(detection, f.name, getattr(value, f.name))
+            values[name] = detection
         else:
             values[name] = value
     return values

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from pagoda.core.block_hash import hash_request_tokens, request_keys
 from pagoda.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
+from pagoda.repetition_detection import REPETITION_STOP_REASON
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as pb
 from pagoda.services.common.protocol.common import (
     extend_logprobs,
@@ -143,7 +144,8 @@ def response_to_output(request_id: str, msg: pb.GenerateResponse) -> EngineCoreO
         request_id=request_id,
         new_token_ids=[],
         finish_reason=reason,
-        stop_reason=c.stop_token_id if c.HasField("stop_token_id") else None,
+        stop_reason=(c.stop_token_id if c.HasField("stop_token_id")
+                     else REPETITION_STOP_REASON if reason == FinishReason.REPETITION else None),
         num_cached_tokens=c.num_cached_tokens,
         pooling_output=(pooled_data_from_proto(c.pooling_output)
                         if c.HasField("pooling_output") else None),

@@ -37,6 +37,8 @@ def stop_reason(finish_reason: str | None, stop: int | str | None
         return "tool_use", None
     if finish_reason == "length":
         return "max_tokens", None
+    if finish_reason == "repetition":  # its stop reason names no stop sequence
+        return "end_turn", None
     if isinstance(stop, str):
         return "stop_sequence", stop
     return "end_turn", None

@@ -28,7 +28,8 @@ _UNSUPPORTED: tuple[tuple[str, Any], ...] = (
     ("prompt_logprobs", None), ("echo", False), ("allowed_token_ids", None),
     ("bad_words", None), ("structured_outputs", None), ("response_format", None),
     ("guided_json", None), ("guided_regex", None), ("guided_choice", None),
-    ("guided_grammar", None), ("tools", None), ("suffix", None), ("vllm_xargs", None))
+    ("guided_grammar", None), ("tools", None), ("suffix", None), ("vllm_xargs", None),
+    ("thinking_token_budget", None), ("repetition_detection", None))
 
 
 def check_beam_search(body: Any, max_logprobs: int) -> None:

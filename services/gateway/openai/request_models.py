@@ -114,6 +114,11 @@ class SamplingFields(_Body):
     # vLLM's: free-form arguments for the custom logits processors (--logits-processors),
     # which read them as SamplingParams.extra_args.
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
+    # vLLM's: at most N reasoning tokens (-1: no budget), the replica's --reasoning-config
+    # naming the markers; and early stop of a looping answer (finish_reason
+    # "repetition"; unknown keys of the object are refused by name).
+    thinking_token_budget: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    repetition_detection: dict[str, Any] | None = None
 
     # ------------------------------------------------------------ per-API answers
     def num_logprobs(self) -> int | None:
@@ -317,4 +322,5 @@ def _library_rule(check, *args, param: str) -> None:
 def _param_of(message: str) -> str | None:
     """The SamplingParams field a validation message names (its first word)."""
     first = message.split(" ", 1)[0].rstrip(":")
-    return first if first.isidentifier() else None
+    # a nested field ("repetition_detection.min_count") is named whole
+    return first if all(part.isidentifier() for part in first.split(".")) else None

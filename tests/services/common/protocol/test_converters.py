@@ -22,6 +22,7 @@ import numpy as np
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
 from pagoda.services.common.protocol.kv_events import kv_event_from_proto, kv_event_to_proto
+from pagoda.repetition_detection import RepetitionDetectionParams
 from pagoda.services.common.protocol.sampling_params import (EDGE_ONLY, ENGINE_FIELDS, OFFLINE_ONLY,
                                                              GATEWAY_ONLY,
                                                              TEXT_FIELDS, decode_options_from_proto,
@@ -58,6 +59,8 @@ def _non_default(name: str, hint, default):
         return {"ban_token_id": 7, "words": ["a", 1.5]}
     if StructuredOutputsParams in args:
         return StructuredOutputsParams(regex=r"[a-z]+\d")
+    if RepetitionDetectionParams in args:
+        return RepetitionDetectionParams(max_pattern_size=6, min_pattern_size=2, min_count=3)
     raise AssertionError(f"teach this test a non-default value for {name}: {hint}")
 
 
