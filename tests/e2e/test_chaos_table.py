@@ -76,7 +76,7 @@ def test_colocated_component(colocated, component, fault):
     assert wait_until(lambda: serving(colocated, 2), 120, interval=1), "cluster not back"
     resyncs = resync_count(colocated)
     check_row(colocated, run_row(colocated, component, fault))
-    if component in ("kv-cache-manager", "redis") and fault == "SIGKILL":
+    if component == "redis" and fault == "SIGKILL":
         # It came back empty: the schedulers sent snapshots (resyncs), and the index holds
         # the prompts served before the restart again.
         assert wait_until(lambda: resync_count(colocated) > resyncs, 30, interval=1)
