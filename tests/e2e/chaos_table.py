@@ -187,7 +187,9 @@ def run_row(serve: ServeProcess, component: str, fault: str) -> Row:
             struck_at.append(time.monotonic())
         threading.Thread(target=go, daemon=True).start()
 
+    began = time.monotonic()
     results = asyncio.run(_load(serve.url, struck))
+    print(f"  ({component} {fault}: load took {time.monotonic() - began:.0f} s)", flush=True)
     row = Row(component, fault)
     row.lost = CHAOS_TABLE_REQUESTS - len(results)
     row.hung = sum(1 for r in results if r.get("hung"))
@@ -235,10 +237,13 @@ def check_row(serve: ServeProcess, row: Row) -> None:
     assert row.completed == CHAOS_TABLE_REQUESTS
     if row.fault == "SIGKILL":
         assert row.restarts >= 1, "the killed component was not restarted"
+    start = time.monotonic()
     assert wait_until(lambda: health(serve) == 200, 90, interval=0.5) == True  # noqa: E712
     assert wait_until(lambda: every_scheduler_idle(serve), 60, interval=0.5)
     assert wait_until(lambda: kv_usage(serve) == 0, 30, interval=0.5), \
         f"KV usage on /metrics stayed {kv_usage(serve)}"
+    print(f"  (health 200, idle and KV usage 0 after {time.monotonic() - start:.0f} s)",
+          flush=True)
 
 
 def indexed_blocks(serve: ServeProcess) -> int:

@@ -23,7 +23,8 @@ import pytest
 from chaos_table import HEADER, check_row, indexed_blocks, run_row
 from serve_cluster import ServeProcess, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.soak]
+# A row: 600 streams, the fault, its recovery and checks (several minutes on 2 cores).
+pytestmark = [pytest.mark.slow, pytest.mark.soak, pytest.mark.timeout(1500)]
 
 COLOCATED = ["gpu-worker", "scheduler", "tokenizer", "kv-cache-manager", "redis"]
 GATEWAY_PROCESS_ROW = "gateway (one process of two)"  # hook: needs --api-server-count
