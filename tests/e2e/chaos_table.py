@@ -230,8 +230,13 @@ def every_scheduler_idle(serve: ServeProcess) -> bool:
 
 
 def check_row(serve: ServeProcess, row: Row) -> None:
-    """The issue's bar for one row (the row is printed first, passing or not)."""
+    """The issue's bar for one row (the row is printed first, passing or not; a failed
+    row's cluster log goes to $PAGODA_CHAOS_LOG_DIR, when set)."""
     print(row.line(), flush=True)
+    if (row.lost or row.hung or row.errors) and os.environ.get("PAGODA_CHAOS_LOG_DIR"):
+        name = f"{row.component}-{row.fault}.log".replace(" ", "-")
+        with open(os.path.join(os.environ["PAGODA_CHAOS_LOG_DIR"], name), "w") as out:
+            out.writelines(serve.log)
     assert row.lost == 0 and row.hung == 0, row
     assert row.errors == 0, f"{row.errors} errors, e.g. {row.examples}"
     assert row.completed == CHAOS_TABLE_REQUESTS
