@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -39,7 +40,7 @@ from pagoda.services.cli.supervision import RestartLedger, RestartMetrics, Resta
 from pagoda.services.common import grpc_channels
 
 # Start order; shutdown goes the other way (the gateway stops taking requests first).
-SERVICE_ORDER = ["kv-cache-manager", "tokenizer", "gpu-worker", "scheduler", "gateway"]
+SERVICE_ORDER = ["redis", "kv-cache-manager", "tokenizer", "gpu-worker", "scheduler", "gateway"]
 LOG_TAIL_LINES = 40
 STOP_GRACE_S = 5.0  # a restart unit's surviving members get this long after SIGTERM
 
@@ -52,6 +53,7 @@ class ServiceProcess:
     argv: list[str]
     address: str  # host:port
     http_health: bool = False  # gateway: GET /health; others: gRPC health
+    health_check: Callable[[], bool] | None = None  # neither (the private Redis: PING)
     # The gateway serves HTTPS (--ssl-certfile): the health check's TLS context.
     http_ssl: ssl.SSLContext | None = None
     kind: str = ""  # the command (SERVICE_ORDER); defaults to the name
@@ -68,6 +70,8 @@ class ServiceProcess:
         return self.process.pid if self.process else None
 
     def is_healthy(self) -> bool:
+        if self.health_check is not None:
+            return self.health_check()
         if self.http_health:
             scheme = "https" if self.http_ssl is not None else "http"
             try:

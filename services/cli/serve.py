@@ -1,6 +1,7 @@
 """`pagoda serve [MODEL]`: the whole cluster on this machine, one process per service.
 
-Starts a private Redis (unless `--redis-url`), the kv-cache-manager,
+Starts a private Redis (unless `--redis-url`; supervised like the services), the
+kv-cache-manager,
 `--tokenizer-replicas` tokenizers (the gateway balances over them and retries an
 idempotent call on another),
 `--data-parallel-size` model replicas (a gpu-worker and a scheduler each) and the
@@ -306,16 +307,22 @@ def run(args: argparse.Namespace) -> int:
         configure_grpc_tls(args)  # the supervisor's health checks speak it too
         redis_url, redis_password = args.redis_url, os.environ.get(REDIS_PASSWORD_ENV)
         if not redis_url:
+            # A supervised service like the others (restarted after it dies, counted in
+            # pagoda_service_restarts_total{service="redis"}): nothing waits on it for a
+            # request, and the index refills from the schedulers' snapshots.
             redis_password = secrets.token_urlsafe(24)
-            redis = PrivateRedis(password=redis_password).start(start_new_session=True,
-                                                                die_with_parent=True)
+            redis = PrivateRedis(password=redis_password)
             redis_url = redis.url
-            _say(f"started a private Redis at {redis_url} (password protected)")
+            _say(f"starting a private Redis at {redis_url} (password protected, supervised)")
         # Bound before the services start (port 0: no race for it); serves only the
         # restart counter, which the gateway's /metrics then includes.
         supervisor_metrics = MetricsServer("127.0.0.1", 0, lambda: True)
         services = build_services(args, redis_url, redis_password,
                                   f"127.0.0.1:{supervisor_metrics.port}")
+        if redis is not None:
+            services.insert(0, ServiceProcess("redis", redis.supervised_command(),
+                                              f"{redis.host}:{redis.port}",
+                                              health_check=redis.ping))
         cluster = LocalCluster(services, restart_policy=restart_policy(args))
         supervisor_metrics.registry = cluster.metrics.registry
         supervisor_metrics.start()
@@ -338,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
         if cluster is not None:
             cluster.stop()
         if redis is not None:
-            redis.stop()
+            redis.cleanup()  # its process is one of the cluster's, stopped above
 
 
 def _flag_problem(args: argparse.Namespace) -> str | None:

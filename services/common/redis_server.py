@@ -9,6 +9,7 @@ stdin (its config), never its command line, and `url` does not contain it.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -49,6 +50,36 @@ class PrivateRedis:
         return [str(get_binary_path()), "-", "--bind", self.host, "--port", str(self.port),
                 "--save", "", "--appendonly", "no", "--dir", self._dir.name,
                 "--protected-mode", "no", "--loglevel", "warning"]
+
+    def supervised_command(self) -> list[str]:
+        """The server's command line for a supervisor that starts it again after it
+        dies (`pagoda serve`): the password is in a config file (mode 0600, in this
+        object's private directory, read at every start), never on the command line,
+        so every restart serves the same port with the same password. Redis keeps
+        nothing across a restart (no persistence): the kv-cache-manager answers the
+        schedulers' next batches `resync_required`, and their snapshots refill it."""
+        config = os.path.join(self._dir.name, "redis.conf")
+        fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(f"requirepass {self.password}\n" if self.password else "")
+        argv = self.command()
+        argv[1] = config
+        return argv
+
+    def ping(self, timeout: float = 2.0) -> bool:
+        """Whether the server answers PING within `timeout` seconds (a health check)."""
+        client = redis.Redis.from_url(self.url, password=self.password,
+                                      socket_connect_timeout=timeout, socket_timeout=timeout)
+        try:
+            return bool(client.ping())
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+
+    def cleanup(self) -> None:
+        """Remove the private directory (after a supervisor stopped the server)."""
+        self._dir.cleanup()
 
     def start(self, timeout: float = 10.0, die_with_parent: bool = False,
               **popen_kwargs) -> "PrivateRedis":

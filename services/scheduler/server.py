@@ -38,6 +38,7 @@ DEFAULT_PORT = 50052
 # vLLM's default for VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS: far above any real step
 # (a long prefill on a slow CPU takes seconds), so only a hung worker reaches it.
 DEFAULT_EXECUTE_MODEL_TIMEOUT_S = 300.0
+FAILED_EXIT_DELAY_S = 1.0  # after the engine failed: its streams' ends leave first
 SERVICE_NAME = "pagoda.scheduler.v1.SchedulerService"
 # Longest wait for the structured-output backend before the replica opens its port (it
 # takes a few seconds on a loaded 2-core machine).
@@ -99,13 +100,13 @@ def main(args: argparse.Namespace) -> int:
     # takes requests it must be able to drain them on SIGTERM at once.
     wait_for_grammar_backend(grammar.warm_up())
     try:
-        asyncio.run(_serve(args, core, info, config.arch.eos_token_ids, recorder))
+        failed = asyncio.run(_serve(args, core, info, config.arch.eos_token_ids, recorder))
     finally:
         core.shutdown()
         if stats_thread is not None:
             stats_thread.stop()
         tracing.shutdown_tracing()
-    return 0
+    return 1 if failed else 0
 
 
 def wait_for_grammar_backend(ready: concurrent.futures.Future) -> None:
@@ -140,7 +141,8 @@ def model_info(config, instance_id: str) -> pb.GetModelInfoResponse:
 
 
 async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,
-                 eos_token_ids: list[int], recorder=None) -> None:
+                 eos_token_ids: list[int], recorder=None) -> bool:
+    """Serve until SIGTERM (False) or until the engine failed (True: exit non-zero)."""
     loop = asyncio.get_running_loop()
     publisher = None
     if args.kv_cache_manager_addr:
@@ -151,10 +153,21 @@ async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,
     health_servicer = health.aio.HealthServicer()
     servicer: SchedulerServicer | None = None
 
+    # Before the engine starts: on_failure (engine thread) may set `stop` at once.
+    stop, force = asyncio.Event(), asyncio.Event()
+
     def on_failure(exc: Exception) -> None:
         servicer.on_failure(exc)
         for name in ("", SERVICE_NAME):
             asyncio.run_coroutine_threadsafe(health_servicer.set(name, NOT_SERVING), loop)
+        # A failed engine never steps again (its worker died, froze past keepalive, or
+        # missed a step deadline; a resumed worker has drifted from it): exit, once the
+        # streams' ends reached the gateway (which migrates them), so that the
+        # supervisor (`pagoda serve`, or the pod's restart policy) starts the replica
+        # afresh instead of leaving it NOT_SERVING forever.
+        logger.error("the engine failed: exiting in %.0f s so the replica restarts",
+                     FAILED_EXIT_DELAY_S)
+        loop.call_soon_threadsafe(loop.call_later, FAILED_EXIT_DELAY_S, stop.set)
 
     engine = EngineLoop(core, lambda outs: (servicer.kv_transfer.on_outputs(outs),
                                             servicer.on_outputs(outs)),
@@ -182,7 +195,6 @@ async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,
               if servicer.kv_transfer.producer is not None else None)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, SERVING)
-    stop, force = asyncio.Event(), asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # the second signal cuts the drain short
         loop.add_signal_handler(sig, lambda: force.set() if stop.is_set() else stop.set())
     metrics = maybe_start_metrics(metrics_host(args), args.metrics_port,
@@ -200,3 +212,4 @@ async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,
         publisher.stop(deregister=True)
     # `metrics` stays open until the process exits (see drain.py): never stop it here.
     logger.info("scheduler stopped")
+    return engine.failure is not None

@@ -6,8 +6,9 @@ prompt's tokenization (`Tokenize` returns them: the schedulers' function and
 seed, checked at start-up by block_hash_check.py), so a text or chat prompt costs no
 extra call; only a prompt the client sent as token ids is hashed here, through
 `Tokenize` too. If either is unavailable it answers None and the router
-weighs load alone; after an UNAVAILABLE it does not ask again for
-`BACKOFF_S`, so a Redis outage costs no latency per request.
+weighs load alone; after an UNAVAILABLE or a missed deadline (a frozen index) it
+does not ask again for `BACKOFF_S`, so a Redis or kv-cache-manager outage or freeze
+costs no latency per request.
 
 `RecentRoutes` covers the index's lag: the blocks of a prompt just routed to an
 instance are not in the index until that instance has prefilled them and
@@ -76,7 +77,10 @@ class PrefixIndexClient:
 
     def _on_error(self, exc: grpc.RpcError, now: float) -> None:
         code = exc.code()
-        if code == grpc.StatusCode.UNAVAILABLE:  # down, not slow: stop asking for a while
+        # Down (UNAVAILABLE), or hung (a frozen kv-cache-manager or Redis: the lookup ran
+        # out of its deadline): stop asking for a while, so neither costs each request
+        # LOOKUP_TIMEOUT_S; the first lookup after BACKOFF_S finds it back.
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             self._skip_until = now + BACKOFF_S
         if now - self._last_log > 30:
             self._last_log = now

@@ -120,3 +120,30 @@ def test_a_crash_loop_ends_the_watch_naming_the_service_and_its_last_lines():
         assert "crash loop" in message and "hello from tokenizer" in message
     finally:
         watched.close()
+
+
+def test_the_private_redis_restarts_on_its_port_with_its_password():
+    """`pagoda serve`'s Redis is a supervised service: SIGKILLed, it comes back on the
+    same port, behind the same password (which is on no command line), and is counted."""
+    import redis
+
+    from pagoda.services.common.redis_server import PrivateRedis
+
+    private = PrivateRedis(password="pw-restart-7Qx")
+    service = ServiceProcess("redis", private.supervised_command(),
+                             f"{private.host}:{private.port}", health_check=private.ping)
+    watched = Watched([service], RestartPolicy(max_restarts=5, backoff_s=0.05))
+    try:
+        watched.cluster.wait_healthy(30)
+        assert "pw-restart-7Qx" not in " ".join(service.argv)
+        old = service.pid
+        service.process.send_signal(signal.SIGKILL)
+        _wait_new_pid(service, old)
+        watched.cluster.wait_healthy(30)
+        assert redis.Redis.from_url(private.url, password="pw-restart-7Qx").ping()
+        assert _restarts(watched.cluster, "redis") == 1
+        with open(f"/proc/{service.pid}/cmdline", "rb") as cmdline:
+            assert b"pw-restart-7Qx" not in cmdline.read()
+    finally:
+        watched.close()
+        private.cleanup()
