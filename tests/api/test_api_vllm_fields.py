@@ -94,3 +94,48 @@ def test_return_tokens_as_token_ids_in_chat_logprobs(client):
     tokens = out.choices[0].logprobs.content
     assert len(tokens) == 3 and all(t.token.startswith("token_id:") for t in tokens)
     assert all(c.token.startswith("token_id:") for t in tokens for c in t.top_logprobs)
+
+
+@pytest.mark.parametrize("field,value", [("logits_processors", ["my.Processor"]),
+                                         ("kv_transfer_params", {"do_remote_decode": True}),
+                                         ("mm_processor_kwargs", {"fps": 1}),
+                                         ("request_id", "abc"), ("return_token_ids", True)])
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_vllm_fields_not_served_are_a_400_naming_them(gateway, field, value, api):
+    body = {"model": MODEL, "max_tokens": 1, field: value,
+            **({"messages": CHAT} if api == "chat" else {"prompt": "x"})}
+    path = "chat/completions" if api == "chat" else "completions"
+    reply = httpx.post(f"{gateway.url}/v1/{path}", json=body, timeout=30)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == field
+    assert "does not support" in reply.json()["error"]["message"]
+    # null is as good as absent, and the server still answers
+    body[field] = None
+    assert httpx.post(f"{gateway.url}/v1/{path}", json=body, timeout=30).status_code == 200
+
+
+def test_vllm_flat_repetition_fields_become_repetition_detection(client, last_request, gateway):
+    client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={
+        "max_repetition_pattern_size": 6, "min_repetition_pattern_size": 2,
+        "repetition_min_count": 3})
+    detection = last_request().sampling_params.repetition_detection
+    assert (detection.max_pattern_size, detection.min_pattern_size, detection.min_count) == \
+        (6, 2, 3)
+    both = {"model": MODEL, "prompt": "x", "max_tokens": 1, "max_repetition_pattern_size": 6,
+            "repetition_detection": {"max_pattern_size": 6}}
+    reply = httpx.post(f"{gateway.url}/v1/completions", json=both, timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "repetition_detection"
+
+
+def test_reasoning_effort_is_a_chat_template_variable():
+    """As vLLM: the template sees `reasoning_effort` (gpt-oss style templates read it),
+    over the same key in chat_template_kwargs; unset, the kwargs are as sent."""
+    from pagoda.services.gateway.openai.request_models import ChatCompletionRequest
+
+    body = ChatCompletionRequest(model=MODEL, messages=CHAT, reasoning_effort="high",
+                                 chat_template_kwargs={"reasoning_effort": "low", "x": 1})
+    assert body.template_kwargs() == {"reasoning_effort": "high", "x": 1}
+    assert ChatCompletionRequest(model=MODEL, messages=CHAT,
+                                 chat_template_kwargs={"x": 1}).template_kwargs() == {"x": 1}
+    with pytest.raises(Exception):
+        ChatCompletionRequest(model=MODEL, messages=CHAT, reasoning_effort="extreme")

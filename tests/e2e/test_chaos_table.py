@@ -9,9 +9,9 @@ fault, completed, errors, restarts; `pytest -s` shows them).
 
 Colocated rows share one `--data-parallel-size 2` cluster (a killed component is back,
 restarted by `pagoda serve`, before the next row starts); the prefill replica's
-gpu-worker rows run on a 1P+1D cluster. "One gateway process of two" needs
-`--api-server-count` (GATEWAY_PROCESS_ROW below: add it to COLOCATED once it exists,
-with its own bar: only the streams open on the killed process may fail, cleanly).
+gpu-worker rows run on a 1P+1D cluster, and "one gateway process of two" on a cluster
+with `--api-server-count 2` (its own bar: only the streams open on the killed process
+may fail, each with a clean connection error).
 
 Soak (`make test-chaos`): about 15 minutes on a 2-core machine.
 """
@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from chaos_table import HEADER, check_row, indexed_blocks, run_row
+from chaos_table import GATEWAY_PROCESS, HEADER, check_row, indexed_blocks, run_row
 from serve_cluster import ServeProcess, wait_until
 
 # A row: 600 streams, the fault, its recovery and checks (several minutes on 2 cores).
 pytestmark = [pytest.mark.slow, pytest.mark.soak, pytest.mark.timeout(1500)]
 
 COLOCATED = ["gpu-worker", "scheduler", "tokenizer", "kv-cache-manager", "redis"]
-GATEWAY_PROCESS_ROW = "gateway (one process of two)"  # hook: needs --api-server-count
 FAULTS = ["SIGKILL", "SIGSTOP"]
 BASE_FLAGS = ["--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512",
               "--restart-backoff", "0.5"]
@@ -90,3 +89,17 @@ def test_colocated_component(colocated, component, fault):
 def test_prefill_replica_gpu_worker(disaggregated, fault):
     assert wait_until(lambda: serving(disaggregated, 1), 120, interval=1), "cluster not back"
     check_row(disaggregated, run_row(disaggregated, "prefill gpu-worker", fault))
+
+
+@pytest.fixture(scope="module")
+def two_api_servers(tiny_llama_dir):
+    serve = ServeProcess([tiny_llama_dir, *BASE_FLAGS, "--api-server-count", "2"])
+    yield serve
+    serve.stop()
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_one_gateway_process_of_two(two_api_servers, fault):
+    assert wait_until(lambda: len(two_api_servers.api_server_pids()) == 2
+                      and serving(two_api_servers, 1), 120, interval=1), "cluster not back"
+    check_row(two_api_servers, run_row(two_api_servers, GATEWAY_PROCESS, fault))

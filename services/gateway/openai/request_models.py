@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import fields
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
@@ -23,6 +23,7 @@ from pagoda.services.gateway.errors import APIError
 from pagoda.services.gateway.openai.beam_fields import check_beam_search
 from pagoda.services.gateway.openai.structured_outputs import request_structured_outputs
 from pagoda.services.gateway.openai.tools import forced_constraint
+from pagoda.services.gateway.openai.vllm_only_fields import fold_repetition_fields, refuse_unserved
 
 logger = logging.getLogger(__name__)
 INT32_MAX = 2**31 - 1
@@ -48,7 +49,11 @@ class _Body(BaseModel):
     @model_validator(mode="wrap")
     @classmethod
     def _log_ignored_fields(cls, data, handler):
-        """vLLM's behaviour for fields it does not know: a warning, never a 400."""
+        """vLLM's behaviour for fields it does not know: a warning, never a 400; vLLM's
+        own fields that Pagoda does not serve are a 400 (vllm_only_fields.py)."""
+        refuse_unserved(data)
+        if "repetition_detection" in cls.model_fields:
+            data = fold_repetition_fields(data)
         result = handler(data)
         if isinstance(data, dict):
             ignored = sorted(set(data) - set(cls.model_fields))
@@ -252,6 +257,9 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's; as vLLM, given to the chat template as `reasoning_effort` (gpt-oss style
+    # templates read it), over chat_template_kwargs' own.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     # vLLM's: special tokens added on top of the template's (off), and documents for
     # retrieval-augmented templates (the template's `documents` variable).
     add_special_tokens: bool = False
@@ -264,6 +272,12 @@ class ChatCompletionRequest(SamplingFields):
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """chat_template_kwargs with reasoning_effort set over them."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {**(self.chat_template_kwargs or {}), "reasoning_effort": self.reasoning_effort}
 
     def requested_max_tokens(self) -> int | None:
         """max_completion_tokens (OpenAI's newer name) wins over max_tokens."""

@@ -109,7 +109,7 @@ async def start_chat(state: GatewayState, body: ChatCompletionRequest, request: 
     check_chat_request(state, body)
     output = chat_output(state, body)
     messages, chat = chat_input(body.messages, body.add_generation_prompt,
-                                body.continue_final_message, body.chat_template_kwargs,
+                                body.continue_final_message, body.template_kwargs(),
                                 body.tools, body.documents)
     reply = await tokenize(state, tpb.TokenizeRequest(
         chat=chat, block_size=state.peers.routing_block_size(), cache_salt=body.cache_salt or "",
