@@ -4,10 +4,12 @@ vLLM's endpoints (POST /sleep, POST /wake_up, GET /is_sleeping) and the official
 
 from __future__ import annotations
 
+import grpc
 import httpx
 import openai
+import psutil
 import pytest
-from serve_cluster import ServeProcess
+from serve_cluster import CLI_MODULE, ServeProcess, flag_value, scheduler_load, wait_until
 
 pytestmark = pytest.mark.slow
 PROMPT_IDS = [1, 504, 3458, 282, 4649, 314]  # token ids: no tokenizer in the way
@@ -19,8 +21,28 @@ def served(tiny_llama_dir, redis_server):
                           "--max-model-len", "256", "--block-size", "16",
                           "--data-parallel-size", "2", "--redis-url", redis_server.url,
                           "--enable-sleep-mode"])
+    addresses = _scheduler_addresses(serve)
+    assert len(addresses) == 2, addresses
+    for address in addresses:  # /sleep must reach both: both serve first
+        assert wait_until(lambda: _serving(address), 120), address
     yield serve
     assert serve.stop() == 0, serve.stderr_text()[-3000:]
+
+
+def _scheduler_addresses(serve: ServeProcess) -> list[str]:
+    addresses = []
+    for child in psutil.Process(serve.process.pid).children(recursive=True):
+        argv = child.cmdline()
+        if CLI_MODULE in argv and argv[argv.index(CLI_MODULE) + 1] == "scheduler":
+            addresses.append(f"127.0.0.1:{flag_value(argv, '--port')}")
+    return addresses
+
+
+def _serving(address: str) -> bool:
+    try:
+        return scheduler_load(address).serving
+    except grpc.RpcError:
+        return False
 
 
 @pytest.fixture(scope="module")

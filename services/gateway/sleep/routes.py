@@ -8,10 +8,10 @@ Served only with `--enable-sleep-mode` (vLLM serves them only in its dev mode wi
 the flag): otherwise the paths do not exist, 404. Behind the API key like every
 route but the health probes. Answers as vLLM's: 200 with an empty body.
 
-Every replica the gateway knows (a replica that is down is skipped: it starts awake
-and reports as such) sleeps or none does: when one refuses -- requests in flight
-(409 naming how many), already asleep (409), a bad level or tag (400) -- those that
-had gone to sleep for this call are woken again and the refusal is answered.
+Every replica the gateway knows sleeps or none does: when one refuses -- requests in
+flight (409 naming how many), already asleep (409), a bad level or tag (400) -- or
+cannot be reached (503), those that had gone to sleep for this call are woken again
+and the refusal is answered. (A replica that restarts comes back awake.)
 While asleep, generation requests get 503 "The model is sleeping ..."
 (errors.from_grpc_error), never a hang. After level 2, a replica reloads its weights
 from its checkpoint on wake_up (services/scheduler/sleep_control.py), so the model
@@ -79,8 +79,9 @@ async def is_sleeping(request: Request):
 
 def _replicas(request: Request) -> list:
     state: GatewayState = request.app.state.gateway
-    replicas = [r for r in state.peers.schedulers
-                if r.serving and r.info is not None and not r.removed]
+    # Every one, routable or not yet: a replica left awake would serve while the rest
+    # sleep (one that cannot be reached fails the call, 503).
+    replicas = [r for r in state.peers.schedulers if not r.removed]
     if not replicas:
         raise APIError("No model replica is available.", 503)
     return replicas
