@@ -27,9 +27,6 @@ UNSUPPORTED = {
     "compilation-config": "Pagoda does not use torch.compile",
     "calculate-kv-scales": "dynamic KV-cache scales are not implemented",
     "cpu-offload-gb": "weight offloading is not implemented",
-    "enable-sleep-mode": "sleep mode is offline only for now: LLM(enable_sleep_mode=True) "
-                         "with LLM.sleep/wake_up; the server has no /sleep, /wake_up or "
-                         "/is_sleeping",
     "weight-transfer-config": "weight transfer is offline only for now: "
                               "LLM(weight_transfer_config=...) with "
                               "init_weight_transfer_engine/update_weights",

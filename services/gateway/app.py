@@ -34,6 +34,7 @@ from pagoda.services.gateway.routing.context import RoutingHeaderMiddleware
 from pagoda.services.gateway.routing.peers import Peers
 from pagoda.services.gateway.routing.router import DEFAULT_POLICY
 from pagoda.services.gateway.serving_options import ServingOptions
+from pagoda.services.gateway.sleep import routes as sleep_routes
 from pagoda.services.gateway.state import GatewayState
 from pagoda.services.gateway.web import server_routes
 from pagoda.services.gateway.web.cors_request_id import HttpOptions, install_http_middleware
@@ -77,6 +78,8 @@ def build_app(state: GatewayState, make_peers: Callable[[], Peers],
     app.include_router(cohere_embed.router)  # /v2/embed
     if state.loras.runtime_updates:  # vLLM serves these only when allowed
         app.include_router(lora_routes.router)  # /v1/load_lora_adapter, /v1/unload_...
+    if state.options.enable_sleep_mode:  # vLLM serves these only with the flag (dev mode)
+        app.include_router(sleep_routes.router)  # /sleep, /wake_up, /is_sleeping
 
     # Inside the API-key check (a caller without the key is refused before its body is
     # read); outside everything that parses the body.

@@ -17,6 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagoda.services.common.protocol.scheduler import SLEEPING_MESSAGE
+
 logger = logging.getLogger(__name__)
 # Seconds a client should wait before retrying a request refused for load.
 RETRY_AFTER_S = 1
@@ -82,6 +84,8 @@ def from_grpc_error(exc: grpc.RpcError, peer: str) -> APIError:
             return APIError(f"The request is too large for the {kind} to accept.", 413)
         return APIError(f"The server is overloaded: {details}", status,  # our own words
                         headers={"Retry-After": str(RETRY_AFTER_S)})
+    if code == grpc.StatusCode.FAILED_PRECONDITION and details.startswith(SLEEPING_MESSAGE):
+        return APIError(details, status)  # our own words: the client must wake it up
     logger.warning("%s failed: %s: %s", peer, code.name, details)
     if status == HTTPStatus.SERVICE_UNAVAILABLE:
         return APIError(f"The {kind} is not available right now; retry later.", status,

@@ -55,7 +55,7 @@ UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # Flags that exist on the engine too: `pagoda serve` defines them once (EngineArgs)
 # and passes them on; the gateway on its own defines them here.
 ENGINE_SHARED = ("max_logprobs", "generation_config", "override_generation_config",
-                 "reasoning_parser")
+                 "reasoning_parser", "enable_sleep_mode")
 DEFAULT_MIGRATION_LIMIT = 3
 # The chart's default terminationGracePeriodSeconds (60) less its preStop sleep (5) and
 # a margin (5) for the lifespan shutdown: the chart passes its own values' difference.
@@ -94,6 +94,8 @@ class ServingOptions:
     # --tool-server host:port,...: MCP servers whose tools the Responses API runs
     # (openai/responses_api/tool_server.py); None: none.
     tool_server: str | None = None
+    # --enable-sleep-mode: serve /sleep, /wake_up and /is_sleeping (sleep/routes.py).
+    enable_sleep_mode: bool = False
     _defaults: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -125,6 +127,7 @@ class ServingOptions:
         options.tool_call_parser = getattr(args, "tool_call_parser", None)
         options.reasoning_parser = getattr(args, "reasoning_parser", None)
         options.tool_server = getattr(args, "tool_server", None)
+        options.enable_sleep_mode = bool(getattr(args, "enable_sleep_mode", False))
         options.check_parsers()
         return options
 
@@ -200,6 +203,10 @@ def add_serving_args(parser: argparse.ArgumentParser, engine_shared: bool = True
         group.add_argument("--reasoning-parser", default=None,
                            help="deepseek_r1, qwen3, granite, glm45, gpt_oss, kimi or mistral: chat answers carry the reasoning in "
                                 "reasoning_content, apart from content.")
+        group.add_argument("--enable-sleep-mode", action="store_true",
+                           help="Serve POST /sleep?level=1|2, POST /wake_up[?tags=...] and "
+                                "GET /is_sleeping, sent on to every replica (which need the "
+                                "flag too); without it those paths are 404.")
     group.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='tool_choice "auto" (the default with tools): --tool-call-parser '
                             "reads the calls out of the answer.")

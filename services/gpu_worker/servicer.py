@@ -3,6 +3,7 @@ process, or a worker group whose rank 0 is this process); both also answer `rese
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 
@@ -20,6 +21,9 @@ from pagoda.services.gpu_worker.metrics import worker_metrics
 from pagoda.services.gpu_worker.step_thread import StepThread
 
 logger = logging.getLogger(__name__)
+# The worker methods a scheduler may call over gRPC (sleep mode): names only. A callable
+# (`collective_rpc`'s other form) would be code chosen by whoever reaches this port.
+SERVED_METHODS = ("sleep", "wake_up", "is_sleeping", "reload_weights")
 
 
 class WorkerServicer(pb_grpc.WorkerServiceServicer):
@@ -100,6 +104,33 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 self.ledger.record(plan, output)
             self._next_step += 1
         return pb.ExecuteModelResponse(model_runner_output=model_runner_output_to_proto(output))
+
+    def CallWorkerMethod(self, request: pb.CallWorkerMethodRequest, context
+                         ) -> pb.CallWorkerMethodResponse:
+        """One of SERVED_METHODS on every rank, serialized with steps (the step lock and
+        thread). `sleep` frees the KV cache, so the KV transport renews its epoch first:
+        no block pulled later is taken for one cached before."""
+        if request.method not in SERVED_METHODS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"worker method {request.method!r} is not served; one of "
+                          f"{', '.join(SERVED_METHODS)}")
+        try:
+            raw = json.loads(request.arguments_json or "{}")
+            args, kwargs = list(raw.get("args") or []), dict(raw.get("kwargs") or {})
+        except (ValueError, TypeError, AttributeError) as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"arguments_json: {exc}")
+        with self.step_lock:
+            if request.method == "sleep":
+                self.on_kv_lost()
+            try:
+                results = self._on_step_thread(self.runner.collective_rpc, request.method,
+                                               tuple(args), kwargs)
+            except (ValueError, TypeError) as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except (RuntimeError, NotImplementedError) as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        logger.info("worker method %s(%s) done", request.method, request.arguments_json)
+        return pb.CallWorkerMethodResponse(results_json=json.dumps(results))
 
     def _checked_plan(self, request: pb.ExecuteModelRequest, context):
         """The step's plan, or the call ends INVALID_ARGUMENT (naming the request at

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pagoda.core.kv_events import KVEvent
 from pagoda.messages import EngineCoreOutput, EngineCoreRequest
 from pagoda.engine.engine_core import EngineCore
+from pagoda.engine.worker_control import EngineSleeping
 from pagoda.metrics.recorder import EngineStatsRecorder
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class _Add:
 
 class EngineLoop:
     """Invariant: every `submit` gets exactly one `on_accept` call (None, the
-    ValueError that rejected it, or QueueFull); after a failure every later submit
+    ValueError that rejected it, EngineSleeping while the engine sleeps, or QueueFull); after a failure every later submit
     is rejected with the failure.
 
     Back-pressure: with `max_waiting_requests` set, a submit is refused with
@@ -137,7 +138,7 @@ class EngineLoop:
         for add in adds:
             try:
                 self.core.add_request(add.request)
-            except ValueError as exc:
+            except (ValueError, EngineSleeping) as exc:  # refused: the loop goes on
                 add.on_accept(exc)
             else:
                 if self._recorder is not None:

@@ -21,6 +21,7 @@ from pagoda.request_checks import check_lora, check_request
 from pagoda.services.common.protocol.scheduler import (MIGRATION_REASON_KEY, hash_blocks,
                                                        outputs_to_responses, request_from_proto)
 from pagoda.services.scheduler.engine_loop import EngineLoop, QueueFull
+from pagoda.services.scheduler import sleep_control
 from pagoda.services.scheduler.lora_adapters import HeldAdapters
 from pagoda.services.scheduler.tracing import REQUEST_SPANS
 
@@ -113,6 +114,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "The replica failed.")
         if self.draining:  # refused before acceptance: the gateway retries elsewhere
             await context.abort(grpc.StatusCode.UNAVAILABLE, "replica is draining")
+        if self.engine.core.sleep.is_sleeping:  # the engine refuses it too (a race)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, _sleeping_message())
         try:  # trusted because it came from inside? No: checked like outside input
             core_request = request_from_proto(request)
             if not core_request.eos_token_ids:
@@ -135,6 +138,9 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             error = await self._submit(core_request)
             if error is not None:
                 finished = True  # rejected: nothing to abort
+                if isinstance(error, sleep_control.EngineSleeping):
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                        f"{sleep_control.SLEEPING_MESSAGE}: {error}")
                 code = (grpc.StatusCode.INVALID_ARGUMENT if isinstance(error, ValueError)
                         else grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(error, QueueFull)
                         else grpc.StatusCode.UNAVAILABLE)
@@ -224,6 +230,56 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             _resolve, done, core.cached_block_hashes()))
         hashes = await asyncio.wait_for(done, timeout=30.0)
         return pb.GetCachedBlocksResponse(block_hashes=hashes, epoch=self.model_info.epoch)
+
+    # ------------------------------------------------------------ sleep mode
+    async def SleepEngine(self, request: pb.SleepEngineRequest, context
+                          ) -> pb.SleepEngineResponse:
+        core = await self._sleep_mode_core(context)
+        try:
+            await sleep_control.on_engine_thread(
+                self.engine, lambda: sleep_control.sleep(core, request.level), _SLEEP_CALL_TIMEOUT_S)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RuntimeError as exc:  # requests in flight, already asleep, the worker's no
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        logger.info("the engine sleeps (level %d)", request.level or 1)
+        return pb.SleepEngineResponse()
+
+    async def WakeUpEngine(self, request: pb.WakeUpEngineRequest, context
+                           ) -> pb.WakeUpEngineResponse:
+        core = await self._sleep_mode_core(context)
+        tags = list(request.tags) or None
+        try:
+            sleeping = await sleep_control.on_engine_thread(
+                self.engine, lambda: sleep_control.wake_up(core, tags), _SLEEP_CALL_TIMEOUT_S)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (RuntimeError, NotImplementedError) as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        logger.info("the engine woke up (%s)", ", ".join(tags or ["all"]))
+        return pb.WakeUpEngineResponse(is_sleeping=sleeping)
+
+    async def GetSleepState(self, request: pb.GetSleepStateRequest, context
+                            ) -> pb.GetSleepStateResponse:
+        sleeping, level, asleep = sleep_control.sleep_state(self.engine.core)
+        return pb.GetSleepStateResponse(is_sleeping=sleeping, level=level, asleep=asleep)
+
+    async def _sleep_mode_core(self, context):
+        """The engine core, if sleep mode is on and the engine alive (else the call ends)."""
+        if self.engine.failure is not None:  # its thread is gone: nothing would run the call
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "The replica failed.")
+        if not self.engine.core.config.enable_sleep_mode:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, _SLEEP_MODE_OFF)
+        return self.engine.core
+
+
+# Offloading or reloading the weights of a large model takes a while; a bound all the same.
+_SLEEP_CALL_TIMEOUT_S = 600.0
+_SLEEP_MODE_OFF = "Sleep mode is not enabled: start the replica with --enable-sleep-mode"
+
+
+def _sleeping_message() -> str:
+    return f"{sleep_control.SLEEPING_MESSAGE}: call /wake_up first"
 
 
 def _resolve(future: asyncio.Future, error: Exception | None) -> None:

@@ -12,6 +12,7 @@ collective) runs into the step's deadline (`--execute-model-timeout`, default 30
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -92,6 +93,28 @@ class GrpcWorkerExecutor(Executor):
                                         f" {exc.code().name}: {exc.details()}") from exc
         self._step_id += 1
         return model_runner_output_from_proto(reply.model_runner_output)
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """A worker method by name on every rank of the worker's group (the worker
+        serves sleep mode's: `CallWorkerMethod`); the results in rank order. The
+        worker's refusal is a RuntimeError (ValueError for bad arguments) with its
+        reason; a worker that cannot be reached is WorkerUnavailable."""
+        if not isinstance(method, str):
+            raise TypeError("the gpu-worker runs worker methods by name only")
+        request = pb.CallWorkerMethodRequest(
+            method=method, arguments_json=json.dumps({"args": list(args),
+                                                      "kwargs": kwargs or {}}))
+        try:
+            # The worker's next step waits for this one: reloading weights takes a while.
+            reply = self._stub.CallWorkerMethod(request, timeout=self.step_timeout)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(exc.details()) from None
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise RuntimeError(exc.details()) from None
+            raise WorkerUnavailable(f"gpu-worker at {self.address} failed in CallWorkerMethod"
+                                    f": {exc.code().name}: {exc.details()}") from exc
+        return json.loads(reply.results_json)
 
     def shutdown(self) -> None:
         self._channel.close()

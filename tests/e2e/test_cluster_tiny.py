@@ -30,6 +30,17 @@ def test_models_list(tiny_client):
     assert [m.id for m in models] == ["tiny"] and models[0].model_extra["max_model_len"] == 1024
 
 
+def test_sleep_endpoints_are_404_without_enable_sleep_mode(tiny_cluster):
+    """As vLLM: /sleep, /wake_up and /is_sleeping exist only with --enable-sleep-mode
+    (test_sleep_served.py serves them), and no replica was put to sleep."""
+    base = tiny_cluster.base
+    for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping")):
+        assert httpx.request(method, f"{base}{path}", timeout=30).status_code == 404, path
+    out = openai.OpenAI(base_url=tiny_cluster.url, api_key="unused", max_retries=0,
+                        timeout=120).completions.create(model="tiny", prompt="Hi", max_tokens=2)
+    assert out.choices[0].text is not None
+
+
 def test_completion_streamed_equals_non_streamed(tiny_client):
     whole = tiny_client.completions.create(model="tiny", prompt="The capital of France", **GREEDY)
     chunks = list(tiny_client.completions.create(model="tiny", prompt="The capital of France",

@@ -58,7 +58,7 @@ class EngineArgs:
     generation_config: str = "auto"
     override_generation_config: dict | str | None = None
     trust_remote_code: bool = False
-    enable_sleep_mode: bool = False  # offline `LLM` (no serving flag yet)
+    enable_sleep_mode: bool = False  # `sleep`/`wake_up` (LLM; served: /sleep, /wake_up)
     weight_transfer_config: dict | None = None  # {"backend": "gloo" | "nccl"}
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
@@ -122,6 +122,11 @@ class EngineArgs:
                                  "lower `priority` value first (ties by arrival), and the "
                                  "highest value is preempted first.")
         parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+        parser.add_argument("--enable-sleep-mode", action="store_true",
+                            help="vLLM's sleep mode: the engine may give back the memory of "
+                                 "its weights and KV cache while idle (LLM.sleep/wake_up; "
+                                 "`pagoda serve`: POST /sleep?level=1|2, POST /wake_up, "
+                                 "GET /is_sleeping).")
         parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
         parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
         parser.add_argument("--seed", type=int, default=d.seed)

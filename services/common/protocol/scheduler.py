@@ -41,6 +41,9 @@ from pagoda.services.common.protocol.sampling_params import (
 # request could go on: why (drain_timeout, replica_failed). The gateway migrates the
 # request and counts the reason (pagoda_gateway_migrations_total{reason}).
 MIGRATION_REASON_KEY = "pagoda-migration-reason"
+# How a sleeping replica's refusal of `Generate` (FAILED_PRECONDITION) begins: the
+# gateway answers such a refusal 503 with the message, as vLLM does while asleep.
+SLEEPING_MESSAGE = "The model is sleeping"
 
 
 def request_to_proto(req: EngineCoreRequest) -> pb.GenerateRequest:

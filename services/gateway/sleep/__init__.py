@@ -1,0 +1,1 @@
+"""vLLM's sleep mode endpoints (routes.py)."""
