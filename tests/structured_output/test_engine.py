@@ -159,3 +159,23 @@ def _smollm2() -> LLM:
     if not _DEFAULT:
         _DEFAULT.append(LLM(max_model_len=1024))
     return _DEFAULT[0]
+
+
+# vLLM's structural_tag response format (xgrammar's tag format): a fixed opening tag, a
+# JSON value from a schema, a fixed closing tag; nothing else may be written.
+STRUCTURAL_TAG = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+    {"type": "const_string", "value": "<color>"},
+    {"type": "json_schema", "json_schema": {"enum": ["red", "green", "blue"]}},
+    {"type": "const_string", "value": "</color>"}]}}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_structural_tag_holds(llm, temperature):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, seed=5, n=2,
+                            structured_outputs=StructuredOutputsParams(
+                                structural_tag=STRUCTURAL_TAG))
+    for request in llm.generate(PROMPTS, params, use_tqdm=False):
+        for completion in request.outputs:
+            assert completion.finish_reason == "stop", completion.text
+            assert re.fullmatch(r'<color>"(red|green|blue)"</color>', completion.text), \
+                completion.text
