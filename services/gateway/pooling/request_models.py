@@ -59,9 +59,11 @@ class PoolingRequest(_Body):
     # vLLM's: None runs the model's own task; "token_classify" serves a classifier as a
     # token reward model (one row of label probabilities per prompt token, `LLM.reward`).
     task: PoolingTask | None = None
+    use_activation: bool | None = None  # classify / token_classify: False -> raw logits
 
     def pooling_params(self) -> PoolingParams:
-        return PoolingParams(task=self.task)  # the model's defaults for the task
+        # the model's defaults for the task; the engine refuses a field the task ignores
+        return PoolingParams(task=self.task, use_activation=self.use_activation)
 
 
 class ClassificationRequest(_Body):
