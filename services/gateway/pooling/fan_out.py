@@ -74,6 +74,28 @@ def pooling_model(state: GatewayState, task: str) -> spb.PoolingModelInfo:
     return pooling
 
 
+def pooling_tasks(pooling: spb.PoolingModelInfo) -> tuple[str, ...]:
+    """The tasks a request may name for the served model (the engine's
+    `PoolerConfig.supported_tasks`): an embedding model its own task; a classifier
+    classifies, scores with one label, and classifies every token (token_classify)."""
+    if pooling.task in ("embed", "token_embed"):
+        return (pooling.task,)
+    return ("classify", "score", "token_classify") if len(pooling.labels) == 1 \
+        else ("classify", "token_classify")
+
+
+def requested_task(pooling: spb.PoolingModelInfo, task: str | None) -> str:
+    """The task a /pooling request runs: its `task` (400 naming `task` when the model
+    cannot run it), else the model's own."""
+    if task is None:
+        return pooling.task
+    supported = pooling_tasks(pooling)
+    if task not in supported:
+        raise APIError(f"Task {task} is not supported by this model (its task is "
+                       f"{pooling.task!r}); it supports {', '.join(supported)}.", param="task")
+    return task
+
+
 def response_id(request, prefix: str) -> tuple[str, bool]:
     """(response id, whether it is unique): from the X-Request-Id middleware's id; a
     client's own id may repeat, so the scheduler ids then get a random suffix."""

@@ -1,7 +1,7 @@
 """Request bodies of the pooling endpoints (vLLM's field names), validated by pydantic.
 
     /v1/embeddings   EmbeddingRequest       OpenAI's, plus vLLM's extras
-    /pooling         PoolingRequest         the model's own task, raw vector out
+    /pooling         PoolingRequest         the model's own task (or `task`), raw vector out
     /classify        ClassificationRequest
     /score           ScoreRequest           text_1 x text_2: 1 -> 1, 1 -> N, N -> N
     /rerank          RerankRequest          Jina / Cohere shape (also /v1 and /v2)
@@ -48,13 +48,22 @@ class EmbeddingRequest(_Body):
         return PoolingParams(task="embed", dimensions=self.dimensions, normalize=self.normalize)
 
 
+# The tasks /pooling may be asked for (vLLM's `task` field); "score" needs a text pair.
+PoolingTask = Literal["embed", "classify", "token_classify", "token_embed"]
+
+
 class PoolingRequest(_Body):
     input: Input
     encoding_format: Literal["float", "base64"] = "float"
     add_special_tokens: bool = True
+    # vLLM's: None runs the model's own task; "token_classify" serves a classifier as a
+    # token reward model (one row of label probabilities per prompt token, `LLM.reward`).
+    task: PoolingTask | None = None
+    use_activation: bool | None = None  # classify / token_classify: False -> raw logits
 
     def pooling_params(self) -> PoolingParams:
-        return PoolingParams()  # the model's own task and defaults
+        # the model's defaults for the task; the engine refuses a field the task ignores
+        return PoolingParams(task=self.task, use_activation=self.use_activation)
 
 
 class ClassificationRequest(_Body):

@@ -17,13 +17,14 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from pagoda.pooling_params import PoolingParams
+from pagoda.pooling_params import TOKEN_TASKS, PoolingParams
 from pagoda.score_utils import cosine_similarity, maxsim, score_pairs
 from pagoda.services.gateway.errors import APIError
 from pagoda.services.gateway.openai.completion_bodies import Usage
 from pagoda.services.gateway.openai.routes import until_disconnected
 from pagoda.services.gateway.pooling.fan_out import (Pooling, PooledResult, pooling_model,
-                                                     response_id, tokenize_inputs, tokenize_pairs)
+                                                     requested_task, response_id, tokenize_inputs,
+                                                     tokenize_pairs)
 from pagoda.services.gateway.pooling.request_models import (ClassificationRequest, EmbeddingRequest,
                                                             PoolingRequest, RerankRequest,
                                                             ScoreRequest)
@@ -69,7 +70,7 @@ async def create_embedding(body: EmbeddingRequest, request: Request):
 async def create_pooling(body: PoolingRequest, request: Request):
     state: GatewayState = request.app.state.gateway
     model = state.check_model(body.model, allow_lora=False)
-    task = pooling_model(state, "encode").task
+    task = requested_task(pooling_model(state, "encode"), body.task)
     inputs = await tokenize_inputs(state, body.input, body.truncate_prompt_tokens,
                                    body.add_special_tokens)
     rid, results, usage = await _run(state, request, "pool", inputs, body.pooling_params(),
@@ -77,7 +78,8 @@ async def create_pooling(body: PoolingRequest, request: Request):
     data = []
     for r in results:
         vector = encode_vector(r.data, body.encoding_format)
-        if task == "token_embed" and body.encoding_format == "float":  # one row per token
+        if task in ("token_embed", *TOKEN_TASKS) and body.encoding_format == "float":
+            # one row per prompt token (vLLM's 2-D `data`), flattened token-major on the wire
             dim = len(r.data) // len(inputs[r.index].token_ids)
             vector = [r.data[i:i + dim] for i in range(0, len(r.data), dim)]
         data.append({"index": r.index, "object": "pooling", "data": vector})

@@ -15,7 +15,7 @@ from pooling_cases import (SENTENCES, add_sentence_transformers, build_bert,
                            hf_cross_encoder_logits)
 from pooling_harness import PoolingReplica
 
-from pagoda import LLM
+from pagoda import LLM, PoolingParams
 
 QUERY = "what is the capital of france?"
 DOCUMENTS = ["paris", "berlin 42", "the cat sat on the mat", "a dog swims", "fish"]
@@ -188,3 +188,50 @@ def test_a_generative_model_refuses_the_pooling_endpoints(gateway):
         response = httpx.post(f"{gateway.url}{path}", json=body, timeout=30)
         assert response.status_code == 400, path
         assert "it generates text" in response.json()["error"]["message"]
+
+
+def test_pooling_token_classify_serves_a_reward_model_like_llm_reward(tmp_path):
+    """vLLM's `POST /pooling` with `"task": "token_classify"` on a classifier: `data` is
+    one row of label probabilities per prompt token, equal to the offline `LLM.reward`."""
+    path = build_bert(tmp_path, classifier=True, num_labels=3, seed=5)
+    offline_rm = LLM(str(path), dtype="float32")
+    expected = offline_rm.reward(SENTENCES[:2], use_tqdm=False)
+    replica = PoolingReplica(path)
+    try:
+        response = post(replica, "/pooling", {"input": SENTENCES[:2], "task": "token_classify"})
+        assert response.status_code == 200, response.text
+        body = response.json()
+        for item, want in zip(body["data"], expected):
+            assert item["object"] == "pooling"
+            assert len(item["data"]) == len(want.prompt_token_ids) and len(item["data"][0]) == 3
+            torch.testing.assert_close(torch.tensor(item["data"]), want.outputs.data,
+                                       atol=1e-6, rtol=0)
+        assert body["usage"]["prompt_tokens"] == sum(len(w.prompt_token_ids) for w in expected)
+        raw = post(replica, "/pooling", {"input": SENTENCES[0], "task": "token_classify",
+                                          "use_activation": False}).json()["data"][0]["data"]
+        logits = offline_rm.reward(
+            SENTENCES[0], use_tqdm=False, pooling_params=PoolingParams(use_activation=False))
+        torch.testing.assert_close(torch.tensor(raw), logits[0].outputs.data, atol=1e-6, rtol=0)
+        # Without a task the classifier's own task runs: one row of probabilities.
+        own = post(replica, "/pooling", {"input": SENTENCES[0]}).json()["data"][0]["data"]
+        assert len(own) == 3 and not isinstance(own[0], list)
+    finally:
+        replica.close()
+
+
+@pytest.mark.parametrize("task, message", [
+    ("token_classify", "Task token_classify is not supported by this model"),
+    ("classify", "Task classify is not supported by this model"),
+    ("reward", "task"),
+])
+def test_pooling_task_the_model_cannot_run_is_a_400_naming_task(embedder, task, message):
+    response = post(embedder, "/pooling", {"input": "paris", "task": task})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert message in error["message"] and error["param"] == "task"
+
+
+def test_pooling_use_activation_on_an_embedding_model_is_a_400(embedder):
+    response = post(embedder, "/pooling", {"input": "paris", "use_activation": False})
+    assert response.status_code == 400, response.text
+    assert "use_activation" in response.json()["error"]["message"]

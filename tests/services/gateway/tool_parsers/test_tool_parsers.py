@@ -134,3 +134,27 @@ def test_forced_answers_parse_as_calls():
 def test_unknown_parser_names_the_known_ones():
     with pytest.raises(ValueError, match="deepseek_v3, .*hermes, kimi_k2, llama3_json, .*qwen3_xml"):
         get_tool_parser("nope")
+
+
+HERMES_TRAILING = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+                   '"Paris", "unit": "celsius"}}\n</tool_call>\nI will report back.')
+
+
+def test_hermes_drops_text_after_the_calls_as_vllm_does():
+    """vLLM's hermes parser keeps only the text before the first `<tool_call>` as content
+    (`model_output[:model_output.find(tool_call_start_token)]`), so text after
+    `</tool_call>` is dropped; Pagoda matches it, and streamed cut at every point (two
+    pieces) gives exactly the non-streamed answer."""
+    parser = get_tool_parser("hermes")
+    content, calls, finish, message = non_streamed(parser, HERMES_TRAILING)
+    assert (content, calls, finish) == ("Checking.\n", [("get_weather", WEATHER)], "tool_calls")
+    for cut in range(1, len(HERMES_TRAILING)):
+        stream = ChatOutput(None, parser).stream()
+        deltas = stream.feed(HERMES_TRAILING[:cut]) + stream.feed(HERMES_TRAILING[cut:])
+        deltas += stream.finish()
+        assert "".join(d.get("content", "") for d in deltas) == "Checking.\n", cut
+        items = [item for d in deltas for item in d.get("tool_calls", ())]
+        assert [i["function"]["name"] for i in items if "id" in i] == ["get_weather"], cut
+        assert "".join(i["function"].get("arguments", "") for i in items) == \
+            message["tool_calls"][0]["function"]["arguments"], cut
+        assert stream.finish_reason("stop") == "tool_calls"
