@@ -28,6 +28,9 @@ class ReasoningParser:
     start_token: ClassVar[str] = "<think>"
     end_token: ClassVar[str] = "</think>"
     starts_in_reasoning: ClassVar[bool] = True
+    # Whether the markers are special tokens the answer must be decoded with (harmony's):
+    # the gateway then decodes the answer with skip_special_tokens off for this parser.
+    keeps_special_tokens: ClassVar[bool] = False
     # Other spellings of the markers (Granite's "Here's my ..."), and markers that end
     # the reasoning but belong to the content (Kimi's tool-call section opener, which
     # the tool parser reads). `start_token`/`end_token` stay the primary ones: the

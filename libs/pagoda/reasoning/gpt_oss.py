@@ -11,7 +11,8 @@ After the prompt's `<|start|>assistant` the model writes messages, each a header
 in the header changes nothing), `commentary` bodies addressed to nobody (preambles) are
 content too, and a message with a recipient (`to=functions.f`: a tool call) is neither:
 it is the tool parser's. Text with no harmony header at all is content. The markers are
-special tokens: the text must be decoded with them (skip_special_tokens=False).
+special tokens: the text must be decoded with them, so the gateway turns
+skip_special_tokens off for a chat answer read by this parser (`keeps_special_tokens`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class GptOssReasoningParser(ReasoningParser):
     start_token = "<|channel|>analysis<|message|>"
     end_token = "<|channel|>final<|message|>"
     starts_in_reasoning = False
+    keeps_special_tokens = True  # the harmony headers and terminators are special tokens
 
     def stream(self, prompt: str | None = None) -> "HarmonyStream":
         return HarmonyStream()

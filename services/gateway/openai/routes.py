@@ -142,8 +142,10 @@ def chat_output(state: GatewayState, body: ChatCompletionRequest) -> ChatOutput:
     if plan.mode == "auto" and plan.parser.keeps_special_tokens:
         body.skip_special_tokens = False
     reasoning = state.options.reasoning_parser
-    return ChatOutput(get_reasoning_parser(reasoning) if reasoning else None, plan.parser,
-                      body.include_reasoning)
+    parser = get_reasoning_parser(reasoning) if reasoning else None
+    if parser is not None and parser.keeps_special_tokens:
+        body.skip_special_tokens = False
+    return ChatOutput(parser, plan.parser, body.include_reasoning)
 
 
 def _request_id(request: Request, prefix: str) -> tuple[str, bool]:

@@ -65,3 +65,24 @@ def test_a_template_that_opened_the_block_is_read_from_the_prompt():
     stream = output.stream()
     deltas = stream.feed("2+2 is 4.</th") + stream.feed("ink>\n\nFour.") + stream.finish()
     assert "".join(d.get("content", "") for d in deltas) == "\n\nFour."
+
+
+def test_a_harmony_reasoning_parser_gets_the_special_tokens_it_reads():
+    """gpt_oss reads harmony headers, which are special tokens: a chat answer it parses is
+    decoded with them (else the analysis would be served as content); other parsers
+    leave the request's skip_special_tokens alone."""
+    from types import SimpleNamespace
+
+    from pagoda.services.gateway.openai.request_models import ChatCompletionRequest
+    from pagoda.services.gateway.openai.routes import chat_output
+
+    for parser, skip in (("gpt_oss", False), ("deepseek_r1", True), (None, True)):
+        state = SimpleNamespace(options=SimpleNamespace(auto_tool_parser=None,
+                                                        reasoning_parser=parser))
+        body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}])
+        chat_output(state, body)
+        assert body.skip_special_tokens is skip, parser
+    harmony = ("<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final"
+               "<|message|>answer")
+    message, _ = ChatOutput(get_reasoning_parser("gpt_oss"), None).message(harmony, "stop")
+    assert (message["reasoning_content"], message["content"]) == ("think", "answer")
