@@ -32,6 +32,17 @@ def _wait_new_pid(service: ServiceProcess, old: int, timeout: float = 10.0) -> i
     raise AssertionError(f"{service.name} was not restarted")
 
 
+def _wait_greeting(service: ServiceProcess, timeout: float = 10.0) -> None:
+    """Until this run of `service` has printed its greeting (the newest line of its log
+    tail: after a restart, the marker comes first), however loaded the machine."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if service.tail and "hello from" in service.tail[-1]:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{service.name} printed no greeting: {list(service.tail)}")
+
+
 def _restarts(cluster: LocalCluster, name: str) -> float:
     return cluster.metrics.registry.get_sample_value("pagoda_service_restarts_total",
                                                      {"service": name})
@@ -108,10 +119,10 @@ def test_a_crash_loop_ends_the_watch_naming_the_service_and_its_last_lines():
     try:
         for _ in range(2):
             old = tokenizer.pid
-            time.sleep(0.3)  # its greeting reaches the log tail
+            _wait_greeting(tokenizer)  # its greeting reaches the log tail
             tokenizer.process.send_signal(signal.SIGKILL)
             _wait_new_pid(tokenizer, old)
-        time.sleep(0.3)
+        _wait_greeting(tokenizer)
         tokenizer.process.send_signal(signal.SIGKILL)
         watched.thread.join(10)
         assert watched.outcome and watched.outcome[0] is not None
