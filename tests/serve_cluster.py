@@ -137,7 +137,7 @@ class ServeProcess:
         return {(s.name, frozenset(s.labels.items())): s.value
                 for family in text_string_to_metric_families(text) for s in family.samples}
 
-    def stop(self, timeout: float = 30.0) -> int:
+    def stop(self, timeout: float = 90.0) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         try:
