@@ -38,9 +38,11 @@ run: install cpu-kernels
 
 # make test: everything but the soak-marked runs (pyproject.toml), which make test-chaos
 # runs beside the chaos scenarios at the issue's 1,000 requests (make test sends 250).
-# Two modules at a time (pytest-xdist; tests/parallel_groups.py says how the suite is split):
-# most tests wait on other processes with a core idle. TEST_WORKERS=0 runs them one by one.
-TEST_WORKERS ?= 2
+# TEST_WORKERS=2 runs two modules at a time (pytest-xdist; tests/parallel_groups.py says how
+# the suite is split). Off by default: on this 2-core, 24 GiB machine two modules' clusters
+# at once ran out of page cache and CPU (gRPC keepalives timed out, replicas went
+# unavailable), and the run was slower, not faster.
+TEST_WORKERS ?= 0
 
 test: install cpu-kernels
 	PAGODA_OMP_SPIN=0 $(PY) -m pytest -q -m "not soak" --durations=25 -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)

@@ -1,4 +1,5 @@
-"""How `make test` splits the suite over two pytest-xdist workers (`--dist loadgroup`).
+"""How `TEST_WORKERS=N make test` splits the suite over pytest-xdist workers
+(`--dist loadgroup`; the default, 0, runs one module at a time).
 
 A work unit is a whole test module, so a module's own fixtures (a cluster it starts once)
 are set up on one worker only; the modules that share a served cluster
@@ -6,9 +7,10 @@ are set up on one worker only; the modules that share a served cluster
 once and stops after its last user as before. Registered by tests/conftest.py; without
 `-n`, pytest-xdist ignores the marks.
 
-Why two workers on two cores: most of the suite waits on other processes (a served
-cluster starting, a client's round trips) while one core idles; two modules at a time
-use it.
+Why it is off by default: with the suite alone the CPU sat ~46% idle (tests waiting on
+other processes), but two modules' clusters at once on 2 cores and 24 GiB evicted the page
+cache (every process start reread torch from disk) and starved gRPC keepalives, so a run
+was slower and replicas went unavailable. A bigger machine can use it.
 """
 
 from __future__ import annotations
