@@ -60,10 +60,14 @@ class PoolingRequest(_Body):
     # token reward model (one row of label probabilities per prompt token, `LLM.reward`).
     task: PoolingTask | None = None
     use_activation: bool | None = None  # classify / token_classify: False -> raw logits
+    # embed / token_embed (vLLM's): matryoshka dimensions; normalize None: the model's.
+    dimensions: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    normalize: bool | None = None
 
     def pooling_params(self) -> PoolingParams:
         # the model's defaults for the task; the engine refuses a field the task ignores
-        return PoolingParams(task=self.task, use_activation=self.use_activation)
+        return PoolingParams(task=self.task, use_activation=self.use_activation,
+                             dimensions=self.dimensions, normalize=self.normalize)
 
 
 class ClassificationRequest(_Body):

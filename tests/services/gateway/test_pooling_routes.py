@@ -235,3 +235,19 @@ def test_pooling_use_activation_on_an_embedding_model_is_a_400(embedder):
     response = post(embedder, "/pooling", {"input": "paris", "use_activation": False})
     assert response.status_code == 400, response.text
     assert "use_activation" in response.json()["error"]["message"]
+
+
+def test_pooling_reads_normalize_and_dimensions_as_embeddings_do(embedder):
+    """vLLM's /pooling fields for an embedding model: normalize false gives the raw vector
+    (not of unit length here), and dimensions on a model without matryoshka is a 400."""
+    import math
+
+    unit = post(embedder, "/pooling", {"input": "paris"}).json()["data"][0]["data"]
+    raw = post(embedder, "/pooling", {"input": "paris", "normalize": False}).json()
+    raw = raw["data"][0]["data"]
+    assert math.isclose(math.hypot(*unit), 1.0, rel_tol=1e-5)
+    assert not math.isclose(math.hypot(*raw), 1.0, rel_tol=1e-3)
+    assert [x / math.hypot(*raw) for x in raw] == pytest.approx(unit, abs=1e-5)
+    response = post(embedder, "/pooling", {"input": "paris", "dimensions": 8})
+    assert response.status_code == 400, response.text
+    assert "matryoshka" in response.json()["error"]["message"]
