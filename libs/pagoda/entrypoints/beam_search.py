@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from pagoda.beam_search import (BeamSearchInstance, BeamSearchOutput, BeamSearchParams,
                                 best_beams, expand_beams, step_sampling_params)
 from pagoda.entrypoints.prompts import Prompt, as_prompt_list, normalize_prompt
-from pagoda.lora.request import LoRARequest
+from pagoda.lora.request import LoRARequest, loras_per_prompt
 
 if TYPE_CHECKING:
     from pagoda.entrypoints.llm import LLM
@@ -31,7 +31,7 @@ def run_beam_search(llm: "LLM", prompts: Prompt | Sequence[Prompt], params: Beam
     tokenizer = llm.get_tokenizer()
     eos = llm.llm_engine.config.arch.eos_token_ids
     items = [normalize_prompt(p) for p in as_prompt_list(prompts)]
-    loras = _loras(lora_request, len(items))
+    loras = loras_per_prompt(lora_request, len(items))
     instances = [BeamSearchInstance(ids if ids is not None else tokenizer.encode(text), lora)
                  for (text, ids, _salt), lora in zip(items, loras)]
     salts = {id(inst): salt for inst, (_t, _i, salt) in zip(instances, items)}
@@ -73,13 +73,3 @@ def run_beam_search(llm: "LLM", prompts: Prompt | Sequence[Prompt], params: Beam
             beam.text = tokenizer.decode(beam.tokens)  # vLLM's: the prompt's text too
         results.append(BeamSearchOutput(best))
     return results
-
-
-def _loras(lora: LoRARequest | Sequence[LoRARequest | None] | None,
-           n: int) -> list[LoRARequest | None]:
-    if lora is None or isinstance(lora, LoRARequest):
-        return [lora] * n
-    lora = list(lora)
-    if len(lora) != n:
-        raise ValueError(f"Got {len(lora)} LoRA requests for {n} prompts.")
-    return lora

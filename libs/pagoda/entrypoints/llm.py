@@ -15,7 +15,7 @@ from pagoda.entrypoints.llm_control import ControlMethods
 from pagoda.entrypoints.pooling import PoolingMethods
 from pagoda.entrypoints.prompts import Prompt, as_prompt_list, normalize_prompt
 from pagoda.generation_config import load_generation_defaults, parse_override
-from pagoda.lora.request import LoRARequest
+from pagoda.lora.request import LoRARequest, loras_per_prompt
 from pagoda.metrics.reader import Metric
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -133,7 +133,7 @@ class LLM(PoolingMethods, QueueMethods, ControlMethods):
         if priority is not None and len(priority) != len(items):
             raise ValueError(f"Got {len(priority)} priorities for {len(items)} prompts.")
         priorities = priority or [0] * len(items)
-        loras = _loras_per_prompt(lora_request, len(items))
+        loras = loras_per_prompt(lora_request, len(items))
         engine = self.llm_engine
         order: dict[str, int] = {}
         try:
@@ -144,17 +144,6 @@ class LLM(PoolingMethods, QueueMethods, ControlMethods):
             engine.abort_request(list(order))
             raise
         return order
-
-
-def _loras_per_prompt(lora: LoRARequest | Sequence[LoRARequest | None] | None,
-                      n: int) -> list[LoRARequest | None]:
-    """vLLM's rule: one LoRARequest for every prompt, or a list with one per prompt."""
-    if lora is None or isinstance(lora, LoRARequest):
-        return [lora] * n
-    lora = list(lora)
-    if len(lora) != n:
-        raise ValueError(f"Got {len(lora)} LoRA requests for {n} prompts.")
-    return lora
 
 
 def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,

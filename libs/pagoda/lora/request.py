@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -41,3 +42,14 @@ class LoRARequest:
     @property
     def path(self) -> str:  # vLLM's alias
         return self.lora_path
+
+
+def loras_per_prompt(lora: LoRARequest | Sequence[LoRARequest | None] | None,
+                     n: int) -> list[LoRARequest | None]:
+    """vLLM's rule: one LoRARequest for every prompt, or a list with one per prompt."""
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    lora = list(lora)
+    if len(lora) != n:
+        raise ValueError(f"Got {len(lora)} LoRA requests for {n} prompts.")
+    return lora
