@@ -8,7 +8,6 @@ loads like any HF model directory and has a real chat template.
 from __future__ import annotations
 
 import os
-import pathlib
 
 # Before torch loads: the suite runs many processes on few cores, where sleeping
 # OpenMP threads beat spinning ones (pagoda/__init__.py; `make test` sets it too).
@@ -22,8 +21,7 @@ import torch  # noqa: E402
 # served clusters that several modules share (tests/shared_clusters.py).
 pytest_plugins = ["group_cases", "shared_clusters", "parallel_groups"]
 
-FIXTURES = pathlib.Path(__file__).parent / "fixtures"
-TINY_LLAMA_CONFIG = FIXTURES / "tiny_llama" / "config.json"
+from fixture_paths import TINY_LLAMA_CONFIG  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -8,13 +8,13 @@ object of any keys may run to the length limit, and then it must be a valid pref
 from __future__ import annotations
 
 import json
-import pathlib
 import re
 
 import jsonschema
 import pytest
 
-TINY_LLAMA_CONFIG = pathlib.Path(__file__).parent / "fixtures" / "tiny_llama" / "config.json"
+from fixture_paths import TINY_LLAMA_CONFIG
+
 THINK_VOCAB_SIZE = 49160  # the tokenizer has 49154 tokens: 6 padding rows past it
 MAX_TOKENS = 64
 PERSON_SCHEMA = {

@@ -70,7 +70,7 @@ def test_no_service_answers_a_client_without_a_certificate_from_the_ca(tls_clust
 
 
 def test_secrets_reach_the_services_only_through_their_environment(tls_cluster):
-    match = re.search(r"started a private Redis at (redis://\S+)", tls_cluster.stderr_text())
+    match = re.search(r"starting a private Redis at (redis://\S+)", tls_cluster.stderr_text())
     assert match, tls_cluster.stderr_text()[-2000:]
     with pytest.raises(redis.AuthenticationError):
         redis.Redis.from_url(match.group(1)).ping()

@@ -30,7 +30,7 @@ def second_checkpoint(tmp_path_factory, smollm2_tokenizer):
     """Another random tiny Llama (seed 1): the "trained" weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from conftest import TINY_LLAMA_CONFIG
+    from fixture_paths import TINY_LLAMA_CONFIG
 
     torch.manual_seed(1)
     model = LlamaForCausalLM(LlamaConfig.from_json_file(str(TINY_LLAMA_CONFIG)))

@@ -33,7 +33,7 @@ def test_group_runs_calls_on_every_rank_sleeps_and_takes_new_weights(
         tiny_llama_dir, tmp_path, monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from conftest import TINY_LLAMA_CONFIG
+    from fixture_paths import TINY_LLAMA_CONFIG
 
     # The followers import group_rpc_funcs by name.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(

@@ -10,7 +10,7 @@ from pagoda.model import cpu_packed_weights, prepack_cpu_weights
 from pagoda.model.kv_cache import allocate_kv_caches
 
 pytestmark = pytest.mark.skipif(not cpu_packed_weights.available(),
-                                reason="torch without oneDNN bf16 on this CPU")
+                                reason="no native bf16 on this CPU, or torch without oneDNN")
 
 
 @pytest.mark.parametrize("rows", [1, 3, 32, 300])

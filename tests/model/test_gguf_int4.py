@@ -65,7 +65,8 @@ def test_default_model_answers_from_its_4bit_weights():
 
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = ["Count: 1, 2, 3,", "What is the capital of France?"]
-    packed = LLM(max_model_len=256)
+    # bfloat16 named: --dtype auto is float32 on CPUs without native bf16.
+    packed = LLM(max_model_len=256, dtype="bfloat16")
     assert packed.llm_engine.config.gguf_int4
     texts = [o.outputs[0].text for o in packed.generate(prompts, params, use_tqdm=False)]
     assert texts[0].startswith(" 4, 5, 6") and "Paris" in texts[1]
@@ -77,13 +78,15 @@ def test_default_model_answers_from_its_4bit_weights():
 
 def test_where_it_applies(tiny_llama_dir):
     from pagoda.engine.arg_utils import EngineArgs
-    from pagoda.model.loader import default_model_path
+    from pagoda.model.loader import cpu_has_fast_bf16, default_model_path
 
     def resolved(**kwargs) -> bool:
         return EngineArgs(device="cpu", **kwargs).create_engine_config().gguf_int4
 
     gguf = default_model_path()
-    assert resolved(model=gguf) is True
+    assert resolved(model=gguf, dtype="bfloat16") is True
+    # --dtype auto: bf16, and so the int4 steps, only where the CPU has native bf16
+    assert resolved(model=gguf) is cpu_has_fast_bf16()
     assert resolved(model=gguf, dtype="float32") is False
     assert resolved(model=gguf, batch_invariant=True) is False
     assert resolved(model=gguf, gguf_int4=False) is False

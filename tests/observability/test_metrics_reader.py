@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter as PromCounter
 
-from pagoda.metrics.engine_metrics import EngineMetrics, SpecDecodingMetrics
+from pagoda.metrics.engine_metrics import FINISH_REASONS, EngineMetrics, SpecDecodingMetrics
 from pagoda.metrics.reader import Counter, Gauge, Histogram, Vector, get_metrics_snapshot
 
 
@@ -35,4 +35,5 @@ def test_every_vllm_series_comes_back_typed():
     (per_pos,) = by_name["vllm:spec_decode_num_accepted_tokens_per_pos"]
     assert isinstance(per_pos, Vector) and per_pos.values == [5, 2, 0]
     assert per_pos.labels == {"model_name": "tiny", "engine": "0"}
-    assert len(by_name["vllm:request_success"]) == 3  # one per finished_reason
+    assert sorted(m.labels["finished_reason"] for m in by_name["vllm:request_success"]) \
+        == sorted(FINISH_REASONS)  # one series per finished_reason

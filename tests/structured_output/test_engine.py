@@ -49,7 +49,16 @@ def test_constrained_requests_leave_their_neighbours_unchanged(llm):
                          use_tqdm=False)
     for a, m in zip(alone, [mixed[0], mixed[2]]):
         assert a.outputs[0].token_ids == m.outputs[0].token_ids
-    assert alone[1].outputs[0].logprobs == mixed[2].outputs[0].logprobs
+    # The same tokens, ranks and logprobs up to float rounding: a batch of another size
+    # may take another matmul kernel (bit-equal on some CPUs, not on others); a mask
+    # leaking from a constrained row would move them by far more.
+    for want, got in zip(alone[1].outputs[0].logprobs, mixed[2].outputs[0].logprobs,
+                         strict=True):
+        assert want.keys() == got.keys()
+        for token, entry in want.items():
+            assert (entry.rank, entry.decoded_token) == (got[token].rank,
+                                                         got[token].decoded_token)
+            assert entry.logprob == pytest.approx(got[token].logprob, abs=1e-4)
 
 
 def test_seeded_constrained_sampling_is_reproducible(llm):

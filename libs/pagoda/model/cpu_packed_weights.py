@@ -32,10 +32,20 @@ import pagoda.envs as envs
 
 
 def available() -> bool:
-    """torch has oneDNN with bf16 support on this CPU."""
+    """torch has oneDNN, and this CPU multiplies bf16 natively (AVX512-BF16 or AMX).
+
+    Where bf16 is only emulated (AVX-512 without BF16, e.g. Ice Lake) oneDNN still
+    accepts packed bf16 weights, but `F.linear` there takes another kernel: a packed
+    model's logits differed from the plain model's in the last bits, breaking the
+    bit-equality this module promises, and the speed-up was measured on native bf16
+    only. Such CPUs keep `F.linear` (and `--dtype auto` picks float32 on them anyway).
+    """
+    from pagoda.model.loader import cpu_has_fast_bf16  # lazy: loader imports the layers
+
     return (torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+            and cpu_has_fast_bf16())
 
 
 def applies(device: torch.device, dtype: torch.dtype) -> bool:

@@ -49,3 +49,16 @@ def tune() -> bool:
         return False
     _tuned = True
     return True
+
+
+def give_back_free_memory() -> bool:
+    """Return the heap's free pages to the kernel (glibc's `malloc_trim(0)`); True if any
+    went back. Needed after freeing big buffers on purpose (sleep mode): with `tune()`'s
+    thresholds, or any fragmented heap, a large tensor may have been carved out of
+    free heap memory instead of its own mapping, and freeing it only returns it to the
+    heap. False on non-glibc systems."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

@@ -21,6 +21,8 @@ import gc
 
 import torch
 
+from pagoda.worker import cpu_allocator
+
 TAGS = ("weights", "kv_cache")
 
 
@@ -90,3 +92,5 @@ def _release(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    else:  # a freed tensor may sit in the heap's free lists, not yet given back
+        cpu_allocator.give_back_free_memory()
