@@ -15,6 +15,7 @@ import importlib
 import sys
 
 from pagoda.envs import environment_help
+from pagoda.services.cli import services
 from pagoda.services.cli.arg_parser import PagodaArgumentParser
 import pagoda
 
@@ -35,20 +36,37 @@ BENCH_MODULES = [
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(service: str | None = None) -> argparse.ArgumentParser:
+    """Every command's parser; with `service` (one of `services.SERVICES`), a parser
+    holding only that service's command, so that a service process imports its own
+    module and not every other's (a tokenizer or scheduler then never imports torch or
+    fastapi: seconds of CPU per process at a cluster's start)."""
     parser = PagodaArgumentParser(prog="pagoda", description="Pagoda LLM inference engine.")
     parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    if service is not None:
+        services.add_parser(commands, only=service)
+    else:
+        _add_every_command(commands)
+    for command in _leaf_commands(parser):
+        command.add_config_option()
+        command.epilog = environment_help()
+    return parser
+
+
+def _add_every_command(commands) -> None:
     for name in COMMAND_MODULES:
         importlib.import_module(name).add_parser(commands)
     bench = commands.add_parser("bench", help="Benchmarks (offline engine, served cluster).")
     bench_commands = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
     for name in BENCH_MODULES:
         importlib.import_module(name).add_parser(bench_commands)
-    for command in _leaf_commands(parser):
-        command.add_config_option()
-        command.epilog = environment_help()
-    return parser
+
+
+def _service_command(argv: list[str]) -> str | None:
+    """The service `argv` runs (`pagoda tokenizer --port ...`), else None."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    return first if first in services.SERVICES else None
 
 
 def _leaf_commands(parser: argparse.ArgumentParser) -> list[PagodaArgumentParser]:
@@ -61,8 +79,10 @@ def _leaf_commands(parser: argparse.ArgumentParser) -> list[PagodaArgumentParser
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
     try:
-        parser = build_parser()
+        parser = build_parser(_service_command(argv))
     except ValueError as exc:  # an environment variable that does not parse (pagoda.envs)
         print(f"pagoda: error: {exc}", file=sys.stderr)
         return 2

@@ -24,8 +24,11 @@ SERVICES = {
 }
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers, only: str | None = None) -> None:
+    """Add every service's command, or only `only`'s (importing only its module)."""
     for command, (module_name, help_text) in SERVICES.items():
+        if only is not None and command != only:
+            continue
         module = importlib.import_module(module_name)
         parser = subparsers.add_parser(command, help=help_text, description=help_text)
         module.add_cli_args(parser)

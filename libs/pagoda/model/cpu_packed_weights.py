@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import pagoda.envs as envs
+from pagoda.model.cpu_features import cpu_has_fast_bf16
 
 
 def available() -> bool:
@@ -40,8 +41,6 @@ def available() -> bool:
     bit-equality this module promises, and the speed-up was measured on native bf16
     only. Such CPUs keep `F.linear` (and `--dtype auto` picks float32 on them anyway).
     """
-    from pagoda.model.loader import cpu_has_fast_bf16  # lazy: loader imports the layers
-
     return (torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise")
             and torch.ops.mkldnn._is_mkldnn_bf16_supported()

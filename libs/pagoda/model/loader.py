@@ -10,7 +10,6 @@ class; every format feeds its `load_weights` with HF-named tensors.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import glob
 import importlib.util
 import logging
@@ -22,6 +21,7 @@ from torch import nn
 from pagoda.config import ModelArchConfig
 from pagoda.distributed.parallel_state import ParallelContext
 from pagoda.model import quantization as quantization_methods
+from pagoda.model.cpu_features import cpu_has_fast_bf16
 from pagoda.model.gguf_loader import arch_config_from_gguf, iter_gguf_weights
 from pagoda.model.hf_config import arch_config_from_hf_dir
 from pagoda.model.hub import download, is_hub_id
@@ -148,17 +148,6 @@ def iter_checkpoint_weights(model_path: str, arch: ModelArchConfig, include=None
                                 "or GGUF file that can be read")
     return (iter_pt_weights(model_path, include) if files.format == "pt"
             else iter_safetensors_weights(model_path, include))
-
-
-@functools.lru_cache(maxsize=4)
-def cpu_has_fast_bf16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
-    """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX)."""
-    try:
-        with open(cpuinfo_path, encoding="utf-8") as f:
-            flags = {w for line in f if line.startswith("flags") for w in line.split()}
-    except OSError:  # not Linux: no cheap way to tell; fp32 is the safe choice
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 def resolve_dtype(dtype: str, device: str | torch.device) -> torch.dtype:
