@@ -91,3 +91,16 @@ def test_serve_gives_the_worker_the_cores_and_the_small_services_one_thread():
     for name in ("gateway", "tokenizer-0", "tokenizer-1", "scheduler", "kv-cache-manager"):
         assert services[name].env["OMP_NUM_THREADS"] == "1", name
     assert "--batch-invariant" in services["gpu-worker"].argv  # reaches the worker's engine
+
+
+@pytest.mark.parametrize("service", ["gateway", "tokenizer", "scheduler", "kv-cache-manager"])
+def test_a_service_process_parses_its_flags_without_torch(service):
+    """Each service of a cluster is its own process: building its parser must not import
+    every other service's module (torch alone is seconds of CPU per process at start)."""
+    code = ("import sys; from pagoda.services.cli.main import build_parser, _service_command; "
+            f"p = build_parser(_service_command(['{service}', '--port', '1'])); "
+            f"p.parse_args(['{service}', '--port', '1']); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stderr[-2000:]
