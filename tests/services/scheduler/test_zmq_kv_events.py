@@ -1,25 +1,23 @@
 """vLLM-format KV events (`--kv-events-config`) from a real engine, as llm-d sees them.
 
-The subscriber here knows only vLLM's documented wire schema: a multipart ZMQ
-message [topic, seq (8 bytes big-endian), msgpack KVEventBatch], the batch an
-array [ts, events, data_parallel_rank], each event an array tagged by its class
-name. It decodes with plain msgpack (not Pagoda's encoder) and recomputes every
-block hash from the published token ids with its own canonical-CBOR encoder and
-sha256, seeded as vLLM seeds NONE_HASH (hash_fn(PYTHONHASHSEED string)): byte
-for byte what llm-d's kv-cache indexer does with `sha256_cbor`.
+The subscriber (tests/vllm_kv_subscriber.py) knows only vLLM's documented wire
+schema, decodes with plain msgpack and recomputes every block hash from the
+published token ids with its own canonical-CBOR encoder: byte for byte what llm-d's
+kv-cache indexer does with `sha256_cbor`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import socket
 import threading
 
-import msgpack
 import pytest
 import zmq
+from vllm_kv_subscriber import chain, check_stored_hashes, low64, none_hash, replay
+from vllm_kv_subscriber import decode as decode_message
 
 from pagoda import LLM, SamplingParams
+from pagoda.core.block_hash import hash_request_tokens
 from pagoda.messages import EngineCoreRequest
 from pagoda.services.scheduler.engine_loop import EngineLoop
 from pagoda.services.scheduler.kv_events_config import parse_kv_events_config
@@ -32,85 +30,14 @@ PROMPT_A = [1, 17, 23, 99, 5, 301, 8, 44, 12, 7, 7, 64, 65]  # 3 full blocks + 1
 PROMPT_B = [2, 400, 401, 402, 403, 404, 405, 406, 407, 408, 409, 410, 411, 412, 413, 414, 415]
 
 
-# ------------------------------------------------------------ the subscriber's own code
-def cbor(obj) -> bytes:
-    """Canonical CBOR (RFC 8949 core deterministic) of None, ints >= 0, bytes, str, tuples."""
-    def head(major: int, n: int) -> bytes:
-        if n < 24:
-            return bytes([major << 5 | n])
-        for extra, size in ((24, 1), (25, 2), (26, 4), (27, 8)):
-            if n < 1 << (8 * size):
-                return bytes([major << 5 | extra]) + n.to_bytes(size, "big")
-        raise ValueError(n)
-    if obj is None:
-        return b"\xf6"
-    if isinstance(obj, int):
-        return head(0, obj)
-    if isinstance(obj, bytes):
-        return head(2, len(obj)) + obj
-    if isinstance(obj, str):
-        return head(3, len(obj.encode())) + obj.encode()
-    if isinstance(obj, (tuple, list)):
-        return head(4, len(obj)) + b"".join(cbor(x) for x in obj)
-    raise TypeError(type(obj))
-
-
-NONE_HASH = hashlib.sha256(cbor(SEED)).digest()
-
-
-def chain(tokens: list[int], parent: bytes = NONE_HASH) -> list[bytes]:
-    out = []
-    for i in range(0, len(tokens) - BS + 1, BS):
-        parent = hashlib.sha256(cbor((parent, tuple(tokens[i:i + BS]), None))).digest()
-        out.append(parent)
-    return out
-
-
-def low64(digest: bytes) -> int:
-    return int.from_bytes(digest[-8:], "big")
-
-
 def decode(frames: list[bytes]) -> tuple[int, list]:
-    topic, seq, payload = frames
-    assert topic == b"kv"
-    ts, events, dp_rank = msgpack.unpackb(payload, raw=False)
-    assert isinstance(ts, float) and ts > 1e9 and dp_rank == 0
-    for event in events:
-        tag = event[0]
-        if tag == "BlockStored":
-            _, hashes, parent, token_ids, block_size, lora_id, medium, lora_name = event
-            assert block_size == BS and len(token_ids) == BS * len(hashes)
-            assert lora_id is None and lora_name is None and medium == "GPU"
-            assert all(isinstance(h, int) and 0 <= h < 1 << 64 for h in hashes)
-        elif tag == "BlockRemoved":
-            _, hashes, medium = event
-            assert medium == "GPU" and hashes
-        else:
-            assert event == ["AllBlocksCleared"]
-    return int.from_bytes(seq, "big"), events
+    return decode_message(frames, b"kv", BS)
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def replay(ctx: zmq.Context, endpoint: str, start: int) -> list[tuple[int, bytes]]:
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.connect(endpoint)
-    try:
-        dealer.send_multipart([b"", start.to_bytes(8, "big")])
-        got = []
-        while True:
-            assert dealer.poll(20_000), "no replay answer"
-            _, seq, payload = dealer.recv_multipart()
-            if int.from_bytes(seq, "big", signed=True) == -1:
-                assert payload == b""
-                return got
-            got.append((int.from_bytes(seq, "big"), payload))
-    finally:
-        dealer.close(linger=0)
 
 
 # ------------------------------------------------------------ the engine side
@@ -181,31 +108,21 @@ def test_kv_events_reach_a_vllm_subscriber_and_hash_like_llm_d(llm, tmp_path):
     tags = [e[0] for e in events]
     assert "BlockStored" in tags and "BlockRemoved" in tags and tags[-1] == "AllBlocksCleared"
     # Every stored block's hash, recomputed from its tokens and its parent's digest.
-    digests: dict[int, bytes] = {}
-    stored: list[int] = []
-    for event in events:
-        if event[0] != "BlockStored":
-            continue
-        _, hashes, parent, token_ids = event[:4]
-        parent_digest = NONE_HASH if parent is None else digests[parent]
-        recomputed = chain(token_ids, parent_digest)
-        assert [low64(d) for d in recomputed] == hashes
-        digests.update(zip(hashes, recomputed))
-        stored += hashes
+    stored = check_stored_hashes(events, BS, SEED)
     # Each prompt's full blocks, hashed from the prompt alone, were all announced.
     for prompt in (PROMPT_A, PROMPT_B):
-        assert {low64(d) for d in chain(prompt)} <= set(stored)
+        assert {low64(d) for d in chain(prompt, BS, none_hash(SEED))} <= set(stored)
     removed = [h for e in events if e[0] == "BlockRemoved" for h in e[1]]
-    assert set(removed) <= set(stored) and set(removed) & {low64(d) for d in chain(PROMPT_A)}
+    assert set(removed) <= set(stored)
+    assert set(removed) & {low64(d) for d in chain(PROMPT_A, BS, none_hash(SEED))}
 
 
 def test_the_engine_hash_is_vllms_sha256_cbor(llm):
     """The digests themselves (not only their low 64 bits), via the engine's own
     request hashing, equal the independent recomputation."""
-    from pagoda.core.block_hash import hash_request_tokens
-
-    assert hash_request_tokens(PROMPT_A, BS, SEED, algo="sha256_cbor") == chain(PROMPT_A)
-    assert core_request_hashes(llm, PROMPT_A) == chain(PROMPT_A)
+    expected = chain(PROMPT_A, BS, none_hash(SEED))
+    assert hash_request_tokens(PROMPT_A, BS, SEED, algo="sha256_cbor") == expected
+    assert core_request_hashes(llm, PROMPT_A) == expected
 
 
 def core_request_hashes(llm, prompt: list[int]) -> list[bytes]:
