@@ -125,6 +125,12 @@ def test_the_engine_hash_is_vllms_sha256_cbor(llm):
     assert core_request_hashes(llm, PROMPT_A) == expected
 
 
+def test_the_offline_engine_does_not_hoard_kv_events(llm):
+    """LLM.generate has no event consumer: the pool's events are dropped every step."""
+    llm.generate([{"prompt_token_ids": PROMPT_B}], GREEDY, use_tqdm=False)
+    assert llm.llm_engine.core.take_kv_events() == []
+
+
 def core_request_hashes(llm, prompt: list[int]) -> list[bytes]:
     request = llm.llm_engine.core.scheduler.add_request(EngineCoreRequest("h", prompt, GREEDY))
     try:
