@@ -163,7 +163,13 @@ async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,
                                      metrics=KvPublisherMetrics(info.served_model_name[0]),
                                      heartbeat_interval=args.kv_heartbeat_interval).start()
     kv_events = getattr(args, "kv_events", None)  # --kv-events-config, parsed by main
-    zmq_events = ZmqKvEventPublisher(kv_events) if kv_events and kv_events.publishes else None
+    try:
+        zmq_events = (ZmqKvEventPublisher(kv_events) if kv_events and kv_events.publishes
+                      else None)
+    except ValueError as exc:  # the endpoint is taken or malformed: the operator's to fix
+        if publisher is not None:
+            publisher.stop()
+        raise SystemExit(str(exc)) from None
     # One list of events per step, to every consumer in the same order.
     consumers = [p.publish for p in (publisher, zmq_events) if p is not None]
     health_servicer = health.aio.HealthServicer()

@@ -101,9 +101,9 @@ class ZmqKvEventPublisher:
                 self._replay.bind(config.replay_endpoint)
         except zmq.ZMQError as exc:
             self._close_sockets()
-            raise ValueError(f"--kv-events-config: cannot open {exc}: endpoint "
-                             f"{config.endpoint!r}, replay_endpoint "
-                             f"{config.replay_endpoint!r}") from None
+            raise ValueError(f"--kv-events-config: cannot open the endpoint "
+                             f"{config.endpoint!r} / replay_endpoint "
+                             f"{config.replay_endpoint!r}: {exc}") from None
         self._last_drop_log = 0.0
         self._thread = threading.Thread(target=self._run, name="zmq-kv-events", daemon=True)
         self._thread.start()

@@ -165,3 +165,18 @@ def test_kv_events_config_defaults_are_vllms():
     second = parse_kv_events_config(
         '{"enable_kv_cache_events": true, "replay_endpoint": "tcp://*:5600"}').with_port_offset(1)
     assert (second.endpoint, second.replay_endpoint) == ("tcp://*:5558", "tcp://*:5601")
+
+
+def test_a_taken_replay_endpoint_is_a_clear_error(tmp_path):
+    ctx = zmq.Context()
+    taken = ctx.socket(zmq.ROUTER)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        config = parse_kv_events_config(
+            f'{{"enable_kv_cache_events": true, "endpoint": "ipc://{tmp_path}/kv", '
+            f'"replay_endpoint": "tcp://127.0.0.1:{port}"}}')
+        with pytest.raises(ValueError, match=f"cannot open .*127.0.0.1:{port}.*in use"):
+            ZmqKvEventPublisher(config)
+    finally:
+        taken.close(linger=0)
+        ctx.term()
