@@ -151,6 +151,8 @@ class CacheConfig:
     kv_cache_memory_bytes: int = 2 * 1024**3
     gpu_memory_utilization: float = 0.9
     prefix_hash_seed: str = DEFAULT_PREFIX_HASH_SEED
+    # --prefix-caching-hash-algo (pagoda.core.block_hash): the same in every service.
+    prefix_caching_hash_algo: str = "pagoda"
     num_blocks: int = 0  # resolved at start-up
     # The model's window when every layer slides (`ModelArchConfig.kv_cache_sliding_window`):
     # blocks wholly before it are freed while a request runs. None keeps every block.

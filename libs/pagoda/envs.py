@@ -69,6 +69,9 @@ VARIABLES = {v.name: v for v in [
     EnvVar("PAGODA_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING", _bool,
            False, "1: the gateway serves POST /v1/load_lora_adapter and "
            "/v1/unload_lora_adapter (--allow-runtime-lora-updating)."),
+    EnvVar("PAGODA_KV_EVENTS_USE_INT_BLOCK_HASHES", "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", _bool,
+           True, "With --kv-events-config: 1 sends each block hash as the integer of its "
+           "last 8 bytes (big-endian, vLLM's default), 0 as the whole digest (bytes)."),
 ]}
 
 

@@ -28,6 +28,7 @@ import threading
 import pagoda.envs as envs
 import pagoda.tracing as tracing
 from pagoda.services.cli.download import hub_flags, prefetch_for_serve
+from pagoda.services.scheduler.kv_events_config import parse_kv_events_config
 from pagoda.services.cli.serve_roles import (add_role_args, plan_replicas, role_problem,
                                              scheduler_kv_flags)
 from pagoda.services.cli.local_cluster import LocalCluster, ServiceFailed, ServiceProcess
@@ -108,6 +109,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="Deadline of one model step (passed to the schedulers; default "
                              "300, 0: none): a replica whose step runs longer fails, and its "
                              "streams move to other replicas.")
+    parser.add_argument("--kv-events-config", default=None,
+                        help="vLLM's KV events JSON, passed to every scheduler (replica i "
+                             "publishes on the endpoint's port + i, as vLLM's DP ranks do).")
     add_role_args(parser)
     add_supervision_args(parser)
     add_prefix_pull_args(parser.add_argument_group(
@@ -219,6 +223,8 @@ def build_services(args: argparse.Namespace, redis_url: str,
     engine = engine_flags(args)
     seed = (["--prefix-cache-hash-seed", args.prefix_cache_hash_seed]
             if "--prefix-cache-hash-seed" in engine else [])
+    seed += (["--prefix-caching-hash-algo", args.prefix_caching_hash_algo]
+             if "--prefix-caching-hash-algo" in engine else [])
 
     def cmd(kind: str, *extra: str) -> list[str]:
         return [sys.executable, "-m", "pagoda.services.cli.main", kind, *extra]
@@ -256,7 +262,7 @@ def build_services(args: argparse.Namespace, redis_url: str,
                          "--worker-addr", addr[worker],
                          "--kv-cache-manager-addr", addr["kv-cache-manager"],
                          "--drain-timeout", str(args.drain_timeout),
-                         *_execute_model_timeout(args),
+                         *_execute_model_timeout(args), *_kv_events_flags(args, i),
                          *plan.kv_flags, *scheduler_kv_flags(args), replica=i),
         ]
     services.append(ServiceProcess(
@@ -299,6 +305,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.tokenizer_replicas < 1:
         _say(f"error: --tokenizer-replicas must be at least 1, got {args.tokenizer_replicas}")
+        return 2
+    try:
+        parse_kv_events_config(args.kv_events_config)
+    except ValueError as exc:
+        _say(f"error: {exc}")
         return 2
     if restart_policy(args).problem():
         _say(f"error: {restart_policy(args).problem()}")
@@ -385,6 +396,12 @@ def api_server_flags(args: argparse.Namespace) -> list[str]:
     pid_file = ["--api-server-pid-file", args.api_server_pid_file] \
         if args.api_server_pid_file else []
     return ["--api-server-count", str(args.api_server_count), *pid_file]
+
+
+def _kv_events_flags(args: argparse.Namespace, replica: int) -> list[str]:
+    config = parse_kv_events_config(args.kv_events_config)
+    return [] if config is None else ["--kv-events-config",
+                                      config.with_port_offset(replica).to_json()]
 
 
 def _execute_model_timeout(args: argparse.Namespace) -> list[str]:

@@ -39,7 +39,7 @@ import time
 import grpc
 
 import pagoda.tracing as tracing
-from pagoda.core.block_hash import hash_request_tokens, request_keys
+from pagoda.core.block_hash import DEFAULT_HASH_ALGO, hash_request_tokens, request_keys
 from pagoda.kv_transfer.imports import ImportPlan, commit_import, plan_import, release_import
 from pagoda.messages import EngineCoreRequest
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2 as pb
@@ -107,7 +107,8 @@ class KvConsumer:
         metrics = kv_transfer_metrics()
         hashes = hash_request_tokens(request.prompt_token_ids, self.info.block_size,
                                      self.info.prefix_hash_seed,
-                                     request_keys(request.cache_salt, request.lora_key))
+                                     request_keys(request.cache_salt, request.lora_key),
+                                     algo=self.info.prefix_caching_hash_algo or DEFAULT_HASH_ALGO)
         if list(params.block_hashes) != hashes[:len(params.block_hashes)]:
             metrics.failures.labels("hash_mismatch").inc()
             metrics.fallbacks.labels("recompute").inc()

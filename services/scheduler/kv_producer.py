@@ -26,7 +26,7 @@ import threading
 
 import grpc
 
-from pagoda.core.block_hash import hash_request_tokens, request_keys
+from pagoda.core.block_hash import DEFAULT_HASH_ALGO, hash_request_tokens, request_keys
 from pagoda.kv_transfer.leases import LeaseTable
 from pagoda.kv_transfer.params import KVTransferParams
 from pagoda.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
@@ -65,7 +65,8 @@ class KvProducer:
         """Called before the request is submitted: lease its blocks when it finishes."""
         hashes = hash_request_tokens(request.prompt_token_ids, self.info.block_size,
                                      self.info.prefix_hash_seed,
-                                     request_keys(request.cache_salt, request.lora_key))
+                                     request_keys(request.cache_salt, request.lora_key),
+                                     algo=self.info.prefix_caching_hash_algo or DEFAULT_HASH_ALGO)
         with self._lock:
             self._expected[request.request_id] = (hashes, list(request.prompt_token_ids))
 

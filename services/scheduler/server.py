@@ -26,6 +26,7 @@ from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.engine_core import EngineCore, make_structured_output_manager
 from pagoda.services.scheduler.drain import drain
 from pagoda.services.scheduler.engine_loop import EngineLoop
+from pagoda.services.scheduler.kv_events_config import parse_kv_events_config
 from pagoda.services.scheduler.kv_publisher import KvEventPublisher
 from pagoda.services.scheduler.kv_role import (add_lease_service, build_hooks, describe_role,
                                                fetch_worker_layout,
@@ -33,6 +34,7 @@ from pagoda.services.scheduler.kv_role import (add_lease_service, build_hooks, d
 from pagoda.services.scheduler.metrics import KvPublisherMetrics, build_recorder
 from pagoda.services.scheduler.servicer import SchedulerServicer
 from pagoda.services.scheduler.worker_executor import GrpcWorkerExecutor
+from pagoda.services.scheduler.zmq_kv_events import ZmqKvEventPublisher
 
 DEFAULT_PORT = 50052
 # vLLM's default for VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS: far above any real step
@@ -70,6 +72,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heartbeat-interval", type=float, default=1.0,
                         help="Seconds between heartbeats to the kv-cache-manager when no KV "
                              "event batch went out (keep it well under its --heartbeat-timeout).")
+    parser.add_argument("--kv-events-config", default=None,
+                        help="vLLM's KV events JSON, e.g. '{\"enable_kv_cache_events\": true, "
+                             "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}': "
+                             "publishes this replica's KV events in vLLM's ZMQ format "
+                             "(for llm-d's kv-cache indexer), besides the kv-cache-manager's.")
     EngineArgs.add_cli_args(parser)
     add_kv_transfer_args(parser, timeouts=True)
     stat_logger.add_cli_args(parser)
@@ -80,6 +87,10 @@ def main(args: argparse.Namespace) -> int:
     grpc_channels.configure_from_args(args)  # before the worker channel is made
     tracing.init_tracing("scheduler", args.otlp_traces_endpoint)
     config = EngineArgs.from_cli_args(args).create_engine_config()
+    try:  # before loading anything: a bad value is the operator's to fix
+        args.kv_events = parse_kv_events_config(args.kv_events_config)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     role = kv_transfer_config(args)
     refuse_kv_transfer_without_kv_cache(args, config)  # before waiting for the worker
     require_prefix_caching(role, config.cache.enable_prefix_caching)  # before any connection
@@ -129,6 +140,7 @@ def model_info(config, instance_id: str) -> pb.GetModelInfoResponse:
         model=config.model, max_model_len=config.scheduler.max_model_len,
         block_size=config.cache.block_size, num_gpu_blocks=config.cache.num_blocks,
         instance_id=instance_id, prefix_hash_seed=config.cache.prefix_hash_seed,
+        prefix_caching_hash_algo=config.cache.prefix_caching_hash_algo,
         served_model_name=config.served_model_name, epoch=uuid.uuid4().hex)
     if config.lora is not None:  # --enable-lora: the gateway routes adapters by these
         info.max_cpu_loras = config.lora.max_cpu_loras
@@ -150,6 +162,16 @@ async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,
                                      info.block_size, info.epoch,
                                      metrics=KvPublisherMetrics(info.served_model_name[0]),
                                      heartbeat_interval=args.kv_heartbeat_interval).start()
+    kv_events = getattr(args, "kv_events", None)  # --kv-events-config, parsed by main
+    try:
+        zmq_events = (ZmqKvEventPublisher(kv_events) if kv_events and kv_events.publishes
+                      else None)
+    except ValueError as exc:  # the endpoint is taken or malformed: the operator's to fix
+        if publisher is not None:
+            publisher.stop()
+        raise SystemExit(str(exc)) from None
+    # One list of events per step, to every consumer in the same order.
+    consumers = [p.publish for p in (publisher, zmq_events) if p is not None]
     health_servicer = health.aio.HealthServicer()
     servicer: SchedulerServicer | None = None
 
@@ -171,7 +193,7 @@ async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,
 
     engine = EngineLoop(core, lambda outs: (servicer.kv_transfer.on_outputs(outs),
                                             servicer.on_outputs(outs)),
-                        publisher.publish if publisher else (lambda events: None), on_failure,
+                        lambda events: [publish(events) for publish in consumers], on_failure,
                         recorder, on_request_failed=lambda *failed: servicer.on_request_failed(
                             *failed))
     servicer = SchedulerServicer(engine, info, eos_token_ids)
@@ -210,6 +232,8 @@ async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,
     engine.stop()
     if publisher is not None:
         publisher.stop(deregister=True)
+    if zmq_events is not None:
+        zmq_events.stop()
     # `metrics` stays open until the process exits (see drain.py): never stop it here.
     logger.info("scheduler stopped")
     return engine.failure is not None

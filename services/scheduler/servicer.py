@@ -216,7 +216,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
 
     async def HashBlocks(self, request: pb.HashBlocksRequest, context) -> pb.HashBlocksResponse:
         try:
-            return hash_blocks(request, self.model_info.prefix_hash_seed)
+            return hash_blocks(request, self.model_info.prefix_hash_seed,
+                               self.model_info.prefix_caching_hash_algo)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 

@@ -7,6 +7,7 @@ import logging
 
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
 from pagoda.config import DEFAULT_PREFIX_HASH_SEED
+from pagoda.core.block_hash import DEFAULT_HASH_ALGO
 from pagoda.engine.arg_utils import add_hub_args
 from pagoda.services.common.grpc_server import add_server_args, serve_sync
 from pagoda.services.common.logs import setup_logging
@@ -28,6 +29,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-cache-hash-seed", default=DEFAULT_PREFIX_HASH_SEED,
                         help="Seed of the prefix-cache block hashes Tokenize returns; must equal "
                              "the schedulers'.")
+    parser.add_argument("--prefix-caching-hash-algo", default=DEFAULT_HASH_ALGO,
+                        help="Algorithm of those hashes (pagoda, or vLLM's sha256 / "
+                             "sha256_cbor); must equal the schedulers'.")
     parser.add_argument("--chat-template", default=None,
                         help="The chat template to use instead of the model's: a file, or the "
                              "template itself (vLLM's reading).")
@@ -70,7 +74,8 @@ def template_limits_from_args(args: argparse.Namespace):
 def build_servicer(model: str | None, tokenizer_path: str | None = None,
                    prefix_hash_seed: str = DEFAULT_PREFIX_HASH_SEED,
                    chat_template: str | None = None, revision: str | None = None,
-                   tokenizer_revision: str | None = None, download_dir: str | None = None):
+                   tokenizer_revision: str | None = None, download_dir: str | None = None,
+                   prefix_caching_hash_algo: str = DEFAULT_HASH_ALGO):
     # lazy: the model and tokenizer loaders bring torch and transformers; the CLI imports this
     # module for its flags
     from pagoda.model.loader import load_arch_config, resolve_model_path
@@ -87,7 +92,7 @@ def build_servicer(model: str | None, tokenizer_path: str | None = None,
     if not eos and tokenizer.eos_token_id is not None:
         eos = [tokenizer.eos_token_id]
     logger.info("tokenizer of %s loaded (vocab %d)", model_path, len(tokenizer))
-    return TokenizerServicer(tokenizer, model_path, eos, prefix_hash_seed)
+    return TokenizerServicer(tokenizer, model_path, eos, prefix_hash_seed, prefix_caching_hash_algo)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -95,7 +100,7 @@ def main(args: argparse.Namespace) -> int:
     limits = template_limits_from_args(args)
     servicer = build_servicer(args.model, args.tokenizer, args.prefix_cache_hash_seed,
                               args.chat_template, args.revision, args.tokenizer_revision,
-                              args.download_dir)
+                              args.download_dir, args.prefix_caching_hash_algo)
     servicer.template_limits = limits
     serve_sync("tokenizer", args,
                [(pb_grpc.add_TokenizerServiceServicer_to_server, servicer, SERVICE_NAME)],

@@ -11,7 +11,8 @@ import grpc
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as pb
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
 from pagoda.config import DEFAULT_PREFIX_HASH_SEED
-from pagoda.core.block_hash import hash_request_tokens, request_keys
+from pagoda.core.block_hash import (DEFAULT_HASH_ALGO, check_hash_algo, hash_request_tokens,
+                                     request_keys)
 from pagoda.services.common.protocol.sampling_params import decode_options_from_proto
 from pagoda.services.common.protocol.tokenizer import chat_input_from_proto
 from pagoda.services.tokenizer.metrics import timed, tokenizer_metrics
@@ -30,11 +31,13 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
     template_limits: TemplateLimits | None = None
 
     def __init__(self, tokenizer: Any, model: str, eos_token_ids: list[int],
-                 prefix_hash_seed: str = DEFAULT_PREFIX_HASH_SEED) -> None:
+                 prefix_hash_seed: str = DEFAULT_PREFIX_HASH_SEED,
+                 prefix_caching_hash_algo: str = DEFAULT_HASH_ALGO) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.eos_token_ids = eos_token_ids
         self.prefix_hash_seed = prefix_hash_seed
+        self.prefix_caching_hash_algo = check_hash_algo(prefix_caching_hash_algo)
         self.vocab_size = len(tokenizer)
         # id -> decode([id]); a pure function of the id, so it is cached for good
         # (bounded by the vocabulary). Logprobs ask for the same few ids again and again.
@@ -60,7 +63,8 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         if request.block_size > 0:
             response.block_hashes.extend(hash_request_tokens(
                 token_ids, request.block_size, self.prefix_hash_seed,
-                request_keys(request.cache_salt, request.lora_key)))
+                request_keys(request.cache_salt, request.lora_key),
+                algo=self.prefix_caching_hash_algo))
         if request.return_token_strs:
             response.token_strs.extend(self.tokenizer.convert_ids_to_tokens(token_ids))
         return response
@@ -127,7 +131,8 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         return pb.GetTokenizerInfoResponse(
             model=self.model, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,
             has_chat_template=getattr(self.tokenizer, "chat_template", None) is not None,
-            prefix_hash_seed=self.prefix_hash_seed)
+            prefix_hash_seed=self.prefix_hash_seed,
+            prefix_caching_hash_algo=self.prefix_caching_hash_algo)
 
     def _decode_one(self, decoders: dict[str, StopAwareDecoder], item: pb.DecodeInput
                     ) -> pb.DecodeResult | None:

@@ -243,6 +243,8 @@ def test_each_pool_has_its_own_tensor_parallel_size_and_gpu_count(chart):
     (("disaggregation.decode.gpuWorkerExtraArgs[0]=--dtype=float16",),
      "disaggregation.decode.gpuWorkerExtraArgs: --dtype=float16"),
     (("disaggregation.decode.extraArgs[0]=--model",), "set once for both pools"),
+    (("disaggregation.decode.extraArgs[0]=--prefix-caching-hash-algo=sha256_cbor",),
+     "set once for both pools"),
     (("scheduler.extraArgs[0]=--kv-transfer-config={}",), "set per pool by the chart"),
     (("disaggregation.prefill.replicas=-1",), "/disaggregation/prefill/replicas"),
     (("disaggregation.decode.bogus=1",), "/disaggregation/decode"),

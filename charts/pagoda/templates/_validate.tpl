@@ -99,7 +99,7 @@ with a message naming the values, so no combination of values silently disagrees
 {{- end -}}
 {{- range $key := list "extraArgs" "gpuWorkerExtraArgs" -}}
 {{- range $arg := index $p $key -}}
-{{- if regexMatch "^(--(model|revision|tokenizer|block-size|dtype|kv-cache-dtype|quantization|device|prefix-cache-hash-seed|tensor-parallel-size|pipeline-parallel-size|kv-transfer-config|kv-advertise-host)|-tp|-pp|-q)(=|$)" $arg -}}
+{{- if regexMatch "^(--(model|revision|tokenizer|block-size|dtype|kv-cache-dtype|quantization|device|prefix-cache-hash-seed|prefix-caching-hash-algo|tensor-parallel-size|pipeline-parallel-size|kv-transfer-config|kv-advertise-host)|-tp|-pp|-q)(=|$)" $arg -}}
 {{- fail (printf "disaggregation.%s.%s: %s is set once for both pools (global, gpuWorker.dtype) or by the chart per pool, so prefill and decode cannot disagree" $name $key $arg) -}}
 {{- end -}}
 {{- end -}}

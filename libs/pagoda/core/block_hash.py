@@ -7,28 +7,81 @@ equal prefixes (up to sha256 collisions, which the block pool still guards
 against by comparing stored token ids on a hit). The seed is a configured string,
 never random: the tokenizer service computes the same hashes as the scheduler,
 which is what makes KV-aware routing possible.
+
+The algorithm is `--prefix-caching-hash-algo` (vLLM's flag), the same on every
+service (the gateway's start-up probe compares the tokenizer's and each
+scheduler's hashes):
+
+* `pagoda` (the default): the scheme above, seeded with `pagoda-root:<seed>`.
+* `sha256`: vLLM's `sha256`, sha256 of `pickle.dumps((parent, tuple(token_ids),
+  extra_keys), protocol=pickle.HIGHEST_PROTOCOL)`.
+* `sha256_cbor`: vLLM's `sha256_cbor`, sha256 of the canonical CBOR of the same
+  triple: language-neutral, what llm-d's kv-cache indexer recomputes.
+
+For vLLM's two, the first block's parent is vLLM's NONE_HASH: vLLM computes it as
+`hash_fn(os.environ["PYTHONHASHSEED"])` (a random value when that is unset, so
+no two processes agree); here it is `hash_fn(seed)` with the configured
+`--prefix-cache-hash-seed` string, so set that equal to the PYTHONHASHSEED of the
+vLLM pods / the llm-d indexer's hash seed. vLLM's xxhash variants are refused.
 """
 
 from __future__ import annotations
 
 import hashlib
+import pickle
 import struct
-from typing import NewType, Sequence
+from typing import Any, NewType, Sequence
+
+import cbor2
 
 BlockHash = NewType("BlockHash", bytes)
 
+DEFAULT_HASH_ALGO = "pagoda"
+HASH_ALGOS = ("pagoda", "sha256", "sha256_cbor")
+# vLLM's choices that Pagoda does not implement (their serialisation has changed
+# between vLLM releases): refused with a clear error rather than hashed differently.
+UNSUPPORTED_HASH_ALGOS = ("xxhash", "xxhash_cbor")
 
-def root_hash(seed: str) -> BlockHash:
-    """The parent hash of a sequence's first block."""
-    return BlockHash(hashlib.sha256(b"pagoda-root:" + seed.encode()).digest())
+
+def check_hash_algo(algo: str) -> str:
+    """`algo` if Pagoda implements it, else a ValueError naming the choices."""
+    if algo in HASH_ALGOS:
+        return algo
+    why = (" (vLLM's xxhash variants are not implemented by Pagoda)"
+           if algo in UNSUPPORTED_HASH_ALGOS else "")
+    raise ValueError(f"prefix_caching_hash_algo must be one of {', '.join(HASH_ALGOS)}; "
+                     f"got {algo!r}{why}")
+
+
+def _vllm_sha256(obj: Any) -> bytes:
+    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def _vllm_sha256_cbor(obj: Any) -> bytes:
+    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+
+_VLLM_HASH_FNS = {"sha256": _vllm_sha256, "sha256_cbor": _vllm_sha256_cbor}
+
+
+def root_hash(seed: str, algo: str = DEFAULT_HASH_ALGO) -> BlockHash:
+    """The parent hash of a sequence's first block (vLLM's NONE_HASH for its algos)."""
+    if algo == DEFAULT_HASH_ALGO:
+        return BlockHash(hashlib.sha256(b"pagoda-root:" + seed.encode()).digest())
+    return BlockHash(_VLLM_HASH_FNS[check_hash_algo(algo)](seed))
 
 
 def hash_block_tokens(
     parent_hash: BlockHash,
     token_ids: Sequence[int],
     extra_keys: Sequence[object] | None = None,
+    algo: str = DEFAULT_HASH_ALGO,
 ) -> BlockHash:
     """Hash one full block given its parent's hash (the root hash for block 0)."""
+    if algo != DEFAULT_HASH_ALGO:
+        keys = tuple(extra_keys) if extra_keys else None
+        return BlockHash(_VLLM_HASH_FNS[check_hash_algo(algo)](
+            (parent_hash, tuple(token_ids), keys)))
     h = hashlib.sha256(parent_hash)
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     if extra_keys:
@@ -55,6 +108,7 @@ def hash_request_tokens(
     seed: str,
     extra_keys: Sequence[object] | None = None,
     start_hashes: Sequence[BlockHash] = (),
+    algo: str = DEFAULT_HASH_ALGO,
 ) -> list[BlockHash]:
     """Hashes of every full block of `token_ids` (a trailing partial block has none).
 
@@ -62,8 +116,8 @@ def hash_request_tokens(
     sequence only hashes its new full blocks.
     """
     hashes = list(start_hashes)
-    parent = hashes[-1] if hashes else root_hash(seed)
+    parent = hashes[-1] if hashes else root_hash(seed, algo)
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra_keys)
+        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra_keys, algo)
         hashes.append(parent)
     return hashes

@@ -5,7 +5,8 @@ from __future__ import annotations
 import enum
 import time
 
-from pagoda.core.block_hash import BlockHash, hash_request_tokens, request_keys
+from pagoda.core.block_hash import (DEFAULT_HASH_ALGO, BlockHash, hash_request_tokens,
+                                     request_keys)
 from pagoda.messages import EngineCoreRequest, FinishReason
 from pagoda.repetition_detection import REPETITION_STOP_REASON, check_sequence_repetition
 from pagoda.sampling_params import SamplingParams
@@ -33,7 +34,7 @@ class Request:
     """
 
     def __init__(self, core_request: EngineCoreRequest, block_size: int, hash_seed: str,
-                 max_model_len: int) -> None:
+                 max_model_len: int, hash_algo: str = DEFAULT_HASH_ALGO) -> None:
         self.request_id = core_request.request_id
         self.sampling_params: SamplingParams = core_request.sampling_params
         # A pooling request: its prompt runs once, then it finishes with the pooled vector.
@@ -68,6 +69,7 @@ class Request:
         self.max_tokens = min(params.max_tokens, remaining) if params.max_tokens else remaining
         self._block_size = block_size
         self._hash_seed = hash_seed
+        self._hash_algo = hash_algo
         self.lora_request = core_request.lora_request
         self._extra_keys = request_keys(core_request.cache_salt, core_request.lora_key)
         self.block_hashes: list[BlockHash] = []
@@ -117,7 +119,7 @@ class Request:
     def _update_block_hashes(self) -> None:
         self.block_hashes = hash_request_tokens(
             self.all_token_ids, self._block_size, self._hash_seed, self._extra_keys,
-            start_hashes=self.block_hashes)
+            start_hashes=self.block_hashes, algo=self._hash_algo)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, "

@@ -114,7 +114,7 @@ class Scheduler:
         if core_request.request_id in self.requests:
             raise ValueError(f"request id {core_request.request_id!r} is already in use")
         request = Request(core_request, self.block_size, self.cache_config.prefix_hash_seed,
-                          self.config.max_model_len)
+                          self.config.max_model_len, self.cache_config.prefix_caching_hash_algo)
         for hook in self.hooks:
             hook.on_add(request)  # ValueError: e.g. an invalid constraint, never queued
         self.requests[request.request_id] = request

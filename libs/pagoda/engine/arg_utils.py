@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 from dataclasses import dataclass, fields
 
+from pagoda.core.block_hash import DEFAULT_HASH_ALGO, check_hash_algo
 from pagoda.config import (DEFAULT_MAX_LOGPROBS, DEFAULT_PREFIX_HASH_SEED, CacheConfig,
                            EngineConfig, SchedulerConfig, StructuredOutputsConfig)
 import pagoda.envs as envs
@@ -53,6 +54,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     enforce_eager: bool = False
     prefix_cache_hash_seed: str = DEFAULT_PREFIX_HASH_SEED
+    prefix_caching_hash_algo: str = DEFAULT_HASH_ALGO
     device: str = "auto"
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     generation_config: str = "auto"
@@ -141,7 +143,12 @@ class EngineArgs:
                                  "when installed and the group has more than one rank, else mp).")
         parser.add_argument("--enforce-eager", action="store_true")
         parser.add_argument("--prefix-cache-hash-seed", default=DEFAULT_PREFIX_HASH_SEED,
-                            help="Seed of the prefix-cache block hashes; identical in every process.")
+                            help="Seed of the prefix-cache block hashes; identical in every process "
+                                 "(for vLLM's algorithms: the string vLLM reads from PYTHONHASHSEED).")
+        parser.add_argument("--prefix-caching-hash-algo", default=DEFAULT_HASH_ALGO,
+                            help="Block hash algorithm, identical in every process: pagoda "
+                                 "(default), or vLLM's sha256 / sha256_cbor (sha256_cbor: what "
+                                 "llm-d's kv-cache indexer computes).")
         parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
         parser.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                             help="Most logprobs (and prompt_logprobs) a request may ask for; "
@@ -268,6 +275,7 @@ class EngineArgs:
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             gpu_memory_utilization=self.gpu_memory_utilization,
             prefix_hash_seed=self.prefix_cache_hash_seed,
+            prefix_caching_hash_algo=check_hash_algo(self.prefix_caching_hash_algo),
             sliding_window=arch.kv_cache_sliding_window)
         if self.kv_cache_memory_bytes:
             cache.kv_cache_memory_bytes = self.kv_cache_memory_bytes

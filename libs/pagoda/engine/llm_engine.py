@@ -101,6 +101,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         step_start = time.time()
         core_outputs = self.core.step()
+        # Nothing consumes the block pool's KV events offline (a scheduler service ships
+        # them): drop them each step so the list does not grow for the engine's lifetime.
+        self.core.take_kv_events()
         if self.stats is not None:
             self.stats.on_step(self.core, step_start, core_outputs)
         failed = {**self.core.take_rejected(), **self.core.take_invalid()}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagoda.core.block_hash import hash_request_tokens, request_keys
+from pagoda.core.block_hash import DEFAULT_HASH_ALGO, hash_request_tokens, request_keys
 from pagoda.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from pagoda.repetition_detection import REPETITION_STOP_REASON
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as pb
@@ -157,12 +157,15 @@ def response_to_output(request_id: str, msg: pb.GenerateResponse) -> EngineCoreO
     )
 
 
-def hash_blocks(request: pb.HashBlocksRequest, prefix_hash_seed: str) -> pb.HashBlocksResponse:
+def hash_blocks(request: pb.HashBlocksRequest, prefix_hash_seed: str,
+                hash_algo: str = "") -> pb.HashBlocksResponse:
     """A prompt's block hashes exactly as the engine's `Request` computes them (the
     same library function, salt and adapter keyed by `request_keys`). Raises ValueError for a
     block size below 1."""
     if request.block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {request.block_size}")
+    algo = hash_algo or DEFAULT_HASH_ALGO
     hashes = hash_request_tokens(list(request.token_ids), request.block_size, prefix_hash_seed,
-                                 request_keys(request.cache_salt, request.lora_key))
-    return pb.HashBlocksResponse(block_hashes=hashes, prefix_hash_seed=prefix_hash_seed)
+                                 request_keys(request.cache_salt, request.lora_key), algo=algo)
+    return pb.HashBlocksResponse(block_hashes=hashes, prefix_hash_seed=prefix_hash_seed,
+                                 prefix_caching_hash_algo=algo)

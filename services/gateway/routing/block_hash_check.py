@@ -47,9 +47,12 @@ async def check_block_hashes(tokenizer_stub, scheduler_stub, info: spb.GetModelI
             raise
         if list(ours.block_hashes) != list(theirs.block_hashes):
             return (f"block hashes differ from the tokenizer's (salt {salt!r}, LoRA key "
-                    f"{lora_key!r}; seeds: "
+                    f"{lora_key!r}; algorithms: tokenizer "
+                    f"{tokenizer_info.prefix_caching_hash_algo or 'pagoda'!r}, scheduler "
+                    f"{theirs.prefix_caching_hash_algo or 'pagoda'!r}; seeds: "
                     f"tokenizer {tokenizer_info.prefix_hash_seed!r}, scheduler "
                     f"{theirs.prefix_hash_seed!r}; block size {info.block_size}): "
                     f"KV-aware routing would never find a cached prefix. Give every "
-                    f"service the same --prefix-cache-hash-seed and Pagoda version")
+                    f"service the same --prefix-cache-hash-seed, --prefix-caching-hash-algo "
+                    f"and Pagoda version")
     return None

@@ -36,31 +36,35 @@ class TinyTokenizer:
 class HashingScheduler(spb_grpc.SchedulerServiceServicer):
     """A scheduler that serves model info and hashes with its own seed."""
 
-    def __init__(self, seed: str, instance_id: str = "s0") -> None:
+    def __init__(self, seed: str, instance_id: str = "s0", algo: str = "") -> None:
         self.seed = seed
         self.instance_id = instance_id
+        self.algo = algo  # --prefix-caching-hash-algo ("": the default)
 
     def GetModelInfo(self, request, context):
         return spb.GetModelInfoResponse(model="m", max_model_len=512, block_size=4,
                                         instance_id=self.instance_id, prefix_hash_seed=self.seed,
-                                        served_model_name=["m"])
+                                        served_model_name=["m"],
+                                        prefix_caching_hash_algo=self.algo)
 
     def GetLoad(self, request, context):
         return spb.GetLoadResponse(serving=True)
 
     def HashBlocks(self, request, context):
-        return hash_blocks(request, self.seed)
+        return hash_blocks(request, self.seed, self.algo)
 
 
 @pytest.fixture
 def peers_at(grpc_server_factory):
-    def start(tokenizer_seed: str, scheduler_seeds: list[str]) -> tuple[str, list[str]]:
+    def start(tokenizer_seed: str, scheduler_seeds: list[str], tokenizer_algo: str = "pagoda",
+              scheduler_algos: list[str] | None = None) -> tuple[str, list[str]]:
         tokenizer = grpc_server_factory(tpb_grpc.add_TokenizerServiceServicer_to_server,
                                         TokenizerServicer(TinyTokenizer(), "m", [2],
-                                                          tokenizer_seed))
+                                                          tokenizer_seed, tokenizer_algo))
+        algos = scheduler_algos or [""] * len(scheduler_seeds)
         schedulers = [grpc_server_factory(spb_grpc.add_SchedulerServiceServicer_to_server,
-                                          HashingScheduler(seed, f"s{i}"))
-                      for i, seed in enumerate(scheduler_seeds)]
+                                          HashingScheduler(seed, f"s{i}", algo))
+                      for i, (seed, algo) in enumerate(zip(scheduler_seeds, algos))]
         return tokenizer.address, [s.address for s in schedulers]
     return start
 
@@ -161,6 +165,26 @@ def test_replicas_whose_hashes_differ_get_no_traffic_and_stop_a_starting_gateway
     assert routable == {schedulers[0]: True, schedulers[1]: False}
     assert not healthy and len(fatal) == 1
     assert "seed-a" in fatal[0] and "seed-b" in fatal[0] and schedulers[1] in fatal[0]
+
+
+def test_the_hash_algorithm_must_match_too(peers_at):
+    """--prefix-caching-hash-algo reaches the tokenizer and HashBlocks: equal algorithms
+    agree, another one (same seed) is a mismatch that names both algorithms."""
+    tokenizer, schedulers = peers_at("0", ["0", "0"], "sha256_cbor", ["sha256_cbor", ""])
+    fatal: list[str] = []
+
+    async def run():
+        peers = Peers(tokenizer, ",".join(schedulers), on_fatal=fatal.append)
+        peers.use_prefix_index("127.0.0.1:1")
+        try:
+            await peers.refresh()
+            return {s.address: s.is_routable() for s in peers.schedulers}
+        finally:
+            await peers.close()
+
+    assert asyncio.run(run()) == {schedulers[0]: True, schedulers[1]: False}
+    assert len(fatal) == 1 and "tokenizer 'sha256_cbor', scheduler 'pagoda'" in fatal[0]
+    assert "--prefix-caching-hash-algo" in fatal[0]
 
 
 def test_the_gateway_process_exits_loudly_on_a_hash_mismatch(peers_at):
