@@ -34,8 +34,9 @@ from pagoda.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from pagoda.simulated_device import SimulatedDeviceConfig
 
 logger = logging.getLogger(__name__)
-# Step records buffered before one append to `record_path`.
+# Step records buffered before one append to `record_path` (or this long at most).
 _RECORD_FLUSH_STEPS = 64
+_RECORD_FLUSH_S = 0.5
 # Token ids below this are left out (special and byte tokens in most vocabularies), so
 # the simulated text detokenizes to ordinary words.
 _LOWEST_TOKEN = 256
@@ -81,6 +82,7 @@ class SimulatedExecutor(Executor):
         self.num_blocks: int | None = None
         self.states: dict[str, _Request] = {}
         self._records: list[str] = []
+        self._flushed_at = time.monotonic()
         logger.info("simulated device: %.3f ms + %.4f ms per token per step (no model loaded)",
                     self.device.base_ms, self.device.per_token_ms)
 
@@ -216,7 +218,8 @@ class SimulatedExecutor(Executor):
             return
         self._records.append(f"{start:.6f} {time.time():.6f} {so.total_num_scheduled_tokens} "
                              f"{len(so.num_scheduled_tokens)}\n")
-        if len(self._records) >= _RECORD_FLUSH_STEPS:
+        if (len(self._records) >= _RECORD_FLUSH_STEPS
+                or time.monotonic() - self._flushed_at > _RECORD_FLUSH_S):
             self._flush()
 
     def _flush(self) -> None:
@@ -225,3 +228,4 @@ class SimulatedExecutor(Executor):
         with open(self.device.record_path, "a", encoding="utf-8") as f:
             f.writelines(self._records)
         self._records.clear()
+        self._flushed_at = time.monotonic()
