@@ -14,7 +14,8 @@ the short-request load (16 in / 16 out). One table row per (step, concurrency):
 - sched ms/step: the scheduler process's CPU (psutil, user + system) per step;
 - gw us/tok: the gateway's CPU (its API servers included) per streamed token;
 - ITL+ p50/p99: the clients' inter-token latency minus the step time;
-- short req/s: short requests completed per second (16 in / 16 out, ignore_eos);
+- short req/s: short requests completed per second (16 in / 16 out, ignore_eos), once
+  the cluster has dropped the cancelled streams (`drain_after_cancel_s` in the JSON);
 - client cores: this process's CPU seconds per second during the streaming window.
 
 Every process shares one machine with the clients, so the figures are a lower bound of
@@ -37,7 +38,8 @@ import httpx
 import psutil
 
 from pagoda.bench.stats import percentile
-from pagoda.services.bench.control_plane_load import idle_gaps, read_steps, run_window
+from pagoda.services.bench.control_plane_load import (idle_gaps, read_steps, run_window,
+                                                     wait_idle)
 from pagoda.services.bench.serve_child import ServeChild, cpu_seconds
 
 
@@ -95,6 +97,7 @@ def serve_flags(args: argparse.Namespace, step_ms: float, record_path: str) -> l
 
 async def measure_row(args, child: ServeChild, model: str, record: str, step_ms: float,
                       concurrency: int) -> dict:
+    await wait_idle(record)
     procs = child.service_processes()
     me = psutil.Process()
     t0 = time.time() + args.warmup
@@ -109,7 +112,8 @@ async def measure_row(args, child: ServeChild, model: str, record: str, step_ms:
     stats, *_ = await asyncio.gather(
         run_window(child.url, model, concurrency, args.input_words, args.output_len, t0, t1),
         snapshot(t0, "t0"), snapshot(t1, "t1"))
-    time.sleep(1.0)  # the record file flushes every 0.5 s
+    # The streams open at t1 were cancelled: how long the cluster takes to drop them.
+    drain_s = await wait_idle(record)
     steps = read_steps(record, t0, t1)
     gaps = idle_gaps(steps)
     used = {kind: cpu["t1"][kind] - cpu["t0"].get(kind, 0.0) for kind in cpu["t1"]}
@@ -128,12 +132,12 @@ async def measure_row(args, child: ServeChild, model: str, record: str, step_ms:
         "itl_added_p50_ms": (percentile(stats.itl, 50) - step_s) * 1e3 if stats.itl else None,
         "itl_added_p99_ms": (percentile(stats.itl, 99) - step_s) * 1e3 if stats.itl else None,
         "cores": {kind: round(v / wall, 3) for kind, v in used.items()},
+        "drain_after_cancel_s": drain_s,
         "errors": len(stats.errors), "first_error": stats.errors[0] if stats.errors else "",
     }
     row["ratio"] = row["tok_s"] / row["ideal_tok_s"]
     short = args.duration / 2 if args.short_duration is None else args.short_duration
     if short > 0:
-        await asyncio.sleep(1.0)
         s0 = time.time() + 2.0
         short_stats = await run_window(child.url, model, concurrency, args.short_input_words,
                                        args.short_output_len, s0, s0 + short)
@@ -141,7 +145,7 @@ async def measure_row(args, child: ServeChild, model: str, record: str, step_ms:
         row["short_prompt_tokens"] = (statistics.fmean(short_stats.prompt_tokens)
                                       if short_stats.prompt_tokens else None)
         row["short_errors"] = len(short_stats.errors)
-    await asyncio.sleep(1.0)  # the cancelled streams' aborts settle before the next row
+        await wait_idle(record)
     return row
 
 

@@ -124,3 +124,31 @@ def read_steps(path: str, t0: float, t1: float) -> list[tuple[float, float, int,
 def idle_gaps(steps: list[tuple[float, float, int, int]]) -> list[float]:
     """Seconds between one step's end and the next one's start."""
     return [b[0] - a[1] for a, b in zip(steps, steps[1:])]
+
+
+def last_step_end(path: str) -> float | None:
+    """When the device's latest recorded step ended (Unix seconds); None before any."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 256))
+            lines = f.read().decode(errors="replace").splitlines()
+    except FileNotFoundError:
+        return None
+    for line in reversed(lines):
+        parts = line.split()
+        if len(parts) == 4:
+            return float(parts[1])
+    return None
+
+
+async def wait_idle(path: str, quiet_s: float = 0.5, timeout: float = 120.0) -> float:
+    """Seconds until the device took no step for `quiet_s` (every request, aborted ones
+    included, is gone), at most `timeout`."""
+    start = time.time()
+    while time.time() - start < timeout:
+        end = last_step_end(path)
+        if end is None or time.time() - end > quiet_s:
+            return max(0.0, (end or start) - start)
+        await asyncio.sleep(0.1)
+    return timeout

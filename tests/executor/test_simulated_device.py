@@ -91,7 +91,7 @@ def test_kv_blocks_return_to_the_pool_after_finish_and_abort(tiny_llama_dir, tmp
     assert set(executor.states) == {later}
     assert ids[1] not in finished or finished[ids[1]].outputs[0].finish_reason == "abort"
     assert all(len(finished[i].outputs[0].token_ids) == 40 for i in ids if i != ids[1])
-    executor.shutdown()  # flushes the step record
+    executor.shutdown()  # closes the step record
     lines = [line.split() for line in record.read_text().splitlines()]
     assert len(lines) >= 40
     # Each step lasted at least the simulated 1 ms (sleep only lengthens it).

@@ -27,16 +27,16 @@ import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from pagoda.config import EngineConfig
+from pagoda.distributed.parallel_state import SINGLE
 from pagoda.executor.base import Executor
 from pagoda.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from pagoda.model.kv_cache import kv_cache_bytes_per_block, kv_cache_torch_dtype
 from pagoda.simulated_device import SimulatedDeviceConfig
 
 logger = logging.getLogger(__name__)
-# Step records buffered before one append to `record_path` (or this long at most).
-_RECORD_FLUSH_STEPS = 64
-_RECORD_FLUSH_S = 0.5
 # Token ids below this are left out (special and byte tokens in most vocabularies), so
 # the simulated text detokenizes to ordinary words.
 _LOWEST_TOKEN = 256
@@ -81,17 +81,15 @@ class SimulatedExecutor(Executor):
         self.lowest = _LOWEST_TOKEN if self.vocab_size > 4 * _LOWEST_TOKEN else 0
         self.num_blocks: int | None = None
         self.states: dict[str, _Request] = {}
-        self._records: list[str] = []
-        self._flushed_at = time.monotonic()
+        # Line-buffered: each step's line is in the file when the step returns (one
+        # write of microseconds, against a step of milliseconds).
+        self._record_file = (open(self.device.record_path, "a", buffering=1, encoding="utf-8")
+                             if self.device.record_path is not None else None)
         logger.info("simulated device: %.3f ms + %.4f ms per token per step (no model loaded)",
                     self.device.base_ms, self.device.per_token_ms)
 
     # ------------------------------------------------------------ Executor
     def determine_num_blocks(self) -> int:
-        from pagoda.distributed.parallel_state import SINGLE  # lazy: torch, once chosen
-        from pagoda.model.kv_cache import kv_cache_bytes_per_block, kv_cache_torch_dtype
-        import torch
-
         dtype = kv_cache_torch_dtype(self.config.kv_cache_dtype, getattr(torch, self.config.dtype))
         per_block = kv_cache_bytes_per_block(self.config.arch, self.config.cache.block_size,
                                              dtype, SINGLE)
@@ -120,7 +118,9 @@ class SimulatedExecutor(Executor):
         return output
 
     def shutdown(self) -> None:
-        self._flush()
+        if self._record_file is not None:
+            self._record_file.close()
+            self._record_file = None
 
     # ------------------------------------------------------------ the step
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -214,18 +214,7 @@ class SimulatedExecutor(Executor):
 
     # ------------------------------------------------------------ step record
     def _record(self, start: float, so: SchedulerOutput) -> None:
-        if self.device.record_path is None:
-            return
-        self._records.append(f"{start:.6f} {time.time():.6f} {so.total_num_scheduled_tokens} "
-                             f"{len(so.num_scheduled_tokens)}\n")
-        if (len(self._records) >= _RECORD_FLUSH_STEPS
-                or time.monotonic() - self._flushed_at > _RECORD_FLUSH_S):
-            self._flush()
-
-    def _flush(self) -> None:
-        if self.device.record_path is None or not self._records:
-            return
-        with open(self.device.record_path, "a", encoding="utf-8") as f:
-            f.writelines(self._records)
-        self._records.clear()
-        self._flushed_at = time.monotonic()
+        if self._record_file is not None:
+            self._record_file.write(f"{start:.6f} {time.time():.6f} "
+                                    f"{so.total_num_scheduled_tokens} "
+                                    f"{len(so.num_scheduled_tokens)}\n")
