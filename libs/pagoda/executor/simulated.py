@@ -15,6 +15,8 @@ Invariants:
   `eos_after - 1` the model's first EOS id.
 - A request samples exactly when a real step would: when the step reaches the end of
   its known tokens (a partial prefill chunk samples nothing).
+- Logprobs, when asked, are made up: the sampled token at 0.0 (rank 1), k other ids at
+  -20.0; prompt logprobs likewise name the real prompt tokens at 0.0.
 - The worker keeps a request's state from its first plan until it is finished,
   aborted or preempted (the plan's finished/preempted ids), like the model runner.
 """
@@ -109,6 +111,8 @@ class SimulatedExecutor(Executor):
             raise RuntimeError("initialize_kv_cache must run before a step")
         so = scheduler_output
         self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:  # only news of finished requests: no step
+            return ModelRunnerOutput.empty()
         output = self._outputs(so)
         # Sleep out the rest of the simulated step: the bookkeeping above is inside it.
         remaining = start + self.device.step_seconds(so.total_num_scheduled_tokens) - time.time()
