@@ -36,7 +36,6 @@ from pagoda.distributed.parallel_state import SINGLE
 from pagoda.executor.base import Executor
 from pagoda.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from pagoda.model.kv_cache import kv_cache_bytes_per_block, kv_cache_torch_dtype
-from pagoda.simulated_device import SimulatedDeviceConfig
 
 logger = logging.getLogger(__name__)
 # Token ids below this are left out (special and byte tokens in most vocabularies), so
