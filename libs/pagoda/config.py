@@ -12,6 +12,7 @@ from pagoda.json_flag import json_object
 from pagoda.lora.config import LoRAConfig
 from pagoda.reasoning import get_reasoning_parser
 from pagoda.reasoning.budget import ReasoningConfig
+from pagoda.simulated_device import SimulatedDeviceConfig
 from pagoda.spec_decode.config import SpeculativeConfig
 from pagoda.structured_output.backend import resolve_backend_name
 
@@ -302,6 +303,9 @@ class EngineConfig:
     enable_sleep_mode: bool = False
     # vLLM's weight_transfer_config ({"backend": "gloo" | "nccl"}; None: by device).
     weight_transfer_config: dict | None = None
+    # --simulated-device (benchmarks): a device that sleeps each step and loads no
+    # weights (pagoda.executor.simulated); None, the default: the real model runner.
+    simulated_device: SimulatedDeviceConfig | None = None
 
     @property
     def world_size(self) -> int:

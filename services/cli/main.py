@@ -33,6 +33,7 @@ BENCH_MODULES = [
     "pagoda.bench.latency",     # pagoda bench latency
     "pagoda.services.bench.serve",       # pagoda bench serve
     "pagoda.services.bench.routing",     # pagoda bench routing
+    "pagoda.services.bench.control_plane",  # pagoda bench control-plane
 ]
 
 

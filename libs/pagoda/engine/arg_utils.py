@@ -15,6 +15,8 @@ from pagoda.distributed.parallel_state import validate_parallel_config
 from pagoda.engine.legacy_args import add_legacy_cli_args, resolve_legacy_args
 from pagoda.lora.config import LoRAConfig
 from pagoda.reasoning.budget import ReasoningConfig
+from pagoda.simulated_device import FLAG_HELP as SIMULATED_DEVICE_HELP
+from pagoda.simulated_device import SimulatedDeviceConfig
 from pagoda.spec_decode.config import SpeculativeConfig
 
 # Why --trust-remote-code is refused rather than ignored: a user who passes it expects
@@ -90,6 +92,8 @@ class EngineArgs:
     task: str | None = None
     tokenizer_mode: str = "auto"
     swap_space: float | None = None
+    # --simulated-device JSON (benchmarks only; pagoda.simulated_device). None: the model.
+    simulated_device: dict | str | None = None
 
     def __post_init__(self) -> None:
         self.runner, self.convert = resolve_legacy_args(
@@ -220,6 +224,8 @@ class EngineArgs:
                                  "requests run).")
         parser.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction,
                             default=False, help="Refused: Pagoda runs no remote code.")
+        parser.add_argument("--simulated-device", default=None, metavar="JSON",
+                            help=SIMULATED_DEVICE_HELP)
         add_legacy_cli_args(parser)
         return parser
 
@@ -310,7 +316,8 @@ class EngineArgs:
             lora=self._lora_config(),
             logits_processors=self._logits_processors(pooling.runner),
             enable_sleep_mode=self.enable_sleep_mode,
-            weight_transfer_config=_weight_transfer_config(self.weight_transfer_config))
+            weight_transfer_config=_weight_transfer_config(self.weight_transfer_config),
+            simulated_device=SimulatedDeviceConfig.parse(self.simulated_device))
 
     def _logits_processors(self, runner: str) -> tuple:
         # lazy: torch, loaded where an engine is built

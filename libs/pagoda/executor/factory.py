@@ -19,7 +19,12 @@ from pagoda.executor.base import Executor
 
 def make_executor(config: EngineConfig) -> Executor:
     """In-process for one rank; else a worker group whose rank 0 is this process,
-    its other ranks placed by `config.distributed_executor_backend` (Ray or mp)."""
+    its other ranks placed by `config.distributed_executor_backend` (Ray or mp).
+    Only `config.simulated_device` (--simulated-device) gives the simulated device."""
+    if config.simulated_device is not None:
+        from pagoda.executor.simulated import SimulatedExecutor  # lazy: chosen backend only
+
+        return SimulatedExecutor(config)
     if config.world_size == 1:
         from pagoda.executor.in_process import InProcessExecutor  # lazy: chosen backend only
 

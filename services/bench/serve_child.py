@@ -1,0 +1,100 @@
+"""`pagoda serve` as a child process of a benchmark: started with the given flags,
+waited for until it prints its URL, its services' processes found by name for
+CPU accounting, stopped with SIGTERM (like Ctrl-C) and, if need be, killed.
+
+Invariant: `stop` leaves no process of the cluster behind (SIGTERM, then SIGKILL
+to whatever of the tree is still alive after `timeout`)."""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+
+from pagoda.services.common.redis_server import free_port
+
+CLI_MODULE = "pagoda.services.cli.main"
+URL_RE = re.compile(r"Pagoda is serving .* at (https?://\S+/v1)")
+
+
+class ServeChild:
+    def __init__(self, flags: list[str], timeout: float = 600.0, verbose: bool = False) -> None:
+        self.port = free_port()
+        cmd = [sys.executable, "-m", CLI_MODULE, "serve", *flags, "--host", "127.0.0.1",
+               "--port", str(self.port)]
+        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.log: collections.deque[str] = collections.deque(maxlen=200)
+        self.url: str | None = None
+        self._up = threading.Event()
+        self._verbose = verbose
+        threading.Thread(target=self._read, daemon=True).start()
+        self._up.wait(timeout)
+        if self.url is None:
+            self.stop()
+            raise RuntimeError("pagoda serve did not come up:\n" + "".join(list(self.log)[-40:]))
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.log.append(line)
+            if self._verbose:
+                sys.stderr.write(line)
+            if self.url is None and (match := URL_RE.search(line)):
+                self.url = match.group(1)
+                self._up.set()
+        self._up.set()  # exited: stop waiting
+
+    def service_processes(self) -> dict[str, list[psutil.Process]]:
+        """kind (gateway, scheduler, gpu-worker, tokenizer, kv-cache-manager) -> the
+        processes running it, a gateway's API-server children included; `redis` too."""
+        found: dict[str, list[psutil.Process]] = collections.defaultdict(list)
+        for child in psutil.Process(self.process.pid).children(recursive=True):
+            try:
+                cmdline = child.cmdline()
+            except psutil.Error:
+                continue
+            if CLI_MODULE in cmdline:
+                found[cmdline[cmdline.index(CLI_MODULE) + 1]].append(child)
+            elif cmdline and "redis-server" in os.path.basename(cmdline[0]):
+                found["redis"].append(child)
+        return dict(found)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        try:
+            tree = [psutil.Process(self.process.pid),
+                    *psutil.Process(self.process.pid).children(recursive=True)]
+        except psutil.Error:
+            tree = []
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + 5.0
+        for proc in tree:  # the cluster's own processes, by pid (never by name)
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except psutil.TimeoutExpired:
+                proc.kill()
+            except psutil.Error:
+                pass
+
+
+def cpu_seconds(processes: list[psutil.Process]) -> float:
+    """User + system CPU seconds of `processes` so far (0 for one that is gone)."""
+    total = 0.0
+    for proc in processes:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total

@@ -1,0 +1,44 @@
+"""`pagoda bench control-plane`'s own arithmetic: the worker's step record read back
+within a window, idle gaps between steps, and the table it prints (no cluster)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagoda.services.bench.control_plane import table
+from pagoda.services.bench.control_plane_load import (idle_gaps, last_step_end, prompt_text,
+                                                     read_steps)
+from pagoda.services.cli.main import build_parser
+
+
+def test_steps_in_the_window_and_their_idle_gaps(tmp_path):
+    record = tmp_path / "steps.txt"
+    record.write_text("9.0 9.5 3 3\n10.0 10.025 128 128\n10.026 10.051 128 128\n"
+                      "10.0535 10.0785 130 128\n11.5 11.6 1 1\n10.2 10.3")  # last: partial
+    steps = read_steps(str(record), 10.0, 11.0)
+    assert [s[2] for s in steps] == [128, 128, 130]
+    assert idle_gaps(steps) == pytest.approx([0.001, 0.0025])
+    assert read_steps(str(tmp_path / "missing.txt"), 0, 1) == []
+    assert last_step_end(str(record)) == 11.6  # the partial line is skipped
+    assert last_step_end(str(tmp_path / "missing.txt")) is None
+
+
+def test_table_has_one_row_per_run_and_the_ratio_in_percent():
+    row = {"step_ms": 25.0, "concurrency": 128, "tok_s": 4608.0, "ideal_tok_s": 5120.0,
+           "ratio": 0.9, "mean_batch": 127.5, "idle_p50_ms": 0.4, "idle_p99_ms": 2.0,
+           "sched_ms_per_step": 1.5, "gateway_us_per_token": 80.0, "itl_added_p50_ms": 1.0,
+           "itl_added_p99_ms": 9.0, "cores": {"client": 0.5}, "errors": 0,
+           "short_req_s": 310.0, "short_errors": 1}
+    lines = table([row, {**row, "short_req_s": None, "idle_p50_ms": None}]).splitlines()
+    assert len(lines) == 3
+    cells = [c.strip() for c in lines[1].strip("|").split("|")]
+    assert cells[:5] == ["25", "128", "4608", "5120", "90.0"]
+    assert "0.40/2.00" in cells and "310" in cells and cells[-1] == "1"
+    assert "-/2.00" in lines[2]
+
+
+def test_the_command_parses_subsets_and_prompts_differ():
+    args = build_parser().parse_args(["bench", "control-plane", "--step-ms", "25",
+                                      "--concurrency", "128,256", "--duration", "20"])
+    assert (args.step_ms, args.concurrency, args.duration) == ([25.0], [128, 256], 20.0)
+    assert prompt_text(1, 11) != prompt_text(2, 11)
