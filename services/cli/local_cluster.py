@@ -229,8 +229,9 @@ class LocalCluster:
                 continue
             for member in members:  # start order: a replica's worker before its scheduler
                 member.tail.append("--- restarted by pagoda serve ---\n")
-                self._spawn(member)
+                # counted first: whoever sees the new process also sees it counted
                 self.metrics.restarts.labels(member.name).inc()
+                self._spawn(member)
             del self._restarting[unit]
             self._say(f"restarted {', '.join(m.name for m in members)}")
 

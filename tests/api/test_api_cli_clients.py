@@ -15,6 +15,8 @@ from pagoda.services.cli.complete import complete_loop
 from pagoda.services.cli.main import build_parser
 from pagoda.services.common.redis_server import free_port
 
+pytestmark = pytest.mark.extended  # make test-extended
+
 
 def script_text(tokenizer, n: int) -> str:
     return tokenizer.decode(tokenizer.encode(SCRIPT, add_special_tokens=False)[:n])

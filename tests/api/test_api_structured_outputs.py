@@ -211,6 +211,7 @@ def reasoning_cluster(think_model_dir):
     assert serve.stop() == 0, serve.stderr_text()[-3000:]
 
 
+@pytest.mark.extended  # make test-extended: its own reasoning cluster; tests/structured_output covers it offline
 @pytest.mark.parametrize("stream", [False, True])
 def test_reasoning_then_a_constrained_answer(reasoning_cluster, think_tokenizer, stream):
     """`</think>` pushed up by a logit bias ends the reasoning at once (the grammar waits
@@ -247,6 +248,7 @@ class Person(pydantic.BaseModel):
     age: int
 
 
+@pytest.mark.extended  # make test-extended: a SmolLM2 cluster of its own
 def test_openai_parse_round_trips_a_pydantic_model():
     serve = ServeProcess(["--served-model-name", "smol", "--max-model-len", "1024"])
     try:

@@ -11,7 +11,7 @@ import openai
 import pytest
 from serve_cluster import ServeProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # make test-extended
 
 REASONING = json.dumps({"think_start_str": "<think>", "think_end_str": "</think>"})
 BASE = ["--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "256",

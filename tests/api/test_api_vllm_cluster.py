@@ -17,7 +17,7 @@ from serve_cluster import ServeProcess, wait_until
 
 from pagoda.tokenizer.bad_words import bad_words_token_ids
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # make test-extended
 MAX_MODEL_LEN = 512
 PROMPT = "one two three four five six seven eight nine ten eleven twelve"
 GREEDY = {"temperature": 0.0}

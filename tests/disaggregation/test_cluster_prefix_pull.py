@@ -32,7 +32,7 @@ from pagoda.services.cli.local_cluster import LocalCluster
 from pagoda.services.common.redis_server import free_port
 from pagoda.services.gateway.routing.router import _rendezvous
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # make test-extended
 BS = 16
 PREFIX = list(range(2000, 2000 + 6 * BS))  # 6 full blocks
 MIN_BLOCKS = 2

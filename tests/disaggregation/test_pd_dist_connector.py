@@ -19,7 +19,7 @@ from serve_cluster import ServeProcess, flag_value, wait_until
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2 as kpb
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc as kpb_grpc
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # make test-extended
 LONG = " ".join(f"word{i}" for i in range(120))  # ~ 250 tokens: many 16-token blocks
 PROMPTS = [("Hello there", 10), (LONG, 8), (LONG + " and then", 8)]
 DIST = ["--kv-connector", "PagodaDistConnector", "--decode-tensor-parallel-size", "2",

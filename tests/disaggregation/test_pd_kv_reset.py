@@ -24,7 +24,7 @@ from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc as
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as wpb
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2_grpc as wpb_grpc
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # make test-extended
 PROMPT = list(range(5, 70))  # 4 full blocks of 16 and one token
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

@@ -25,7 +25,7 @@ from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc as
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
 from pagoda.services.common.protocol.scheduler import request_to_proto, response_to_output
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # make test-extended
 LEASE_TIMEOUT_S = 4.0
 PROMPT = " ".join(f"token{i}" for i in range(60))
 

@@ -25,7 +25,7 @@ from pagoda.services.cli import serve
 from pagoda.services.cli.local_cluster import LocalCluster, ServiceFailed, ServiceProcess
 from pagoda.services.common.redis_server import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # make test-extended
 PROMPT = " ".join(f"token{i}" for i in range(40))  # more than a block: a lease is taken
 HELD_S = 3.0  # > the gateway's health poll (1 s once ready, 0.2 s before)
 

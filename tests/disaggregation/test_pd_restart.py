@@ -36,7 +36,7 @@ from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc as
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # make test-extended
 # Far past the test's end: a lease record that leaves Redis was dropped, not expired.
 LEASE_TIMEOUT_S = 300
 PROMPT = " ".join(f"restart{i}" for i in range(50))

@@ -13,6 +13,8 @@ from pagoda import LLM, SamplingParams
 from pagoda.distributed.parallel_state import ParallelContext, expert_range
 from pagoda.model.moe import FusedMoE
 
+pytestmark = pytest.mark.extended  # make test-extended
+
 E, K, H, I = 5, 2, 16, 8  # experts, top-k, hidden, intermediate
 
 

@@ -120,6 +120,7 @@ def test_seeded_sampling_matches_one_device(groups, tiny_llama_dir):
     assert [o.outputs[0].token_ids for o in got] == want
 
 
+@pytest.mark.extended  # make test-extended: the tiny model's TP/PP grid above runs in make test
 @pytest.mark.slow
 def test_smollm2_split_three_ways_matches_one_device(smollm2_gguf_path):
     """The real model (GGUF, 9 heads, 3 KV heads): one query group per rank."""

@@ -16,7 +16,7 @@ from group_cases import GREEDY_PROMPTS, engine_kwargs
 
 from serve_cluster import ServeProcess, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # make test-extended
 
 
 def serve_flags(model: str) -> list[str]:

@@ -24,7 +24,7 @@ import openai
 import pytest
 from serve_cluster import ServeProcess, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # make test-extended
 
 HEADER = "x-pagoda-api-server"
 REQUEST_BOUND_S = 240.0  # detects a hang, not a speed (a shared 2-core machine stalls)

@@ -235,6 +235,7 @@ def test_a_killed_gpu_worker_loses_no_request(tiny_llama_dir, redis_server):
         serve.stop()
 
 
+@pytest.mark.extended  # make test-extended: the chaos table (soak) kills a scheduler too
 def test_a_killed_scheduler_loses_no_request(tiny_llama_dir, redis_server):
     serve = start_cluster(tiny_llama_dir, redis_server.url)
     try:

@@ -82,6 +82,7 @@ def test_score_and_rerank_by_embedding_similarity(embedding_cluster):
     assert rerank["results"][0]["index"] == 0 and len(rerank["results"]) == 2
 
 
+@pytest.mark.extended  # make test-extended: a second cluster (the encoder)
 def test_served_encoder_embeddings_equal_offline(encoder_cluster, st_bert):
     client = openai.OpenAI(base_url=encoder_cluster.url, api_key="unused", max_retries=0,
                            timeout=120)
@@ -94,6 +95,7 @@ def test_served_encoder_embeddings_equal_offline(encoder_cluster, st_bert):
     assert response.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in offline)
 
 
+@pytest.mark.extended  # make test-extended: the refusal comes after the gpu-worker's crash loop
 def test_encoder_refuses_disaggregation_flags(st_bert):
     """An encoder keeps no KV to hand over: a P/D role is a clear start-up error."""
     done = subprocess.run(

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from serve_cluster import ServeProcess, flag_value
 from tls_certs import SERVER_NAME, make_certs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # make test-extended
 API_KEY = "k-" + "7" * 30
 GRPC_SERVICES = ("kv-cache-manager", "tokenizer", "gpu-worker", "scheduler")
 

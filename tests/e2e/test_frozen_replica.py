@@ -22,7 +22,7 @@ import psutil
 import pytest
 from serve_cluster import ServeProcess, flag_value
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # make test-extended
 
 PROMPT = "Story: once upon a time in a land of copper,"
 MAX_TOKENS = 800

@@ -16,7 +16,7 @@ from serve_cluster import ServeProcess
 
 from pagoda.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # make test-extended
 REPO = "pagoda-test/tiny-llama"
 PROMPT = "The capital of France is"
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 from serve_cluster import ServeProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # make test-extended
 MAX_TOKENS = 32
 SETTINGS = ["Once upon a time, in a land of {}, there lived",
             "The old map of {} showed a path that led to"]

@@ -12,7 +12,7 @@ import openai
 import pytest
 from serve_cluster import ServeProcess, flag_value
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # make test-extended
 
 CASES = pathlib.Path(__file__).resolve().parent.parent / "entrypoints"
 

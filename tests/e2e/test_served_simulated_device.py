@@ -14,7 +14,7 @@ from serve_cluster import ServeProcess, scheduler_load, wait_until
 
 from pagoda import LLM, SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # make test-extended
 PROMPT = "The quick brown fox"
 
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from serve_cluster import ServeProcess, flag_value
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # make test-extended
 
 # Runs 10^10 loop iterations unless it is stopped.
 SLOW_TEMPLATE = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"

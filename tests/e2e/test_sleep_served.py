@@ -11,7 +11,7 @@ import psutil
 import pytest
 from serve_cluster import CLI_MODULE, ServeProcess, flag_value, scheduler_load, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # make test-extended
 PROMPT_IDS = [1, 504, 3458, 282, 4649, 314]  # token ids: no tokenizer in the way
 
 

@@ -20,6 +20,8 @@ from pagoda.executor.base import WorkerGroupFailed
 from pagoda.executor.restart_budget import RestartBudget
 from pagoda.fault_injection import ENV
 
+pytestmark = pytest.mark.extended  # make test-extended
+
 
 def group_llm(model: str, tp: int = 2, pp: int = 1) -> LLM:
     return LLM(model=model, tensor_parallel_size=tp, pipeline_parallel_size=pp,

@@ -14,7 +14,7 @@ from serve_cluster import wait_until
 
 from pagoda import LLM
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # make test-extended
 
 _forks: list[int] = []  # pids that forked while `_counting` held a True
 _counting = [False]

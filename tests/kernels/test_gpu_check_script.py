@@ -35,6 +35,7 @@ def test_refuses_to_run_without_a_gpu():
     assert "no CUDA device" in result.stderr
 
 
+@pytest.mark.extended  # make test-extended: a whole smoke run of the GPU script
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run is for machines without a GPU")
 def test_cpu_smoke_run_passes_kernel_checks_and_times_decode(tmp_path):
     out = tmp_path / "gpu_check.json"

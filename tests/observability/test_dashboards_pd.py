@@ -24,7 +24,7 @@ from serve_cluster import flag_value, scheduler_load, wait_until
 
 from pagoda.services.common.redis_server import PrivateRedis
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # make test-extended
 RATE_WINDOW_S = 120  # panel_query_failures sets $__rate_interval to 2m
 PROMPTS = [f"Request {i}: the quick brown fox jumps over the lazy dog while the cat "
            f"watches from the warm windowsill of the old stone house." for i in range(3)]

@@ -99,6 +99,7 @@ def test_tensor_parallel_draft_is_refused(tiny_llama_dir):
         args.create_engine_config()
 
 
+@pytest.mark.extended  # make test-extended: a cluster of its own; the offline tests above cover the draft model
 @pytest.mark.slow
 def test_served_greedy_text_equals_plain_and_drafts_are_accepted(plain, tiny_llama_dir):
     spec = {"model": tiny_llama_dir, "num_speculative_tokens": 3}

@@ -102,6 +102,7 @@ def test_bad_speculative_config_is_refused(tiny_llama_dir):
         LLM(model=str(tiny_llama_dir), pipeline_parallel_size=2, speculative_config=SPEC)
 
 
+@pytest.mark.extended  # make test-extended: bf16 is emulated (slow) on CPUs without native bf16
 def test_bf16_greedy_is_unchanged_under_batch_invariance():
     """In bf16 a verify step (k + 1 rows) may round a near-tie differently from a
     one-row decode; --batch-invariant makes each row's arithmetic independent of the

@@ -17,6 +17,8 @@ import pytest
 
 from serve_cluster import ServeProcess, wait_until
 
+pytestmark = pytest.mark.extended  # make test-extended
+
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
 API_KEY = "vllm-style-secret"
 
