@@ -183,12 +183,17 @@ class Scheduler:
         lookahead = self.num_lookahead_tokens
         req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
         num_computed = cached.num_computed_tokens
+        threshold = self.config.long_prefill_token_threshold
         for request in list(self.running):
             request_id = request.request_id
             if preempted and request_id in preempted:
                 continue  # preempted earlier in this loop to make room
-            num_new = self._cap(len(request.all_token_ids) - request.num_computed_tokens, budget)
-            if num_new == 0:
+            num_new = len(request.all_token_ids) - request.num_computed_tokens
+            if 0 < threshold < num_new:  # self._cap, inline
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            if num_new <= 0:
                 continue
             if hooks:
                 extra = 0
@@ -325,7 +330,14 @@ class Scheduler:
             for token_id in token_ids:
                 request.append_output_token(token_id)
                 new_token_ids.append(token_id)
-                if request.check_stop() or not all(hook.on_token(request) for hook in token_hooks):
+                if request.check_stop():
+                    break
+                stopped = False  # a hook ended the request (its grammar completed)
+                for hook in token_hooks:
+                    if not hook.on_token(request):
+                        stopped = True
+                        break
+                if stopped:
                     break
             prompt_logprobs = all_prompt_logprobs.get(req_id) if all_prompt_logprobs else None
             if not new_token_ids and prompt_logprobs is None:
