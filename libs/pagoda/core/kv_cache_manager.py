@@ -103,6 +103,18 @@ class KVCacheManager:
         Returns the newly allocated blocks, or None (and changes nothing) when the
         pool cannot supply them.
         """
+        if not new_computed_blocks and self.sliding_window is None:
+            # The common decode step: the request's blocks already cover the new
+            # tokens and no block filled up, so there is nothing to allocate, release
+            # or cache (the general path below would change nothing).
+            blocks = self.req_blocks.get(request.request_id)
+            if blocks is not None:
+                num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+                bs = self.block_size
+                if (-(-(num_total + num_lookahead_tokens) // bs) <= len(blocks)
+                        and min(num_total, len(request.all_token_ids)) // bs
+                        <= self._num_cached_blocks.get(request.request_id, 0)):
+                    return []
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens

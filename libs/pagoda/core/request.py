@@ -96,20 +96,21 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        if self.num_tokens % self._block_size == 0:
+        if len(self.all_token_ids) % self._block_size == 0:
             self._update_block_hashes()
 
     def check_stop(self) -> bool:
         """Sets finish_reason if the last sampled token ends the request."""
         params = self.sampling_params
-        if self.num_output_tokens < params.min_tokens:
+        num_output = len(self.output_token_ids)  # runs per request per step: no properties
+        if num_output < params.min_tokens:
             return False
         last = self.output_token_ids[-1]
         if not params.ignore_eos and last in self.eos_token_ids:
             self.finish_reason, self.stop_reason = FinishReason.STOP, None
-        elif last in params.stop_token_ids:
+        elif params.stop_token_ids and last in params.stop_token_ids:
             self.finish_reason, self.stop_reason = FinishReason.STOP, last
-        elif self.num_output_tokens >= self.max_tokens:
+        elif num_output >= self.max_tokens:
             self.finish_reason = FinishReason.LENGTH
         elif params.repetition_detection is not None and check_sequence_repetition(
                 self.output_token_ids, params.repetition_detection):

@@ -35,7 +35,7 @@ from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.request_queue import SchedulingPolicy, create_request_queue
-from pagoda.core.scheduler_hook import SchedulerHook
+from pagoda.core.scheduler_hook import SchedulerHook, hooks_overriding
 from pagoda.lora.scheduler_hook import LoRAGate
 from pagoda.messages import (CachedRequestData, EngineCoreOutput, EngineCoreRequest, FinishReason,
                              ModelRunnerOutput, NewRequestData, SchedulerOutput)
@@ -108,6 +108,12 @@ class Scheduler:
         self._failed: dict[str, str] = {}
         self.hooks = feature_hooks(scheduler_config, structured_output_manager)
         self.num_lookahead_tokens = sum(hook.num_lookahead_tokens for hook in self.hooks)
+        # The hooks of the per-request-per-step calls that do something (the rest are
+        # the contract's no-ops). `hooks` is fixed from here on.
+        self._extra_tokens_hooks = hooks_overriding(self.hooks, "extra_tokens")
+        self._sampled_hooks = hooks_overriding(self.hooks, "on_sampled")
+        self._token_hooks = hooks_overriding(self.hooks, "on_token")
+        self._after_step_hooks = hooks_overriding(self.hooks, "after_step")
 
     # ------------------------------------------------------------------ intake
     def add_request(self, core_request: EngineCoreRequest) -> Request:
@@ -171,22 +177,40 @@ class Scheduler:
         """Plan the running requests in their order, preempting to make room; the
         budget left."""
         budget = self.config.max_num_batched_tokens
+        hooks = self._extra_tokens_hooks
+        # Bound once: this loop runs for every running request every step.
+        allocate = self.kv_cache_manager.allocate_slots
+        lookahead = self.num_lookahead_tokens
+        req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
+        num_computed = cached.num_computed_tokens
+        threshold = self.config.long_prefill_token_threshold
         for request in list(self.running):
-            if request.request_id in preempted:
+            request_id = request.request_id
+            if preempted and request_id in preempted:
                 continue  # preempted earlier in this loop to make room
-            num_new = self._cap(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new == 0:
+            num_new = len(request.all_token_ids) - request.num_computed_tokens
+            if 0 < threshold < num_new:  # self._cap, inline
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            if num_new <= 0:
                 continue
-            num_new += sum(hook.extra_tokens(request, num_new, budget) for hook in self.hooks)
-            new_blocks = self._allocate_or_preempt(request, num_new, preempted)
-            budget += self._unschedule(preempted, num_scheduled, cached)
-            if new_blocks is None:
-                continue  # the request itself was preempted
+            if hooks:
+                extra = 0
+                for hook in hooks:  # each sees the request's own tokens, not the others' extras
+                    extra += hook.extra_tokens(request, num_new, budget)
+                num_new += extra
+            new_blocks = allocate(request, num_new, num_lookahead_tokens=lookahead)
+            if new_blocks is None:  # no room: preempt until it fits
+                new_blocks = self._allocate_or_preempt(request, num_new, preempted)
+                budget += self._unschedule(preempted, num_scheduled, cached)
+                if new_blocks is None:
+                    continue  # the request itself was preempted
             budget -= num_new
-            num_scheduled[request.request_id] = num_new
-            cached.req_ids.append(request.request_id)
-            cached.new_block_ids.append([b.block_id for b in new_blocks])
-            cached.num_computed_tokens.append(request.num_computed_tokens)
+            num_scheduled[request_id] = num_new
+            req_ids.append(request_id)
+            new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
+            num_computed.append(request.num_computed_tokens)
         return budget
 
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
@@ -291,31 +315,44 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         now = time.time()
         self._finish_pooled(runner_output.pooler_output, outputs)
+        # Bound once: this loop runs for every sampled request every step.
+        requests = self.requests
+        sampled_hooks, token_hooks = self._sampled_hooks, self._token_hooks
+        after_step_hooks = self._after_step_hooks
+        logprobs, all_prompt_logprobs = runner_output.logprobs, runner_output.prompt_logprobs
         for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
-            request = self.requests.get(req_id)
-            if request is None or request.is_finished:
+            request = requests.get(req_id)
+            if request is None or request.status is RequestStatus.FINISHED:
                 continue  # aborted while the step ran
-            for hook in self.hooks:
+            for hook in sampled_hooks:
                 hook.on_sampled(request, token_ids, scheduler_output)
             new_token_ids: list[int] = []
             for token_id in token_ids:
                 request.append_output_token(token_id)
                 new_token_ids.append(token_id)
-                if request.check_stop() or not all(hook.on_token(request) for hook in self.hooks):
+                if request.check_stop():
                     break
-            prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
+                stopped = False  # a hook ended the request (its grammar completed)
+                for hook in token_hooks:
+                    if not hook.on_token(request):
+                        stopped = True
+                        break
+                if stopped:
+                    break
+            prompt_logprobs = all_prompt_logprobs.get(req_id) if all_prompt_logprobs else None
             if not new_token_ids and prompt_logprobs is None:
                 continue
             if new_token_ids and request.first_token_time is None:
                 request.first_token_time = now
             outputs.append(EngineCoreOutput(
-                req_id, new_token_ids, runner_output.logprobs.get(req_id), prompt_logprobs,
-                request.finish_reason, request.stop_reason, max(request.num_cached_tokens, 0)))
+                req_id, new_token_ids, logprobs.get(req_id) if logprobs else None,
+                prompt_logprobs, request.finish_reason, request.stop_reason,
+                max(request.num_cached_tokens, 0)))
             if request.finish_reason is not None:
                 self.running.remove(request)
                 self._free_request(request)
             elif new_token_ids:
-                for hook in self.hooks:
+                for hook in after_step_hooks:
                     hook.after_step(request, runner_output, len(self.running))
         return outputs
 

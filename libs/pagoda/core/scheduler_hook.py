@@ -73,3 +73,10 @@ class SchedulerHook:
     def add_stats(self, stats: SchedulerStats, running: Sequence[Request],
                   waiting: Iterable[Request]) -> None:
         """Fill in this feature's fields of a stats snapshot."""
+
+
+def hooks_overriding(hooks: Sequence[SchedulerHook], method: str) -> list[SchedulerHook]:
+    """The hooks (in order) whose class overrides `method`: the others would run the
+    contract's no-op, so the scheduler's per-request-per-step loops skip them."""
+    default = getattr(SchedulerHook, method)
+    return [hook for hook in hooks if getattr(type(hook), method) is not default]

@@ -12,6 +12,8 @@ which the service's `/metrics` endpoint serves.
 
 from __future__ import annotations
 
+from collections import Counter as Multiset
+
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from pagoda.core.scheduler import SchedulerStats
@@ -186,8 +188,7 @@ class EngineMetrics:
             self.iteration_tokens.observe(it.num_scheduled_tokens)
         for ttft in it.time_to_first_tokens_iter:
             self.time_to_first_token.observe(ttft)
-        for itl in it.inter_token_latencies_iter:
-            self.inter_token_latency.observe(itl)
+        observe_all(self.inter_token_latency, it.inter_token_latencies_iter)
         for req in it.finished_requests:
             self.request_success[req.finish_reason].inc()
             self.e2e_request_latency.observe(req.e2e_latency)
@@ -233,3 +234,33 @@ class SpecDecodingMetrics:
             counter.inc(max(now - before, 0))
         self._last = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
                       list(stats.accepted_per_pos))
+
+
+def observe_all(histogram, values: list[float]) -> None:
+    """`histogram.observe(v)` for each of `values`, equal values at once.
+
+    A decode step's inter-token latencies are mostly one value (every request in the
+    batch got its previous token in the same step), and an observe per request per
+    step was a tenth of the scheduler's CPU at batch 256. The counts are the same;
+    the sum is added as value x count rather than count times (float rounding only).
+    """
+    if len(values) < 2:
+        for value in values:
+            histogram.observe(value)
+        return
+    buckets = getattr(histogram, "_buckets", None)
+    bounds = getattr(histogram, "_upper_bounds", None)
+    total = getattr(histogram, "_sum", None)
+    if buckets is None or bounds is None or total is None:  # another prometheus_client
+        for value in values:
+            histogram.observe(value)
+        return
+    for value, count in Multiset(values).items():
+        if count == 1:
+            histogram.observe(value)
+            continue
+        total.inc(value * count)
+        for bucket, bound in zip(buckets, bounds):
+            if value <= bound:
+                bucket.inc(count)
+                break

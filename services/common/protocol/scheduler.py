@@ -92,6 +92,13 @@ def request_from_proto(msg: pb.GenerateRequest) -> EngineCoreRequest:
 def outputs_to_responses(outputs: Sequence[EngineCoreOutput]) -> list[pb.GenerateResponse]:
     """Coalesce one request's outputs (oldest first) into at most one chunk, plus
     a `complete` if the last one finished."""
+    last = outputs[-1]
+    if (len(outputs) == 1 and last.new_token_ids and last.new_logprobs is None
+            and last.new_prompt_logprobs is None and last.finish_reason is None):
+        # A decode step's tokens, nothing else (every stream, every step): the chunk
+        # the general path below builds, without its accumulation.
+        return [pb.GenerateResponse(chunk=pb.GenerateChunk(
+            token_ids=last.new_token_ids, num_cached_tokens=last.num_cached_tokens))]
     token_ids: list[int] = []
     logprobs: LogprobsLists | None = None
     prompt_logprobs: LogprobsLists | None = None
