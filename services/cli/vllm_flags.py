@@ -30,7 +30,6 @@ UNSUPPORTED = {
     "weight-transfer-config": "weight transfer is offline only for now: "
                               "LLM(weight_transfer_config=...) with "
                               "init_weight_transfer_engine/update_weights",
-    "kv-events-config": "Pagoda publishes KV events to its kv-cache-manager itself",
     # adapters, multimodal, structured output, tools
     "limit-mm-per-prompt": "Pagoda serves text-only models",
     "mm-processor-kwargs": "Pagoda serves text-only models",
