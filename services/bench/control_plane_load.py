@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from pagoda.services.bench.stream import tokens_in_chunk
+from pagoda.services.bench.stream import sse_chunks, tokens_in_chunk
 
 
 @dataclass
@@ -54,13 +54,7 @@ async def _client(client: httpx.AsyncClient, url: str, model: str, words: int,
                     stats.errors.append(f"HTTP {response.status_code}: {text}")
                     await asyncio.sleep(0.1)
                     continue
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    chunk = json.loads(data)
+                async for chunk in sse_chunks(response):
                     now = time.time()
                     usage = chunk.get("usage")
                     if usage and prompt_len is None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 from pagoda.services.bench.datasets import BenchRequest
 
@@ -116,6 +116,17 @@ class StreamRecorder:
                              end - self.start, self.itl)
 
 
+
+async def sse_chunks(response) -> AsyncIterator[dict]:
+    """The JSON chunks of an OpenAI server-sent event stream, up to `data: [DONE]`."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
 async def send_request(client, url: str, body: dict, request: BenchRequest,
                        clock: Callable[[], float] = time.perf_counter) -> RequestResult:
     """POST one streamed request and record it; every failure is a result, never a raise."""
@@ -126,13 +137,7 @@ async def send_request(client, url: str, body: dict, request: BenchRequest,
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")[:300]
                 return RequestResult(False, error=f"HTTP {response.status_code}: {text}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
+            async for chunk in sse_chunks(response):
                 if "error" in chunk:
                     return RequestResult(False, error=f"stream error: {chunk['error']}"[:300])
                 recorder.add(chunk, clock())
