@@ -148,9 +148,9 @@ def test_dns_replicas_join_and_leave_the_gateway(peers_at):
     assert left == known == [f"127.0.0.3:{port}"]  # idle: its channel is closed at once
 
 
-def test_replicas_whose_hashes_differ_get_no_traffic_and_stop_a_starting_gateway(peers_at):
-    tokenizer, schedulers = peers_at("seed-a", ["seed-a", "seed-b"])
-    fatal: list[str] = []
+def refreshed_once(tokenizer: str, schedulers: list[str], fatal: list[str]):
+    """One refresh of a gateway's peers with the prefix index on: ({address: routable},
+    healthy); fatal start-up errors go to `fatal`."""
 
     async def run():
         peers = Peers(tokenizer, ",".join(schedulers), on_fatal=fatal.append)
@@ -161,7 +161,13 @@ def test_replicas_whose_hashes_differ_get_no_traffic_and_stop_a_starting_gateway
         finally:
             await peers.close()
 
-    routable, healthy = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_replicas_whose_hashes_differ_get_no_traffic_and_stop_a_starting_gateway(peers_at):
+    tokenizer, schedulers = peers_at("seed-a", ["seed-a", "seed-b"])
+    fatal: list[str] = []
+    routable, healthy = refreshed_once(tokenizer, schedulers, fatal)
     assert routable == {schedulers[0]: True, schedulers[1]: False}
     assert not healthy and len(fatal) == 1
     assert "seed-a" in fatal[0] and "seed-b" in fatal[0] and schedulers[1] in fatal[0]
@@ -172,17 +178,8 @@ def test_the_hash_algorithm_must_match_too(peers_at):
     agree, another one (same seed) is a mismatch that names both algorithms."""
     tokenizer, schedulers = peers_at("0", ["0", "0"], "sha256_cbor", ["sha256_cbor", ""])
     fatal: list[str] = []
-
-    async def run():
-        peers = Peers(tokenizer, ",".join(schedulers), on_fatal=fatal.append)
-        peers.use_prefix_index("127.0.0.1:1")
-        try:
-            await peers.refresh()
-            return {s.address: s.is_routable() for s in peers.schedulers}
-        finally:
-            await peers.close()
-
-    assert asyncio.run(run()) == {schedulers[0]: True, schedulers[1]: False}
+    routable, _ = refreshed_once(tokenizer, schedulers, fatal)
+    assert routable == {schedulers[0]: True, schedulers[1]: False}
     assert len(fatal) == 1 and "tokenizer 'sha256_cbor', scheduler 'pagoda'" in fatal[0]
     assert "--prefix-caching-hash-algo" in fatal[0]
 
