@@ -21,6 +21,7 @@ import json
 import os
 import random
 import signal
+import time
 
 import grpc
 import httpx
@@ -206,11 +207,24 @@ def run_chaos(serve: ServeProcess, victim: str, sig: int, seed: int) -> dict[str
     survivor = replica_processes(serve, 0)["port"]
     before = sum(migrations(serve).values())
     victim_port = replica_processes(serve, 1)["port"]
+    struck: dict[str, object] = {}
+
+    def busy() -> bool:
+        """The victim has been running requests for half a second: long enough to have
+        streamed tokens. (Just admitted is not enough: a replica the router had left idle
+        a while, its health check late on a loaded machine, may be struck before its
+        first token, and streams with no output are retried, not migrated.)"""
+        if running(victim_port) == 0:
+            return False
+        time.sleep(0.5)
+        return running(victim_port) > 0
 
     def strike() -> None:
-        """The signal, once the victim replica is running requests (the router may have
-        kept it idle for a moment: killing an idle replica tests nothing)."""
-        wait_until(lambda: running(victim_port) > 0, 30, interval=0.02)
+        """The signal, once the victim replica is busy (killing an idle one tests
+        nothing)."""
+        started = time.monotonic()
+        struck["running"] = wait_until(busy, 30, interval=0.02)
+        struck["waited_s"] = round(time.monotonic() - started, 2)
         os.kill(pid, sig)
 
     results = asyncio.run(run_load(serve.url, [(b, a) for b, a, _ in items], strike))
@@ -222,8 +236,13 @@ def run_chaos(serve: ServeProcess, victim: str, sig: int, seed: int) -> dict[str
     assert wait_until(lambda: kv_pool_empty(survivor), 30)
     assert httpx.get(f"{serve.base}/health", timeout=10).status_code == 200
     after = migrations(serve)
-    drains = [line for line in serve.log if "drain" in line]
-    assert sum(after.values()) > before, f"no request was migrated: {after}; {drains[-5:]}"
+    # What the gateway saw of the victim: streams lost (migrated) or refused (retried
+    # before any output, so not a migration), and the replica's drain lines.
+    seen = [line for line in serve.log
+            if "drain" in line or "lost a request" in line or "refused a request" in line]
+    assert sum(after.values()) > before, (
+        f"no request was migrated: {after}; the strike {struck} (running: the victim was "
+        f"running requests when it was struck); {len(seen)} lines, e.g. {seen[-5:]}")
     return after
 
 
