@@ -1,4 +1,4 @@
-"""Tiny random Mixtral and Qwen3-MoE checkpoints (transformers' own config classes and
+"""Tiny random Mixtral, Qwen3-MoE and Qwen2-MoE checkpoints (transformers' own config classes and
 save_pretrained) for the MoE tests of tests/model and tests/distributed, and the
 metadata of a one-request prefill for calling a model directly."""
 
@@ -39,6 +39,19 @@ def save_tiny_qwen3_moe(path, tokenizer=None, **overrides) -> str:
 
     torch.manual_seed(0)
     return _save(Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**TINY_QWEN3_MOE, **overrides})),
+                 path, tokenizer)
+
+
+TINY_QWEN2_MOE = {**{k: v for k, v in TINY_QWEN3_MOE.items() if k != "head_dim"},
+                  "shared_expert_intermediate_size": 64}
+
+
+def save_tiny_qwen2_moe(path, tokenizer=None, **overrides) -> str:
+    """A seeded random Qwen2-MoE (layer 1 dense, a gated shared expert) in `path`."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(0)
+    return _save(Qwen2MoeForCausalLM(Qwen2MoeConfig(**{**TINY_QWEN2_MOE, **overrides})),
                  path, tokenizer)
 
 

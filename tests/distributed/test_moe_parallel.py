@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_cases import hf_greedy, save_tiny_mixtral, save_tiny_qwen3_moe
+from moe_cases import hf_greedy, save_tiny_mixtral, save_tiny_qwen2_moe, save_tiny_qwen3_moe
+from quant_cases import save_quantized
 
 from pagoda import LLM, SamplingParams
 from pagoda.distributed.parallel_state import ParallelContext, expert_range
@@ -68,16 +69,26 @@ def test_expert_range_splits_as_evenly_as_possible():
 def moe_dirs(tmp_path_factory, smollm2_tokenizer):
     root = tmp_path_factory.mktemp("moe_tp")
     return {"mixtral": save_tiny_mixtral(root / "mixtral", smollm2_tokenizer),
-            "qwen3_moe": save_tiny_qwen3_moe(root / "qwen3_moe", smollm2_tokenizer)}
+            "qwen3_moe": save_tiny_qwen3_moe(root / "qwen3_moe", smollm2_tokenizer),
+            "qwen2_moe": save_tiny_qwen2_moe(root / "qwen2_moe", smollm2_tokenizer)}
 
 
 PROMPTS = [[5, 17, 300, 42, 7, 8, 9, 10, 11, 12], list(range(300, 318)), [9] * 5]
 
 
 @pytest.mark.parametrize("model,tp,expert_parallel", [
-    ("mixtral", 1, False), ("mixtral", 2, False), ("mixtral", 2, True), ("qwen3_moe", 2, True)])
+    ("mixtral", 1, False), ("mixtral", 2, False), ("mixtral", 2, True), ("qwen3_moe", 2, True),
+    ("qwen2_moe", 2, False), ("qwen2_moe", 2, True)])
 def test_greedy_tokens_equal_transformers(moe_dirs, model, tp, expert_parallel):
     path = moe_dirs[model]
+    tokens, report = _greedy(path, tp, expert_parallel)
+    assert tokens == [hf_greedy(path, p, 8) for p in PROMPTS]
+    if tp > 1:  # each rank holds half the experts' weights, whichever way they are split
+        assert len({r["parameter_bytes"] for r in report}) == 1
+
+
+def _greedy(path: str, tp: int, expert_parallel: bool):
+    """(greedy tokens of PROMPTS, the ranks' memory report or None at TP=1)."""
     llm = LLM(model=path, dtype="float32", block_size=4, max_model_len=128,
               num_gpu_blocks_override=64, max_num_batched_tokens=16,
               tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else None,
@@ -86,13 +97,24 @@ def test_greedy_tokens_equal_transformers(moe_dirs, model, tp, expert_parallel):
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                                SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                                use_tqdm=False)
-        if tp > 1:
-            report = llm.llm_engine.core.executor.memory_report()
+        report = llm.llm_engine.core.executor.memory_report() if tp > 1 else None
     finally:
         llm.llm_engine.core.shutdown()
-    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 8) for p in PROMPTS]
-    if tp > 1:  # each rank holds half the experts' weights, whichever way they are split
-        assert len({r["parameter_bytes"] for r in report}) == 1
+    return [list(o.outputs[0].token_ids) for o in outputs], report
+
+
+@pytest.mark.parametrize("model,fmt,expert_parallel", [("qwen3_moe", "fp8-block", True),
+                                                       ("qwen2_moe", "gptq", False)])
+def test_quantized_experts_at_tp2_equal_transformers_on_the_dequantized_model(
+        smollm2_tokenizer, tmp_path, model, fmt, expert_parallel):
+    """Each rank dequantizes the experts it holds (EP) or its slice of each (TP); the shared
+    expert stays quantized, split like a dense MLP. The dense layer is 128 wide: a rank's
+    half then holds whole quantization groups and FP8 blocks (of 32 columns)."""
+    save = save_tiny_qwen3_moe if model == "qwen3_moe" else save_tiny_qwen2_moe
+    src = save(tmp_path / "src", smollm2_tokenizer, intermediate_size=128)
+    save_quantized(src, fmt, str(tmp_path / "q"), str(tmp_path / "ref"))
+    tokens, _ = _greedy(str(tmp_path / "q"), 2, expert_parallel)
+    assert tokens == [hf_greedy(str(tmp_path / "ref"), p, 8) for p in PROMPTS]
 
 
 def test_expert_parallel_needs_an_expert_per_rank():

@@ -151,12 +151,15 @@ def test_engine_args_resolve_quantization_and_refuse_fp8_kv_cache_on_cpu(checkpo
         EngineArgs(model=quantized, device="cpu", kv_cache_dtype="fp8").create_engine_config()
 
 
-def test_a_mixture_of_experts_model_refuses_quantization(tmp_path, smollm2_tokenizer):
+def test_a_mixture_of_experts_model_refuses_online_fp8(tmp_path, smollm2_tokenizer):
+    """Quantized MoE checkpoints load (tests/model/test_quantized_moe.py); quantizing the
+    experts of an unquantized one while loading does not."""
     path = save_tiny_mixtral(tmp_path, smollm2_tokenizer)
     arch = load_arch_config(path)
     import dataclasses
 
     arch = dataclasses.replace(arch, quantization_config=resolve_quantization("fp8", None))
-    with pytest.raises(ValueError, match="fp8 quantization of mixture-of-experts layers is not "
-                                         "supported"):
+    with pytest.raises(ValueError, match=r"--quantization fp8 on an unquantized checkpoint "
+                                         r"\(online FP8\) is not supported for the "
+                                         "mixture-of-experts layers of MixtralForCausalLM"):
         load_model(path, arch, torch.float32)

@@ -28,6 +28,7 @@ SUPPORTED = ["BertForSequenceClassification", "BertModel", "Gemma2ForCausalLM", 
              "HF_ColBERT",
              "LlamaForCausalLM", "LlamaModel", "MistralForCausalLM", "MistralModel",
              "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen2Model",
+             "Qwen2MoeForCausalLM",
              "Qwen3ForCausalLM", "Qwen3Model", "Qwen3MoeForCausalLM", "XLMRobertaModel"]
 
 

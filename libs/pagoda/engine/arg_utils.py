@@ -257,6 +257,13 @@ class EngineArgs:
         dtype = resolve_dtype(self.dtype, device)
         arch = dataclasses.replace(arch, quantization_config=resolve_quantization(
             self.quantization, arch.quantization_config))
+        if arch.moe is not None and arch.quantization_config is not None:
+            # lazy: torch and the model code load where an engine is built (see above)
+            from pagoda.model.moe_quantized import refuse_unsupported_expert_quantization
+            from pagoda.model.quantization import get_quantization_config
+
+            refuse_unsupported_expert_quantization(
+                get_quantization_config(arch.quantization_config), arch.architecture)
         kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, device)
         pooling = resolve_pooling(model_path, arch, self.runner, self.convert, self.pooler_config)
         # A sentence-transformers model reads at most its max_seq_length tokens (vLLM's cap).

@@ -25,6 +25,7 @@ from pagoda.model.cpu_features import cpu_has_fast_bf16
 from pagoda.model.gguf_loader import arch_config_from_gguf, iter_gguf_weights
 from pagoda.model.hf_config import arch_config_from_hf_dir
 from pagoda.model.hub import download, is_hub_id
+from pagoda.model.moe_quantized import refuse_unsupported_expert_quantization
 from pagoda.model.pooling_model import as_pooling_model
 from pagoda.model.pt_loader import iter_pt_weights
 from pagoda.model.registry import MODEL_REGISTRY
@@ -122,6 +123,8 @@ def load_model(model_path: str, arch: ModelArchConfig, dtype: torch.dtype,
     if runner == "pooling":
         model_cls = as_pooling_model(model_cls)
     quant = quantization_methods.get_quantization_config(arch.quantization_config)
+    if quant is not None and arch.moe is not None:
+        refuse_unsupported_expert_quantization(quant, arch.architecture)
     with torch.device(device), quantization_methods.quantized_construction(quant):
         model = model_cls(arch, dtype, parallel)
         if quant is not None:

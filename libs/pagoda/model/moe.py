@@ -21,7 +21,10 @@ per expert that has tokens this step; on CUDA a grouped GEMM over the sorted pai
 
 Checkpoints store one tensor per expert and projection (HF's layout on disk):
 `<prefix>.<e>.<gate|up|down>.weight`; the module reads them itself
-(`checkpoint_tensors`, `load_checkpoint_tensor`, used by `weight_names`).
+(`checkpoint_tensors`, `load_checkpoint_tensor`, used by `weight_names`). In a
+quantized checkpoint (FP8, compressed-tensors FP8, AWQ, GPTQ) each projection is that
+method's tensors instead, dequantized on load (`moe_quantized`): the experts always
+run in the model dtype.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from pagoda.distributed.communication import all_reduce
 from pagoda.distributed.parallel_state import SINGLE, ParallelContext, expert_range
 from pagoda.model import ops
 from pagoda.model.layers import empty_parameter
+from pagoda.model.moe_quantized import ExpertDequantizer
 from pagoda.model.quantization import current_quant_config
 
 
@@ -70,9 +74,9 @@ class FusedMoE(nn.Module):
                  round_weights: bool = False) -> None:
         super().__init__()
         quant = current_quant_config()
-        if quant is not None:
-            raise ValueError(f"{quant.name} quantization of mixture-of-experts layers is not "
-                             "supported: Pagoda runs MoE experts unquantized only")
+        # A quantized checkpoint's experts are read in its form and dequantized on load
+        # (None: plain weights, also for experts the checkpoint leaves unquantized).
+        self.dequantizer = ExpertDequantizer(quant, dtype) if quant is not None else None
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.round_weights = round_weights
         self.parallel = parallel
@@ -99,19 +103,33 @@ class FusedMoE(nn.Module):
     def checkpoint_tensors(self) -> dict[str, tuple[int, ...] | None]:
         """Checkpoint names under this module's prefix -> full shape; None for an expert
         another rank holds (expert parallelism): the loader skips those."""
-        inter, hidden = self.intermediate_size, self.hidden_size
         names: dict[str, tuple[int, ...] | None] = {}
         for e in range(self.num_experts):
             held = self.holds_expert(e)
-            names[f"{e}.{self.gate_name}.weight"] = (inter, hidden) if held else None
-            names[f"{e}.{self.up_name}.weight"] = (inter, hidden) if held else None
-            names[f"{e}.{self.down_name}.weight"] = (hidden, inter) if held else None
+            for proj in (self.gate_name, self.up_name, self.down_name):
+                for attr, shape in self._tensor_shapes(proj).items():
+                    names[f"{e}.{proj}.{attr}"] = shape if held else None
         return names
+
+    def _full_shape(self, proj: str) -> tuple[int, int]:
+        inter, hidden = self.intermediate_size, self.hidden_size
+        return (hidden, inter) if proj == self.down_name else (inter, hidden)
+
+    def _tensor_shapes(self, proj: str) -> dict[str, tuple[int, ...]]:
+        """One projection's checkpoint tensors (attribute -> shape)."""
+        if self.dequantizer is None:
+            return {"weight": self._full_shape(proj)}
+        return self.dequantizer.tensor_shapes(*self._full_shape(proj))
 
     @torch.no_grad()
     def load_checkpoint_tensor(self, suffix: str, full: torch.Tensor) -> None:
-        """Copy this rank's slice of one expert's full projection (`checkpoint_tensors`)."""
-        expert, proj, _ = suffix.split(".")
+        """Copy this rank's slice of one expert's full projection (`checkpoint_tensors`);
+        quantized, once the projection's last tensor is in."""
+        expert, proj, attr = suffix.split(".")
+        if self.dequantizer is not None:
+            full = self.dequantizer.add((expert, proj), attr, full, *self._full_shape(proj))
+            if full is None:
+                return
         local = int(expert) - self.expert_start
         rows, start = self.local_intermediate, self.intermediate_start
         if proj == self.down_name:

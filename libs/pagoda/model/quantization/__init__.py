@@ -15,7 +15,8 @@ architecture; the context is only read while layers are constructed, as
 `torch.device(...)` is. Layers the checkpoint leaves unquantized are switched back
 (`unquantize_ignored`), then tensors load and each method repacks
 (`process_weights_after_loading`). Embeddings, the LM head, norms and MoE routers
-are never quantized.
+are never quantized; MoE experts are read quantized and dequantized on load
+(`pagoda.model.moe_quantized`).
 """
 
 from __future__ import annotations
@@ -138,6 +139,10 @@ def unquantize_ignored(model: nn.Module, config: QuantizationConfig) -> None:
         return
     packed = getattr(model, "packed_modules_mapping", {})
     for name, module in model.named_modules():
+        if getattr(module, "dequantizer", None) is not None:  # MoE experts (`moe.FusedMoE`)
+            if _matches(f"{name}.0.{module.gate_name}", patterns):
+                module.dequantizer = None
+            continue
         if not hasattr(module, "set_quant_method"):
             continue
         prefix, _, leaf = name.rpartition(".")

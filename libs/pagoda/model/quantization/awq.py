@@ -19,9 +19,9 @@ import torch
 
 from pagoda.model.quantization.base import (LinearMethodBase, QuantizationConfig,
                                             new_parameter, shard_attrs)
-from pagoda.model.quantization.int4 import (AWQ_PACK_ORDER, apply_int4, groups_of_rows,
-                                            new_int32, pack_rows, set_int4_weights,
-                                            unpack_columns)
+from pagoda.model.quantization.int4 import (AWQ_PACK_ORDER, apply_int4, dequantize_int4,
+                                            groups_of_rows, new_int32, pack_rows,
+                                            set_int4_weights, unpack_columns)
 
 
 class AWQConfig(QuantizationConfig):
@@ -86,3 +86,6 @@ class AWQLinearMethod(LinearMethodBase):
 
     def apply(self, layer, x, bias=None):
         return apply_int4(layer, x, bias)
+
+    def dequantize(self, layer, dtype):
+        return dequantize_int4(layer, 0, layer.qweight.shape[1], dtype)

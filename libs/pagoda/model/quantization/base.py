@@ -87,6 +87,12 @@ class LinearMethodBase(ABC):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Called once after every checkpoint tensor is loaded; default: nothing."""
 
+    def dequantize(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        """The weight W [output_size, input_size] the layer stands for, in `dtype` (after
+        `process_weights_after_loading`): how quantized MoE experts are read
+        (`pagoda.model.moe_quantized`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot dequantize its weight")
+
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """A plain `weight [out, in]` in the model dtype (on a bf16 CPU, prepacked for
@@ -97,6 +103,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def apply(self, layer, x, bias=None):
         return cpu_packed_weights.linear(x, layer.weight, bias)
+
+    def dequantize(self, layer, dtype):
+        return layer.weight.to(dtype)
 
 
 class QuantizationConfig(ABC):

@@ -143,6 +143,10 @@ class Fp8LinearMethod(LinearMethodBase):
                                                         layer.fp8_block_k, x.dtype),
                             bias, rows_per_column=layer.weight.shape[1])
 
+    def dequantize(self, layer, dtype):
+        return dequantize_fp8(layer.weight, getattr(layer, self.scale_name), layer.fp8_block_k,
+                              dtype)
+
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block_k: int,
                    dtype: torch.dtype) -> torch.Tensor:

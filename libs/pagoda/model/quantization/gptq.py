@@ -23,8 +23,9 @@ import torch
 
 from pagoda.model.quantization.base import (LinearMethodBase, QuantizationConfig,
                                             narrow_all, new_parameter, shard_attrs)
-from pagoda.model.quantization.int4 import (SEQUENTIAL_ORDER, apply_int4, groups_of_rows,
-                                            new_int32, set_int4_weights, unpack_columns)
+from pagoda.model.quantization.int4 import (SEQUENTIAL_ORDER, apply_int4, dequantize_int4,
+                                            groups_of_rows, new_int32, set_int4_weights,
+                                            unpack_columns)
 
 
 class GPTQConfig(QuantizationConfig):
@@ -101,3 +102,6 @@ class GPTQLinearMethod(LinearMethodBase):
 
     def apply(self, layer, x, bias=None):
         return apply_int4(layer, x, bias)
+
+    def dequantize(self, layer, dtype):
+        return dequantize_int4(layer, 0, layer.qweight.shape[1], dtype)
