@@ -158,3 +158,25 @@ def test_mxfp4_is_refused_on_another_architecture(tiny_llama_dir, tmp_path):
     arch = dataclasses.replace(arch, quantization_config={"quant_method": "mxfp4"})
     with pytest.raises(ValueError, match="MXFP4.*gpt-oss"):
         load_model(tiny_llama_dir, arch, torch.float32)
+
+
+@pytest.mark.extended  # two worker processes: make test-extended
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_tensor_parallel_equals_transformers(tmp_path, smollm2_tokenizer, expert_parallel):
+    """TP=2: each rank holds 2 of the 4 heads and their sinks, and half of every expert's
+    intermediate rows (or, with expert parallelism, 2 whole experts); the down biases
+    are added once."""
+    path = save_gpt_oss(tmp_path, smollm2_tokenizer)
+    prompts = random_prompts([7, 30])
+    want = hf_greedy(path, prompts, 8)
+    llm = LLM(model=path, dtype="float32", block_size=4, num_gpu_blocks_override=128,
+              max_num_batched_tokens=16, tensor_parallel_size=2,
+              distributed_executor_backend="mp", enable_expert_parallel=expert_parallel)
+    try:
+        got, _ = pagoda_greedy(llm, prompts, 8)
+    finally:
+        llm.llm_engine.core.shutdown()
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
+        assert tokens == want_tokens
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
+                                   atol=1e-4, rtol=0)
