@@ -42,8 +42,9 @@ freed those blocks. Soft-capping (Gemma 2) bounds each score as `cap * tanh(s / 
 before the mask; SDPA cannot do that, so those layers take an explicit softmax.
 Attention sinks (gpt-oss) are one learned logit per query head that joins every
 row's softmax as an extra key with no value: the row's weights then sum to less than
-one. They take the same explicit softmax; layers without sinks or a cap keep SDPA,
-so their outputs are unchanged by the option.
+one. They take the same explicit softmax, never the CPU decode kernel (which has no
+sinks); layers without sinks or a cap keep SDPA, so their outputs are unchanged by the
+option. Batch invariance of the explicit path is not measured: not covered either.
 
 The cache must hold finite values everywhere (allocate it zeroed): padded block
 table entries are gathered and masked, and a masked NaN would still poison SDPA.
