@@ -33,7 +33,7 @@ from torch import nn
 
 from pagoda.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelArchConfig, MoEConfig
 from pagoda.distributed.communication import all_reduce
-from pagoda.distributed.parallel_state import SINGLE, ParallelContext, expert_range
+from pagoda.distributed.parallel_state import ParallelContext, expert_range
 from pagoda.model.arch_spec import ModelArchitecture, family_settings
 from pagoda.model.architectures.llama import LlamaForCausalLM
 from pagoda.model.decoder_layer import DecoderLayer, PagedSelfAttention
