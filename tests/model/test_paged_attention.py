@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,12 +12,14 @@ from pagoda.model.attention import paged_attention, write_kv_cache
 from pagoda.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 
 
-def dense_reference(q, keys, values, context_lens, scale, window=None, soft_cap=None):
+def dense_reference(q, keys, values, context_lens, scale, window=None, soft_cap=None,
+                    sinks=None):
     """Per request: causal attention of its queries over its full key sequence, fp64.
 
     keys/values[i] hold request i's whole sequence [S, Hkv, D]; its queries are the
     last rows. Built from the un-paged tensors, so it shares no code with the cache.
-    `window` W: query p sees keys p - W < k <= p; `soft_cap` c: scores c * tanh(s / c).
+    `window` W: query p sees keys p - W < k <= p; `soft_cap` c: scores c * tanh(s / c);
+    `sinks` [H]: head h's softmax denominator gains exp(sinks[h]) (gpt-oss).
     """
     outs, row = [], 0
     for k, v, ctx in zip(keys, values, context_lens):
@@ -32,13 +36,19 @@ def dense_reference(q, keys, values, context_lens, scale, window=None, soft_cap=
         if window is not None:
             allowed &= k_pos > q_pos - window
         scores = scores.masked_fill(~allowed, float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv))
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            denominator = scores.exp().sum(-1, keepdim=True) + sinks.double().exp()[:, None, None]
+            probs = scores.exp() / denominator
+        outs.append(torch.einsum("hqk,khd->qhd", probs, vv))
         row += n
     return torch.cat(outs)
 
 
 def run_paged(requests, heads, kv_heads, head_dim, block_size, dtype, paged_sequences, seed=0,
-              window=None, soft_cap=None, poison_out_of_window=False):
+              window=None, soft_cap=None, poison_out_of_window=False, sinks=None,
+              batch_invariant=False):
     """requests: (context_len, query_len), decodes first. Writes every sequence's
     context in earlier steps, then runs the batch; returns (ours, reference).
     `poison_out_of_window`: block-table entries wholly before each request's window
@@ -67,9 +77,12 @@ def run_paged(requests, heads, kv_heads, head_dim, block_size, dtype, paged_sequ
         key_cache[nan_block] = value_cache[nan_block] = float("nan")
         for i, (ctx, _) in enumerate(requests):
             md.block_tables[i, :max(0, ctx - window + 1) // block_size] = nan_block
-    out = paged_attention(query, key_cache, value_cache, md, scale, window, soft_cap)
+    if batch_invariant:
+        md = dataclasses.replace(md, batch_invariant=True)
+    out = paged_attention(query, key_cache, value_cache, md, scale, window, soft_cap,
+                          sinks=sinks)
     return out, dense_reference(query, keys, values, [c for c, _ in requests], scale, window,
-                                soft_cap)
+                                soft_cap, sinks)
 
 
 MIXED = [(0, 1), (9, 1), (30, 1), (0, 12), (7, 5), (16, 1 + 16), (3, 40)]
@@ -109,6 +122,20 @@ def test_soft_capped_scores_equal_dense_reference(paged_sequences, window):
     uncapped, _ = run_paged(MIXED, 4, 2, 16, 4, torch.float32, paged_sequences, seed=2,
                             window=window)
     assert not torch.allclose(out, uncapped, atol=1e-3)  # the cap changes the result
+
+
+@pytest.mark.parametrize("window,batch_invariant", [(None, False), (7, False), (None, True),
+                                                    (7, True)])
+def test_attention_sinks_equal_dense_reference(paged_sequences, window, batch_invariant):
+    # One learned logit per query head in each softmax's denominator (gpt-oss), over
+    # decodes and prefills, GQA (head h of kv head h // 3), with and without a window.
+    sinks = 2 * torch.randn(6, generator=torch.Generator().manual_seed(5))
+    out, ref = run_paged(MIXED, 6, 2, 16, 4, torch.float32, paged_sequences, seed=4,
+                         window=window, sinks=sinks, batch_invariant=batch_invariant)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    plain, _ = run_paged(MIXED, 6, 2, 16, 4, torch.float32, paged_sequences, seed=4,
+                         window=window, batch_invariant=batch_invariant)
+    assert not torch.allclose(out, plain, atol=1e-3)  # the sinks change the result
 
 
 def test_bfloat16_stays_close_to_exact(paged_sequences):

@@ -25,6 +25,7 @@ from pagoda.model.pooling_model import as_pooling_model
 from pagoda.model.registry import MODEL_REGISTRY, ModelRegistry
 
 SUPPORTED = ["BertForSequenceClassification", "BertModel", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+             "GptOssForCausalLM",
              "HF_ColBERT",
              "LlamaForCausalLM", "LlamaModel", "MistralForCausalLM", "MistralModel",
              "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen2Model",

@@ -39,6 +39,9 @@ CASES = [
                 "{\"city\": \"Paris\"}<|call|>", ("Call the tool.", None)),
     ("gpt_oss", f"{HARMONY_ANALYSIS}still thinking <|en", ("still thinking <|en", None)),
     ("gpt_oss", "<|channel|>final<|message|>No thinking.<|return|>", (None, "No thinking.")),
+    # vLLM's name for the same parser (`--reasoning-parser openai_gptoss`)
+    ("openai_gptoss", f"{HARMONY_ANALYSIS}User asks 2+2.{HARMONY_FINAL}4<|return|>",
+     ("User asks 2+2.", "4")),
     ("kimi", "<think>I should look it up.</think>Paris.", ("I should look it up.", "Paris.")),
     ("kimi", "<think>Need the weather.<|tool_calls_section_begin|><|tool_call_begin|>"
              "functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Paris\"}"

@@ -40,6 +40,11 @@ holding such keys are gathered, so the work per token stays bounded, and entries
 the block table before the window are never read: the KV cache manager may have
 freed those blocks. Soft-capping (Gemma 2) bounds each score as `cap * tanh(s / cap)`
 before the mask; SDPA cannot do that, so those layers take an explicit softmax.
+Attention sinks (gpt-oss) are one learned logit per query head that joins every
+row's softmax as an extra key with no value: the row's weights then sum to less than
+one. They take the same explicit softmax, never the CPU decode kernel (which has no
+sinks); layers without sinks or a cap keep SDPA, so their outputs are unchanged by the
+option. Batch invariance of the explicit path is not measured: not covered either.
 
 The cache must hold finite values everywhere (allocate it zeroed): padded block
 table entries are gathered and masked, and a masked NaN would still poison SDPA.
@@ -205,19 +210,27 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-            scale: float, soft_cap: float | None) -> torch.Tensor:
+            scale: float, soft_cap: float | None,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA over [..., Lq, D] x [..., Lk, D]; `mask` None means causal from the top-left
-    corner. With a soft cap, the explicit form transformers' eager attention uses
-    (softmax in fp32)."""
-    if soft_cap is None:
+    corner. With a soft cap or sinks (broadcastable to [..., Lq, 1]: one logit per query
+    row's head), the explicit form transformers' eager attention uses (softmax in fp32;
+    a sink's column is dropped after the softmax)."""
+    if soft_cap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                               scale=scale)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
     if mask is None:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is not None:
+        sink_column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1,
+                              dtype=torch.float32)[..., :-1].to(q.dtype)
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
 
 
@@ -251,7 +264,7 @@ def _pad_rows(x: torch.Tensor, rows: int, dim: int) -> torch.Tensor:
 
 def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       plan: _Plan, scale: float, soft_cap: float | None,
-                      invariant: bool) -> torch.Tensor:
+                      invariant: bool, sinks: torch.Tensor | None = None) -> torch.Tensor:
     num_decodes, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     # [nd, L, Hkv, D] -> [nd, Hkv, L, D] as a strided view; SDPA takes it as is.
@@ -261,13 +274,16 @@ def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     q = query.view(num_decodes, num_kv_heads, group, head_dim)
     if invariant:
         q = _pad_rows(q, max(group, _MIN_BLOCK_ROWS), 2)
-    out = _attend(q, key.transpose(1, 2), value.transpose(1, 2), plan.decode_mask, scale, soft_cap)
+    if sinks is not None:  # head h = kv head * group + g, as the query rows: [1, Hkv, G, 1]
+        sinks = _pad_rows(sinks.view(num_kv_heads, group), q.shape[2], 1)[None, :, :, None]
+    out = _attend(q, key.transpose(1, 2), value.transpose(1, 2), plan.decode_mask, scale,
+                  soft_cap, sinks)
     return out[:, :, :group].reshape(num_decodes, num_heads, head_dim)
 
 
 def _prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                        p: _PrefillPlan, scale: float, soft_cap: float | None,
-                       invariant: bool) -> torch.Tensor:
+                       invariant: bool, sinks: torch.Tensor | None = None) -> torch.Tensor:
     num_query, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -283,7 +299,9 @@ def _prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache
     v = value.permute(1, 0, 2)[:, None].expand(num_kv_heads, group, num_keys, head_dim)
     # Causal (mask None) from the top-left: padded rows see one more key each, harmless.
     mask = _pad_rows(p.mask, rows, 0) if p.mask is not None else None
-    out = _attend(q, k, v, mask, scale, soft_cap)
+    if sinks is not None:  # [Hkv, group, 1, 1], as q's heads
+        sinks = sinks.view(num_kv_heads, group, 1, 1)
+    out = _attend(q, k, v, mask, scale, soft_cap, sinks)
     return out[:, :, :num_query].permute(2, 0, 1, 3).reshape(num_query, num_heads, head_dim)
 
 
@@ -291,7 +309,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     attn_metadata: AttentionMetadata, scale: float,
                     sliding_window: int | None = None,
                     logits_soft_cap: float | None = None,
-                    decode_kernel: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+                    decode_kernel: Callable[..., torch.Tensor] | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of query [T, H, D] over each request's cached context -> [T, H, D].
 
     The step's own keys/values must already be in the cache (`write_kv_cache`).
@@ -299,8 +318,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     `sliding_window` W a query at position p sees keys p - W < k <= p; with
     `logits_soft_cap` c each score s becomes c * tanh(s / c) (see module doc).
     `decode_kernel` (`pagoda.kernels.cpu.paged_decode_attention`'s signature), when
-    given, computes the decodes straight over the cache instead of gather + SDPA.
+    given, computes the decodes straight over the cache instead of gather + SDPA; it
+    has no sinks, so `sinks` ([H] logits, one per query head) requires it to be None.
     """
+    if sinks is not None and decode_kernel is not None:
+        raise ValueError("attention sinks are not supported by the CPU decode kernel")
     if decode_kernel is not None and attn_metadata.batch_invariant:
         tables, seen = _token_rows(attn_metadata)  # every token a decode row: module doc
         return decode_kernel(query, key_cache, value_cache, tables, seen, scale,
@@ -315,11 +337,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                      sliding_window, logits_soft_cap))
     elif nd:
         outputs.append(_decode_attention(query[:nd], key_cache, value_cache, plan, scale,
-                                         logits_soft_cap, attn_metadata.batch_invariant))
+                                         logits_soft_cap, attn_metadata.batch_invariant, sinks))
     for p in plan.prefills:
         outputs.append(_prefill_attention(query[p.query_start:p.query_end], key_cache,
                                           value_cache, p, scale, logits_soft_cap,
-                                          attn_metadata.batch_invariant))
+                                          attn_metadata.batch_invariant, sinks))
     if len(outputs) == 1:
         return outputs[0]
     return torch.cat(outputs) if outputs else torch.empty_like(query)

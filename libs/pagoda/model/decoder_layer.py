@@ -20,7 +20,7 @@ from pagoda.config import ModelArchConfig
 from pagoda.distributed.parallel_state import SINGLE, ParallelContext
 from pagoda.model import ops
 from pagoda.model.attention_metadata import AttentionMetadata
-from pagoda.model.layers import RMSNorm
+from pagoda.model.layers import RMSNorm, empty_parameter
 from pagoda.model.parallel_layers import (MergedColumnParallelLinear, QKVParallelLinear,
                                           RowParallelLinear)
 
@@ -40,14 +40,17 @@ class PagedSelfAttention(nn.Module):
     the cached tokens of each sequence (`AttentionMetadata` says which): all of them,
     or the last `sliding_window` with a window. The variants are constructor options:
     `scale` (default head_dim ** -0.5), `logits_soft_cap` (Gemma 2), `qk_norm` (an
-    RMSNorm class normalising each query and key head before RoPE: Qwen3, Gemma 3).
+    RMSNorm class normalising each query and key head before RoPE: Qwen3, Gemma 3),
+    `sinks` (a learned logit per query head in every softmax's denominator, parameter
+    `sinks` [this rank's heads]: gpt-oss; the Triton kernels have none, so such a
+    layer refuses to be built where they would run).
     """
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, qkv_bias: bool,
                  o_proj_bias: bool, parallel: ParallelContext = SINGLE, *,
                  scale: float | None = None, sliding_window: int | None = None,
                  logits_soft_cap: float | None = None,
-                 qk_norm: type[RMSNorm] | None = None) -> None:
+                 qk_norm: type[RMSNorm] | None = None, sinks: bool = False) -> None:
         super().__init__()
         self.head_dim = arch.head_dim
         self.scale = self.head_dim ** -0.5 if scale is None else scale
@@ -64,6 +67,11 @@ class PagedSelfAttention(nn.Module):
             self.k_norm = qk_norm(arch.head_dim, arch.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
+        self.sinks = empty_parameter(self.num_heads, dtype=dtype) if sinks else None
+        if self.sinks is not None and ops.use_triton(self.sinks):
+            raise NotImplementedError(
+                f"{arch.architecture}: attention sinks are not supported by Pagoda's Triton "
+                "attention kernels (CUDA); run this model on the CPU")
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, md: AttentionMetadata) -> torch.Tensor:
@@ -81,7 +89,7 @@ class PagedSelfAttention(nn.Module):
         key_cache, value_cache = kv_cache
         ops.write_kv_cache(key, value, key_cache, value_cache, md.slot_mapping)
         out = ops.paged_attention(query, key_cache, value_cache, md, self.scale,
-                                  self.sliding_window, self.logits_soft_cap)
+                                  self.sliding_window, self.logits_soft_cap, self.sinks)
         return self.o_proj(out.view(num_tokens, -1))
 
 

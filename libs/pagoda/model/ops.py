@@ -67,13 +67,18 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     attn_metadata: AttentionMetadata, scale: float,
                     sliding_window: int | None = None,
-                    logits_soft_cap: float | None = None) -> torch.Tensor:
+                    logits_soft_cap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of query [T, H, D] over each request's cached context -> [T, H, D];
-    optionally within a sliding window and with soft-capped scores."""
+    optionally within a sliding window, with soft-capped scores, with attention sinks
+    ([H] logits: torch path only, the kernels have none)."""
     if fp8_kv_cache.is_fp8(key_cache):  # this step's blocks, dequantized; then as usual
         key_cache, value_cache, attn_metadata = fp8_kv_cache.dense_step_cache(
             key_cache, value_cache, attn_metadata, query.dtype)
     if use_triton(query):
+        if sinks is not None:  # models with sinks refuse to build on CUDA: never reached
+            raise NotImplementedError("attention sinks are not supported by the Triton "
+                                      "attention kernels")
         # lazy: triton loads on the first CUDA call only: CPU processes never import it
         from pagoda.kernels.attention import paged_attention as kernel
 
@@ -83,10 +88,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     # Prefills stay on SDPA, but under batch invariance every token (prompt ones too)
     # goes to the kernel as a decode row, so a prompt token's attention does not depend
     # on whether its chunk had one token or more (`pagoda.model.attention`'s doc).
-    if cpu_kernels.applies(query) and key_cache.dtype == query.dtype:
+    if cpu_kernels.applies(query) and key_cache.dtype == query.dtype and sinks is None:
         decode_kernel = cpu_kernels.paged_decode_attention
     return torch_attention.paged_attention(query, key_cache, value_cache, attn_metadata, scale,
-                                           sliding_window, logits_soft_cap, decode_kernel)
+                                           sliding_window, logits_soft_cap, decode_kernel,
+                                           sinks)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -5,6 +5,7 @@
     compressed-tensors   compressed_tensors.py    the same (its float-quantized schemes)
     awq                  awq.py  -> int4.py       packed int4 + per-group scales/zeros
     gptq                 gptq.py -> int4.py       the same, with act-order's g_idx
+    mxfp4                mxfp4.py                 nothing: gpt-oss dequantizes its experts on load
 
 How a model gets quantized: `resolve_quantization` decides once, at start-up, from
 `--quantization` and config.json's `quantization_config` (vLLM's rules); the result
@@ -38,12 +39,13 @@ from pagoda.model.quantization.base import (LinearMethodBase, QuantizationConfig
 from pagoda.model.quantization.compressed_tensors import CompressedTensorsConfig
 from pagoda.model.quantization.fp8 import Fp8Config
 from pagoda.model.quantization.gptq import GPTQConfig
+from pagoda.model.quantization.mxfp4 import Mxfp4Config
 
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {
     "fp8": Fp8Config, "awq": AWQConfig, "gptq": GPTQConfig,
-    "compressed-tensors": CompressedTensorsConfig,
+    "compressed-tensors": CompressedTensorsConfig, "mxfp4": Mxfp4Config,
 }
 
 _CONSTRUCTING: contextvars.ContextVar[QuantizationConfig | None] = contextvars.ContextVar(
