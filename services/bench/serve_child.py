@@ -32,6 +32,8 @@ class ServeChild:
         self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.log: collections.deque[str] = collections.deque(maxlen=200)
+        # Every line with when it arrived (time.monotonic()), for start-up timelines.
+        self._timed: list[tuple[float, str]] = []
         self.url: str | None = None
         self._up = threading.Event()
         self._verbose = verbose
@@ -44,12 +46,18 @@ class ServeChild:
     def _read(self) -> None:
         for line in self.process.stdout:
             self.log.append(line)
+            if len(self._timed) < 10_000:  # a start-up's worth; a long run stops keeping
+                self._timed.append((time.monotonic(), line))
             if self._verbose:
                 sys.stderr.write(line)
             if self.url is None and (match := URL_RE.search(line)):
                 self.url = match.group(1)
                 self._up.set()
         self._up.set()  # exited: stop waiting
+
+    def timed_log(self) -> list[tuple[float, str]]:
+        """The first lines the cluster printed, each with its arrival (monotonic s)."""
+        return list(self._timed)
 
     def service_processes(self) -> dict[str, list[psutil.Process]]:
         """kind (gateway, scheduler, gpu-worker, tokenizer, kv-cache-manager) -> the

@@ -34,6 +34,7 @@ BENCH_MODULES = [
     "pagoda.services.bench.serve",       # pagoda bench serve
     "pagoda.services.bench.routing",     # pagoda bench routing
     "pagoda.services.bench.control_plane",  # pagoda bench control-plane
+    "pagoda.services.bench.startup",     # pagoda bench startup
 ]
 
 

@@ -51,6 +51,7 @@ from pagoda.services.gateway.serving_options import (ServingOptions, add_serving
 from pagoda.config import StructuredOutputsConfig
 from pagoda.engine.arg_utils import EngineArgs, TRUST_REMOTE_CODE_REFUSED
 from pagoda.reasoning.budget import ReasoningConfig
+from pagoda.services.common import startup_clock
 from pagoda.services.common.redis_server import PrivateRedis, free_port
 from pagoda.tokenizer.chat_template import load_chat_template
 
@@ -280,6 +281,7 @@ def build_services(args: argparse.Namespace, redis_url: str,
 
 
 def run(args: argparse.Namespace) -> int:
+    startup_clock.mark("imports")
     problem = _flag_problem(args)
     if problem:
         _say(f"error: {problem}")
@@ -337,7 +339,10 @@ def run(args: argparse.Namespace) -> int:
         cluster = LocalCluster(services, restart_policy=restart_policy(args))
         supervisor_metrics.registry = cluster.metrics.registry
         supervisor_metrics.start()
+        startup_clock.mark("checks and Redis")
         cluster.start()
+        startup_clock.mark("spawning services")
+        _say(startup_clock.line("services started"))
         cluster.wait_healthy(args.startup_timeout, stop)
         scheme = "https" if args.ssl_certfile else "http"
         print(f"Pagoda is serving the OpenAI API at {scheme}://{_connect_host(args.host)}:"

@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import pagoda.tracing as tracing
-from pagoda.services.common import grpc_channels
+from pagoda.services.common import grpc_channels, startup_clock
 from pagoda.services.common.grpc_channels import (CLIENT_OPTIONS, MAX_MESSAGE_BYTES,  # noqa: F401
                                                   SERVER_OPTIONS, STREAM_READER_OPTIONS)
 from pagoda.services.common.metrics_server import maybe_start_metrics
@@ -107,6 +107,8 @@ def serve_sync(
     metrics = maybe_start_metrics(metrics_host(args), args.metrics_port,
                                   lambda: not stop.is_set())
     logger.info("%s listening on %s:%d", name, args.host, port)
+    startup_clock.mark("gRPC server")
+    startup_clock.report("serving")
     if main_loop is not None:
         main_loop(stop)
     stop.wait()

@@ -13,6 +13,7 @@ import httpx
 from fastapi import FastAPI
 
 import pagoda
+from pagoda.services.common import startup_clock
 from pagoda.services.gateway.anthropic import routes as anthropic_routes
 from pagoda.services.gateway.anthropic.errors import anthropic_error_body
 from pagoda.services.gateway.auth.api_key import APIKeyMiddleware
@@ -57,6 +58,8 @@ def build_app(state: GatewayState, make_peers: Callable[[], Peers],
             state.peers.use_prefix_index(kv_cache_manager_addr)
         disaggregation_of(state.peers)  # its pairing check gates readiness from the start
         state.peers.start()
+        startup_clock.mark("HTTP server")
+        startup_clock.report("listening")  # serving needs its peers: the cluster's /health
         lora_check = asyncio.create_task(
             lora_routes.check_static_adapters(state, state.peers.on_fatal))
         yield

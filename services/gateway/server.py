@@ -9,7 +9,7 @@ import signal
 
 import pagoda.envs as envs
 import pagoda.tracing as tracing
-from pagoda.services.common import grpc_channels
+from pagoda.services.common import grpc_channels, startup_clock
 from pagoda.services.common.logs import setup_logging
 from pagoda.services.gateway import api_servers
 from pagoda.services.gateway.disagg.prefix_pull import PrefixPullOptions, add_prefix_pull_args
@@ -81,6 +81,7 @@ def main(args: argparse.Namespace) -> int:
     from pagoda.services.gateway.app import create_app  # lazy: as uvicorn, above
 
     setup_logging("gateway")
+    startup_clock.mark("imports")
     options = ServingOptions.from_args(args)  # a bad --generation-config fails here
     server_kwargs = uvicorn_kwargs(args)
     inherited = api_servers.child_socket()  # set: this is one of --api-server-count
@@ -107,6 +108,7 @@ def main(args: argparse.Namespace) -> int:
                      http_options=HttpOptions.from_args(args), router=args.router,
                      on_fatal=on_fatal, options=options, loras=registry_from_args(args),
                      prefix_pull=PrefixPullOptions.from_args(args))
+    startup_clock.mark("app")
     scheme = "https" if "ssl_certfile" in server_kwargs else "http"
     logger.info("gateway on %s://%s:%d (tokenizer %s, schedulers %s, router %s)%s", scheme,
                 args.host, args.port, args.tokenizer_addr, ", ".join(schedulers), args.router,

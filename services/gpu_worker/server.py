@@ -9,6 +9,7 @@ import argparse
 import logging
 
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2_grpc as pb_grpc
+from pagoda.services.common import startup_clock
 from pagoda.services.common.grpc_server import add_server_args, serve_sync
 from pagoda.services.common.logs import setup_logging
 from pagoda.services.common.kv_transfer_args import add_kv_transfer_args, kv_transfer_config
@@ -33,13 +34,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     setup_logging("gpu-worker")
+    startup_clock.mark("imports")
     config = EngineArgs.from_cli_args(args).create_engine_config()
+    startup_clock.mark("engine config")
     # Before the gRPC server exists: a worker group (T x P > 1) has this process as its
     # rank 0 and starts the other ranks (Ray actors by default) while no gRPC thread runs.
     executor = make_executor(config)
     if hasattr(executor, "on_rebuild"):  # a worker group: count its rebuilds
         executor.on_rebuild = worker_metrics().group_rebuilds.inc
     logger.info("loaded %s (%s on %s)", config.model, config.dtype, config.device)
+    startup_clock.mark("model load")
     ledger = PlanLedger(0, config.cache.block_size, config.arch.vocab_size,
                         config.scheduler.max_model_len)  # sized by InitializeKvCache
     step_thread = StepThread()  # served by this (main) thread: see step_thread.py

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 
 import grpc
 
@@ -64,6 +65,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                           ) -> pb.InitializeKvCacheResponse:
         if request.num_blocks < 1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_blocks must be at least 1")
+        started = time.perf_counter()
         with self.step_lock:
             self.on_kv_lost()
             self._on_step_thread(self.runner.initialize_kv_cache, request.num_blocks)
@@ -71,7 +73,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             if self.ledger is not None:
                 self.ledger.reset(request.num_blocks)
             self._next_step = 0
-        logger.info("KV cache initialized: %d blocks", request.num_blocks)
+        logger.info("KV cache initialized: %d blocks in %.2f s", request.num_blocks,
+                    time.perf_counter() - started)
         return pb.InitializeKvCacheResponse()
 
     def ExecuteModel(self, request: pb.ExecuteModelRequest, context: grpc.ServicerContext

@@ -8,6 +8,7 @@ import logging
 import redis
 
 from pagoda.services._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2_grpc as pb_grpc
+from pagoda.services.common import startup_clock
 from pagoda.services.common.grpc_server import add_server_args, serve_sync
 from pagoda.services.common.logs import setup_logging
 from pagoda.services.common.redis_url import (REDIS_PASSWORD_ENV, REDIS_URL_ENV, connect,
@@ -36,6 +37,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     setup_logging("kv-cache-manager")
+    startup_clock.mark("imports")
     client = connect(args.redis_url, socket_timeout=5, socket_connect_timeout=5)
     try:
         client.ping()

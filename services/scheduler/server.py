@@ -15,7 +15,7 @@ import pagoda.tracing as tracing
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as pb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from pagoda.metrics import stat_logger
-from pagoda.services.common import grpc_channels
+from pagoda.services.common import grpc_channels, startup_clock
 from pagoda.services.common.grpc_server import (NOT_SERVING, SERVING,
                                                 add_server_args, bind, metrics_host)
 from pagoda.services.common.logs import setup_logging
@@ -84,9 +84,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     setup_logging("scheduler")
+    startup_clock.mark("imports")
     grpc_channels.configure_from_args(args)  # before the worker channel is made
     tracing.init_tracing("scheduler", args.otlp_traces_endpoint)
     config = EngineArgs.from_cli_args(args).create_engine_config()
+    startup_clock.mark("engine config")
     try:  # before loading anything: a bad value is the operator's to fix
         args.kv_events = parse_kv_events_config(args.kv_events_config)
     except ValueError as exc:
@@ -102,6 +104,7 @@ def main(args: argparse.Namespace) -> int:
     grammar = make_structured_output_manager(config)
     grammar.warm_up()
     core = EngineCore(config, executor, grammar)
+    startup_clock.mark("worker and KV cache")  # the wait for the worker, its KV profile
     info = model_info(config, args.instance_id or f"{args.host}:{args.port}")
     layout = None if config.is_encoder else fetch_worker_layout(args.worker_addr, role)
     describe_role(info, role, layout)
@@ -110,6 +113,7 @@ def main(args: argparse.Namespace) -> int:
     # Before anything of the replica is reachable (the port, the cluster index): once it
     # takes requests it must be able to drain them on SIGTERM at once.
     wait_for_grammar_backend(grammar.warm_up())
+    startup_clock.mark("grammar backend")  # what it still needed after the worker's wait
     try:
         failed = asyncio.run(_serve(args, core, info, config.arch.eos_token_ids, recorder))
     finally:
@@ -217,6 +221,8 @@ async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,
               if servicer.kv_transfer.producer is not None else None)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, SERVING)
+    startup_clock.mark("gRPC server")
+    startup_clock.report("serving")
     for sig in (signal.SIGTERM, signal.SIGINT):  # the second signal cuts the drain short
         loop.add_signal_handler(sig, lambda: force.set() if stop.is_set() else stop.set())
     metrics = maybe_start_metrics(metrics_host(args), args.metrics_port,

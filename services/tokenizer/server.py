@@ -9,6 +9,7 @@ from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as pb_
 from pagoda.config import DEFAULT_PREFIX_HASH_SEED
 from pagoda.core.block_hash import DEFAULT_HASH_ALGO
 from pagoda.engine.arg_utils import add_hub_args
+from pagoda.services.common import startup_clock
 from pagoda.services.common.grpc_server import add_server_args, serve_sync
 from pagoda.services.common.logs import setup_logging
 from pagoda.services.tokenizer.servicer import TokenizerServicer
@@ -97,11 +98,13 @@ def build_servicer(model: str | None, tokenizer_path: str | None = None,
 
 def main(args: argparse.Namespace) -> int:
     setup_logging("tokenizer")
+    startup_clock.mark("imports")
     limits = template_limits_from_args(args)
     servicer = build_servicer(args.model, args.tokenizer, args.prefix_cache_hash_seed,
                               args.chat_template, args.revision, args.tokenizer_revision,
                               args.download_dir, args.prefix_caching_hash_algo)
     servicer.template_limits = limits
+    startup_clock.mark("tokenizer load")
     serve_sync("tokenizer", args,
                [(pb_grpc.add_TokenizerServiceServicer_to_server, servicer, SERVICE_NAME)],
                max_workers=16)

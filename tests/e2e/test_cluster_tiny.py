@@ -18,7 +18,9 @@ from serve_cluster import flag_value, scheduler_load, wait_until
 
 from pagoda.config import DEFAULT_PREFIX_HASH_SEED
 from pagoda.core.block_hash import hash_request_tokens
+from pagoda.services.bench.startup import services_from_log
 from pagoda.services.common.redis_server import free_port
+from pagoda.services.common.startup_clock import parse_report
 from pagoda.services.kv_cache_manager.index import PrefixIndex
 
 pytestmark = pytest.mark.slow
@@ -195,3 +197,17 @@ def test_non_streamed_request_is_aborted_when_its_client_leaves(tiny_cluster):
     # Nothing is held afterwards. (Whether it ended as aborted or ran out its 1000 tokens
     # first depends on machine speed; the streamed test above checks the abort itself.)
     assert wait_until(lambda: load().kv_cache_usage == 0, timeout=30)
+
+
+def test_every_service_logs_where_its_start_up_went(tiny_cluster):
+    """Each service's `start-up:` line (what `pagoda bench startup` reads): its phases,
+    in order and summing to no more than its total."""
+    services = services_from_log([(0.0, line) for line in tiny_cluster.log], spawned=0.0)
+    assert set(services) >= {"pagoda serve", "gateway", "tokenizer", "scheduler", "gpu-worker",
+                             "kv-cache-manager"}, services
+    assert list(services["gpu-worker"]["phases"]) == ["imports", "engine config", "model load",
+                                                      "gRPC server"]
+    assert "worker and KV cache" in services["scheduler"]["phases"]
+    reports = [parse_report(line) for line in tiny_cluster.log if parse_report(line)]
+    for phases, what, total in reports:
+        assert sum(phases.values()) <= total + 0.05, (phases, what, total)
