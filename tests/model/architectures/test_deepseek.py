@@ -120,3 +120,19 @@ def test_unsupported_features_are_refused_by_name(tmp_path, smollm2_tokenizer):
 
         DeepseekV3ForCausalLM(load_arch_config(path), torch.float32,
                               ParallelContext(tp_size=2, tp_rank=0))
+
+
+def test_moving_latent_blocks_is_refused_by_name(tmp_path, smollm2_tokenizer):
+    """P/D and the prefix pull ask the worker's KV geometry: a latent cache answers
+    NotImplementedError (the gRPC service's UNIMPLEMENTED), naming the architecture."""
+    from types import SimpleNamespace
+
+    from pagoda.kv_transfer.block_shares import runner_geometry
+
+    path = save_tiny_checkpoint(tmp_path, v2_config(), smollm2_tokenizer)
+    arch = load_arch_config(path)
+    runner = SimpleNamespace(config=SimpleNamespace(arch=arch),
+                             kv_caches=allocate_kv_caches(arch, 4, 16, torch.float32, "cpu"))
+    with pytest.raises(NotImplementedError, match="DeepseekV2ForCausalLM caches multi-head "
+                                                  "latent attention latents"):
+        runner_geometry(runner)

@@ -118,8 +118,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         if parallel is not None and parallel.tp_size > 1:
             raise ValueError(f"{arch.architecture} with tensor_parallel_size "
                              f"{parallel.tp_size} is not supported yet (multi-head latent "
-                             "attention is verified at TP=1 only); use tensor_parallel_size=1 "
-                             "or pipeline_parallel_size to spread the layers")
+                             "attention is verified at TP=1 only); use tensor_parallel_size=1")
         if parallel is not None and parallel.enable_expert_parallel:
             raise ValueError(f"--enable-expert-parallel is not supported for "
                              f"{arch.architecture} yet; run without it")
