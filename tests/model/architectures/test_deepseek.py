@@ -5,6 +5,8 @@ latent, not expanded keys and values."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -112,14 +114,17 @@ def test_mtp_layers_are_named_as_ignored(tmp_path, smollm2_tokenizer, caplog):
     assert "MTP" in caplog.text
 
 
-def test_unsupported_features_are_refused_by_name(tmp_path, smollm2_tokenizer):
+def test_fp8_block_checkpoint_is_refused_by_name(tmp_path, smollm2_tokenizer):
+    """DeepSeek-V3's own fp8 block format is refused at start-up, naming the way out."""
     path = save_tiny_checkpoint(tmp_path, v3_config(), smollm2_tokenizer)
-    with pytest.raises(ValueError, match="tensor_parallel_size 2 is not supported"):
-        from pagoda.distributed.parallel_state import ParallelContext
-        from pagoda.model.architectures.deepseek_v2 import DeepseekV3ForCausalLM
-
-        DeepseekV3ForCausalLM(load_arch_config(path), torch.float32,
-                              ParallelContext(tp_size=2, tp_rank=0))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM checkpoints quantized with "
+                                         "'fp8' are not supported .* serve a bf16 conversion"):
+        load_arch_config(path)
 
 
 def test_moving_latent_blocks_is_refused_by_name(tmp_path, smollm2_tokenizer):

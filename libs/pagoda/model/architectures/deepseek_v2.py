@@ -18,9 +18,14 @@ The stack is Llama's shape (`model.embed_tokens`, `model.layers.N`, `model.norm`
   `e_score_correction_bias` and group-limited top-k (`noaux_tc`); both scaled by
   `routed_scaling_factor`.
 
-Refused at load, by name: tensor parallelism and expert parallelism (not verified
-here), fp8/other quantized checkpoints (DeepSeek-V3's own fp8 block format included:
-serve a bf16 conversion). MTP layers (`num_nextn_predict_layers`, stored as
+Parallelism: tensor parallelism splits MLA by query head (the latent cache is
+replicated, `mla_attention.py`) and the experts like any `FusedMoE`;
+`--enable-expert-parallel` places whole experts per rank; pipeline parallelism splits
+the layers. All three give transformers' greedy tokens
+(`tests/distributed/test_deepseek_parallel.py`).
+
+Refused at load, by name: fp8/other quantized checkpoints (DeepSeek-V3's own fp8 block
+format included: serve a bf16 conversion). MTP layers (`num_nextn_predict_layers`, stored as
 `model.layers.<num_hidden_layers + i>.*`) are not read; the loader logs that it
 ignores them.
 """
@@ -115,13 +120,6 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, parallel=None) -> None:
         self.settings = family_settings(arch, DeepseekSettings)
-        if parallel is not None and parallel.tp_size > 1:
-            raise ValueError(f"{arch.architecture} with tensor_parallel_size "
-                             f"{parallel.tp_size} is not supported yet (multi-head latent "
-                             "attention is verified at TP=1 only); use tensor_parallel_size=1")
-        if parallel is not None and parallel.enable_expert_parallel:
-            raise ValueError(f"--enable-expert-parallel is not supported for "
-                             f"{arch.architecture} yet; run without it")
         super().__init__(arch, dtype, parallel)
 
     def make_rotary_embeddings(self) -> tuple[RotaryEmbedding, None]:
