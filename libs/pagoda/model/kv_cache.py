@@ -5,13 +5,14 @@ Each tensor is `[num_blocks, block_size, num_kv_heads, head_dim]` (see
 (`ModelArchConfig.kv_latent_dim`, multi-head latent attention): then the key tensor is
 `[num_blocks, block_size, 1, kv_latent_dim]` and the value tensor is empty
 (`[num_blocks, block_size, 1, 0]`, no bytes), so a block costs the latent alone and
-the pair structure every caller walks stays the same (`layer_cache_spec`). Blocks are zero-filled: attention gathers padded
-block-table entries and masks them, which is only safe if they hold finite values.
+the pair structure every caller walks stays the same (`layer_cache_spec`). Blocks are
+zero-filled: attention gathers padded block-table entries and masks them, which is
+only safe if they hold finite values.
 
 Under parallelism a rank caches only its own share: the KV heads of its tensor-
 parallel slice (`num_kv_heads / T`, or one replicated head when there are fewer KV
-heads than ranks) for the layers of its pipeline stage. Block ids mean the same
-on every rank, so one block table serves the whole group.
+heads than ranks; a latent cache whole on every rank) for the layers of its pipeline
+stage. Block ids mean the same on every rank, so one block table serves the whole group.
 
 The cache dtype is the model's, or float8_e4m3fn with `--kv-cache-dtype fp8` (CUDA
 only; `fp8_kv_cache.py`), which halves a bf16 cache.
