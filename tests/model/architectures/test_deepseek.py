@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV2Config, DeepseekV3Config
 
-from arch_parity import (VOCAB_SIZE, assert_matches_transformers, random_prompts,
-                         save_tiny_checkpoint)
+from arch_parity import (ENGINE, VOCAB_SIZE, assert_matches_transformers, assert_same,
+                         hf_greedy, pagoda_greedy, random_prompts, save_tiny_checkpoint)
 from pagoda import LLM
 from pagoda.model.decoder_layer import GatedMLP
 from pagoda.model.deepseek_moe import DeepseekMoE
@@ -141,3 +141,25 @@ def test_moving_latent_blocks_is_refused_by_name(tmp_path, smollm2_tokenizer):
     with pytest.raises(NotImplementedError, match="DeepseekV2ForCausalLM caches multi-head "
                                                   "latent attention latents"):
         runner_geometry(runner)
+
+
+def test_preemption_recomputes_the_latent_cache(tmp_path, smollm2_tokenizer):
+    """A pool too small for the batch preempts requests; their latents are recomputed
+    and the tokens and logprobs still equal transformers'."""
+    path = save_tiny_checkpoint(tmp_path, v2_config(), smollm2_tokenizer)
+    prompts = random_prompts([7, 30, 45])
+    reference = hf_greedy(path, prompts, 16)
+    llm = LLM(model=path, **{**ENGINE, "num_gpu_blocks_override": 24})
+    ours, _ = pagoda_greedy(llm, prompts, 16)
+    assert_same(ours, reference)
+    assert llm.llm_engine.core.scheduler.num_preemptions > 0
+
+
+def test_moe_layer_freq_makes_the_other_layers_dense(tmp_path, smollm2_tokenizer):
+    """DeepSeek's own rule (and vLLM's): MoE from first_k_dense_replace on, every
+    moe_layer_freq-th layer (transformers 5 ignores moe_layer_freq; released
+    checkpoints have 1)."""
+    path = save_tiny_checkpoint(tmp_path, v2_config(num_hidden_layers=5), smollm2_tokenizer)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "moe_layer_freq": 2}))
+    assert load_arch_config(path).moe.dense_mlp_layers == (0, 1, 3)

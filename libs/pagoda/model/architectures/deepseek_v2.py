@@ -16,7 +16,9 @@ The stack is Llama's shape (`model.embed_tokens`, `model.layers.N`, `model.norm`
   DeepSeek's own code use it; every released checkpoint has 1, where all agree.)
 - routing: V2 softmax with `greedy` or `group_limited_greedy`; V3 sigmoid with
   `e_score_correction_bias` and group-limited top-k (`noaux_tc`); both scaled by
-  `routed_scaling_factor`.
+  `routed_scaling_factor`. `norm_topk_prob` renormalises the top-k weights in both
+  (DeepSeek's code and vLLM; transformers 5's V2 ignores it, so V2 parity holds for the
+  released V2 configs, which all have it false).
 
 Parallelism: tensor parallelism splits MLA by query head (the latent cache is
 replicated, `mla_attention.py`) and the experts like any `FusedMoE`;
