@@ -24,7 +24,8 @@ Parallelism: tensor parallelism splits MLA by query head (the latent cache is
 replicated, `mla_attention.py`) and the experts like any `FusedMoE`;
 `--enable-expert-parallel` places whole experts per rank; pipeline parallelism splits
 the layers. All three give transformers' greedy tokens
-(`tests/distributed/test_deepseek_parallel.py`).
+(`tests/model/architectures/test_deepseek_parallel.py`;
+layer-level logits at TP=2/4: `tests/distributed/test_deepseek_tensor_parallel.py`).
 
 Refused at load, by name: fp8/other quantized checkpoints (DeepSeek-V3's own fp8 block
 format included: serve a bf16 conversion). MTP layers (`num_nextn_predict_layers`, stored as
