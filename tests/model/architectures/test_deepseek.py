@@ -163,3 +163,10 @@ def test_moe_layer_freq_makes_the_other_layers_dense(tmp_path, smollm2_tokenizer
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "moe_layer_freq": 2}))
     assert load_arch_config(path).moe.dense_mlp_layers == (0, 1, 3)
+
+
+def test_quantization_flag_is_refused_by_name(tmp_path, smollm2_tokenizer):
+    path = save_tiny_checkpoint(tmp_path, v3_config(), smollm2_tokenizer)
+    with pytest.raises(ValueError, match="fp8 quantization of DeepseekV3ForCausalLM is not "
+                                         "supported"):
+        LLM(model=path, dtype="float32", quantization="fp8")

@@ -28,9 +28,9 @@ the layers. All three give transformers' greedy tokens
 layer-level logits at TP=2/4: `tests/distributed/test_deepseek_tensor_parallel.py`).
 
 Refused at load, by name: fp8/other quantized checkpoints (DeepSeek-V3's own fp8 block
-format included: serve a bf16 conversion). MTP layers (`num_nextn_predict_layers`, stored as
-`model.layers.<num_hidden_layers + i>.*`) are not read; the loader logs that it
-ignores them.
+format included: serve a bf16 conversion) and `--quantization`. MTP layers
+(`num_nextn_predict_layers`, stored as `model.layers.<num_hidden_layers + i>.*`) are
+not read; the loader logs that it ignores them.
 """
 
 from __future__ import annotations
@@ -123,6 +123,11 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, parallel=None) -> None:
         self.settings = family_settings(arch, DeepseekSettings)
+        if arch.quantization_config:  # --quantization on a bf16 checkpoint lands here
+            method = arch.quantization_config.get("quant_method", "the requested")
+            raise ValueError(f"{method} quantization of {arch.architecture} is not supported "
+                             "(MLA's kv_b_proj is read as a dense matrix, and MoE experts run "
+                             "unquantized): serve it without --quantization")
         super().__init__(arch, dtype, parallel)
 
     def make_rotary_embeddings(self) -> tuple[RotaryEmbedding, None]:
