@@ -76,8 +76,8 @@ class ModelArchConfig:
     """Architecture of a decoder (or encoder), read from config.json (or a GGUF file).
 
     Only what every family has, plus the shared features that several families and
-    code outside the model read: `sliding_window` (`SlidingWindowConfig`) and `moe`
-    (`MoEConfig`), None when the model has none. What one family alone needs (Gemma's
+    code outside the model read: `sliding_window` (`SlidingWindowConfig`), `moe`
+    (`MoEConfig`) and `kv_latent_dim` (the KV cache's layout), None when the model has none. What one family alone needs (Gemma's
     soft-capping, Phi-3's partial rotary, BERT's token types...) is that family's own
     settings dataclass, declared in its file under `pagoda.model.architectures`, parsed
     by its `ModelArchitecture.settings` and carried opaquely in `family_settings`
@@ -113,6 +113,10 @@ class ModelArchConfig:
     num_labels: int = 0
     sliding_window: SlidingWindowConfig | None = None
     moe: MoEConfig | None = None
+    # Multi-head latent attention (DeepSeek-V2/V3): each layer caches one vector of this
+    # width per token (compressed latent + shared rope key), no per-head keys and no
+    # values (`pagoda.model.kv_cache.layer_cache_spec`); None: keys and values per KV head.
+    kv_latent_dim: int | None = None
     family_settings: object | None = None
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:

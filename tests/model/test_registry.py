@@ -24,7 +24,8 @@ from pagoda.model.loader import load_arch_config, load_model
 from pagoda.model.pooling_model import as_pooling_model
 from pagoda.model.registry import MODEL_REGISTRY, ModelRegistry
 
-SUPPORTED = ["BertForSequenceClassification", "BertModel", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+SUPPORTED = ["BertForSequenceClassification", "BertModel", "DeepseekV2ForCausalLM",
+             "DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
              "GptOssForCausalLM",
              "HF_ColBERT",
              "LlamaForCausalLM", "LlamaModel", "MistralForCausalLM", "MistralModel",

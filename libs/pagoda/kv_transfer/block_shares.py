@@ -132,10 +132,16 @@ def write_share(kv_caches: Sequence, block_ids: Sequence[int], blocks: torch.Ten
 
 def runner_geometry(runner) -> tuple[BlockShape, int] | None:
     """(whole block's shape, blocks in the cache) of a model runner of any rank, or
-    None before its KV cache is allocated."""
+    None before its KV cache is allocated. NotImplementedError for a latent cache
+    (multi-head latent attention): its blocks have no K/V head layout to move."""
+    arch = runner.config.arch
+    if arch.kv_latent_dim is not None:
+        raise NotImplementedError(
+            f"{arch.architecture} caches multi-head latent attention latents: moving its KV "
+            "blocks (P/D disaggregation, the prefix pull) is not supported; serve it "
+            "without a KV transfer (a single prefill+decode worker)")
     if not runner.kv_caches:
         return None
-    arch = runner.config.arch
     shape = BlockShape(arch.num_hidden_layers, runner.block_size, arch.num_key_value_heads,
                        arch.head_dim, runner.kv_cache_dtype)
     return shape, runner.kv_caches[0][0].shape[0]

@@ -1,19 +1,26 @@
 """Paged KV cache tensors: one (key, value) pair per layer.
 
 Each tensor is `[num_blocks, block_size, num_kv_heads, head_dim]` (see
-`attention_metadata.py`). Blocks are zero-filled: attention gathers padded
-block-table entries and masks them, which is only safe if they hold finite values.
+`attention_metadata.py`), unless the architecture declares a latent cache
+(`ModelArchConfig.kv_latent_dim`, multi-head latent attention): then the key tensor is
+`[num_blocks, block_size, 1, kv_latent_dim]` and the value tensor is empty
+(`[num_blocks, block_size, 1, 0]`, no bytes), so a block costs the latent alone and
+the pair structure every caller walks stays the same (`layer_cache_spec`). Blocks are
+zero-filled: attention gathers padded block-table entries and masks them, which is
+only safe if they hold finite values.
 
 Under parallelism a rank caches only its own share: the KV heads of its tensor-
 parallel slice (`num_kv_heads / T`, or one replicated head when there are fewer KV
-heads than ranks) for the layers of its pipeline stage. Block ids mean the same
-on every rank, so one block table serves the whole group.
+heads than ranks; a latent cache whole on every rank) for the layers of its pipeline
+stage. Block ids mean the same on every rank, so one block table serves the whole group.
 
 The cache dtype is the model's, or float8_e4m3fn with `--kv-cache-dtype fp8` (CUDA
 only; `fp8_kv_cache.py`), which halves a bf16 cache.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -22,20 +29,40 @@ from pagoda.distributed.parallel_state import (SINGLE, ParallelContext, num_loca
                                               stage_layer_range)
 
 
-def _local_shape(arch: ModelArchConfig, parallel: ParallelContext | None) -> tuple[int, int]:
-    """(KV heads per layer, layers) this rank caches."""
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """One layer's cache on one rank: key `[blocks, block_size, num_heads, key_dim]`,
+    value `[blocks, block_size, num_heads, value_dim]`; value_dim 0: keys only."""
+
+    num_heads: int
+    key_dim: int
+    value_dim: int
+
+
+def layer_cache_spec(arch: ModelArchConfig, parallel: ParallelContext | None = None
+                     ) -> KVCacheSpec:
+    """What each layer of `arch` caches on a rank: its share of the KV heads' keys and
+    values, or the whole latent (MLA: replicated on every tensor-parallel rank, since
+    every query head reads it)."""
+    if arch.kv_latent_dim is not None:
+        return KVCacheSpec(1, arch.kv_latent_dim, 0)
+    num_kv_heads = num_local_heads(arch, (parallel or SINGLE).tp_size)[1]
+    return KVCacheSpec(num_kv_heads, arch.head_dim, arch.head_dim)
+
+
+def _num_local_layers(arch: ModelArchConfig, parallel: ParallelContext | None) -> int:
     parallel = parallel or SINGLE
     start, end = stage_layer_range(arch.num_hidden_layers, parallel.pp_size, parallel.pp_rank)
-    return num_local_heads(arch, parallel.tp_size)[1], end - start
+    return end - start
 
 
 def kv_cache_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype,
                              parallel: ParallelContext | None = None) -> int:
-    """Bytes one block takes across this rank's layers, keys and values."""
-    num_kv_heads, num_layers = _local_shape(arch, parallel)
+    """Bytes one block takes across this rank's layers, keys and values (or latents)."""
+    spec = layer_cache_spec(arch, parallel)
     element_size = torch.empty((), dtype=dtype).element_size()
-    per_layer = 2 * block_size * num_kv_heads * arch.head_dim * element_size
-    return per_layer * num_layers
+    per_layer = block_size * spec.num_heads * (spec.key_dim + spec.value_dim) * element_size
+    return per_layer * _num_local_layers(arch, parallel)
 
 
 def allocate_kv_caches(arch: ModelArchConfig, num_blocks: int, block_size: int,
@@ -43,11 +70,11 @@ def allocate_kv_caches(arch: ModelArchConfig, num_blocks: int, block_size: int,
                        parallel: ParallelContext | None = None
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One zeroed (key_cache, value_cache) pair per layer this rank holds."""
-    num_kv_heads, num_layers = _local_shape(arch, parallel)
-    shape = (num_blocks, block_size, num_kv_heads, arch.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)]
+    spec = layer_cache_spec(arch, parallel)
+    shape = (num_blocks, block_size, spec.num_heads)
+    return [(torch.zeros(*shape, spec.key_dim, dtype=dtype, device=device),
+             torch.zeros(*shape, spec.value_dim, dtype=dtype, device=device))
+            for _ in range(_num_local_layers(arch, parallel))]
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, device: str | torch.device) -> str:

@@ -142,6 +142,12 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router_logits [T, E] -> [T, H], reduced over the TP group."""
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        return self.forward_routed(x, weights, ids)
+
+    def forward_routed(self, x: torch.Tensor, weights: torch.Tensor,
+                       ids: torch.Tensor) -> torch.Tensor:
+        """`forward` with the routing already chosen: weights [T, k] fp32, expert ids
+        [T, k] (a family's own router: DeepSeek's group-limited top-k)."""
         if self.round_weights:
             weights = weights.to(x.dtype)
         if ops.use_triton(x):
