@@ -257,6 +257,8 @@ class EngineArgs:
         dtype = resolve_dtype(self.dtype, device)
         arch = dataclasses.replace(arch, quantization_config=resolve_quantization(
             self.quantization, arch.quantization_config))
+        if arch.quantization_config is not None:
+            _refuse_unquantizable(arch)
         if arch.moe is not None and arch.quantization_config is not None:
             # lazy: torch and the model code load where an engine is built (see above)
             from pagoda.model.moe_quantized import refuse_unsupported_expert_quantization
@@ -477,3 +479,15 @@ def _weight_transfer_config(raw) -> dict | None:
         raise ValueError(f"weight_transfer_config must be {{'backend': one of {backends}}}, "
                          f"got {raw!r}")
     return dict(raw)
+
+
+def _refuse_unquantizable(arch) -> None:
+    """ValueError when `arch`'s architecture runs no quantization method at all (its
+    `ModelArchitecture.refuse_quantization` says why)."""
+    from pagoda.model.registry import MODEL_REGISTRY  # lazy: as the model code above
+
+    why = MODEL_REGISTRY.resolve(arch.architecture).refuse_quantization
+    if why:
+        method = arch.quantization_config.get("quant_method", "the requested")
+        raise ValueError(f"{method} quantization of {arch.architecture} is not supported "
+                         f"({why}): serve it without --quantization")

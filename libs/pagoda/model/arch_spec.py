@@ -89,6 +89,9 @@ class ModelArchitecture:
     `ModelArchConfig.family_settings`. GGUF files carry no config.json and skip both.
     `gguf_layouts` maps each GGUF
     `general.architecture` this class runs to that format's tensor names.
+    `refuse_quantization`, when set, is why no quantization method (a quantized
+    checkpoint, or `--quantization`) can run this architecture: refused when the engine
+    config is built, before any method-specific rule.
     Invariant: `hf_name` is the registry key; several entries may share a `model_cls`.
     """
 
@@ -97,6 +100,7 @@ class ModelArchitecture:
     update_arch_config: ConfigHook | None = None
     settings: type[FamilySettings] | None = None
     gguf_layouts: Mapping[str, GGUFLayout] = field(default_factory=dict)
+    refuse_quantization: str | None = None
 
     @property
     def family(self) -> str:

@@ -56,6 +56,11 @@ from pagoda.model.rotary import RotaryEmbedding
 logger = logging.getLogger(__name__)
 
 
+# Why no quantization method runs these models (the engine config refuses them early).
+NOT_QUANTIZABLE = ("MLA's kv_b_proj is read as a dense matrix, and MoE experts run "
+                   "unquantized")
+
+
 @dataclasses.dataclass(frozen=True)
 class DeepseekSettings:
     """DeepSeek's own config.json fields (transformers' names)."""
@@ -126,8 +131,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         if arch.quantization_config:  # --quantization on a bf16 checkpoint lands here
             method = arch.quantization_config.get("quant_method", "the requested")
             raise ValueError(f"{method} quantization of {arch.architecture} is not supported "
-                             "(MLA's kv_b_proj is read as a dense matrix, and MoE experts run "
-                             "unquantized): serve it without --quantization")
+                             f"({NOT_QUANTIZABLE}): serve it without --quantization")
         super().__init__(arch, dtype, parallel)
 
     def make_rotary_embeddings(self) -> tuple[RotaryEmbedding, None]:
@@ -218,7 +222,9 @@ def deepseek_arch_config(hf_config: dict, arch: ModelArchConfig) -> ModelArchCon
 
 ARCHITECTURES = (
     ModelArchitecture("DeepseekV2ForCausalLM", DeepseekV2ForCausalLM,
-                      update_arch_config=deepseek_arch_config, settings=DeepseekSettings),
+                      update_arch_config=deepseek_arch_config, settings=DeepseekSettings,
+                      refuse_quantization=NOT_QUANTIZABLE),
     ModelArchitecture("DeepseekV3ForCausalLM", DeepseekV3ForCausalLM,
-                      update_arch_config=deepseek_arch_config, settings=DeepseekSettings),
+                      update_arch_config=deepseek_arch_config, settings=DeepseekSettings,
+                      refuse_quantization=NOT_QUANTIZABLE),
 )
