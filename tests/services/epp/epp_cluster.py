@@ -53,6 +53,11 @@ class EppCluster:
             member = extra_gateway(gateway, "kv_aware", free_port())
             member.name = f"member-{i}"
             member.argv[member.argv.index("--scheduler-addrs") + 1] = scheduler
+            # Its /metrics carries its own replica's vllm:* series (GIE's model-server
+            # protocol), as the chart's member gateway does.
+            replica = next(s for s in services if s.name == f"scheduler-{i}")
+            member.argv[member.argv.index("--peer-metrics") + 1] = (
+                f"scheduler=127.0.0.1:{flag(replica.argv, '--metrics-port')}")
             services.append(member)
             self.members.append(member.address)
         self.tokenizer = flag(gateway.argv, "--tokenizer-addr").split(",")[0]

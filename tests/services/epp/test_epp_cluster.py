@@ -24,9 +24,11 @@ import httpx
 import pytest
 from envoy_client import ask, served
 from epp_cluster import EppCluster
+from prometheus_client.parser import text_string_to_metric_families
 from serve_cluster import wait_until
 
-from pagoda.services.bench.routing import run_workload, shared_prefix_workload, summarize
+from pagoda.services.bench.routing import (one_request, run_workload, shared_prefix_workload,
+                                           summarize)
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]  # a cluster: make test-extended
 PREFIX_LEN = 160  # 10 blocks
@@ -145,7 +147,6 @@ def test_gie_epp_metrics(pool):
 async def _through_epp(pool: EppCluster, prompts: list[list[int]], concurrency: int,
                        output_len: int) -> list:
     """Each prompt picked by the EPP, then sent to the member it named (bench's request)."""
-    from pagoda.services.bench.routing import one_request  # noqa: PLC0415  lazy: test-only helper
     semaphore = asyncio.Semaphore(concurrency)
     async with grpc.aio.insecure_channel(pool.epp) as channel:
         clients = {m: httpx.AsyncClient(base_url=f"http://{m}", timeout=None)
@@ -181,3 +182,19 @@ def test_the_picker_decides_as_the_gateway_does(pool):
     assert gateway["errors"] == 0 and epp["errors"] == 0, (gateway, epp)
     assert abs(gateway["cache_hit_rate"] - epp["cache_hit_rate"]) <= 0.05, (gateway, epp)
     assert epp["cache_hit_rate"] > 0.5  # most of the 3 in 4 repeat prefixes hit
+
+
+def test_members_speak_gie_model_server_protocol(pool):
+    """What GIE's vLLM engine type reads at a member's /metrics: queue, running, KV use
+    and the cache config (block size, blocks); readiness at /health."""
+    for member in pool.members:
+        assert httpx.get(f"http://{member}/health", timeout=10).status_code == 200
+        text = httpx.get(f"http://{member}/metrics", timeout=10).text
+        samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
+        for name in ("vllm:num_requests_waiting", "vllm:num_requests_running",
+                     "vllm:kv_cache_usage_perc"):
+            assert name in samples, name
+        info = samples["vllm:cache_config_info"].labels
+        assert info["block_size"] == "16" and int(info["num_gpu_blocks"]) > 0
+        # Only the member's own replica: one series per name.
+        assert text.count("\nvllm:num_requests_waiting{") == 1
