@@ -20,7 +20,6 @@ back unchanged. Invariants:
 from __future__ import annotations
 
 import json
-import logging
 import time
 
 from envoy.config.core.v3 import base_pb2
@@ -34,7 +33,6 @@ from pagoda.services.epp.body import BadBody, ParsedBody, parse_body
 from pagoda.services.epp.metrics import EppMetrics
 from pagoda.services.epp.picker import Pick, Picker, PickError
 
-logger = logging.getLogger(__name__)
 DESTINATION = "x-gateway-destination-endpoint"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
