@@ -76,6 +76,37 @@ def test_pool_with_pagoda_epp(chart):
     assert route["spec"]["parentRefs"][0]["name"] == "inference-gateway"
 
 
+def admits(policy: dict, port: int, component: str | None) -> bool:
+    """Whether `policy` lets pods of `component` (None: anyone, outside the cluster
+    too) reach `port`."""
+    for rule in policy["spec"]["ingress"]:
+        if port not in [p["port"] for p in rule.get("ports", [])]:
+            continue
+        sources = rule.get("from")
+        if sources is None:
+            return True
+        if component is not None and any(
+                s.get("podSelector", {}).get("matchLabels", {}).get(
+                    "app.kubernetes.io/component") == component for s in sources):
+            return True
+    return False
+
+
+def test_network_policies_let_the_pool_traffic_through(chart):
+    rendered = chart.template(values=(POOL_VALUES,))
+    policy = {p["metadata"]["name"]: p for p in rendered.of_kind("NetworkPolicy")}
+    assert admits(policy["pagoda-epp"], 9002, None)  # the Gateway's proxy, from anywhere
+    assert admits(policy["pagoda-scheduler"], 8000, None)  # ... and the members
+    assert admits(policy["pagoda-scheduler"], 50052, "epp")
+    assert not admits(policy["pagoda-scheduler"], 50052, None)
+    assert admits(policy["pagoda-tokenizer"], 50051, "epp")
+    assert admits(policy["pagoda-tokenizer"], 50051, "scheduler")  # the member gateways
+    assert admits(policy["pagoda-kv-cache-manager"], 50054, "epp")
+    plain = {p["metadata"]["name"]: p for p in chart.template().of_kind("NetworkPolicy")}
+    assert not admits(plain["pagoda-scheduler"], 8000, None)
+    assert not admits(plain["pagoda-tokenizer"], 50051, "scheduler")
+
+
 def test_pool_with_an_external_picker(chart):
     rendered = chart.template(values=(POOL_VALUES,), sets=EXTERNAL)
     pool, _ = pool_and_route(rendered)

@@ -1,9 +1,9 @@
 """A pool behind `pagoda epp` on loopback, as an InferencePool would see it.
 
 `pagoda serve --data-parallel-size 2` (Redis, kv-cache-manager, tokenizer, two replicas
-and the cluster's own kv_aware gateway), plus per replica a *member* gateway whose only
-scheduler is that replica (the pod's gateway in the chart: the pool member's OpenAI
-endpoint), plus `pagoda epp` over the two schedulers with `--endpoint-map` naming each
+and the cluster's own kv_aware gateway; or a P/D topology), plus per replica a *member*
+gateway whose only scheduler is that replica (the pod's gateway in the chart: the pool
+member's OpenAI endpoint), plus `pagoda epp` over the pool's schedulers with `--endpoint-map` naming each
 member (all share 127.0.0.1, so the host alone cannot tell them apart), and a second
 picker, `epp-saturated`, that counts every replica as saturated (queue threshold 0)
 and treats the objective `batch` as sheddable.
@@ -36,26 +36,32 @@ def flag(argv: list[str], name: str) -> str:
 
 
 class EppCluster:
-    def __init__(self, model: str, redis_url: str) -> None:
+    """`topology`: `pagoda serve`'s replica flags. With disaggregation the members are
+    the decode replicas, each gateway also listing the prefill replicas (as the chart)."""
+
+    def __init__(self, model: str, redis_url: str,
+                 topology: tuple[str, ...] = ("--data-parallel-size", "2")) -> None:
         parser = argparse.ArgumentParser()
         serve.add_parser(parser.add_subparsers())
         args = parser.parse_args([
             "serve", model, "--port", str(free_port()), "--served-model-name", "tiny",
             "--dtype", "float32", "--max-model-len", "1024", "--block-size", str(BS),
-            "--disable-log-stats", "--data-parallel-size", "2",
-            "--enable-prompt-tokens-details"])
+            "--disable-log-stats", *topology, "--enable-prompt-tokens-details"])
         services = serve.build_services(args, redis_url)
         gateway = next(s for s in services if s.kind == "gateway")
         self.gateway_url = f"http://{gateway.address}"
-        self.schedulers = flag(gateway.argv, "--scheduler-addrs").split(",")
+        replicas = [s for s in services if s.kind == "scheduler"]
+        self.prefill = [s.address for s in replicas if "prefill" in s.name]
+        whole = [s for s in replicas if "prefill" not in s.name]
+        self.schedulers = [s.address for s in whole]  # the pool's replicas
         self.members: list[str] = []  # endpoint (ip:port) of replica i's member gateway
-        for i, scheduler in enumerate(self.schedulers):
+        for i, replica in enumerate(whole):
             member = extra_gateway(gateway, "kv_aware", free_port())
             member.name = f"member-{i}"
-            member.argv[member.argv.index("--scheduler-addrs") + 1] = scheduler
+            member.argv[member.argv.index("--scheduler-addrs") + 1] = ",".join(
+                [replica.address, *self.prefill])
             # Its /metrics carries its own replica's vllm:* series (GIE's model-server
             # protocol), as the chart's member gateway does.
-            replica = next(s for s in services if s.name == f"scheduler-{i}")
             member.argv[member.argv.index("--peer-metrics") + 1] = (
                 f"scheduler=127.0.0.1:{flag(replica.argv, '--metrics-port')}")
             services.append(member)
@@ -80,7 +86,7 @@ class EppCluster:
             "--metrics-port", str(self.saturated_metrics), "--queue-depth-threshold", "0",
             "--objective-priority", "batch=-1,chat=2", "--pool-name", "tiny-pool"],
             self.saturated, kind="epp"))
-        self.model = flag(next(s for s in services if s.name == "scheduler-0").argv, "--model")
+        self.model = flag(whole[0].argv, "--model")
         self.log = tempfile.NamedTemporaryFile("w+", prefix="pagoda-epp-")
         self.cluster = LocalCluster(services, log_stream=self.log)
 
@@ -92,10 +98,11 @@ class EppCluster:
             self.stop()
             self.log.seek(0)
             raise RuntimeError("cluster did not come up:\n" + self.log.read()[-5000:]) from None
-        # A picker is ready with one routable replica: wait until both see both.
+        # A picker is ready with one routable replica: wait until both see every one.
+        ready = f'inference_pool_ready_pods{{name="tiny-pool"}} {len(self.schedulers)}.0'
         for port in (self.epp_metrics, self.saturated_metrics):
-            assert wait_until(lambda: 'inference_pool_ready_pods{name="tiny-pool"} 2.0'
-                              in self.metrics_text(port), 60, 0.5), self.metrics_text(port)
+            assert wait_until(lambda: ready in self.metrics_text(port), 60, 0.5), \
+                self.metrics_text(port)
         return self
 
     def stop(self) -> None:
