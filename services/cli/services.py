@@ -21,6 +21,8 @@ SERVICES = {
                    "Model runner: weights, KV cache, forward and sampling (port 50053)."),
     "kv-cache-manager": ("pagoda.services.kv_cache_manager.server",
                          "Cluster prefix index in Redis (port 50054)."),
+    "epp": ("pagoda.services.epp.server",
+            "Endpoint picker for a Gateway API inference gateway: Envoy ext_proc (port 9002)."),
 }
 
 

@@ -23,7 +23,10 @@ NAMESPACE = "inference"
 # kubernetes-validate ships schemas for.
 KUBE_VERSIONS = ("1.30.0", "1.37.0")
 # Custom resources: no upstream schema in kubernetes-validate; checked structurally instead.
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("keda.sh/v1alpha1", "ScaledObject")}
+# InferencePool and HTTPRoute: against charts/schemas/ (test_chart_inference_pool).
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("keda.sh/v1alpha1", "ScaledObject"),
+             ("inference.networking.k8s.io/v1", "InferencePool"),
+             ("gateway.networking.k8s.io/v1", "HTTPRoute")}
 
 
 def _load_tool(name: str):

@@ -21,10 +21,11 @@ def test_ci_values_render_every_template(chart):
 
 
 def test_templates_are_named_component_kind():
-    components = {"gateway", "tokenizer", "scheduler", "kv-cache-manager", "redis", "dashboards"}
+    components = {"gateway", "tokenizer", "scheduler", "kv-cache-manager", "redis", "dashboards",
+                  "epp"}
     kinds = {"deployment", "service", "secret", "pdb", "hpa", "scaledobject",
              "servicemonitor", "networkpolicy", "configmap", "serviceaccount", "role",
-             "rolebinding"}
+             "rolebinding", "inferencepool", "httproute"}
     for path in (CHART / "templates").glob("*.yaml"):
         component, _, kind = path.stem.rpartition("-")
         assert component in components and kind in kinds, path.name

@@ -117,6 +117,13 @@ A records) are the pool's replicas. */}}
 {{- join "," $addrs -}}
 {{- end -}}
 
+{{/* The endpoint picker's replicas: the pool's schedulers by DNS (every pod IP; the picker
+names a member by its IP at the pool's target port). */}}
+{{- define "pagoda.eppSchedulerAddrs" -}}
+{{- $component := ternary "decode" "scheduler" .Values.disaggregation.enabled -}}
+{{- printf "dns:///%s.%s.svc.%s:%v" (include "pagoda.headless" (list . $component)) .Release.Namespace .Values.global.clusterDomain .Values.scheduler.port -}}
+{{- end -}}
+
 {{- define "pagoda.redisUrl" -}}
 {{- if .Values.redis.enabled -}}
 {{- printf "redis://%s:%v/0" (include "pagoda.componentName" (list . "redis")) .Values.redis.port -}}

@@ -22,6 +22,15 @@ with a message naming the values, so no combination of values silently disagrees
 {{- fail "redis.auth: with an external Redis set redis.auth.existingSecret (a Secret holding its password), or redis.auth.enabled=false when the URL in redis.externalUrlSecret carries the password" -}}
 {{- end -}}
 
+{{- with $v.inferencePool -}}
+{{- if and .enabled .httpRoute.enabled (not .httpRoute.parentRefs) -}}
+{{- fail "inferencePool.httpRoute.parentRefs: name the Gateway(s) the route attaches to, or set inferencePool.httpRoute.enabled=false" -}}
+{{- end -}}
+{{- if and .enabled (eq (int .targetPort) (int $v.scheduler.port)) -}}
+{{- fail "inferencePool.targetPort must differ from scheduler.port (both listen in the scheduler pod)" -}}
+{{- end -}}
+{{- end -}}
+
 {{- with $v.global.lora -}}
 {{- if and (not .enabled) (or .modules .allowRuntimeUpdating) -}}
 {{- fail "global.lora: modules and allowRuntimeUpdating need global.lora.enabled=true (the replicas must run with --enable-lora)" -}}
