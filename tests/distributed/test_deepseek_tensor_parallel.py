@@ -8,27 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-
-def _steps() -> list:
-    """A prefill of two requests, then a decode of both: (input_ids, positions, metadata)."""
-    from pagoda.messages import NewRequestData
-    from pagoda.sampling_params import SamplingParams
-    from pagoda.worker.batch_state import CachedRequestState
-    from pagoda.worker.input_builder import build_model_inputs
-
-    states = {req_id: CachedRequestState.from_new(
-        NewRequestData(req_id, prompt, [], SamplingParams(), blocks, 0), None)
-        for req_id, prompt, blocks in (("a", [5, 9, 300, 41, 7, 8, 200], [3, 1]),
-                                       ("b", [11, 12, 13, 14], [0, 2]))}
-    steps = []
-    for num_scheduled in ({"a": 7, "b": 4}, {"a": 1, "b": 1}):
-        inputs = build_model_inputs(states, num_scheduled, 4, "cpu")
-        steps.append((inputs.input_ids, inputs.positions, inputs.attn_metadata))
-        for req_id, n in num_scheduled.items():
-            states[req_id].num_computed_tokens += n
-            states[req_id].append_token(17 + n)
-    return steps
+from model_steps import two_steps
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +36,7 @@ def test_sharded_deepseek_logits_equal_the_whole_model(ranks, deepseek_dir, tp,
     from pagoda.model.loader import load_arch_config, load_model
 
     arch = load_arch_config(deepseek_dir)
-    steps = _steps()
+    steps = two_steps(200)
 
     def run(parallel):
         model = load_model(deepseek_dir, arch, torch.float32, "cpu", parallel)

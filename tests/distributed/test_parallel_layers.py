@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_steps import two_steps
 
 from pagoda.config import ModelArchConfig
 from pagoda.model.parallel_layers import (ColumnParallelLinear, MergedColumnParallelLinear,
@@ -112,34 +113,13 @@ def test_vocab_parallel_embedding_and_lm_head_cover_an_uneven_vocabulary(ranks, 
             assert logits is None
 
 
-def _two_steps() -> list:
-    """A prefill of two requests, then a decode of both: (input_ids, positions, metadata)."""
-    from pagoda.messages import NewRequestData
-    from pagoda.sampling_params import SamplingParams
-    from pagoda.worker.batch_state import CachedRequestState
-    from pagoda.worker.input_builder import build_model_inputs
-
-    states = {req_id: CachedRequestState.from_new(
-        NewRequestData(req_id, prompt, [], SamplingParams(), blocks, 0), None)
-        for req_id, prompt, blocks in (("a", [5, 9, 300, 41, 7, 8, 2000], [3, 1]),
-                                       ("b", [11, 12, 13, 14], [0, 2]))}
-    steps = []
-    for num_scheduled in ({"a": 7, "b": 4}, {"a": 1, "b": 1}):
-        inputs = build_model_inputs(states, num_scheduled, 4, "cpu")
-        steps.append((inputs.input_ids, inputs.positions, inputs.attn_metadata))
-        for req_id, n in num_scheduled.items():
-            states[req_id].num_computed_tokens += n
-            states[req_id].append_token(17 + n)
-    return steps
-
-
 def test_sharded_model_logits_equal_the_whole_model(ranks, tiny_llama_dir):
     """TP=2 and TP=4 (KV heads replicated) LlamaForCausalLM on a prefill then a decode."""
     from pagoda.model.kv_cache import allocate_kv_caches
     from pagoda.model.loader import load_arch_config, load_model
 
     arch: ModelArchConfig = load_arch_config(tiny_llama_dir)
-    steps = _two_steps()
+    steps = two_steps()
 
     def run(parallel):
         model = load_model(tiny_llama_dir, arch, torch.float32, "cpu", parallel)

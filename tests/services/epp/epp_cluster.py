@@ -14,17 +14,13 @@ from __future__ import annotations
 import argparse
 import tempfile
 
-import grpc
 import httpx
 
-from pagoda.services._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2 as kpb
-from pagoda.services._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2_grpc as kpb_grpc
-from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
-from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
 from pagoda.services.bench.routing import extra_gateway
 from pagoda.services.cli import serve
 from pagoda.services.cli.local_cluster import LocalCluster, ServiceProcess
 from pagoda.services.common.redis_server import free_port
+from prefix_index_probe import indexed_blocks
 from serve_cluster import wait_until
 
 BS = 16
@@ -114,14 +110,7 @@ class EppCluster:
 
     def indexed_blocks(self, prompt: list[int]) -> dict[str, int]:
         """instance id -> leading blocks of `prompt` the cluster index says it holds."""
-        with grpc.insecure_channel(self.tokenizer) as channel:
-            hashes = tpb_grpc.TokenizerServiceStub(channel).Tokenize(tpb.TokenizeRequest(
-                token_ids=tpb.TokenIds(token_ids=prompt), block_size=BS), timeout=10).block_hashes
-        with grpc.insecure_channel(self.index) as channel:
-            reply = kpb_grpc.KvCacheManagerServiceStub(channel).LookupPrefix(
-                kpb.LookupPrefixRequest(model=self.model, block_size=BS, block_hashes=hashes),
-                timeout=10)
-        return dict(reply.num_cached_blocks)
+        return indexed_blocks(self.tokenizer, self.index, self.model, prompt, BS)
 
     def metrics_text(self, port: int | None = None) -> str:
         return httpx.get(f"http://127.0.0.1:{port or self.epp_metrics}/metrics", timeout=10).text
