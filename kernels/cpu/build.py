@@ -28,19 +28,14 @@ from pathlib import Path
 
 import torch
 
+from pagoda.kernels.cache_dir import cache_root
+
 SOURCE = Path(__file__).resolve().parent / "csrc" / "pagoda_cpu_ops.cpp"
 LIBRARY_NAME = "pagoda_cpu_ops.so"
 
 
 class BuildError(RuntimeError):
     """The library could not be compiled (no compiler, or it failed: the log is attached)."""
-
-
-def cache_root() -> Path:
-    if os.environ.get("PAGODA_CACHE_DIR"):
-        return Path(os.environ["PAGODA_CACHE_DIR"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
-    return Path(base).expanduser() / "pagoda"
 
 
 def compiler() -> str:

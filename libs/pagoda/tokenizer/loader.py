@@ -10,6 +10,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagoda.model.hub import download, is_hub_id
 from pagoda.model.loader import default_model_path
+from pagoda.tokenizer.gguf_cache import load_gguf_tokenizer
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -43,9 +44,9 @@ def resolve_tokenizer_path(source: str | None, revision: str | None = None,
 @functools.lru_cache(maxsize=8)
 def _load(path: str) -> PreTrainedTokenizerBase:
     if path.endswith(".gguf"):
-        # Rebuilding a tokenizer from GGUF metadata takes seconds, hence the cache.
-        return AutoTokenizer.from_pretrained(os.path.dirname(path),
-                                             gguf_file=os.path.basename(path))
+        # Rebuilding a tokenizer from GGUF metadata takes seconds: converted once per
+        # machine (gguf_cache.py), and once per process here.
+        return load_gguf_tokenizer(path)
     return AutoTokenizer.from_pretrained(path)
 
 
