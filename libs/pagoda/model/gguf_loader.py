@@ -12,6 +12,7 @@ bit for bit.
 from __future__ import annotations
 
 import functools
+import struct
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -21,6 +22,7 @@ from gguf.quants import dequantize
 
 from pagoda.config import ModelArchConfig
 from pagoda.model.arch_spec import GGUFLayout, ModelArchitecture
+from pagoda.model.gguf_metadata import GGUFMetadata
 from pagoda.model.registry import MODEL_REGISTRY
 from pagoda.model.rotary import normalize_rope_scaling
 
@@ -30,8 +32,20 @@ _ROPE_FREQS = "rope_freqs.weight"
 
 @functools.lru_cache(maxsize=2)
 def gguf_reader(path: str) -> GGUFReader:
-    """Parsing the metadata (vocabulary included) takes seconds; config and weights share it."""
+    """Parsing the metadata (vocabulary included) takes seconds; the weights' loaders
+    share one per file."""
     return GGUFReader(path)
+
+
+@functools.lru_cache(maxsize=4)
+def gguf_metadata(path: str) -> GGUFMetadata | GGUFReader:
+    """The metadata and tensor directory without the vocabulary's items (milliseconds;
+    `gguf_metadata.py`), or the whole reader for a file that reader does not take
+    (big-endian, GGUF v1, a header over 64 MiB)."""
+    try:
+        return GGUFMetadata(path)
+    except (ValueError, EOFError, struct.error):
+        return gguf_reader(path)
 
 
 def _field(reader: GGUFReader, key: str, default=None):
@@ -80,9 +94,10 @@ def iter_gguf_weights(path: str, arch: ModelArchConfig,
         yield name, torch.from_numpy(np.array(weights, dtype=np.float32, copy=True))
 
 
-def _rope_scaling(reader: GGUFReader, prefix: str, tensors: dict) -> dict | None:
+def _rope_scaling(reader, prefix: str, tensors: dict, path: str) -> dict | None:
     if _ROPE_FREQS in tensors:
-        t = tensors[_ROPE_FREQS]
+        # The one tensor the config reads: its data comes from the whole reader.
+        t = next(t for t in gguf_reader(path).tensors if t.name == _ROPE_FREQS)
         factors = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(-1)
         return {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
     kind = _field(reader, prefix + "rope.scaling.type")
@@ -113,7 +128,7 @@ def _eos_token_ids(reader: GGUFReader) -> int | list[int] | None:
 
 def arch_config_from_gguf(path: str) -> ModelArchConfig:
     """ModelArchConfig from GGUF metadata; ValueError for an architecture we cannot run."""
-    reader = gguf_reader(path)
+    reader = gguf_metadata(path)
     spec, _ = resolve_gguf_architecture(reader, path)
     p = _field(reader, "general.architecture") + "."
     tensors = {t.name: t for t in reader.tensors}
@@ -133,7 +148,7 @@ def arch_config_from_gguf(path: str) -> ModelArchConfig:
         head_dim=int(head_dim),
         rms_norm_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(reader, p, tensors),
+        rope_scaling=_rope_scaling(reader, p, tensors, path),
         max_position_embeddings=int(_field(reader, p + "context_length", 2048)),
         # llama.cpp drops the LM head of tied models; the embedding matrix serves as both.
         tie_word_embeddings="output.weight" not in tensors,
@@ -146,4 +161,4 @@ def arch_config_from_gguf(path: str) -> ModelArchConfig:
 
 def gguf_matrix_types(path: str) -> set[str]:
     """The GGUF tensor types (e.g. "Q4_1", "Q6_K") of the file's 2-D weights."""
-    return {t.tensor_type.name for t in gguf_reader(path).tensors if len(t.shape) == 2}
+    return {t.tensor_type.name for t in gguf_metadata(path).tensors if len(t.shape) == 2}

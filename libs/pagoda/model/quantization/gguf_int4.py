@@ -52,10 +52,10 @@ def gguf_4bit_parts(path: str) -> tuple[bool, str | None]:
     token embedding; SmolLM2's Q4_1 file keeps it in Q8_0: 4 bits would round it, so it
     gets per-row int8 (its rounding is of the order of Q8_0's own, a step of at most
     the row's largest block scale)."""
-    from pagoda.model.gguf_loader import gguf_reader  # lazy: the gguf package, GGUF files only
+    from pagoda.model.gguf_loader import gguf_metadata  # lazy: the gguf package, GGUF only
 
     layers, head = set(), set()
-    for tensor in gguf_reader(path).tensors:
+    for tensor in gguf_metadata(path).tensors:
         if len(tensor.shape) != 2:
             continue
         kind = tensor.tensor_type.name
