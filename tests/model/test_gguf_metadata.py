@@ -38,6 +38,15 @@ def test_every_tensor_is_listed_as_gguf_lists_it(both):
         [(t.name, t.tensor_type, tuple(int(d) for d in t.field.parts[3])) for t in theirs.tensors]
 
 
+def test_every_tensor_has_gguf_readers_data(both):
+    import numpy as np
+
+    mine, theirs = both
+    for a, b in zip(mine.tensors, theirs.tensors):
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+        assert np.array_equal(a.data, b.data), a.name
+
+
 def test_the_model_config_is_the_same_either_way(smollm2_gguf_path, monkeypatch):
     fast = gguf_loader.arch_config_from_gguf(smollm2_gguf_path)
     gguf_loader.gguf_metadata.cache_clear()

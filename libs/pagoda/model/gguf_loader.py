@@ -32,16 +32,17 @@ _ROPE_FREQS = "rope_freqs.weight"
 
 @functools.lru_cache(maxsize=2)
 def gguf_reader(path: str) -> GGUFReader:
-    """Parsing the metadata (vocabulary included) takes seconds; the weights' loaders
-    share one per file."""
+    """gguf's own reader: parsing the metadata (vocabulary included) takes seconds; used
+    only where `GGUFMetadata` does not read the file."""
     return GGUFReader(path)
 
 
 @functools.lru_cache(maxsize=4)
 def gguf_metadata(path: str) -> GGUFMetadata | GGUFReader:
-    """The metadata and tensor directory without the vocabulary's items (milliseconds;
-    `gguf_metadata.py`), or the whole reader for a file that reader does not take
-    (big-endian, GGUF v1, a header over 64 MiB)."""
+    """The metadata, tensor directory and (memory-mapped) tensors without building the
+    vocabulary's items (milliseconds; `gguf_metadata.py`), or gguf's whole reader for a
+    file that one does not take (big-endian, GGUF v1, a header over 64 MiB). Config and
+    weights share it."""
     try:
         return GGUFMetadata(path)
     except (ValueError, EOFError, struct.error):
@@ -76,7 +77,7 @@ def iter_gguf_weights(path: str, arch: ModelArchConfig,
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, fp32 tensor) for every weight of the file (that `include`
     accepts: the rest are never dequantized), one at a time."""
-    reader = gguf_reader(path)
+    reader = gguf_metadata(path)
     _, layout = resolve_gguf_architecture(reader, path)
     permuted = layout.rotary_rows_permuted
     for tensor in reader.tensors:
@@ -94,10 +95,9 @@ def iter_gguf_weights(path: str, arch: ModelArchConfig,
         yield name, torch.from_numpy(np.array(weights, dtype=np.float32, copy=True))
 
 
-def _rope_scaling(reader, prefix: str, tensors: dict, path: str) -> dict | None:
+def _rope_scaling(reader, prefix: str, tensors: dict) -> dict | None:
     if _ROPE_FREQS in tensors:
-        # The one tensor the config reads: its data comes from the whole reader.
-        t = next(t for t in gguf_reader(path).tensors if t.name == _ROPE_FREQS)
+        t = tensors[_ROPE_FREQS]
         factors = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(-1)
         return {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
     kind = _field(reader, prefix + "rope.scaling.type")
@@ -148,7 +148,7 @@ def arch_config_from_gguf(path: str) -> ModelArchConfig:
         head_dim=int(head_dim),
         rms_norm_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(reader, p, tensors, path),
+        rope_scaling=_rope_scaling(reader, p, tensors),
         max_position_embeddings=int(_field(reader, p + "context_length", 2048)),
         # llama.cpp drops the LM head of tied models; the embedding matrix serves as both.
         tie_word_embeddings="output.weight" not in tensors,

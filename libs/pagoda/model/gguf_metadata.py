@@ -7,23 +7,25 @@ scheduler, the gpu-worker before it loads weights). This reader walks the same b
 (GGUF v2/v3, little-endian) with `struct`, keeps scalar and short array values, and for
 long arrays only their length; tensors keep name, type and shape (no data).
 
-The interface is the part of GGUFReader's that configuration code reads:
+The interface is the part of GGUFReader's that the loaders read:
 `fields[key].contents()`, `len(fields[key].data)` (an array's length) and
-`tensors[i].name / .tensor_type / .shape`. Anything else (weights, a tensor's data)
-comes from GGUFReader (`gguf_loader.gguf_reader`).
+`tensors[i].name / .tensor_type / .shape / .data` (the data: a view of the memory-mapped
+file, made on first use, shaped as GGUFReader shapes it).
 
 Invariant: for every scalar field, string field and array of at most
 `MAX_ARRAY_KEPT` items, `contents()` equals GGUFReader's; tensors come in file order
-with the same names, types and shapes (checked in tests/model/test_gguf_metadata.py).
+with the same names, types, shapes and data (checked in tests/model/test_gguf_metadata.py).
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from gguf.constants import GGMLQuantizationType
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import quant_shape_to_byte_shape
 
 MAX_ARRAY_KEPT = 64  # longer arrays (vocabularies, merges, scores) keep their length only
 _MAGIC = b"GGUF"
@@ -55,17 +57,43 @@ class MetadataField:
         return self.value
 
 
+# Unquantized tensor types and their numpy items (the rest are bytes, as in GGUFReader).
+_PLAIN = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
+          GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+          GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
+          GGMLQuantizationType.I64: np.int64}
+
+
 @dataclass
 class TensorInfo:
     name: str
     tensor_type: GGMLQuantizationType
     shape: tuple[int, ...]  # as GGUFReader reports it: GGUF's order (innermost first)
+    offset: int = 0  # from the start of the file
+    _file: GGUFMetadata | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def data(self) -> np.ndarray:
+        """The tensor's bytes as GGUFReader gives them: plain types as their numpy dtype
+        in numpy's (outermost-first) shape, quantized types as uint8 rows of blocks."""
+        elements = int(np.prod(self.shape))
+        dims = tuple(reversed(self.shape))
+        if self.tensor_type in _PLAIN:
+            dtype, count = _PLAIN[self.tensor_type], elements
+        else:
+            block, type_size = GGML_QUANT_SIZES[self.tensor_type]
+            dtype, count = np.uint8, elements * type_size // block
+            dims = quant_shape_to_byte_shape(dims, self.tensor_type)
+        mapped = self._file.mapped()
+        return np.ndarray((count,), dtype=dtype, buffer=mapped, offset=self.offset).reshape(dims)
 
 
 class GGUFMetadata:
     """`fields` (key -> MetadataField) and `tensors` (TensorInfo, in file order)."""
 
     def __init__(self, path: str) -> None:
+        self.path = path
+        self._map: np.memmap | None = None
         with open(path, "rb") as f:
             self._buf = f.read(_header_bytes(f))
         self._pos = 0
@@ -80,13 +108,27 @@ class GGUFMetadata:
             key = self._string()
             self.fields[key] = self._value(self._unpack("<I"))
         self.tensors: list[TensorInfo] = []
+        offsets = []
         for _ in range(tensor_count):
             name = self._string()
             dims = tuple(self._unpack("<Q") for _ in range(self._unpack("<I")))
             kind = GGMLQuantizationType(self._unpack("<I"))
-            self._unpack("<Q")  # data offset: not needed for metadata
-            self.tensors.append(TensorInfo(name, kind, dims))
+            offsets.append(self._unpack("<Q"))  # from the (aligned) start of the data
+            self.tensors.append(TensorInfo(name, kind, dims, _file=self))
+        alignment = self.fields["general.alignment"].value \
+            if "general.alignment" in self.fields else 32
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"{path}: invalid alignment {alignment}")
+        start = -(-self._pos // alignment) * alignment
+        for tensor, offset in zip(self.tensors, offsets):
+            tensor.offset = start + offset
         del self._buf
+
+    def mapped(self) -> np.memmap:
+        """The file, memory-mapped read-only (once)."""
+        if self._map is None:
+            self._map = np.memmap(self.path, mode="r")
+        return self._map
 
     def _take(self, n: int) -> bytes:
         if self._pos + n > len(self._buf):
