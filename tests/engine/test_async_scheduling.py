@@ -88,3 +88,18 @@ def test_async_scheduling_refuses_inexact_combinations(tiny_llama_dir, extra, na
     args = EngineArgs(model=str(tiny_llama_dir), dtype="float32", async_scheduling=True, **extra)
     with pytest.raises(ValueError, match=f"--async-scheduling is not supported with {named}"):
         args.create_engine_config()
+
+
+def test_async_scheduling_structured_outputs_exact(tiny_llama_dir):
+    """A constrained request steps only once its last token is known (its grammar mask
+    needs it); its unconstrained neighbours run ahead. Outputs are unchanged."""
+    from pagoda.sampling_params import StructuredOutputsParams
+    from structured_output_cases import CASES
+
+    params = [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=24,
+                             structured_outputs=StructuredOutputsParams(**CASES["json"]))
+              if i % 2 else SamplingParams(temperature=0.0, max_tokens=24)
+              for i in range(len(PROMPTS))]
+    expected, _ = run(tiny_llama_dir, params, False, max_model_len=512)
+    got, _ = run(tiny_llama_dir, params, True, max_model_len=512)
+    assert got == expected
