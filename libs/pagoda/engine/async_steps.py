@@ -28,9 +28,11 @@ service): drafts are verified with the scheduler's view of the last token
 (speculative decoding), a pipeline group already keeps several micro-batches in
 flight, and a pooling request finishes in the step that runs it.
 
-`SerialExecutor` runs every executor call on one thread, in the order made, so a step
-in flight is never overtaken by anything else sent to the worker (sleep, KV reset,
-collective RPCs).
+`SerialExecutor` submits steps without waiting, and makes every other executor call
+wait for the steps in flight, so a step is never overtaken by anything else sent to
+the worker (sleep, KV reset, collective RPCs). Over gRPC the next step is sent while
+the last one runs; the gpu-worker queues it until its turn (`step_id` order), so it
+starts the moment the last one ends.
 """
 
 from __future__ import annotations
@@ -73,18 +75,34 @@ def refuse_async_kv_transfer(async_scheduling: bool, kv_role: str) -> None:
 
 
 class SerialExecutor(Executor):
-    """Wraps an executor so that every call runs on one worker thread, in order;
-    `submit_step` returns at once with a future of the step's output."""
+    """Wraps an executor so that steps can be submitted without waiting, and nothing
+    else sent to the worker overtakes them: every other call first waits for the steps
+    in flight to end (their outputs stay in their futures).
+
+    A step goes out through the executor's own `submit_step` when it has one (the
+    gRPC executor: the worker queues a step sent ahead until its turn), else on one
+    step thread, in order (an in-process model runner or simulated device)."""
 
     def __init__(self, inner: Executor) -> None:
         self.inner = inner
+        self._native = getattr(inner, "submit_step", None)
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagoda-step")
+        self._outstanding: list[concurrent.futures.Future] = []
 
     def _call(self, fn, *args, **kwargs):
-        return self._thread.submit(fn, *args, **kwargs).result()
+        if self._outstanding:
+            concurrent.futures.wait(self._outstanding)
+            self._outstanding.clear()
+        return fn(*args, **kwargs)
 
     def submit_step(self, plan: SchedulerOutput) -> concurrent.futures.Future:
-        return self._thread.submit(self.inner.execute_model, plan)
+        if self._native is not None:
+            future = self._native(plan)
+        else:
+            future = self._thread.submit(self.inner.execute_model, plan)
+        self._outstanding = [f for f in self._outstanding if not f.done()]
+        self._outstanding.append(future)
+        return future
 
     def determine_num_blocks(self) -> int:
         return self._call(self.inner.determine_num_blocks)
@@ -109,7 +127,7 @@ class SerialExecutor(Executor):
 
     def shutdown(self) -> None:
         try:
-            self._call(self.inner.shutdown)
+            self.inner.shutdown()
         finally:
             self._thread.shutdown(wait=False)
 
