@@ -186,6 +186,9 @@ class SchedulerConfig:
     # thinking_token_budget is enforced (the worker forces the end marker; the
     # scheduler cuts drafts that would cross the budget).
     reasoning_config: ReasoningConfig | None = None
+    # vLLM's --async-scheduling: step N+1 is planned while step N runs, each running
+    # request assumed to get one more token (`Request.num_output_placeholders`).
+    async_scheduling: bool = False
 
 
 @dataclass

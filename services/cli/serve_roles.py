@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pagoda.kv_transfer.config import (DEFAULT_KV_LEASE_TIMEOUT_S, DEFAULT_KV_TRANSFER_TIMEOUT_S,
                                        KV_CONNECTORS, KVTransferConfig)
 from pagoda.services.common.kv_transfer_args import PD_NEEDS_PREFIX_CACHING
+from pagoda.engine.async_steps import refuse_async_kv_transfer
 
 
 @dataclass
@@ -84,6 +85,16 @@ def role_problem(args: argparse.Namespace) -> str | None:
 
 
 def plan_replicas(args: argparse.Namespace) -> list[ReplicaPlan]:
+    """SystemExit when --async-scheduling meets P/D roles (pagoda.engine.async_steps)."""
+    if getattr(args, "async_scheduling", False):
+        try:
+            roles = (["kv_producer", "kv_consumer"] if args.prefill_replicas else
+                     [KVTransferConfig.from_json(args.kv_transfer_config).kv_role])
+            for role in roles:
+                refuse_async_kv_transfer(True, role)
+        except ValueError as exc:
+            raise SystemExit(f"error: {exc}") from None
+
     def kv(role: str, tp: int | None = None) -> list[str]:
         config = KVTransferConfig(kv_connector=args.kv_connector, kv_role=role)
         flags = ["--kv-transfer-config", config.to_json()]

@@ -49,7 +49,6 @@ UNSUPPORTED = {
     "disable-custom-all-reduce": "Pagoda uses torch.distributed's all-reduce only",
     "worker-cls": "the worker is Pagoda's own",
     "num-scheduler-steps": "multi-step scheduling is not implemented",
-    "async-scheduling": "the scheduler runs one step at a time",
     # server
     "uds": "the gateway listens on TCP only",
     "middleware": "custom ASGI middleware is not loaded",

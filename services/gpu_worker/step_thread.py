@@ -40,12 +40,17 @@ class StepThread:
 
     def run(self, fn: Callable[..., T], *args) -> T:
         """fn(*args) on the serving thread; blocks the caller until it is done."""
+        return self.submit(fn, *args).result()
+
+    def submit(self, fn: Callable[..., T], *args) -> Future:
+        """Queue fn(*args) on the serving thread; its future (async scheduling queues
+        the next step behind the running one, so it starts without a thread switch)."""
         future: Future = Future()
         with self._lock:
             if self._stopped:
                 raise StepThreadStopped("the worker is stopping")
             self._calls.put((future, fn, args))
-        return future.result()
+        return future
 
     def serve(self, stop: threading.Event, poll_s: float = 0.2) -> None:
         """Runs queued calls on this thread until `stop` is set; calls still queued

@@ -19,6 +19,7 @@ from pagoda.services.common import grpc_channels, startup_clock
 from pagoda.services.common.grpc_server import (NOT_SERVING, SERVING,
                                                 add_server_args, bind, metrics_host)
 from pagoda.services.common.logs import setup_logging
+from pagoda.engine.async_steps import refuse_async_kv_transfer
 from pagoda.services.common.kv_transfer_args import (add_kv_transfer_args, kv_transfer_config,
                                                    require_prefix_caching)
 from pagoda.services.common.metrics_server import maybe_start_metrics
@@ -94,6 +95,10 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     role = kv_transfer_config(args)
+    try:  # before waiting for the worker: the operator's to fix
+        refuse_async_kv_transfer(config.scheduler.async_scheduling, role.kv_role)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     refuse_kv_transfer_without_kv_cache(args, config)  # before waiting for the worker
     require_prefix_caching(role, config.cache.enable_prefix_caching)  # before any connection
     executor = GrpcWorkerExecutor(args.worker_addr,

@@ -12,6 +12,7 @@ collective) runs into the step's deadline (`--execute-model-timeout`, default 30
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import time
@@ -93,6 +94,40 @@ class GrpcWorkerExecutor(Executor):
                                         f" {exc.code().name}: {exc.details()}") from exc
         self._step_id += 1
         return model_runner_output_from_proto(reply.model_runner_output)
+
+    def submit_step(self, scheduler_output: SchedulerOutput) -> concurrent.futures.Future:
+        """Async scheduling: send the step now, without waiting for the steps before it
+        (the worker runs steps in `step_id` order, a step sent ahead waiting for its
+        turn there); a future of its output, or of the error `execute_model` raises.
+        After any failed step the engine sets the KV cache up again (which restarts the
+        step ids) before it sends another."""
+        request = pb.ExecuteModelRequest(step_id=self._step_id,
+                                         scheduler_output=scheduler_output_to_proto(scheduler_output))
+        self._step_id += 1
+        result: concurrent.futures.Future = concurrent.futures.Future()
+        call = self._stub.ExecuteModel.future(request, timeout=self.step_timeout)
+
+        def done(call) -> None:
+            try:
+                reply = call.result()
+            except grpc.RpcError as exc:
+                result.set_exception(self._step_error(exc))
+            except Exception as exc:  # noqa: BLE001 - cancelled at shutdown
+                result.set_exception(WorkerUnavailable(f"gpu-worker at {self.address}: {exc}"))
+            else:
+                result.set_result(model_runner_output_from_proto(reply.model_runner_output))
+
+        call.add_done_callback(done)
+        return result
+
+    def _step_error(self, exc: grpc.RpcError) -> Exception:
+        culprit = _rejected_request(exc)
+        if culprit is not None:
+            return StepRejected(f"the worker refused it: {exc.details()}", culprit)
+        if _step_failed(exc):
+            return StepFailed(f"gpu-worker at {self.address}: {exc.details()}")
+        return WorkerUnavailable(f"gpu-worker at {self.address} failed in ExecuteModel:"
+                                 f" {exc.code().name}: {exc.details()}")
 
     def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
         """A worker method by name on every rank of the worker's group (the worker

@@ -26,8 +26,9 @@ class Request:
 
     Invariants:
       * `all_token_ids == prompt_token_ids + output_token_ids`;
-      * `num_computed_tokens <= num_tokens`: the KV of the first
-        `num_computed_tokens` tokens is in this request's blocks. Each step the
+      * `num_computed_tokens <= num_tokens + num_output_placeholders`: the KV of the
+        first `num_computed_tokens` tokens is in this request's blocks (or is written
+        by steps in flight, under async scheduling). Each step the
         scheduler lets computed tokens catch up with known tokens, which covers
         prefill, chunked prefill, decode and prefix hits with one rule;
       * `block_hashes` covers exactly the full blocks of `all_token_ids`.
@@ -47,6 +48,9 @@ class Request:
         self.priority = core_request.priority  # lower first (--scheduling-policy priority)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Async scheduling: tokens that steps in flight will sample for this request,
+        # planned for before their values are known (pagoda.engine.async_steps).
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit of the first schedule; -1 until then
         self.num_preemptions = 0
         # Steps that failed midway with this request in them, and the steps it must

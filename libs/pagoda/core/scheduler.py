@@ -23,6 +23,11 @@ multimodal encoder budget, a KV tier's wait for an async onload) is one more hoo
 Pooling requests (`--runner pooling`) are prefills only: a pooling engine runs without
 chunked prefill, so each is admitted with its whole remaining prompt, and it finishes
 in the step that ran it, with the worker's pooled vector (`_finish_pooled`).
+
+Async scheduling (`SchedulerConfig.async_scheduling`): the next step is planned
+before the last one's output is back; a request's tokens then include placeholders
+for the tokens its steps in flight will sample. The reconciliation rules are stated
+in `pagoda.engine.async_steps`.
 """
 
 from __future__ import annotations
@@ -114,6 +119,10 @@ class Scheduler:
         self._sampled_hooks = hooks_overriding(self.hooks, "on_sampled")
         self._token_hooks = hooks_overriding(self.hooks, "on_token")
         self._after_step_hooks = hooks_overriding(self.hooks, "after_step")
+        self.async_scheduling = scheduler_config.async_scheduling
+        # Async: the requests each plan in flight ran (by id(plan)), so a token that
+        # arrives for an id ended and reused meanwhile is never given to the newcomer.
+        self._planned: dict[int, dict[str, Request]] = {}
 
     # ------------------------------------------------------------------ intake
     def add_request(self, core_request: EngineCoreRequest) -> Request:
@@ -165,8 +174,19 @@ class Scheduler:
         output = SchedulerOutput(new_reqs, cached, num_scheduled, sum(num_scheduled.values()),
                                  self._finished_req_ids, preempted)
         self._finished_req_ids = set()
-        for request_id, num in num_scheduled.items():
-            self.requests[request_id].num_computed_tokens += num
+        requests = self.requests
+        if self.async_scheduling:
+            self._planned[id(output)] = {r: requests[r] for r in num_scheduled}
+            for request_id, num in num_scheduled.items():
+                request = requests[request_id]
+                request.num_computed_tokens += num
+                # The step reaches the end of its tokens: it will sample one there.
+                if request.num_computed_tokens >= (request.num_tokens
+                                                   + request.num_output_placeholders):
+                    request.num_output_placeholders += 1
+        else:
+            for request_id, num in num_scheduled.items():
+                requests[request_id].num_computed_tokens += num
         planned = [self.requests[request_id] for request_id in num_scheduled]
         for hook in self.hooks:
             hook.on_planned(output, planned)
@@ -184,11 +204,16 @@ class Scheduler:
         req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
         num_computed = cached.num_computed_tokens
         threshold = self.config.long_prefill_token_threshold
+        async_scheduling = self.async_scheduling
         for request in list(self.running):
             request_id = request.request_id
             if preempted and request_id in preempted:
                 continue  # preempted earlier in this loop to make room
             num_new = len(request.all_token_ids) - request.num_computed_tokens
+            if async_scheduling and request.num_output_placeholders:
+                if not may_plan_ahead(request):
+                    continue
+                num_new += request.num_output_placeholders
             if 0 < threshold < num_new:  # self._cap, inline
                 num_new = threshold
             if num_new > budget:
@@ -220,6 +245,10 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek_request()
+            if request.num_output_placeholders:  # preempted with a step in flight:
+                self.waiting.pop_request()       # it resumes once that token is known
+                skipped.append(request)
+                continue
             if not all(hook.admit(request, self.running) for hook in self.hooks):
                 self.waiting.pop_request()
                 if request.finish_reason is None:
@@ -320,10 +349,15 @@ class Scheduler:
         sampled_hooks, token_hooks = self._sampled_hooks, self._token_hooks
         after_step_hooks = self._after_step_hooks
         logprobs, all_prompt_logprobs = runner_output.logprobs, runner_output.prompt_logprobs
+        if self.async_scheduling:
+            requests = self._planned.pop(id(scheduler_output), {})
         for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = requests.get(req_id)
             if request is None or request.status is RequestStatus.FINISHED:
-                continue  # aborted while the step ran
+                continue  # aborted while the step ran (or ended a step earlier: async)
+            if request.num_output_placeholders:  # async: the tokens replace placeholders
+                request.num_output_placeholders = max(
+                    request.num_output_placeholders - len(token_ids), 0)
             for hook in sampled_hooks:
                 hook.on_sampled(request, token_ids, scheduler_output)
             new_token_ids: list[int] = []
@@ -349,7 +383,10 @@ class Scheduler:
                 prompt_logprobs, request.finish_reason, request.stop_reason,
                 max(request.num_cached_tokens, 0)))
             if request.finish_reason is not None:
-                self.running.remove(request)
+                if request.status is RequestStatus.RUNNING:
+                    self.running.remove(request)
+                else:  # async: preempted after this step was planned
+                    self.waiting.remove_request(request)
                 self._free_request(request)
             elif new_token_ids:
                 for hook in after_step_hooks:
@@ -376,6 +413,16 @@ class Scheduler:
         self._finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
+    def discard_plan(self, plan: SchedulerOutput) -> None:
+        """Async: a plan whose output will never be applied (a failed step)."""
+        self._planned.pop(id(plan), None)
+
+    def unsend(self, plan: SchedulerOutput) -> None:
+        """A plan that scheduled nothing is not sent: the ended requests it would have
+        told the worker about go with the next plan instead."""
+        self._finished_req_ids |= plan.finished_req_ids
+        self.discard_plan(plan)
+
     def take_pending_outputs(self) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
@@ -394,3 +441,13 @@ class Scheduler:
         for hook in self.hooks:
             hook.add_stats(snapshot, self.running, self.waiting)
         return snapshot
+
+
+def may_plan_ahead(request: Request) -> bool:
+    """Async scheduling: whether a request with tokens still in flight may be planned
+    into the next step now. Not when the tokens in flight already bring it to
+    `max_tokens` (or the context): it ends there, and the step would be wasted. Not a
+    constrained one: its grammar mask needs its last token."""
+    if request.num_output_tokens + request.num_output_placeholders >= request.max_tokens:
+        return False
+    return request.structured_output_request is None

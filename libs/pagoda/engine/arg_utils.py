@@ -12,6 +12,7 @@ from pagoda.config import (DEFAULT_MAX_LOGPROBS, DEFAULT_PREFIX_HASH_SEED, Cache
                            EngineConfig, SchedulerConfig, StructuredOutputsConfig)
 import pagoda.envs as envs
 from pagoda.distributed.parallel_state import validate_parallel_config
+from pagoda.engine.async_steps import refuse_async_scheduling_combinations
 from pagoda.engine.legacy_args import add_legacy_cli_args, resolve_legacy_args
 from pagoda.lora.config import LoRAConfig
 from pagoda.reasoning.budget import ReasoningConfig
@@ -94,6 +95,8 @@ class EngineArgs:
     swap_space: float | None = None
     # --simulated-device JSON (benchmarks only; pagoda.simulated_device). None: the model.
     simulated_device: dict | str | None = None
+    # vLLM's --async-scheduling: plan step N+1 while step N runs (pagoda.engine.async_steps).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         self.runner, self.convert = resolve_legacy_args(
@@ -128,6 +131,15 @@ class EngineArgs:
                                  "lower `priority` value first (ties by arrival), and the "
                                  "highest value is preempted first.")
         parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+        parser.add_argument("--async-scheduling", action="store_true",
+                            help="vLLM's async scheduling: the scheduler plans step N+1 while "
+                                 "step N runs on the worker (each running request is assumed "
+                                 "to get one more token; a request that finished at step N "
+                                 "wastes one slot of step N+1, its extra token discarded), so "
+                                 "the worker does not sit idle between steps. Greedy and "
+                                 "seeded outputs are unchanged. Refused with speculative "
+                                 "decoding, pipeline parallelism, pooling models and P/D KV "
+                                 "transfer (kv_producer/kv_consumer). Default: off.")
         parser.add_argument("--enable-sleep-mode", action="store_true",
                             help="vLLM's sleep mode: the engine may give back the memory of "
                                  "its weights and KV cache while idle (LLM.sleep/wake_up; "
@@ -302,7 +314,10 @@ class EngineArgs:
             max_waiting_requests=self.max_waiting_requests, policy=self.scheduling_policy,
             max_loras=self.max_loras if self.enable_lora else None,
             speculative_config=self._speculative_config(pooling.runner, arch),
-            reasoning_config=self._reasoning_config(model_path, arch.vocab_size))
+            reasoning_config=self._reasoning_config(model_path, arch.vocab_size),
+            async_scheduling=self.async_scheduling)
+        refuse_async_scheduling_combinations(scheduler, self.pipeline_parallel_size,
+                                             pooling.runner)
         names = self.served_model_name
         if isinstance(names, str):
             names = [names]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import logging
 from typing import Callable, Iterable
 
@@ -12,6 +14,7 @@ from pagoda.messages import (EngineCoreOutput, EngineCoreRequest, FinishReason, 
 from pagoda.core.scheduler import Scheduler, SchedulerStats
 from pagoda.core import step_quarantine
 from pagoda.core.step_recovery import reject_step
+from pagoda.engine.async_steps import MAX_STEPS_IN_FLIGHT, SerialExecutor
 from pagoda.engine.worker_control import SleepStatus
 from pagoda.executor.base import Executor, StepFailed, StepRejected, WorkerGroupFailed
 from pagoda.structured_output.manager import StructuredOutputManager
@@ -32,7 +35,14 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor,
                  structured_output_manager: StructuredOutputManager | None = None) -> None:
         self.config = config
+        # Async scheduling: every executor call goes through one thread, in order, and
+        # steps are submitted without waiting (`_step_async`).
+        self.async_scheduling = config.scheduler.async_scheduling
+        if self.async_scheduling:
+            executor = SerialExecutor(executor)
         self.executor = executor
+        self._in_flight: collections.deque[tuple[SchedulerOutput, concurrent.futures.Future]] = \
+            collections.deque()
         num_blocks = config.cache.num_gpu_blocks_override or executor.determine_num_blocks()
         executor.initialize_kv_cache(num_blocks)
         config.cache.num_blocks = num_blocks
@@ -70,10 +80,15 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, FinishReason.ABORT)
 
     def step(self) -> list[EngineCoreOutput]:
-        """schedule -> execute -> update."""
+        """schedule -> execute -> update (async scheduling: schedule the next step,
+        submit it, then update from the oldest step in flight)."""
         self.last_scheduler_output = None
         if self.failure is not None:
             raise WorkerGroupFailed(str(self.failure))
+        if self.async_scheduling and not self._suspects:
+            return self._step_async()
+        if self._in_flight:  # a failed step's suspects run one step at a time
+            return self._drain_one()
         if not self.scheduler.has_unfinished_requests():
             return self.scheduler.take_pending_outputs()
         scheduler_output = self._schedule()
@@ -98,8 +113,64 @@ class EngineCore:
             self.scheduler.wait_for_grammars(GRAMMAR_WAIT_S)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
+    def _step_async(self) -> list[EngineCoreOutput]:
+        """Plan and submit a step while the previous one runs; then wait for the oldest
+        step in flight and apply its output. Returns without waiting only when the
+        pipeline was empty (its first step), so that the next call plans the second."""
+        scheduler = self.scheduler
+        submitted = False
+        if scheduler.has_unfinished_requests() and len(self._in_flight) < MAX_STEPS_IN_FLIGHT:
+            plan = self._schedule()
+            self.last_scheduler_output = plan
+            if plan.total_num_scheduled_tokens:
+                self._in_flight.append((plan, self.executor.submit_step(plan)))
+                submitted = True
+            else:  # never sent: the ids it would have told the worker to drop wait
+                scheduler.unsend(plan)
+                if not self._in_flight:  # nothing runs: as a synchronous step
+                    scheduler.wait_for_grammars(GRAMMAR_WAIT_S)
+                    return scheduler.update_from_output(plan, ModelRunnerOutput.empty())
+        if not self._in_flight or (submitted and len(self._in_flight) == 1):
+            return scheduler.take_pending_outputs()
+        return self._drain_one()
+
+    def _drain_one(self) -> list[EngineCoreOutput]:
+        """Wait for the oldest step in flight and apply its output; when it failed, the
+        steps behind it are waited for and dropped, and the engine recovers as from
+        one failed step of all their requests."""
+        plan, future = self._in_flight.popleft()
+        try:
+            runner_output = future.result()
+        except (StepRejected, StepFailed) as exc:
+            self._abandon_in_flight(plan)
+            if isinstance(exc, StepRejected):
+                self.scheduler.finish_requests([exc.request_id], FinishReason.ABORT)
+                self.rejected[exc.request_id] = str(exc)
+            self._recover(plan, StepFailed(str(exc)))
+            return self.scheduler.take_pending_outputs()
+        except WorkerGroupFailed as exc:
+            self._abandon_in_flight(plan)
+            self.failure = exc
+            raise
+        if self._suspects:
+            step_quarantine.after_step(self.scheduler, plan)
+        return self.scheduler.update_from_output(plan, runner_output)
+
+    def _abandon_in_flight(self, failed: SchedulerOutput) -> None:
+        """A step failed: wait for the steps behind it (whatever they return) and
+        forget every token still expected; their requests recompute from what is known."""
+        plans = [failed]
+        while self._in_flight:
+            plan, future = self._in_flight.popleft()
+            concurrent.futures.wait([future])
+            plans.append(plan)
+        for plan in plans:
+            self.scheduler.discard_plan(plan)
+        for request in self.scheduler.requests.values():
+            request.num_output_placeholders = 0
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def _schedule(self) -> SchedulerOutput:
         """The next plan; while a failed step's requests are suspects, one runs alone."""
