@@ -43,6 +43,9 @@ class AttentionMetadata:
     # Each token's attention independent of the rest of the batch, of chunking and of
     # prefix-cache hits, at some cost (the torch path's "Batch invariance").
     batch_invariant: bool = False
+    # Hybrid models: each request's slot in the Mamba2 layers' state pools (the model
+    # runner's `RecurrentStateSlots`); None for every other model.
+    state_slots: list[int] | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -12,6 +12,7 @@ from pagoda.config import (DEFAULT_MAX_LOGPROBS, DEFAULT_PREFIX_HASH_SEED, Cache
                            EngineConfig, SchedulerConfig, StructuredOutputsConfig)
 import pagoda.envs as envs
 from pagoda.distributed.parallel_state import validate_parallel_config
+from pagoda.engine.hybrid_limits import check_hybrid_model
 from pagoda.engine.legacy_args import add_legacy_cli_args, resolve_legacy_args
 from pagoda.lora.config import LoRAConfig
 from pagoda.reasoning.budget import ReasoningConfig
@@ -284,9 +285,14 @@ class EngineArgs:
                         max_num_batched_tokens=max_batched)
         if self.max_waiting_requests is not None:
             _check_positive(max_waiting_requests=self.max_waiting_requests)
+        prefix_caching = check_hybrid_model(
+            arch, speculative_config=self.speculative_config,
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size, enable_lora=self.enable_lora,
+            kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=self.enable_prefix_caching)
         cache = CacheConfig(
             block_size=self.block_size,
-            enable_prefix_caching=self.enable_prefix_caching and pooling.allows_prefix_caching,
+            enable_prefix_caching=prefix_caching and pooling.allows_prefix_caching,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             gpu_memory_utilization=self.gpu_memory_utilization,
             prefix_hash_seed=self.prefix_cache_hash_seed,

@@ -1,0 +1,110 @@
+"""GraniteMoeHybrid (Granite-4.0-H) against transformers: Mamba2 layers between
+attention layers, their recurrent state carried across prefill chunks (the token budget
+of 16 splits every prompt; mamba_chunk_size 8 splits each chunk's scan) and decode
+steps, rebuilt after preemption; and what the family refuses at start-up."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import GraniteMoeHybridConfig
+
+from arch_parity import (ENGINE, VOCAB_SIZE, assert_matches_transformers, assert_same,
+                         hf_greedy, pagoda_greedy, random_prompts, save_tiny_checkpoint)
+from pagoda import LLM
+from pagoda.engine.arg_utils import EngineArgs
+from pagoda.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
+from pagoda.model.loader import load_arch_config
+from pagoda.model.mamba2 import Mamba2Mixer
+
+LAYERS = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
+
+
+def granite_hybrid_config(**overrides) -> GraniteMoeHybridConfig:
+    values = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=32,
+                  shared_intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                  layer_types=LAYERS, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+                  mamba_n_groups=2, mamba_chunk_size=8, max_position_embeddings=256,
+                  embedding_multiplier=1.5, residual_multiplier=0.7, logits_scaling=1.3,
+                  attention_multiplier=0.2, tie_word_embeddings=False)
+    return GraniteMoeHybridConfig(**{**values, **overrides})
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(position_embedding_type="rope"),
+    dict(position_embedding_type=None),  # NoPE, as Granite-4.0-H
+    dict(position_embedding_type=None, num_local_experts=0),  # shared MLP only
+], ids=["rope-moe", "nope-moe", "nope-dense"])
+def test_granite_hybrid_greedy_and_logprobs_match_transformers(tmp_path, smollm2_tokenizer,
+                                                               overrides):
+    path = save_tiny_checkpoint(tmp_path, granite_hybrid_config(**overrides), smollm2_tokenizer)
+    arch = load_arch_config(path)
+    assert arch.mamba.layers == (0, 2, 3)
+    llm = assert_matches_transformers(path, random_prompts([7, 30, 45]), 16)
+    model = llm.llm_engine.core.executor.runner.model
+    assert sum(isinstance(m, Mamba2Mixer) for m in model.modules()) == 3
+    # Prefix caching is off for the family: no hit may skip the Mamba layers' prefix.
+    assert llm.llm_engine.config.cache.enable_prefix_caching is False
+
+
+def test_preemption_rebuilds_the_mamba_state(tmp_path, smollm2_tokenizer):
+    """A pool too small for the batch preempts requests; their state slots are freed
+    and the state recomputed from the tokens: tokens and logprobs still equal HF's."""
+    path = save_tiny_checkpoint(tmp_path, granite_hybrid_config(), smollm2_tokenizer)
+    prompts = random_prompts([7, 30, 45])
+    reference = hf_greedy(path, prompts, 16)
+    llm = LLM(model=path, **{**ENGINE, "num_gpu_blocks_override": 24})
+    ours, _ = pagoda_greedy(llm, prompts, 16)
+    assert_same(ours, reference)
+    assert llm.llm_engine.core.scheduler.num_preemptions > 0
+    again, _ = pagoda_greedy(llm, prompts, 16)  # every slot came back
+    assert_same(again, reference)
+
+
+def test_mamba_layers_hold_no_kv_blocks(tmp_path, smollm2_tokenizer):
+    """A block costs the attention layer alone; each Mamba layer's cache pair is its
+    per-request state pool."""
+    path = save_tiny_checkpoint(tmp_path, granite_hybrid_config(), smollm2_tokenizer)
+    arch = load_arch_config(path)
+    # one attention layer: 2 KV heads x 16 dims, keys and values, fp32, 4 tokens a block
+    assert kv_cache_bytes_per_block(arch, 4, torch.float32) == 4 * 2 * 16 * 2 * 4
+    caches = allocate_kv_caches(arch, 10, 4, torch.float32, "cpu", num_state_slots=3)
+    conv_dim = 8 * 16 + 2 * 2 * 16
+    assert caches[0][0].shape == (3, conv_dim, 3)
+    assert caches[0][1].shape == (3, 8, 16, 16) and caches[0][1].dtype == torch.float32
+    assert caches[1][0].shape == (10, 4, 2, 16)
+
+
+def test_prefix_caching_is_turned_off_with_a_logged_reason(tmp_path, smollm2_tokenizer, caplog):
+    path = save_tiny_checkpoint(tmp_path, granite_hybrid_config(), smollm2_tokenizer)
+    with caplog.at_level(logging.WARNING):
+        config = EngineArgs(model=path, dtype="float32",
+                            enable_prefix_caching=True).create_engine_config()
+    assert config.cache.enable_prefix_caching is False
+    assert "Prefix caching is disabled for GraniteMoeHybridForCausalLM" in caplog.text
+
+
+@pytest.mark.parametrize("speculative_config", [
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+    {"model": "some-draft-model", "num_speculative_tokens": 2},
+], ids=["ngram", "draft"])
+def test_speculative_decoding_is_refused_at_start_up(tmp_path, smollm2_tokenizer,
+                                                     speculative_config):
+    """Rejected drafts would stay in the recurrent state (vLLM #39273): refused, by name."""
+    path = save_tiny_checkpoint(tmp_path, granite_hybrid_config(), smollm2_tokenizer)
+    with pytest.raises(ValueError, match="speculative-config is not supported for "
+                                         "GraniteMoeHybridForCausalLM.*rejected draft tokens"):
+        EngineArgs(model=path, dtype="float32",
+                   speculative_config=speculative_config).create_engine_config()
+
+
+@pytest.mark.parametrize("args", [dict(tensor_parallel_size=2),
+                                  dict(pipeline_parallel_size=2),
+                                  dict(enable_lora=True)], ids=["tp", "pp", "lora"])
+def test_parallelism_and_lora_are_refused(tmp_path, smollm2_tokenizer, args):
+    path = save_tiny_checkpoint(tmp_path, granite_hybrid_config(), smollm2_tokenizer)
+    with pytest.raises(ValueError, match="GraniteMoeHybridForCausalLM"):
+        EngineArgs(model=path, dtype="float32", **args).create_engine_config()
