@@ -108,3 +108,34 @@ def test_parallelism_and_lora_are_refused(tmp_path, smollm2_tokenizer, args):
     path = save_tiny_checkpoint(tmp_path, granite_hybrid_config(), smollm2_tokenizer)
     with pytest.raises(ValueError, match="GraniteMoeHybridForCausalLM"):
         EngineArgs(model=path, dtype="float32", **args).create_engine_config()
+
+
+def test_moving_kv_blocks_is_refused_by_name(tmp_path, smollm2_tokenizer):
+    """P/D and the prefix pull ask the worker's KV geometry: the Mamba state is not in
+    the blocks, so a hybrid model answers NotImplementedError naming the architecture."""
+    from types import SimpleNamespace
+
+    from pagoda.kv_transfer.block_shares import runner_geometry
+
+    path = save_tiny_checkpoint(tmp_path, granite_hybrid_config(), smollm2_tokenizer)
+    arch = load_arch_config(path)
+    runner = SimpleNamespace(config=SimpleNamespace(arch=arch),
+                             kv_caches=allocate_kv_caches(arch, 4, 16, torch.float32, "cpu"))
+    with pytest.raises(NotImplementedError, match="GraniteMoeHybridForCausalLM is a hybrid "
+                                                  "model with Mamba2 layers"):
+        runner_geometry(runner)
+
+
+def test_a_request_without_its_state_is_refused():
+    """A request that arrives with computed tokens (a migrated or prefix-cached one)
+    has no Mamba state here: refused by name, never run from a zero state."""
+    from pagoda.worker.recurrent_state import RecurrentStateSlots
+
+    slots = RecurrentStateSlots(2)
+    caches = [(torch.ones(2, 3, 3), torch.ones(2, 1, 1, 1))]
+    assert slots.assign(["a"], [0], caches, [0]) == [0]
+    assert caches[0][0][0].abs().sum() == 0 and caches[0][0][1].sum() == 9
+    with pytest.raises(RuntimeError, match="request 'b' starts at token 5 but its Mamba state"):
+        slots.assign(["b"], [5], caches, [0])
+    slots.release("a")
+    assert slots.assign(["c"], [0], caches, [0]) == [0]
