@@ -1,9 +1,11 @@
 """What a hybrid model (Mamba2 layers between attention layers) cannot run with yet.
 
+Speculative decoding runs (n-gram or a draft model): verification keeps the state
+after each draft and rewinds to the last accepted one (`pagoda.model.mamba2`), so a
+rejected draft leaves nothing in the recurrent state (vLLM's hybrid n-gram corruption,
+#39273); a hybrid *draft* model is refused (its own state would need the same rewind).
+
 Refused at start-up with the reason, never run wrong:
-- speculative decoding (n-gram or draft): verifying k drafts advances each request's
-  recurrent state over all of them, and a rejected draft's effect cannot be taken back
-  without per-token state checkpoints (vLLM's hybrid n-gram corruption, #39273);
 - tensor / pipeline parallelism: the Mamba2 mixer is not sharded and unverified;
 - LoRA (the Mamba projections take no adapters) and the fp8 KV cache (the conv state
   lives in the cache dtype).
@@ -18,7 +20,7 @@ import logging
 logger = logging.getLogger(__name__)
 
 
-def check_hybrid_model(arch, *, speculative_config, tensor_parallel_size: int,
+def check_hybrid_model(arch, *, tensor_parallel_size: int,
                        pipeline_parallel_size: int, enable_lora: bool, kv_cache_dtype: str,
                        enable_prefix_caching: bool) -> bool:
     """ValueError naming the feature a hybrid `arch` cannot run with; returns whether
@@ -26,11 +28,6 @@ def check_hybrid_model(arch, *, speculative_config, tensor_parallel_size: int,
     if arch.mamba is None:
         return enable_prefix_caching
     name = arch.architecture
-    if speculative_config:
-        raise ValueError(
-            f"--speculative-config is not supported for {name} (a hybrid model with Mamba2 "
-            "layers): rejected draft tokens would stay in the recurrent state and change later "
-            "tokens (vLLM #39273); serve it without speculative decoding")
     if tensor_parallel_size > 1 or pipeline_parallel_size > 1:
         raise ValueError(
             f"{name}: tensor and pipeline parallelism are not supported for hybrid Mamba2 "
@@ -46,3 +43,11 @@ def check_hybrid_model(arch, *, speculative_config, tensor_parallel_size: int,
                        "cached per block, so a prefix-cache hit would skip their pass over the "
                        "prefix", name)
     return False
+
+
+def check_draft_model(draft_arch) -> None:
+    """ValueError for a hybrid draft model: the draft runner keeps no recurrent state."""
+    if draft_arch.mamba is not None:
+        raise ValueError(f"--speculative-config: a hybrid draft model ({draft_arch.architecture}, "
+                         "Mamba2 layers) is not supported; use an attention-only draft model or "
+                         '{"method": "ngram"}')

@@ -13,6 +13,13 @@ uses slot `md.state_slots[i]`. Invariant: a slot holds the state after exactly t
 request's computed tokens (the model runner zeroes it when the request starts at
 token 0), so every token of a sequence passes through each Mamba layer exactly once
 and in order. Tensor parallelism is not implemented (the family refuses TP > 1).
+
+Speculative decoding: a request verifying d drafts feeds its last known token and the
+d drafts; `md.state_checkpoints[i]` (d + 1) asks for the state after each of those
+tokens, computed one token at a time with the decode recurrence (as plain decoding
+would). The slot is left holding the state after all of them; `keep_checkpoint`, called
+by the model runner once the drafts are verified, puts back the state after the last
+accepted token, so a rejected draft leaves no trace in the recurrent state.
 """
 
 from __future__ import annotations
@@ -58,6 +65,9 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.empty(m.num_heads, dtype=dtype))
         self.norm = GatedRMSNorm(inner, inner // m.n_groups, eps, dtype)
         self.out_proj = nn.Linear(inner, hidden_size, bias=m.proj_bias, dtype=dtype)
+        # slot -> (conv pool, ssm pool, conv states, ssm states after each checkpointed
+        # token) of this step's draft-verifying requests, until `keep_checkpoint`.
+        self.checkpoints: dict[int, tuple] = {}
 
     def forward(self, hidden: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor],
                 md: AttentionMetadata) -> torch.Tensor:
@@ -70,11 +80,39 @@ class Mamba2Mixer(nn.Module):
         qsl, slots = md.query_start_loc_cpu, md.state_slots
         out = torch.empty(hidden.shape[0], m.intermediate_size, dtype=hidden.dtype,
                           device=hidden.device)
+        self.checkpoints.clear()
+        wanted = md.state_checkpoints or [0] * len(slots)
         for i, slot in enumerate(slots):
             a, b = qsl[i], qsl[i + 1]
+            if wanted[i]:
+                out[a:b] = self._checkpointed(xbc[a:b], dt[a:b], state, slot, wanted[i])
+                continue
             x = self._conv(xbc[a:b], conv_states, slot)
             out[a:b] = self._scan(x, dt[a:b], ssm_states, slot)
         return self.out_proj(self.norm(out, gate))
+
+    def _checkpointed(self, xbc: torch.Tensor, dt: torch.Tensor,
+                      state: tuple[torch.Tensor, torch.Tensor], slot: int,
+                      num_checkpoints: int) -> torch.Tensor:
+        """One request's tokens a token at a time (the decode path), remembering the
+        (conv, SSM) state after each of the last `num_checkpoints`."""
+        conv_states, ssm_states = state
+        conv_snaps, ssm_snaps, ys = [], [], []
+        for t in range(xbc.shape[0]):
+            x = self._conv(xbc[t:t + 1], conv_states, slot)
+            ys.append(self._scan(x, dt[t:t + 1], ssm_states, slot))
+            if t >= xbc.shape[0] - num_checkpoints:
+                conv_snaps.append(conv_states[slot].clone())
+                ssm_snaps.append(ssm_states[slot].clone())
+        self.checkpoints[slot] = (conv_states, ssm_states, conv_snaps, ssm_snaps)
+        return torch.cat(ys)
+
+    def keep_checkpoint(self, slot: int, index: int) -> None:
+        """Set `slot` to its state after checkpointed token `index` of this step (the
+        last known token is 0, draft j is j)."""
+        conv_states, ssm_states, conv_snaps, ssm_snaps = self.checkpoints.pop(slot)
+        conv_states[slot] = conv_snaps[index]
+        ssm_states[slot] = ssm_snaps[index]
 
     def _conv(self, xbc: torch.Tensor, conv_states: torch.Tensor, slot: int) -> torch.Tensor:
         """Causal depthwise conv of one request's tokens [L, conv_dim], preceded by its

@@ -220,9 +220,14 @@ class ModelRunner:
             inputs.attn_metadata.state_slots = self.state_slots.assign(
                 inputs.req_ids, [self.states[r].num_computed_tokens for r in inputs.req_ids],
                 self.kv_caches, self._recurrent_caches)
+            if inputs.num_drafts is not None:
+                inputs.attn_metadata.state_checkpoints = [d + 1 if d else 0
+                                                          for d in inputs.num_drafts]
         hidden = self._forward(inputs)
         prompt_logprobs = self._prompt_logprobs(inputs, hidden, scheduler_output.num_scheduled_tokens)
         sampled, logprobs = self._sample(inputs, hidden)
+        if inputs.attn_metadata.state_checkpoints is not None:
+            self._rewind_recurrent_state(inputs, sampled)
         pooled = self._pool(inputs, hidden)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             self.states[req_id].num_computed_tokens += n
@@ -288,6 +293,17 @@ class ModelRunner:
         spec = so.scheduled_spec_decode_tokens
         for req_id in so.num_scheduled_tokens:
             self.states[req_id].spec_token_ids = spec.get(req_id, [])
+
+    def _rewind_recurrent_state(self, inputs: ModelInputs, sampled: list[list[int]]) -> None:
+        """After verification, each Mamba layer keeps the state after a request's last
+        accepted token (its emitted tokens less the bonus one), not after its rejected
+        drafts, which the next step does not feed again."""
+        mixers = [m for m in self.model.modules() if hasattr(m, "keep_checkpoint")]
+        md = inputs.attn_metadata
+        for slot, wanted, tokens in zip(md.state_slots, md.state_checkpoints, sampled):
+            if wanted:
+                for mixer in mixers:
+                    mixer.keep_checkpoint(slot, max(len(tokens), 1) - 1)
 
     def _release_state(self, req_id: str) -> None:
         """A finished or preempted request's Mamba state slot goes back to the pool (a

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 import torch
-from transformers import GraniteMoeHybridConfig
+from transformers import GraniteMoeHybridConfig, LlamaConfig
 
 from arch_parity import (ENGINE, VOCAB_SIZE, assert_matches_transformers, assert_same,
                          hf_greedy, pagoda_greedy, random_prompts, save_tiny_checkpoint)
@@ -87,18 +87,49 @@ def test_prefix_caching_is_turned_off_with_a_logged_reason(tmp_path, smollm2_tok
     assert "Prefix caching is disabled for GraniteMoeHybridForCausalLM" in caplog.text
 
 
-@pytest.mark.parametrize("speculative_config", [
-    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
-    {"model": "some-draft-model", "num_speculative_tokens": 2},
-], ids=["ngram", "draft"])
-def test_speculative_decoding_is_refused_at_start_up(tmp_path, smollm2_tokenizer,
-                                                     speculative_config):
-    """Rejected drafts would stay in the recurrent state (vLLM #39273): refused, by name."""
-    path = save_tiny_checkpoint(tmp_path, granite_hybrid_config(), smollm2_tokenizer)
-    with pytest.raises(ValueError, match="speculative-config is not supported for "
-                                         "GraniteMoeHybridForCausalLM.*rejected draft tokens"):
-        EngineArgs(model=path, dtype="float32",
-                   speculative_config=speculative_config).create_engine_config()
+def repetitive_prompts() -> list[list[int]]:
+    """Prompts made of repeated snippets, so the n-gram proposer finds matches (and the
+    random model mostly rejects them), plus a plain random one."""
+    g = torch.Generator().manual_seed(1)
+    snippets = [torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in (3, 5)]
+    return [snippets[0] * 6, snippets[1] * 4 + snippets[0], *random_prompts([20])[:1]]
+
+
+@pytest.fixture
+def draft_dir(tmp_path, smollm2_tokenizer) -> str:
+    """A random two-layer Llama draft of the same vocabulary: a poor draft."""
+    config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=16, max_position_embeddings=256, tie_word_embeddings=True)
+    return save_tiny_checkpoint(tmp_path / "draft", config, smollm2_tokenizer, seed=3)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_decoding_gives_the_greedy_tokens_of_plain_decoding(
+        tmp_path, smollm2_tokenizer, draft_dir, method):
+    """vLLM's hybrid bug (#39273): rejected drafts must leave nothing in the Mamba
+    state. Verification keeps the state after each draft and rewinds to the last
+    accepted one: tokens and logprobs equal transformers' while drafts are rejected."""
+    path = save_tiny_checkpoint(tmp_path / "target", granite_hybrid_config(),
+                                smollm2_tokenizer)
+    spec = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+             "prompt_lookup_min": 1} if method == "ngram"
+            else {"model": draft_dir, "num_speculative_tokens": 3})
+    prompts = repetitive_prompts()
+    reference = hf_greedy(path, prompts, 24)
+    llm = LLM(model=path, **{**ENGINE, "speculative_config": spec})
+    ours, _ = pagoda_greedy(llm, prompts, 24)
+    assert_same(ours, reference)
+    stats = llm.llm_engine.core.get_stats().spec_decoding
+    assert stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens < stats.num_draft_tokens  # some were rejected
+
+
+def test_a_hybrid_draft_model_is_refused(tmp_path, smollm2_tokenizer):
+    target = save_tiny_checkpoint(tmp_path / "a", granite_hybrid_config(), smollm2_tokenizer)
+    with pytest.raises(ValueError, match="a hybrid draft model \\(GraniteMoeHybridForCausalLM"):
+        EngineArgs(model=target, dtype="float32", speculative_config={
+            "model": target, "num_speculative_tokens": 2}).create_engine_config()
 
 
 @pytest.mark.parametrize("args", [dict(tensor_parallel_size=2),
