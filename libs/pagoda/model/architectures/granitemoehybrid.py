@@ -23,9 +23,12 @@ The network, as transformers' `GraniteMoeHybridForCausalLM`:
   (`input_linear` [2S, H], `output_linear` [H, S]); `num_local_experts == 0`: the
   shared MLP alone.
 
-Refused at start-up (`engine.arg_utils`): speculative decoding, tensor/pipeline
-parallelism, LoRA, fp8 KV cache and quantization; prefix caching is turned off with a
-logged reason (a cached prefix would skip the Mamba layers' pass over it).
+Speculative decoding (n-gram, draft model) runs exactly: verification rewinds the
+Mamba state to the last accepted draft (`mamba2.py`). Refused at start-up
+(`engine.hybrid_limits`): tensor/pipeline parallelism, LoRA, fp8 KV cache,
+quantization and a hybrid draft model; prefix caching is turned off with a logged
+reason (a cached prefix would skip the Mamba layers' pass over it); P/D and the prefix
+pull are refused by the worker (`kv_transfer.block_shares`).
 """
 
 from __future__ import annotations
