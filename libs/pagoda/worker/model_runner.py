@@ -63,6 +63,7 @@ class ModelRunner:
         # Generators outlive preemption so a resumed seeded request continues its stream.
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_kv_blocks = 0  # blocks in each attention layer's cache
         # This step's structured-output rows (request ids, packed bitmask), from the plan.
         self._grammar: tuple[list[str], object] | None = None
         self.model = None
@@ -72,6 +73,7 @@ class ModelRunner:
         self.drafter = None  # spec_decode.draft_model.DraftModelRunner with a draft model
         # A hybrid model's Mamba state slots per request (`recurrent_state`); None otherwise.
         self.state_slots: RecurrentStateSlots | None = None
+        self._recurrent_caches: list[int] = []  # their layers' indices in kv_caches
 
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
@@ -174,6 +176,7 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         if self.is_encoder:
             return  # attention reads only the step's own keys and values
+        self.num_kv_blocks = num_blocks
         max_num_seqs = self.config.scheduler.max_num_seqs
         self.kv_caches = allocate_kv_caches(self.config.arch, num_blocks, self.block_size,
                                             self.kv_cache_dtype, self.device, self.parallel,

@@ -183,3 +183,18 @@ def test_a_request_without_its_state_is_refused():
         slots.assign(["b"], [5], caches, [0])
     slots.release("a")
     assert slots.assign(["c"], [0], caches, [0]) == [0]
+
+
+def test_sleep_and_wake_up_restore_the_kv_blocks_and_state_pools(tmp_path, smollm2_tokenizer):
+    """Waking up re-allocates as many KV blocks as before (not the first layer's
+    length, which is a Mamba state pool here) and the same state pools."""
+    path = save_tiny_checkpoint(tmp_path, granite_hybrid_config(), smollm2_tokenizer)
+    prompts = random_prompts([7, 30])
+    llm = LLM(model=path, **{**ENGINE, "enable_sleep_mode": True})
+    before, _ = pagoda_greedy(llm, prompts, 8)
+    [kv] = llm.collective_rpc("kv_cache_bytes")
+    llm.sleep(level=1)
+    llm.wake_up()
+    assert llm.collective_rpc("kv_cache_bytes") == [kv]
+    after, _ = pagoda_greedy(llm, prompts, 8)
+    assert_same(after, before)
