@@ -35,7 +35,7 @@ from pagoda.spec_decode.draft_model import DraftModelRunner
 from pagoda.worker import cpu_allocator
 from pagoda.worker.cuda_graphs import DecodeCUDAGraphs, cuda_graph_sizes
 from pagoda.worker.pooling import pool_requests, token_type_ids
-from pagoda.worker.recurrent_state import RecurrentStateSlots
+from pagoda.worker.recurrent_state import RecurrentStateSlots, rewind_to_accepted_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +230,7 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(inputs, hidden, scheduler_output.num_scheduled_tokens)
         sampled, logprobs = self._sample(inputs, hidden)
         if inputs.attn_metadata.state_checkpoints is not None:
-            self._rewind_recurrent_state(inputs, sampled)
+            rewind_to_accepted_drafts(self.model, inputs.attn_metadata, sampled)
         pooled = self._pool(inputs, hidden)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             self.states[req_id].num_computed_tokens += n
@@ -296,17 +296,6 @@ class ModelRunner:
         spec = so.scheduled_spec_decode_tokens
         for req_id in so.num_scheduled_tokens:
             self.states[req_id].spec_token_ids = spec.get(req_id, [])
-
-    def _rewind_recurrent_state(self, inputs: ModelInputs, sampled: list[list[int]]) -> None:
-        """After verification, each Mamba layer keeps the state after a request's last
-        accepted token (its emitted tokens less the bonus one), not after its rejected
-        drafts, which the next step does not feed again."""
-        mixers = [m for m in self.model.modules() if hasattr(m, "keep_checkpoint")]
-        md = inputs.attn_metadata
-        for slot, wanted, tokens in zip(md.state_slots, md.state_checkpoints, sampled):
-            if wanted:
-                for mixer in mixers:
-                    mixer.keep_checkpoint(slot, max(len(tokens), 1) - 1)
 
     def _release_state(self, req_id: str) -> None:
         """A finished or preempted request's Mamba state slot goes back to the pool (a

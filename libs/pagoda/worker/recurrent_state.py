@@ -51,3 +51,14 @@ class RecurrentStateSlots:
                     ssm[slot].zero_()
             slots.append(slot)
         return slots
+
+
+def rewind_to_accepted_drafts(model: torch.nn.Module, md, sampled: list[list[int]]) -> None:
+    """After draft verification, every Mamba layer keeps the state after each verifying
+    request's last accepted token (its emitted tokens less the bonus one), not after its
+    rejected drafts, which the next step does not feed again (`pagoda.model.mamba2`)."""
+    mixers = [m for m in model.modules() if hasattr(m, "keep_checkpoint")]
+    for slot, wanted, tokens in zip(md.state_slots, md.state_checkpoints, sampled):
+        if wanted:
+            for mixer in mixers:
+                mixer.keep_checkpoint(slot, max(len(tokens), 1) - 1)
