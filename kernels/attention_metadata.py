@@ -43,6 +43,12 @@ class AttentionMetadata:
     # Each token's attention independent of the rest of the batch, of chunking and of
     # prefix-cache hits, at some cost (the torch path's "Batch invariance").
     batch_invariant: bool = False
+    # Hybrid models: each request's slot in the Mamba2 layers' state pools (the model
+    # runner's `RecurrentStateSlots`); None for every other model.
+    state_slots: list[int] | None = None
+    # ... and, when some requests verify drafts, per request how many of its last tokens
+    # (its drafts + 1) to keep the state after (`pagoda.model.mamba2`); 0: none.
+    state_checkpoints: list[int] | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -71,6 +71,37 @@ class MoEConfig:
     dense_mlp_layers: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class MambaConfig:
+    """The Mamba2 state-space layers of a hybrid model (GraniteMoeHybrid).
+
+    `layers` are the indices of the layers whose mixer is a Mamba2 block (the others
+    attend over the paged KV cache). Each such layer keeps, per running request, a
+    conv state `[conv_dim, conv_kernel - 1]` (the last inputs of its causal conv) and
+    an SSM state `[num_heads, head_dim, state_size]` (float32), carried across
+    prefill chunks and decode steps (`pagoda.model.kv_cache.layer_cache_spec`).
+    """
+
+    layers: tuple[int, ...]
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    chunk_size: int = 256
+    conv_bias: bool = True
+    proj_bias: bool = False
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+
 @dataclass
 class ModelArchConfig:
     """Architecture of a decoder (or encoder), read from config.json (or a GGUF file).
@@ -117,6 +148,9 @@ class ModelArchConfig:
     # width per token (compressed latent + shared rope key), no per-head keys and no
     # values (`pagoda.model.kv_cache.layer_cache_spec`); None: keys and values per KV head.
     kv_latent_dim: int | None = None
+    # Hybrid models: the Mamba2 layers, which keep a fixed-size recurrent state per
+    # request instead of KV blocks (`MambaConfig`); None: every layer attends.
+    mamba: MambaConfig | None = None
     family_settings: object | None = None
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:

@@ -27,6 +27,7 @@ from pagoda.model.registry import MODEL_REGISTRY, ModelRegistry
 SUPPORTED = ["BertForSequenceClassification", "BertModel", "DeepseekV2ForCausalLM",
              "DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
              "GptOssForCausalLM",
+             "GraniteMoeHybridForCausalLM",
              "HF_ColBERT",
              "LlamaForCausalLM", "LlamaModel", "MistralForCausalLM", "MistralModel",
              "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen2Model",

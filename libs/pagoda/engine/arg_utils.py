@@ -13,6 +13,7 @@ from pagoda.config import (DEFAULT_MAX_LOGPROBS, DEFAULT_PREFIX_HASH_SEED, Cache
 import pagoda.envs as envs
 from pagoda.distributed.parallel_state import validate_parallel_config
 from pagoda.engine.async_steps import refuse_async_scheduling_combinations
+from pagoda.engine.hybrid_limits import check_draft_model, check_hybrid_model
 from pagoda.engine.legacy_args import add_legacy_cli_args, resolve_legacy_args
 from pagoda.lora.config import LoRAConfig
 from pagoda.reasoning.budget import ReasoningConfig
@@ -296,9 +297,13 @@ class EngineArgs:
                         max_num_batched_tokens=max_batched)
         if self.max_waiting_requests is not None:
             _check_positive(max_waiting_requests=self.max_waiting_requests)
+        prefix_caching = check_hybrid_model(
+            arch, tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size, enable_lora=self.enable_lora,
+            kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=self.enable_prefix_caching)
         cache = CacheConfig(
             block_size=self.block_size,
-            enable_prefix_caching=self.enable_prefix_caching and pooling.allows_prefix_caching,
+            enable_prefix_caching=prefix_caching and pooling.allows_prefix_caching,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             gpu_memory_utilization=self.gpu_memory_utilization,
             prefix_hash_seed=self.prefix_cache_hash_seed,
@@ -395,6 +400,7 @@ class EngineArgs:
                              "--enable-lora")
         path = resolve_model_path(config.model, None, self.download_dir)
         draft = load_arch_config(path)
+        check_draft_model(draft)
         if draft.vocab_size != arch.vocab_size:
             raise ValueError(f"--speculative-config: the draft model {config.model!r} has a "
                              f"vocabulary of {draft.vocab_size} tokens, the target "

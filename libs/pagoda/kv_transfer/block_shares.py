@@ -133,13 +133,20 @@ def write_share(kv_caches: Sequence, block_ids: Sequence[int], blocks: torch.Ten
 def runner_geometry(runner) -> tuple[BlockShape, int] | None:
     """(whole block's shape, blocks in the cache) of a model runner of any rank, or
     None before its KV cache is allocated. NotImplementedError for a latent cache
-    (multi-head latent attention): its blocks have no K/V head layout to move."""
+    (multi-head latent attention): its blocks have no K/V head layout to move; and for a
+    hybrid model (Mamba2 layers): its blocks do not hold the recurrent state."""
     arch = runner.config.arch
     if arch.kv_latent_dim is not None:
         raise NotImplementedError(
             f"{arch.architecture} caches multi-head latent attention latents: moving its KV "
             "blocks (P/D disaggregation, the prefix pull) is not supported; serve it "
             "without a KV transfer (a single prefill+decode worker)")
+    if arch.mamba is not None:
+        raise NotImplementedError(
+            f"{arch.architecture} is a hybrid model with Mamba2 layers whose recurrent state "
+            "lives outside the KV blocks: moving its KV blocks (P/D disaggregation, the prefix "
+            "pull, migration) is not supported; serve it without a KV transfer (a single "
+            "prefill+decode worker)")
     if not runner.kv_caches:
         return None
     shape = BlockShape(arch.num_hidden_layers, runner.block_size, arch.num_key_value_heads,

@@ -14,12 +14,19 @@ parallel slice (`num_kv_heads / T`, or one replicated head when there are fewer 
 heads than ranks; a latent cache whole on every rank) for the layers of its pipeline
 stage. Block ids mean the same on every rank, so one block table serves the whole group.
 
+A hybrid model's Mamba2 layers (`ModelArchConfig.mamba`) hold no blocks: their pair is
+the recurrent state pool instead, conv states `[num_state_slots, conv_dim, conv_kernel - 1]`
+(cache dtype) and SSM states `[num_state_slots, num_heads, head_dim, state_size]`
+(float32), one slot per running request (`AttentionMetadata.state_slots`); a block
+then costs the attention layers alone.
+
 The cache dtype is the model's, or float8_e4m3fn with `--kv-cache-dtype fp8` (CUDA
 only; `fp8_kv_cache.py`), which halves a bf16 cache.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -39,42 +46,78 @@ class KVCacheSpec:
     value_dim: int
 
 
-def layer_cache_spec(arch: ModelArchConfig, parallel: ParallelContext | None = None
-                     ) -> KVCacheSpec:
-    """What each layer of `arch` caches on a rank: its share of the KV heads' keys and
-    values, or the whole latent (MLA: replicated on every tensor-parallel rank, since
-    every query head reads it)."""
+def layer_cache_spec(arch: ModelArchConfig, parallel: ParallelContext | None = None,
+                     layer_idx: int | None = None) -> KVCacheSpec:
+    """What each layer of `arch` (or layer `layer_idx`) caches per token on a rank: its
+    share of the KV heads' keys and values, the whole latent (MLA: replicated on every
+    tensor-parallel rank, since every query head reads it), or nothing (a Mamba2 layer
+    of a hybrid model: its state is per request, `recurrent_state_shapes`)."""
+    if layer_idx is not None and is_recurrent_layer(arch, layer_idx):
+        return KVCacheSpec(0, 0, 0)
     if arch.kv_latent_dim is not None:
         return KVCacheSpec(1, arch.kv_latent_dim, 0)
     num_kv_heads = num_local_heads(arch, (parallel or SINGLE).tp_size)[1]
     return KVCacheSpec(num_kv_heads, arch.head_dim, arch.head_dim)
 
 
-def _num_local_layers(arch: ModelArchConfig, parallel: ParallelContext | None) -> int:
+def is_recurrent_layer(arch: ModelArchConfig, layer_idx: int) -> bool:
+    """Whether layer `layer_idx` is a Mamba2 layer (recurrent state, no KV blocks)."""
+    return arch.mamba is not None and layer_idx in arch.mamba.layers
+
+
+def recurrent_state_shapes(arch: ModelArchConfig, num_state_slots: int
+                           ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(conv state shape, SSM state shape) of one Mamba2 layer's pool of slots."""
+    m = arch.mamba
+    return ((num_state_slots, m.conv_dim, m.conv_kernel - 1),
+            (num_state_slots, m.num_heads, m.head_dim, m.state_size))
+
+
+def recurrent_state_bytes(arch: ModelArchConfig, num_state_slots: int, dtype: torch.dtype) -> int:
+    """Bytes of every Mamba2 layer's state pool (0 for a model without any)."""
+    if arch.mamba is None:
+        return 0
+    conv, ssm = recurrent_state_shapes(arch, num_state_slots)
+    element_size = torch.empty((), dtype=dtype).element_size()
+    per_layer = math.prod(conv) * element_size + math.prod(ssm) * 4
+    return per_layer * len(arch.mamba.layers)
+
+
+def _local_layers(arch: ModelArchConfig, parallel: ParallelContext | None) -> range:
     parallel = parallel or SINGLE
     start, end = stage_layer_range(arch.num_hidden_layers, parallel.pp_size, parallel.pp_rank)
-    return end - start
+    return range(start, end)
 
 
 def kv_cache_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype,
                              parallel: ParallelContext | None = None) -> int:
     """Bytes one block takes across this rank's layers, keys and values (or latents)."""
-    spec = layer_cache_spec(arch, parallel)
     element_size = torch.empty((), dtype=dtype).element_size()
-    per_layer = block_size * spec.num_heads * (spec.key_dim + spec.value_dim) * element_size
-    return per_layer * _num_local_layers(arch, parallel)
+    total = 0
+    for i in _local_layers(arch, parallel):
+        spec = layer_cache_spec(arch, parallel, i)
+        total += block_size * spec.num_heads * (spec.key_dim + spec.value_dim) * element_size
+    return total
 
 
 def allocate_kv_caches(arch: ModelArchConfig, num_blocks: int, block_size: int,
                        dtype: torch.dtype, device: str | torch.device,
-                       parallel: ParallelContext | None = None
+                       parallel: ParallelContext | None = None, num_state_slots: int = 1
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One zeroed (key_cache, value_cache) pair per layer this rank holds."""
-    spec = layer_cache_spec(arch, parallel)
-    shape = (num_blocks, block_size, spec.num_heads)
-    return [(torch.zeros(*shape, spec.key_dim, dtype=dtype, device=device),
-             torch.zeros(*shape, spec.value_dim, dtype=dtype, device=device))
-            for _ in range(_num_local_layers(arch, parallel))]
+    """One zeroed (key_cache, value_cache) pair per layer this rank holds; a Mamba2
+    layer's pair is its (conv, SSM) state pool of `num_state_slots` slots."""
+    caches = []
+    for i in _local_layers(arch, parallel):
+        if is_recurrent_layer(arch, i):
+            conv, ssm = recurrent_state_shapes(arch, num_state_slots)
+            caches.append((torch.zeros(conv, dtype=dtype, device=device),
+                           torch.zeros(ssm, dtype=torch.float32, device=device)))
+            continue
+        spec = layer_cache_spec(arch, parallel, i)
+        shape = (num_blocks, block_size, spec.num_heads)
+        caches.append((torch.zeros(*shape, spec.key_dim, dtype=dtype, device=device),
+                       torch.zeros(*shape, spec.value_dim, dtype=dtype, device=device)))
+    return caches
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, device: str | torch.device) -> str:

@@ -17,7 +17,8 @@ from pagoda.kernels import cpu as cpu_kernels
 from pagoda.lora.manager import LoRAModelManager
 from pagoda.model import batch_invariant_linear, cpu_packed_weights, prepack_cpu_weights
 from pagoda.model.intermediate_tensors import IntermediateTensors
-from pagoda.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block, kv_cache_torch_dtype
+from pagoda.model.kv_cache import (allocate_kv_caches, kv_cache_bytes_per_block,
+                                   kv_cache_torch_dtype, recurrent_state_bytes)
 from pagoda.model.loader import load_model
 from pagoda.model.pooler import Pooler
 from pagoda.model.quantization import gguf_int4
@@ -34,6 +35,7 @@ from pagoda.spec_decode.draft_model import DraftModelRunner
 from pagoda.worker import cpu_allocator
 from pagoda.worker.cuda_graphs import DecodeCUDAGraphs, cuda_graph_sizes
 from pagoda.worker.pooling import pool_requests, token_type_ids
+from pagoda.worker.recurrent_state import RecurrentStateSlots, rewind_to_accepted_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class ModelRunner:
         # Generators outlive preemption so a resumed seeded request continues its stream.
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_kv_blocks = 0  # blocks in each attention layer's cache
         # This step's structured-output rows (request ids, packed bitmask), from the plan.
         self._grammar: tuple[list[str], object] | None = None
         self.model = None
@@ -68,6 +71,9 @@ class ModelRunner:
         self.cuda_graphs = None  # DecodeCUDAGraphs on CUDA unless enforce_eager
         self.lora_manager = None  # pagoda.lora.manager.LoRAModelManager under --enable-lora
         self.drafter = None  # spec_decode.draft_model.DraftModelRunner with a draft model
+        # A hybrid model's Mamba state slots per request (`recurrent_state`); None otherwise.
+        self.state_slots: RecurrentStateSlots | None = None
+        self._recurrent_caches: list[int] = []  # their layers' indices in kv_caches
 
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
@@ -125,6 +131,9 @@ class ModelRunner:
                 - peak_activations
         else:
             budget = self.config.cache.kv_cache_memory_bytes
+        # A hybrid model's Mamba state pools come first: one slot per running request.
+        budget -= recurrent_state_bytes(self.config.arch, self.config.scheduler.max_num_seqs,
+                                        self.kv_cache_dtype)
         return max(budget // per_block, 1)
 
     @torch.inference_mode()
@@ -140,6 +149,8 @@ class ModelRunner:
             "profile", [0] * num_tokens, [], SamplingParams(), list(range(num_blocks)), 0), None)
         inputs = build_model_inputs({"profile": state}, {"profile": num_tokens}, self.block_size,
                                     self.device)
+        if self.config.arch.mamba is not None:
+            inputs.attn_metadata.state_slots = [0]
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
@@ -165,14 +176,23 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         if self.is_encoder:
             return  # attention reads only the step's own keys and values
+        self.num_kv_blocks = num_blocks
+        max_num_seqs = self.config.scheduler.max_num_seqs
         self.kv_caches = allocate_kv_caches(self.config.arch, num_blocks, self.block_size,
-                                            self.kv_cache_dtype, self.device, self.parallel)
+                                            self.kv_cache_dtype, self.device, self.parallel,
+                                            num_state_slots=max_num_seqs)
+        if self.config.arch.mamba is not None:
+            self.state_slots = RecurrentStateSlots(max_num_seqs)
+            start = self.model.model.start_layer
+            self._recurrent_caches = [i - start for i in self.config.arch.mamba.layers
+                                      if 0 <= i - start < len(self.kv_caches)]
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks, self.kv_cache_dtype)
         # Graphs capture a whole-model decode; a group's ranks run eagerly for now.
         if (self.device.type == "cuda" and not self.config.enforce_eager
                 and self.parallel.world_size == 1 and self.config.runner == "generate"
-                and self.lora_manager is None):  # graphs would freeze one step's adapters
+                and self.lora_manager is None  # graphs would freeze one step's adapters
+                and self.state_slots is None):  # Mamba slots change per step; eager
             self._capture_cuda_graphs()
 
     def _capture_cuda_graphs(self) -> None:
@@ -187,6 +207,8 @@ class ModelRunner:
         """Forget every request (a restarted scheduler knows none of them)."""
         self.states.clear()
         self.generators.clear()
+        if self.state_slots is not None:
+            self.state_slots = RecurrentStateSlots(self.config.scheduler.max_num_seqs)
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
@@ -197,9 +219,18 @@ class ModelRunner:
         inputs = build_model_inputs(self.states, scheduler_output.num_scheduled_tokens,
                                     self.block_size, self.device, self.config.batch_invariant)
         self._prepare_lora(inputs)
+        if self.state_slots is not None:
+            inputs.attn_metadata.state_slots = self.state_slots.assign(
+                inputs.req_ids, [self.states[r].num_computed_tokens for r in inputs.req_ids],
+                self.kv_caches, self._recurrent_caches)
+            if inputs.num_drafts is not None:
+                inputs.attn_metadata.state_checkpoints = [d + 1 if d else 0
+                                                          for d in inputs.num_drafts]
         hidden = self._forward(inputs)
         prompt_logprobs = self._prompt_logprobs(inputs, hidden, scheduler_output.num_scheduled_tokens)
         sampled, logprobs = self._sample(inputs, hidden)
+        if inputs.attn_metadata.state_checkpoints is not None:
+            rewind_to_accepted_drafts(self.model, inputs.attn_metadata, sampled)
         pooled = self._pool(inputs, hidden)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             self.states[req_id].num_computed_tokens += n
@@ -250,8 +281,10 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             self.states.pop(req_id, None)
             self.generators.pop(req_id, None)
+            self._release_state(req_id)
         for req_id in so.preempted_req_ids:
             self.states.pop(req_id, None)
+            self._release_state(req_id)
         for data in so.scheduled_new_reqs:
             self.states[data.req_id] = CachedRequestState.from_new(data, self._generator(data))
         cached = so.scheduled_cached_reqs
@@ -263,6 +296,12 @@ class ModelRunner:
         spec = so.scheduled_spec_decode_tokens
         for req_id in so.num_scheduled_tokens:
             self.states[req_id].spec_token_ids = spec.get(req_id, [])
+
+    def _release_state(self, req_id: str) -> None:
+        """A finished or preempted request's Mamba state slot goes back to the pool (a
+        preempted one recomputes from token 0 and gets a fresh slot)."""
+        if self.state_slots is not None:
+            self.state_slots.release(req_id)
 
     def _generator(self, data) -> torch.Generator | None:
         """The request's generator: kept across preemption; a new one for a request

@@ -46,7 +46,8 @@ class SleepState:
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
         if self.asleep:
             raise RuntimeError("The engine is already sleeping; call wake_up() first")
-        self._num_blocks = runner.kv_caches[0][0].shape[0] if runner.kv_caches else None
+        # Not kv_caches[0]'s length: a hybrid model's first layer may be a state pool.
+        self._num_blocks = runner.num_kv_blocks if runner.kv_caches else None
         runner.kv_caches = []
         runner.cuda_graphs = None  # captured over the freed cache
         if runner.drafter is not None:

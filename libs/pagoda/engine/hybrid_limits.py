@@ -1,0 +1,53 @@
+"""What a hybrid model (Mamba2 layers between attention layers) cannot run with yet.
+
+Speculative decoding runs (n-gram or a draft model): verification keeps the state
+after each draft and rewinds to the last accepted one (`pagoda.model.mamba2`), so a
+rejected draft leaves nothing in the recurrent state (vLLM's hybrid n-gram corruption,
+#39273); a hybrid *draft* model is refused (its own state would need the same rewind).
+
+Refused at start-up with the reason, never run wrong:
+- tensor / pipeline parallelism: the Mamba2 mixer is not sharded and unverified;
+- LoRA (the Mamba projections take no adapters) and the fp8 KV cache (the conv state
+  lives in the cache dtype).
+Prefix caching is turned off with a logged reason: a prefix-cache hit would skip the
+Mamba layers' pass over the prefix, whose state is not cached per block.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+def check_hybrid_model(arch, *, tensor_parallel_size: int,
+                       pipeline_parallel_size: int, enable_lora: bool, kv_cache_dtype: str,
+                       enable_prefix_caching: bool) -> bool:
+    """ValueError naming the feature a hybrid `arch` cannot run with; returns whether
+    prefix caching stays on (always False for a hybrid model, logged; unchanged else)."""
+    if arch.mamba is None:
+        return enable_prefix_caching
+    name = arch.architecture
+    if tensor_parallel_size > 1 or pipeline_parallel_size > 1:
+        raise ValueError(
+            f"{name}: tensor and pipeline parallelism are not supported for hybrid Mamba2 "
+            "models (the Mamba2 mixer is not sharded); use tensor_parallel_size=1 and "
+            "pipeline_parallel_size=1")
+    if enable_lora:
+        raise ValueError(f"--enable-lora is not supported for {name} (hybrid Mamba2 model)")
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is not supported for {name}: its "
+                         "Mamba2 conv state is kept in the cache dtype; use auto")
+    if enable_prefix_caching:
+        logger.warning("Prefix caching is disabled for %s: its Mamba2 layers' state is not "
+                       "cached per block, so a prefix-cache hit would skip their pass over the "
+                       "prefix", name)
+    return False
+
+
+def check_draft_model(draft_arch) -> None:
+    """ValueError for a hybrid draft model: the draft runner keeps no recurrent state."""
+    if draft_arch.mamba is not None:
+        raise ValueError(f"--speculative-config: a hybrid draft model ({draft_arch.architecture}, "
+                         "Mamba2 layers) is not supported; use an attention-only draft model or "
+                         '{"method": "ngram"}')

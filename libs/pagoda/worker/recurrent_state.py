@@ -1,0 +1,64 @@
+"""Which slot of the Mamba2 layers' state pools each running request owns.
+
+A hybrid model's recurrent layers keep one fixed-size state per request
+(`pagoda.model.kv_cache.recurrent_state_shapes`), in pools of `max_num_seqs` slots
+allocated with the KV cache. A request gets a slot the first step it runs and gives it
+back when it finishes or is preempted (a preempted request recomputes from token 0, so
+its state is rebuilt from the tokens).
+
+Invariant: a request is given a slot only when it starts at token 0 (the slot is
+zeroed then); one arriving with computed tokens whose state this worker does not hold
+(a prefix-cache hit, a migrated request's KV) is refused with an error, never run on
+a state that skipped those tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class RecurrentStateSlots:
+    def __init__(self, num_slots: int) -> None:
+        self.free = list(range(num_slots - 1, -1, -1))
+        self.slots: dict[str, int] = {}
+
+    def release(self, req_id: str) -> None:
+        slot = self.slots.pop(req_id, None)
+        if slot is not None:
+            self.free.append(slot)
+
+    def assign(self, req_ids: list[str], num_computed: list[int],
+               caches: list[tuple[torch.Tensor, torch.Tensor]],
+               recurrent_layers: list[int]) -> list[int]:
+        """The slot of each request of the step (in order), new ones zeroed in every
+        recurrent layer's pool (`recurrent_layers`: their indices in `caches`)."""
+        slots = []
+        for req_id, computed in zip(req_ids, num_computed, strict=True):
+            slot = self.slots.get(req_id)
+            if slot is None:
+                if computed != 0:
+                    raise RuntimeError(
+                        f"request {req_id!r} starts at token {computed} but its Mamba state "
+                        "is not held by this worker: a hybrid model's state must be computed "
+                        "from token 0 (prefix caching and KV migration do not carry it)")
+                if not self.free:
+                    raise RuntimeError("no free Mamba state slot: more running requests than "
+                                       "max_num_seqs")
+                slot = self.slots[req_id] = self.free.pop()
+                for i in recurrent_layers:
+                    conv, ssm = caches[i]
+                    conv[slot].zero_()
+                    ssm[slot].zero_()
+            slots.append(slot)
+        return slots
+
+
+def rewind_to_accepted_drafts(model: torch.nn.Module, md, sampled: list[list[int]]) -> None:
+    """After draft verification, every Mamba layer keeps the state after each verifying
+    request's last accepted token (its emitted tokens less the bonus one), not after its
+    rejected drafts, which the next step does not feed again (`pagoda.model.mamba2`)."""
+    mixers = [m for m in model.modules() if hasattr(m, "keep_checkpoint")]
+    for slot, wanted, tokens in zip(md.state_slots, md.state_checkpoints, sampled):
+        if wanted:
+            for mixer in mixers:
+                mixer.keep_checkpoint(slot, max(len(tokens), 1) - 1)
