@@ -300,7 +300,8 @@ class EngineArgs:
         prefix_caching = check_hybrid_model(
             arch, tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size, enable_lora=self.enable_lora,
-            kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=self.enable_prefix_caching)
+            kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=self.enable_prefix_caching,
+            async_scheduling=self.async_scheduling)
         cache = CacheConfig(
             block_size=self.block_size,
             enable_prefix_caching=prefix_caching and pooling.allows_prefix_caching,
