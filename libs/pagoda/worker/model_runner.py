@@ -33,6 +33,7 @@ from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.draft_model import DraftModelRunner
 from pagoda.worker import cpu_allocator
 from pagoda.worker.cuda_graphs import DecodeCUDAGraphs, cuda_graph_sizes
+from pagoda.worker.host_kv_tier import HostKVTier, host_tier_slots
 from pagoda.worker.pooling import pool_requests, token_type_ids
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class ModelRunner:
         self.cuda_graphs = None  # DecodeCUDAGraphs on CUDA unless enforce_eager
         self.lora_manager = None  # pagoda.lora.manager.LoRAModelManager under --enable-lora
         self.drafter = None  # spec_decode.draft_model.DraftModelRunner with a draft model
+        self.host_tier: HostKVTier | None = None  # under --kv-offloading-size
 
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
@@ -167,6 +169,9 @@ class ModelRunner:
             return  # attention reads only the step's own keys and values
         self.kv_caches = allocate_kv_caches(self.config.arch, num_blocks, self.block_size,
                                             self.kv_cache_dtype, self.device, self.parallel)
+        num_slots = host_tier_slots(self.config)[0]
+        if num_slots > 0 and self.host_tier is None:  # kept when the cache is set up again
+            self.host_tier = HostKVTier(self.kv_caches, num_slots)
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks, self.kv_cache_dtype)
         # Graphs capture a whole-model decode; a group's ranks run eagerly for now.
@@ -191,6 +196,11 @@ class ModelRunner:
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.host_tier is not None and (scheduler_output.kv_offloads
+                                           or scheduler_output.kv_onloads):
+            # Before anything of the step: a failed onload turns into recompute here.
+            scheduler_output = self.host_tier.apply(self.kv_caches, scheduler_output,
+                                                    self.block_size)
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty()
