@@ -105,6 +105,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                               "request now and waits for InitializeKvCache")
             if self.ledger is not None:
                 self.ledger.record(plan, output)
+            # One rank in this process (InProcessExecutor): its host KV tier's onloads.
+            worker_metrics().observe_host_tier(
+                getattr(getattr(self.runner, "runner", None), "host_tier", None))
             self._next_step += 1
         return pb.ExecuteModelResponse(model_runner_output=model_runner_output_to_proto(output))
 
