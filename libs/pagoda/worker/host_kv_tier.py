@@ -97,11 +97,9 @@ class HostKVTier:
             return
         start = time.perf_counter()
         device = kv_caches[0][0].device
-        blocks = torch.tensor([op.block_id for op in ops], dtype=torch.long, device=device)
-        slots = torch.tensor([op.slot for op in ops], dtype=torch.long)
         for dev_pair, host_pair in zip(kv_caches, self.tensors):
             for dev, host in zip(dev_pair, host_pair):
-                host.index_copy_(0, slots, dev.index_select(0, blocks).to("cpu", non_blocking=True))
+                _copy_blocks(host, [op.slot for op in ops], dev, [op.block_id for op in ops])
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         for op in ops:  # a later op on the same slot wins, as in the scheduler's index
@@ -127,11 +125,10 @@ class HostKVTier:
                            "checksum; recomputing them", len(failed), len(ops))
         if good:
             device = kv_caches[0][0].device
-            blocks = torch.tensor([op.block_id for op in good], dtype=torch.long, device=device)
-            slots = torch.tensor([op.slot for op in good], dtype=torch.long)
             for dev_pair, host_pair in zip(kv_caches, self.tensors):
                 for dev, host in zip(dev_pair, host_pair):
-                    dev.index_copy_(0, blocks, host.index_select(0, slots).to(device, non_blocking=True))
+                    _copy_blocks(dev, [op.block_id for op in good], host,
+                                 [op.slot for op in good])
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         self.stats.onloaded_blocks += len(good)
@@ -161,3 +158,18 @@ class HostKVTier:
         return dataclasses.replace(plan, scheduled_new_reqs=new_reqs,
                                    num_scheduled_tokens=scheduled,
                                    total_num_scheduled_tokens=sum(scheduled.values()))
+
+
+def _copy_blocks(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor,
+                 src_ids: list[int]) -> None:
+    """dst[dst_ids[i]] = src[src_ids[i]]. Between host and device: one gather, one
+    asynchronous copy and one scatter per tensor (the caller synchronizes). Host to
+    host: one slice copy per block, which on a busy CPU is an order of magnitude
+    faster than torch's multithreaded index ops for blocks of a few KiB (measured)."""
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        for d, s in zip(dst_ids, src_ids):
+            dst[d].copy_(src[s])
+        return
+    src_index = torch.tensor(src_ids, dtype=torch.long, device=src.device)
+    dst_index = torch.tensor(dst_ids, dtype=torch.long, device=dst.device)
+    dst.index_copy_(0, dst_index, src.index_select(0, src_index).to(dst.device, non_blocking=True))
