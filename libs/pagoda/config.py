@@ -196,6 +196,11 @@ class CacheConfig:
     # The model's window when every layer slides (`ModelArchConfig.kv_cache_sliding_window`):
     # blocks wholly before it are freed while a request runs. None keeps every block.
     sliding_window: int | None = None
+    # vLLM's --kv-offloading-size (GiB) / --kv-offloading-backend: a host-memory tier
+    # that keeps the KV of blocks evicted from the device pool (pagoda.core.kv_offload,
+    # pagoda.worker.host_kv_tier). 0: off.
+    kv_offloading_size: float = 0.0
+    kv_offloading_backend: str = "native"
 
 
 @dataclass

@@ -185,6 +185,31 @@ class CachedRequestData:
 
 
 @dataclass
+class KVOffload:
+    """Copy device block `block_id` (evicted from the prefix cache this step, its KV
+    written in an earlier one) into host-tier slot `slot` under `block_hash`, before
+    the step's forward overwrites it (pagoda.worker.host_kv_tier)."""
+
+    block_id: int
+    slot: int
+    block_hash: bytes
+
+
+@dataclass
+class KVOnload:
+    """Copy host-tier slot `slot` (expected to hold `block_hash`) into device block
+    `block_id`, block `block_index` of request `req_id`, before the step's forward.
+    If the slot does not hold that hash or its checksum fails, the worker recomputes
+    the request from that block instead (the answer is the same, only slower)."""
+
+    req_id: str
+    block_index: int
+    slot: int
+    block_id: int
+    block_hash: bytes
+
+
+@dataclass
 class SchedulerOutput:
     """One step's plan.
 
@@ -210,6 +235,10 @@ class SchedulerOutput:
     # known tokens. Its num_scheduled_tokens counts them: known-but-uncomputed (1) +
     # len(drafts). The scheduler rolls back the computed tokens of rejected drafts.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # KV offloading (--kv-offloading-size): host-tier copies the worker makes before the
+    # forward, offloads first (their device blocks are reused by this step), then onloads.
+    kv_offloads: list[KVOffload] = field(default_factory=list)
+    kv_onloads: list[KVOnload] = field(default_factory=list)
 
     @classmethod
     def empty(cls) -> "SchedulerOutput":

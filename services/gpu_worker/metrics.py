@@ -7,6 +7,11 @@ time minus this is the plan's round trip and (de)serialization.
 `pagoda_worker_group_rebuilds_total`: how often this worker's TP/PP group was torn
 down and built again after a rank died or failed a step (executor/group.py; vLLM
 has no such metric). It moving at all is worth a look; a crash loop ends the worker.
+
+`pagoda_kv_offload_onload_seconds`: one step's copies from the host KV tier into the
+device cache (--kv-offloading-size), checksums included; observed for each step
+that onloads. `pagoda_kv_offload_failed_onloads_total`: blocks whose host copy failed
+its hash or checksum, recomputed instead (the answer is the same).
 """
 
 from __future__ import annotations
@@ -27,6 +32,25 @@ class WorkerMetrics:
         self.group_rebuilds = Counter("pagoda_worker_group_rebuilds",
                                       "Times the worker group was rebuilt after a rank "
                                       "failed.", registry=registry)
+        self.onload_seconds = Histogram("pagoda_kv_offload_onload_seconds",
+                                        "Seconds one step spent onloading KV blocks from the "
+                                        "host tier.", buckets=STEP_BUCKETS, registry=registry)
+        self.failed_onloads = Counter("pagoda_kv_offload_failed_onloads",
+                                      "KV blocks whose host-tier copy failed its checksum "
+                                      "and were recomputed.", registry=registry)
+        self._last_tier: tuple[int, float, int] = (0, 0.0, 0)
+
+    def observe_host_tier(self, tier) -> None:
+        """After a step: the host tier's onloads of that step (`HostKVTier.stats`)."""
+        if tier is None:
+            return
+        s = tier.stats
+        blocks, seconds, failed = self._last_tier
+        if s.onloaded_blocks + s.failed_onloads > blocks + failed:
+            self.onload_seconds.observe(s.onload_seconds - seconds)
+        if s.failed_onloads > failed:
+            self.failed_onloads.inc(s.failed_onloads - failed)
+        self._last_tier = (s.onloaded_blocks, s.onload_seconds, s.failed_onloads)
 
 
 @one_per_process

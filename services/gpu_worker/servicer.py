@@ -172,6 +172,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                            ((STEP_FAILED_KEY, type(exc).__name__),)) from None
         if self.ledger is not None:
             self.ledger.record(plan, output)
+        # One rank in this process (InProcessExecutor): its host KV tier's onloads.
+        worker_metrics().observe_host_tier(
+            getattr(getattr(self.runner, "runner", None), "host_tier", None))
         self._next_step += 1
         self._refuse_from = None
         return output

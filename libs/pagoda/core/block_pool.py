@@ -8,6 +8,10 @@ A block is in exactly one of two states: in use (ref_cnt > 0, not in the free
 queue) or free (ref_cnt == 0, in the free queue). A free block that still has a
 `block_hash` keeps its KV for a future prefix hit until it is reused, at which
 point its hash is evicted (and a `BlockRemoved` event recorded).
+
+With a host KV tier (`kv_offload.py`) the scheduler sets `offload_sink` while it plans
+a step: a cached block evicted then, whose KV an earlier step wrote, is handed to the
+sink (its id, hash and tokens) before it is reused, so the tier can keep its KV.
 """
 
 from __future__ import annotations
@@ -45,6 +49,10 @@ class BlockPool:
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, KVCacheBlock] = {}
         self._events: list[KVEvent] = []
+        # Set by the scheduler while it plans a step (None: evictions are not offloaded).
+        self.offload_sink = None
+        # Blocks cached since `start_step`: their KV is written by the step being planned.
+        self._fresh: set[int] = set()
 
     # ------------------------------------------------------------------ queries
     @property
@@ -70,6 +78,10 @@ class BlockPool:
         return list(self._cached)
 
     # ------------------------------------------------------------------ actions
+    def start_step(self) -> None:
+        """A new step is planned: every block cached before holds its KV now."""
+        self._fresh.clear()
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-hit blocks (pulling free ones out of the queue)."""
         for block in blocks:
@@ -87,6 +99,8 @@ class BlockPool:
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
                 removed.append(block.block_hash)
+                if self.offload_sink is not None and block.block_id not in self._fresh:
+                    self.offload_sink(block.block_id, block.block_hash, block.token_ids)
                 self._evict(block)
             block.ref_cnt = 1
             new_blocks.append(block)
@@ -141,6 +155,7 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block
+        self._fresh.add(block.block_id)
         return True
 
     def _record_stored(self, block_hashes: Sequence[BlockHash], all_token_ids: Sequence[int],

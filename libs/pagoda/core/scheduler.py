@@ -32,12 +32,14 @@ in `pagoda.engine.async_steps`.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.kv_offload import KVOffloadIndex, KVOffloadStats
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.request_queue import SchedulingPolicy, create_request_queue
 from pagoda.core.scheduler_hook import SchedulerHook, hooks_overriding
@@ -68,6 +70,8 @@ class SchedulerStats:
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
     # Cumulative draft/acceptance counts under --speculative-config (None: off).
     spec_decoding: SpecDecodingStats | None = None
+    # Cumulative host KV tier counters under --kv-offloading-size (None: off).
+    kv_offload: KVOffloadStats | None = None
 
 
 def feature_hooks(config: SchedulerConfig,
@@ -93,7 +97,8 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int,
-                 structured_output_manager: StructuredOutputManager | None = None) -> None:
+                 structured_output_manager: StructuredOutputManager | None = None,
+                 kv_offload: KVOffloadIndex | None = None) -> None:
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -101,6 +106,9 @@ class Scheduler:
                                                cache_config.enable_prefix_caching,
                                                scheduler_config.max_model_len,
                                                cache_config.sliding_window)
+        # The host KV tier's index (--kv-offloading-size; kv_offload.py), None: off. It
+        # takes no hit under a sliding window (released blocks would break the chain).
+        self.kv_offload = kv_offload if cache_config.sliding_window is None else None
         self.requests: dict[str, Request] = {}
         self.policy = SchedulingPolicy(scheduler_config.policy)
         self.waiting = create_request_queue(self.policy)
@@ -166,13 +174,22 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         cached = CachedRequestData()
         preempted: set[str] = set()
-        budget = self._schedule_running(num_scheduled, cached, preempted)
-        new_reqs: list[NewRequestData] = []
-        if not preempted:  # only admit waiting requests when nothing had to be preempted
-            self._schedule_waiting(budget, num_scheduled, new_reqs)
+        pool = self.kv_cache_manager.pool
+        if self.kv_offload is not None:  # blocks evicted while planning go to the tier
+            pool.start_step()
+            pool.offload_sink = self.kv_offload.offload
+        try:
+            budget = self._schedule_running(num_scheduled, cached, preempted)
+            new_reqs: list[NewRequestData] = []
+            if not preempted:  # only admit waiting requests when nothing had to be preempted
+                self._schedule_waiting(budget, num_scheduled, new_reqs)
+        finally:
+            pool.offload_sink = None
 
         output = SchedulerOutput(new_reqs, cached, num_scheduled, sum(num_scheduled.values()),
                                  self._finished_req_ids, preempted)
+        if self.kv_offload is not None:
+            output.kv_offloads, output.kv_onloads = self.kv_offload.take_ops()
         self._finished_req_ids = set()
         requests = self.requests
         if self.async_scheduling:
@@ -263,19 +280,42 @@ class Scheduler:
             hit_blocks, num_hit = [], 0
             if request.num_computed_tokens == 0:
                 hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            tier_slots = self._host_tier_hits(request, len(hit_blocks))
+            num_hit += len(tier_slots) * self.block_size
             num_new = request.num_tokens - request.num_computed_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
+                if tier_slots:
+                    self.kv_offload.unpin(tier_slots)
                 break
             num_new = self._cap(num_new, budget)
+            # The tier's blocks get fresh device blocks: the first new ones.
             new_blocks = self.kv_cache_manager.allocate_slots(
                 request, num_new, hit_blocks, num_hit, self.num_lookahead_tokens)
             if new_blocks is None:
+                if tier_slots:
+                    self.kv_offload.unpin(tier_slots)
                 break
+            if tier_slots:
+                self.kv_offload.plan_onloads(request.request_id, len(hit_blocks), tier_slots,
+                                             [b.block_id for b in new_blocks[:len(tier_slots)]])
             self.waiting.pop_request()
             new_reqs.append(self._start_running(request, num_hit))
             budget -= num_new
             num_scheduled[request.request_id] = num_new
         self.waiting.prepend_requests(skipped)
+
+    def _host_tier_hits(self, request: Request, num_device_hits: int) -> list[int]:
+        """Host-tier slots of the blocks that follow the device hits of a request not
+        yet started (pinned for this step); [] without a tier."""
+        if (self.kv_offload is None or request.num_computed_tokens != 0
+                or not self.kv_cache_manager.enable_caching
+                or request.sampling_params.prompt_logprobs is not None):
+            return []
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        if num_device_hits >= max_hit_blocks:
+            return []
+        return self.kv_offload.lookup(request.block_hashes, request.all_token_ids,
+                                      num_device_hits, max_hit_blocks, self.block_size)
 
     def _start_running(self, request: Request, num_hit: int) -> NewRequestData:
         """The request was admitted with `num_hit` tokens found in the prefix cache;
@@ -438,6 +478,8 @@ class Scheduler:
         snapshot = SchedulerStats(len(self.running), len(self.waiting), pool.usage(),
                                   stats.queries, stats.hits, self.num_preemptions,
                                   pool.num_blocks, pool.num_free_blocks)
+        if self.kv_offload is not None:
+            snapshot.kv_offload = dataclasses.replace(self.kv_offload.stats)
         for hook in self.hooks:
             hook.add_stats(snapshot, self.running, self.waiting)
         return snapshot

@@ -10,7 +10,8 @@ its tokens as computed. So:
     tokens zero, back at the head of the queue; it is sent again as new (prompt +
     outputs), and recomputes;
   * the blocks the plan would have written are taken out of the prefix cache (they
-    were offered as cached when allocated, but their KV was never written);
+    were offered as cached when allocated, but their KV was never written), the
+    targets of its host-tier onloads too (the copies never ran);
   * the worker is told to drop what it holds of them, and of what the refused plan
     would have told it (its finished and preempted ids), with the next plan.
 
@@ -49,4 +50,6 @@ def _unwritten_blocks(scheduler, plan: SchedulerOutput) -> list:
         start = computed.get(req_id, 0)
         held = manager.req_blocks.get(req_id, [])
         blocks += [b for b in held[start // size:-(-(start + n) // size)] if b is not None]
+    pool = manager.pool
+    blocks += [pool.blocks[op.block_id] for op in plan.kv_onloads]
     return blocks

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import logging
 from dataclasses import dataclass, fields
 
 from pagoda.core.block_hash import DEFAULT_HASH_ALGO, check_hash_algo
@@ -27,6 +28,8 @@ TRUST_REMOTE_CODE_REFUSED = (
     "--trust-remote-code is refused: Pagoda runs no remote code. It serves the model "
     "architectures it implements itself (see pagoda.model.registry); a model that needs "
     "its own Python code cannot be served.")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,6 +54,10 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
+    # vLLM's KV offloading: a host-memory tier of this many GiB for evicted blocks
+    # (None or 0: off) and its backend ("native" only).
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str | None = None
     seed: int = 0
     served_model_name: list[str] | str | None = None
     tensor_parallel_size: int = 1
@@ -147,6 +154,12 @@ class EngineArgs:
                                  "`pagoda serve`: POST /sleep?level=1|2, POST /wake_up, "
                                  "GET /is_sleeping).")
         parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+        parser.add_argument("--kv-offloading-size", type=float, default=None,
+                            help="GiB of host memory that keep the KV of blocks evicted from "
+                                 "the device cache, onloaded on a later prefix hit "
+                                 "(default: off).")
+        parser.add_argument("--kv-offloading-backend", default=None, choices=["native"],
+                            help="The KV offloading backend (native: Pagoda's host tier).")
         parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
         parser.add_argument("--seed", type=int, default=d.seed)
         parser.add_argument("--logits-processors", nargs="+", default=None, metavar="FQCN",
@@ -312,6 +325,8 @@ class EngineArgs:
             sliding_window=arch.kv_cache_sliding_window)
         if self.kv_cache_memory_bytes:
             cache.kv_cache_memory_bytes = self.kv_cache_memory_bytes
+        cache.kv_offloading_size, cache.kv_offloading_backend = _kv_offloading(
+            self.kv_offloading_size, self.kv_offloading_backend)
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
             max_model_len=max_model_len, enable_chunked_prefill=chunked,
@@ -324,6 +339,7 @@ class EngineArgs:
             async_scheduling=self.async_scheduling)
         refuse_async_scheduling_combinations(scheduler, self.pipeline_parallel_size,
                                              pooling.runner)
+        _refuse_offloading_combinations(cache, arch, self.async_scheduling)
         names = self.served_model_name
         if isinstance(names, str):
             names = [names]
@@ -513,3 +529,32 @@ def _refuse_unquantizable(arch) -> None:
         method = arch.quantization_config.get("quant_method", "the requested")
         raise ValueError(f"{method} quantization of {arch.architecture} is not supported "
                          f"({why}): serve it without --quantization")
+
+
+def _kv_offloading(size: float | None, backend: str | None) -> tuple[float, str]:
+    """vLLM's --kv-offloading-size / --kv-offloading-backend -> (GiB, backend); a
+    ValueError naming the flag for a negative size or another backend."""
+    if size is not None and size < 0:
+        raise ValueError(f"kv_offloading_size must be >= 0 GiB, got {size}")
+    if backend not in (None, "native"):
+        raise ValueError(f"kv_offloading_backend {backend!r} is not supported; expected "
+                         "'native' (LMCache is not built in)")
+    return float(size or 0.0), backend or "native"
+
+
+def _refuse_offloading_combinations(cache: CacheConfig, arch, async_scheduling: bool) -> None:
+    """ValueError naming a feature the host KV tier (--kv-offloading-size) cannot keep
+    exact; a warning when the tier would hold nothing."""
+    if not cache.kv_offloading_size:
+        return
+    if arch.mamba is not None:
+        raise ValueError(f"--kv-offloading-size is not supported for {arch.architecture} "
+                         "(hybrid Mamba2 model): the tier keeps attention blocks, and the "
+                         "Mamba layers' state is not in them")
+    if async_scheduling:
+        raise ValueError("--kv-offloading-size is not supported with --async-scheduling: "
+                         "the tier's copies are planned with each step, and steps sent ahead "
+                         "are not verified with them")
+    if not cache.enable_prefix_caching:
+        logger.warning("--kv-offloading-size keeps evicted prefix-cache blocks; with prefix "
+                       "caching off there are none, so the tier stays empty")

@@ -11,7 +11,9 @@ from pagoda.config import EngineConfig
 from pagoda.core.kv_events import KVEvent
 from pagoda.messages import (EngineCoreOutput, EngineCoreRequest, FinishReason, ModelRunnerOutput,
                              SchedulerOutput)
+from pagoda.core.kv_offload import KVOffloadIndex
 from pagoda.core.scheduler import Scheduler, SchedulerStats
+from pagoda.worker.host_kv_tier import host_tier_slots
 from pagoda.core import step_quarantine
 from pagoda.core.step_recovery import reject_step
 from pagoda.engine.async_steps import MAX_STEPS_IN_FLIGHT, SerialExecutor
@@ -49,7 +51,7 @@ class EngineCore:
         self.structured_output_manager = (structured_output_manager
                                           or make_structured_output_manager(config))
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks,
-                                   self.structured_output_manager)
+                                   self.structured_output_manager, make_kv_offload_index(config))
         # The plan of the latest `step` (None if it scheduled nothing), for metrics
         # and tracing: which requests ran, how many tokens, which were preempted.
         self.last_scheduler_output: SchedulerOutput | None = None
@@ -215,11 +217,21 @@ class EngineCore:
         return self.scheduler.kv_cache_manager.pool.cached_hashes()
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+        reset = self.scheduler.kv_cache_manager.reset_prefix_cache()
+        if reset and self.scheduler.kv_offload is not None:
+            self.scheduler.kv_offload.clear()
+        return reset
 
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()
         self.executor.shutdown()
+
+
+def make_kv_offload_index(config: EngineConfig) -> KVOffloadIndex | None:
+    """The scheduler's index of the host KV tier (--kv-offloading-size), None when off;
+    the worker sizes its tier by the same rule (`host_kv_tier.host_tier_slots`)."""
+    num_slots, block_bytes = host_tier_slots(config)
+    return KVOffloadIndex(num_slots, block_bytes) if num_slots > 0 else None
 
 
 def make_structured_output_manager(config: EngineConfig) -> StructuredOutputManager:

@@ -17,6 +17,7 @@ from collections import Counter as Multiset
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from pagoda.core.scheduler import SchedulerStats
+from pagoda.metrics.kv_offload_metrics import KVOffloadMetrics
 from pagoda.metrics.stats import IterationStats
 
 FINISH_REASONS = ("stop", "length", "abort", "repetition")  # vLLM's, less "error"
@@ -99,6 +100,7 @@ class EngineMetrics:
                                           ITERATION_TOKENS_BUCKETS)
         self._init_latency_histograms(histogram)
         self._last_queries = self._last_hits = 0
+        self._kv_offload = KVOffloadMetrics(names, values, registry)
         self._lora_info: Gauge | None = None  # log_lora_config, under --enable-lora
         self._spec: SpecDecodingMetrics | None = None  # log_spec_config
 
@@ -176,6 +178,8 @@ class EngineMetrics:
             self._record_lora(s)
         if self._spec is not None and s.spec_decoding is not None:
             self._spec.record(s.spec_decoding)
+        if s.kv_offload is not None:
+            self._kv_offload.record(s.kv_offload)
 
     def _record_iteration(self, it: IterationStats) -> None:
         if it.num_preempted_reqs:

@@ -34,6 +34,7 @@ from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.draft_model import DraftModelRunner
 from pagoda.worker import cpu_allocator
 from pagoda.worker.cuda_graphs import DecodeCUDAGraphs, cuda_graph_sizes
+from pagoda.worker.host_kv_tier import HostKVTier, host_tier_slots
 from pagoda.worker.pooling import pool_requests, token_type_ids
 from pagoda.worker.recurrent_state import RecurrentStateSlots, rewind_to_accepted_drafts
 
@@ -74,6 +75,7 @@ class ModelRunner:
         # A hybrid model's Mamba state slots per request (`recurrent_state`); None otherwise.
         self.state_slots: RecurrentStateSlots | None = None
         self._recurrent_caches: list[int] = []  # their layers' indices in kv_caches
+        self.host_tier: HostKVTier | None = None  # under --kv-offloading-size
 
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
@@ -186,6 +188,9 @@ class ModelRunner:
             start = self.model.model.start_layer
             self._recurrent_caches = [i - start for i in self.config.arch.mamba.layers
                                       if 0 <= i - start < len(self.kv_caches)]
+        num_slots = host_tier_slots(self.config)[0]
+        if num_slots > 0 and self.host_tier is None:  # kept when the cache is set up again
+            self.host_tier = HostKVTier(self.kv_caches, num_slots)
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks, self.kv_cache_dtype)
         # Graphs capture a whole-model decode; a group's ranks run eagerly for now.
@@ -213,6 +218,11 @@ class ModelRunner:
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.host_tier is not None and (scheduler_output.kv_offloads
+                                           or scheduler_output.kv_onloads):
+            # Before anything of the step: a failed onload turns into recompute here.
+            scheduler_output = self.host_tier.apply(self.kv_caches, scheduler_output,
+                                                    self.block_size)
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty()

@@ -79,6 +79,11 @@ class ParallelModelRunner(ModelRunner):
             self._append_sampled(sampled_token_ids)
         if self.parallel.pp_size == 1:
             return super().execute_model(scheduler_output)
+        if self.host_tier is not None and (scheduler_output.kv_offloads
+                                           or scheduler_output.kv_onloads):
+            # Each stage copies its layers' share (see ModelRunner.execute_model).
+            scheduler_output = self.host_tier.apply(self.kv_caches, scheduler_output,
+                                                    self.block_size)
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty() if self.parallel.is_last_stage else None

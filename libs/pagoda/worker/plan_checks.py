@@ -70,6 +70,17 @@ class PlanLedger:
         drafts = plan.scheduled_spec_decode_tokens
         if not set(drafts) <= set(cached.req_ids):
             raise PlanRejected("draft tokens for a request that is not a scheduled decode")
+        # Host-tier copies: device block ids in the cache; an onload fills blocks of a
+        # request new this step, before its computed tokens (the slot is the tier's check).
+        self._check_blocks([op.block_id for op in plan.kv_offloads], None)
+        new_by_id = {d.req_id: d for d in plan.scheduled_new_reqs}
+        for op in plan.kv_onloads:
+            data = new_by_id.get(op.req_id)
+            if data is None or not 0 <= op.block_index < len(data.block_ids) \
+                    or data.block_ids[op.block_index] != op.block_id \
+                    or (op.block_index + 1) * self.block_size > data.num_computed_tokens:
+                raise PlanRejected("a host-tier onload that is not a computed block of a new "
+                                   "request", op.req_id if data is not None else None)
         for data in plan.scheduled_new_reqs:
             if data.req_id in held:
                 raise PlanRejected("a new request with the id of one the worker holds",

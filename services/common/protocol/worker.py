@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as pb
-from pagoda.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagoda.messages import (CachedRequestData, KVOffload, KVOnload, ModelRunnerOutput,
+                             NewRequestData, SchedulerOutput)
 from pagoda.pooling_params import PREFILL_ONLY
 from pagoda.services.common.protocol.common import (logprobs_from_proto, logprobs_to_proto,
                                                     lora_request_from_proto,
@@ -60,6 +61,11 @@ def scheduler_output_to_proto(out: SchedulerOutput) -> pb.SchedulerOutput:
                                                                     for_worker=True))
     for req_id, drafts in out.scheduled_spec_decode_tokens.items():
         msg.scheduled_spec_decode_tokens[req_id].token_ids.extend(drafts)
+    for op in out.kv_offloads:
+        msg.kv_offloads.add(block_id=op.block_id, slot=op.slot, block_hash=op.block_hash)
+    for op in out.kv_onloads:
+        msg.kv_onloads.add(req_id=op.req_id, block_index=op.block_index, slot=op.slot,
+                           block_id=op.block_id, block_hash=op.block_hash)
     cached = out.scheduled_cached_reqs
     msg.scheduled_cached_reqs.req_ids.extend(cached.req_ids)
     msg.scheduled_cached_reqs.num_computed_tokens.extend(cached.num_computed_tokens)
@@ -109,6 +115,9 @@ def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
                                                    len(msg.structured_output_request_ids)),
         scheduled_spec_decode_tokens={r: list(t.token_ids)
                                       for r, t in msg.scheduled_spec_decode_tokens.items()},
+        kv_offloads=[KVOffload(m.block_id, m.slot, m.block_hash) for m in msg.kv_offloads],
+        kv_onloads=[KVOnload(m.req_id, m.block_index, m.slot, m.block_id, m.block_hash)
+                    for m in msg.kv_onloads],
     )
 
 

@@ -147,8 +147,9 @@ def test_a_hybrid_draft_model_is_refused(tmp_path, smollm2_tokenizer):
 
 @pytest.mark.parametrize("args", [dict(tensor_parallel_size=2),
                                   dict(pipeline_parallel_size=2),
-                                  dict(enable_lora=True), dict(async_scheduling=True)],
-                         ids=["tp", "pp", "lora", "async-scheduling"])
+                                  dict(enable_lora=True), dict(async_scheduling=True),
+                                  dict(kv_offloading_size=0.01)],
+                         ids=["tp", "pp", "lora", "async-scheduling", "kv-offloading"])
 def test_parallelism_and_lora_are_refused(tmp_path, smollm2_tokenizer, args):
     path = save_tiny_checkpoint(tmp_path, granite_hybrid_config(), smollm2_tokenizer)
     with pytest.raises(ValueError, match="GraniteMoeHybridForCausalLM"):

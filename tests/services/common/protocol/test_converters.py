@@ -19,6 +19,11 @@ from pagoda.messages import (CachedRequestData, EngineCoreOutput, EngineCoreRequ
                              LogprobsLists, ModelRunnerOutput, NewRequestData, SchedulerOutput)
 import numpy as np
 
+from pagoda.messages import KVOffload, KVOnload
+from pagoda.services._proto.pagoda.worker.v1 import worker_pb2
+from pagoda.services.common.protocol.worker import (scheduler_output_from_proto,
+                                                    scheduler_output_to_proto)
+
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
 from pagoda.services.common.protocol.kv_events import kv_event_from_proto, kv_event_to_proto
@@ -221,3 +226,13 @@ def test_decode_options_carry_the_prompt_and_the_stop_strings():
 ])
 def test_kv_event_round_trip(event):
     assert kv_event_from_proto(kv_event_to_proto(event)) == event
+
+
+def test_host_tier_copies_cross_the_wire():
+    plan = SchedulerOutput([], CachedRequestData(), {}, 0,
+                           kv_offloads=[KVOffload(3, 7, b"\x01" * 32)],
+                           kv_onloads=[KVOnload("r", 2, 7, 9, b"\x02" * 32)])
+    wire = worker_pb2.SchedulerOutput.FromString(
+        scheduler_output_to_proto(plan).SerializeToString())
+    back = scheduler_output_from_proto(wire)
+    assert back.kv_offloads == plan.kv_offloads and back.kv_onloads == plan.kv_onloads

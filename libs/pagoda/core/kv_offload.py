@@ -1,0 +1,153 @@
+"""The scheduler's index of the host-memory KV tier (vLLM's --kv-offloading-size).
+
+    device pool evicts block b (hash h)  --offload(b -> slot s)-->  host tier [s: h]
+    a new request misses h on the device --lookup h--> slot s --onload(s -> new block)
+
+The worker holds the bytes (`pagoda.worker.host_kv_tier`); this index decides which
+slot holds which hash (LRU, `num_slots` of them) and plans the copies of each step,
+which travel in the plan (`SchedulerOutput.kv_offloads` / `kv_onloads`). The worker
+runs them in the same step, before the forward: offloads first (their device blocks
+are reused by this step), then onloads. So an onloaded block holds its KV before any
+token of the step reads it, exactly as a block computed this step does, and the
+scheduler may count it as cached at once (the asynchronous onload that overlaps
+steps is not built).
+
+Invariants:
+  * only a block whose KV was written in an earlier step is offloaded (one that was
+    cached this step and evicted again before its step ran holds no KV yet);
+  * a slot planned for an onload this step is not reused by an offload of this step;
+  * the index may be wrong about the worker (a worker restart, a refused step): the
+    worker checks each onload's hash and checksum and recomputes on a mismatch, so a
+    stale entry costs time, never a wrong answer.
+Not thread-safe: the scheduler's thread owns it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from pagoda.core.block_hash import BlockHash
+from pagoda.messages import KVOffload, KVOnload
+
+GIB = 1024 ** 3
+
+
+@dataclass
+class KVOffloadStats:
+    """Cumulative counters of the host tier (blocks), since start."""
+
+    queries: int = 0  # blocks looked up in the tier (device misses)
+    hits: int = 0  # blocks onloaded from it
+    stored: int = 0  # blocks offloaded into it
+    evictions: int = 0  # blocks the tier dropped to make room (LRU)
+    block_bytes: int = 0  # bytes of one whole block (all layers, keys and values)
+
+
+def num_host_slots(size_gib: float, block_bytes: int) -> int:
+    """How many whole blocks `size_gib` GiB of host memory hold."""
+    if size_gib <= 0 or block_bytes <= 0:
+        return 0
+    return int(size_gib * GIB) // block_bytes
+
+
+class KVOffloadIndex:
+    """hash -> (slot, token ids) for the blocks the host tier holds, least recently
+    used first."""
+
+    def __init__(self, num_slots: int, block_bytes: int) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"the host KV tier needs at least one slot, got {num_slots}")
+        self.num_slots = num_slots
+        self._entries: OrderedDict[BlockHash, tuple[int, tuple[int, ...]]] = OrderedDict()
+        self._slot_hash: dict[int, BlockHash] = {}
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._pinned: set[int] = set()  # slots read by this step's onloads
+        self._offloads: list[KVOffload] = []
+        self._onloads: list[KVOnload] = []
+        self.stats = KVOffloadStats(block_bytes=block_bytes)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._entries
+
+    # ------------------------------------------------------------------ offload
+    def offload(self, block_id: int, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
+        """The device pool is reusing `block_id`, which held `block_hash`: keep its KV
+        (a copy planned for this step), evicting the least recently used entry if full."""
+        entry = self._entries.get(block_hash)
+        if entry is not None:
+            # The tier has it already (onloaded earlier): copy it again into its slot
+            # all the same, so a slot whose copy went bad (the worker recomputed it) heals.
+            self._entries.move_to_end(block_hash)
+            self._offloads.append(KVOffload(block_id, entry[0], block_hash))
+            self.stats.stored += 1
+            return
+        slot = self._take_slot()
+        if slot is None:
+            return  # every slot is read by this step's onloads: this block is dropped
+        self._entries[block_hash] = (slot, tuple(token_ids))
+        self._slot_hash[slot] = block_hash
+        self._offloads.append(KVOffload(block_id, slot, block_hash))
+        self.stats.stored += 1
+
+    def _take_slot(self) -> int | None:
+        if self._free_slots:
+            return self._free_slots.pop()
+        for block_hash, (slot, _) in self._entries.items():  # LRU first
+            if slot not in self._pinned:
+                del self._entries[block_hash]
+                del self._slot_hash[slot]
+                self.stats.evictions += 1
+                return slot
+        return None
+
+    # ------------------------------------------------------------------ onload
+    def lookup(self, block_hashes, all_token_ids, start: int, end: int,
+               block_size: int) -> list[int]:
+        """Slots of the longest run of blocks `start..end-1` the tier holds (a prefix
+        hit must stay whole from block 0), pinned for this step."""
+        slots: list[int] = []
+        for i in range(start, end):
+            self.stats.queries += 1
+            entry = self._entries.get(block_hashes[i])
+            if entry is None or entry[1] != tuple(all_token_ids[i * block_size:(i + 1) * block_size]):
+                break
+            slots.append(entry[0])
+            self._pinned.add(entry[0])
+        return slots
+
+    def unpin(self, slots: list[int]) -> None:
+        """The lookup's request was not admitted this step."""
+        self._pinned.difference_update(slots)
+
+    def plan_onloads(self, req_id: str, first_index: int, slots: list[int],
+                     block_ids: list[int]) -> None:
+        """Request `req_id` takes `slots` as its blocks `first_index..`, into `block_ids`."""
+        for i, (slot, block_id) in enumerate(zip(slots, block_ids)):
+            block_hash = self._slot_hash[slot]
+            self._entries.move_to_end(block_hash)
+            self._onloads.append(KVOnload(req_id, first_index + i, slot, block_id, block_hash))
+        self.stats.hits += len(slots)
+
+    # ------------------------------------------------------------------ step
+    def take_ops(self) -> tuple[list[KVOffload], list[KVOnload]]:
+        """This step's copies, for the plan; the pins end with the step."""
+        ops = self._offloads, self._onloads
+        self._offloads, self._onloads = [], []
+        self._pinned.clear()
+        return ops
+
+    def drop(self, block_hash: BlockHash) -> None:
+        """Forget one entry (its copy is known to be bad)."""
+        entry = self._entries.pop(block_hash, None)
+        if entry is not None:
+            del self._slot_hash[entry[0]]
+            self._free_slots.append(entry[0])
+
+    def clear(self) -> None:
+        """Forget every entry (reset_prefix_cache)."""
+        for block_hash in list(self._entries):
+            self.drop(block_hash)

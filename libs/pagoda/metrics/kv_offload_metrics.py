@@ -1,0 +1,52 @@
+"""The host KV tier's counters (--kv-offloading-size), per tier.
+
+vLLM's OffloadingConnector reports transfers in its own `vllm:kv_offload_*` family
+whose per-tier hit counters have no settled name yet, so these are Pagoda's, labelled
+by `tier` ("cpu": host memory; a disk tier would add "disk"):
+
+    pagoda_kv_offload_queries_total    blocks looked up in the tier (device misses)
+    pagoda_kv_offload_hits_total       blocks onloaded from it instead of recomputed
+    pagoda_kv_offload_bytes_total      bytes copied, direction="offload" | "onload"
+    pagoda_kv_offload_evictions_total  blocks the tier dropped to make room (LRU)
+
+The onload latency and the failed onloads (hash or checksum: recomputed) are the
+worker's (`pagoda_kv_offload_onload_seconds`, `pagoda_kv_offload_failed_onloads_total`).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter
+
+from pagoda.core.kv_offload import KVOffloadStats
+
+TIER = "cpu"
+
+
+class KVOffloadMetrics:
+    """Counters fed from the scheduler's cumulative `KVOffloadStats` snapshots."""
+
+    def __init__(self, names: list[str], values: tuple, registry: CollectorRegistry) -> None:
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, [*names, "tier", *extra], registry=registry)
+
+        labels = (*values, TIER)
+        self.queries = counter("pagoda_kv_offload_queries",
+                               "KV blocks looked up in the offload tier.").labels(*labels)
+        self.hits = counter("pagoda_kv_offload_hits",
+                            "KV blocks onloaded from the offload tier.").labels(*labels)
+        self.evictions = counter("pagoda_kv_offload_evictions",
+                                 "KV blocks evicted from the offload tier (LRU).").labels(*labels)
+        moved = counter("pagoda_kv_offload_bytes", "Bytes copied to or from the offload tier.",
+                        ("direction",))
+        self.offload_bytes = moved.labels(*labels, "offload")
+        self.onload_bytes = moved.labels(*labels, "onload")
+        self._last = KVOffloadStats()
+
+    def record(self, s: KVOffloadStats) -> None:
+        last = self._last
+        self.queries.inc(max(s.queries - last.queries, 0))
+        self.hits.inc(max(s.hits - last.hits, 0))
+        self.evictions.inc(max(s.evictions - last.evictions, 0))
+        self.offload_bytes.inc(max(s.stored - last.stored, 0) * s.block_bytes)
+        self.onload_bytes.inc(max(s.hits - last.hits, 0) * s.block_bytes)
+        self._last = s

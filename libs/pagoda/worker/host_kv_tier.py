@@ -1,0 +1,175 @@
+"""The worker's host-memory KV tier: the bytes behind the scheduler's index
+(`pagoda.core.kv_offload`), vLLM's --kv-offloading-size with the native backend.
+
+    device cache (per layer)            host tier (per layer, same layout)
+    k[num_blocks, bs, heads, kd]  --offload-->  k[num_slots, bs, heads, kd]
+    v[num_blocks, bs, heads, vd]  <--onload---  v[num_slots, bs, heads, vd]
+
+Each layer's tensors are mirrored whatever the architecture's cache layout
+(`kv_cache.layer_cache_spec`: K/V heads, or a latent with an empty value tensor), so a
+slot is one whole block of this rank's share. On CUDA the tier is pinned host memory
+(the copies are DMA); on the CPU it is a second pool in the same memory.
+
+Per slot the tier records the hash it holds and a CRC-32 of its bytes, taken when it
+was written. An onload whose slot holds another hash (never written, overwritten, the
+worker restarted) or whose bytes no longer match the CRC is not copied: the request
+is recomputed from that block in the same step (`apply`), so the answer is the same.
+Runs on the step thread, before the forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.config import EngineConfig
+from pagoda.messages import KVOnload, SchedulerOutput
+from pagoda.model.kv_cache import kv_cache_bytes_per_block, kv_cache_torch_dtype
+
+logger = logging.getLogger(__name__)
+GIB = 1024 ** 3
+
+
+def host_tier_slots(config: EngineConfig) -> tuple[int, int]:
+    """(slots of the host tier, bytes of one whole block) for `config`; 0 slots: off.
+    The scheduler's index and every worker rank size the tier by this rule."""
+    size = config.cache.kv_offloading_size
+    if size <= 0 or config.runner != "generate":
+        return 0, 0
+    dtype = kv_cache_torch_dtype(config.kv_cache_dtype, getattr(torch, config.dtype))
+    block_bytes = kv_cache_bytes_per_block(config.arch, config.cache.block_size, dtype)
+    return int(size * GIB) // block_bytes, block_bytes
+
+
+@dataclass
+class HostTierStats:
+    """Cumulative worker-side counters (blocks, bytes, seconds)."""
+
+    offloaded_blocks: int = 0
+    onloaded_blocks: int = 0
+    offloaded_bytes: int = 0
+    onloaded_bytes: int = 0
+    failed_onloads: int = 0  # hash or checksum mismatch: recomputed instead
+    onload_seconds: float = 0.0
+    offload_seconds: float = 0.0
+
+
+class HostKVTier:
+    """`num_slots` blocks of host memory shaped like `kv_caches`' blocks."""
+
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_slots: int) -> None:
+        pin = kv_caches[0][0].device.type == "cuda"
+        self.num_slots = num_slots
+        self.tensors = [tuple(torch.empty((num_slots, *t.shape[1:]), dtype=t.dtype,
+                                          pin_memory=pin) for t in pair) for pair in kv_caches]
+        # The layout identity the slots were written under: onloads into another cache
+        # shape (a reconfigured worker) are refused.
+        self.layout = self._layout(kv_caches)
+        self._hash: list[bytes | None] = [None] * num_slots
+        self._crc: list[int] = [0] * num_slots
+        self.stats = HostTierStats()
+        self.block_bytes = sum(t[0].numel() * t.element_size() for pair in self.tensors for t in pair)
+
+    @staticmethod
+    def _layout(kv_caches) -> tuple:
+        return tuple((tuple(t.shape[1:]), t.dtype) for pair in kv_caches for t in pair)
+
+    def holds(self, slot: int, block_hash: bytes) -> bool:
+        return 0 <= slot < self.num_slots and self._hash[slot] == block_hash
+
+    def _checksum(self, slot: int) -> int:
+        crc = 0
+        for pair in self.tensors:
+            for t in pair:
+                if t.shape[-1]:
+                    crc = zlib.crc32(t[slot].view(torch.uint8).numpy(), crc)
+        return crc
+
+    # ------------------------------------------------------------------ copies
+    def offload(self, kv_caches, ops) -> None:
+        """Device blocks -> slots (one indexed copy per tensor), then each slot's CRC."""
+        if not ops:
+            return
+        start = time.perf_counter()
+        device = kv_caches[0][0].device
+        for dev_pair, host_pair in zip(kv_caches, self.tensors):
+            for dev, host in zip(dev_pair, host_pair):
+                _copy_blocks(host, [op.slot for op in ops], dev, [op.block_id for op in ops])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        for op in ops:  # a later op on the same slot wins, as in the scheduler's index
+            self._hash[op.slot] = op.block_hash
+            self._crc[op.slot] = self._checksum(op.slot)
+        self.stats.offloaded_blocks += len(ops)
+        self.stats.offloaded_bytes += len(ops) * self.block_bytes
+        self.stats.offload_seconds += time.perf_counter() - start
+
+    def onload(self, kv_caches, ops: list[KVOnload]) -> list[KVOnload]:
+        """Verified slots -> device blocks; the ops that failed (not copied)."""
+        if not ops:
+            return []
+        start = time.perf_counter()
+        same_layout = self._layout(kv_caches) == self.layout
+        good, failed = [], []
+        for op in ops:
+            ok = same_layout and self.holds(op.slot, op.block_hash) \
+                and self._checksum(op.slot) == self._crc[op.slot]
+            (good if ok else failed).append(op)
+        if failed:
+            logger.warning("KV host tier: %d of %d onloaded blocks failed their hash or "
+                           "checksum; recomputing them", len(failed), len(ops))
+        if good:
+            device = kv_caches[0][0].device
+            for dev_pair, host_pair in zip(kv_caches, self.tensors):
+                for dev, host in zip(dev_pair, host_pair):
+                    _copy_blocks(dev, [op.block_id for op in good], host,
+                                 [op.slot for op in good])
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        self.stats.onloaded_blocks += len(good)
+        self.stats.onloaded_bytes += len(good) * self.block_bytes
+        self.stats.failed_onloads += len(failed)
+        self.stats.onload_seconds += time.perf_counter() - start
+        return failed
+
+    def apply(self, kv_caches, plan: SchedulerOutput, block_size: int) -> SchedulerOutput:
+        """Run the plan's copies (offloads, then onloads); the plan the forward runs:
+        a request with a failed onload starts at its first failed block instead, its
+        tokens from there on scheduled this step (recomputed, so the answer holds)."""
+        self.offload(kv_caches, plan.kv_offloads)
+        failed = self.onload(kv_caches, plan.kv_onloads)
+        if not failed:
+            return plan
+        restart: dict[str, int] = {}
+        for op in failed:
+            restart[op.req_id] = min(restart.get(op.req_id, op.block_index), op.block_index)
+        new_reqs, scheduled = [], dict(plan.num_scheduled_tokens)
+        for data in plan.scheduled_new_reqs:
+            if data.req_id in restart:
+                start = restart[data.req_id] * block_size
+                scheduled[data.req_id] += data.num_computed_tokens - start
+                data = dataclasses.replace(data, num_computed_tokens=start)
+            new_reqs.append(data)
+        return dataclasses.replace(plan, scheduled_new_reqs=new_reqs,
+                                   num_scheduled_tokens=scheduled,
+                                   total_num_scheduled_tokens=sum(scheduled.values()))
+
+
+def _copy_blocks(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor,
+                 src_ids: list[int]) -> None:
+    """dst[dst_ids[i]] = src[src_ids[i]]. Between host and device: one gather, one
+    asynchronous copy and one scatter per tensor (the caller synchronizes). Host to
+    host: one slice copy per block, which on a busy CPU is an order of magnitude
+    faster than torch's multithreaded index ops for blocks of a few KiB (measured)."""
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        for d, s in zip(dst_ids, src_ids):
+            dst[d].copy_(src[s])
+        return
+    src_index = torch.tensor(src_ids, dtype=torch.long, device=src.device)
+    dst_index = torch.tensor(dst_ids, dtype=torch.long, device=dst.device)
+    dst.index_copy_(0, dst_index, src.index_select(0, src_index).to(dst.device, non_blocking=True))

@@ -1,0 +1,71 @@
+"""The host KV tier's pieces alone: the scheduler's LRU index and the worker's copies
+(any cache layout, checksums, recompute on a bad slot)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.core.kv_offload import KVOffloadIndex, num_host_slots
+from pagoda.messages import CachedRequestData, KVOffload, KVOnload, NewRequestData, SchedulerOutput
+from pagoda.sampling_params import SamplingParams
+from pagoda.worker.host_kv_tier import HostKVTier
+
+H = [bytes([i]) * 8 for i in range(10)]
+TOKENS = [tuple(range(4 * i, 4 * i + 4)) for i in range(10)]
+
+
+def test_the_index_evicts_the_least_recently_used_and_never_a_pinned_slot():
+    index = KVOffloadIndex(2, 100)
+    index.offload(7, H[0], TOKENS[0])
+    index.offload(8, H[1], TOKENS[1])
+    offloads, _ = index.take_ops()
+    assert [(o.block_id, o.slot) for o in offloads] == [(7, 0), (8, 1)]
+    flat = [t for tokens in TOKENS for t in tokens]
+    assert index.lookup(H, flat, 0, 3, 4) == [0, 1]  # both held, now pinned
+    index.offload(9, H[2], TOKENS[2])  # every slot pinned: dropped
+    assert H[2] not in index and len(index) == 2
+    index.take_ops()  # the step ends: pins end
+    index.offload(9, H[2], TOKENS[2])  # H[0] is the least recently used
+    assert H[0] not in index and H[2] in index and index.stats.evictions == 1
+    # A hash held already is copied again into its own slot (a bad copy heals).
+    index.offload(3, H[1], TOKENS[1])
+    offloads, _ = index.take_ops()
+    assert [(o.block_id, o.slot) for o in offloads] == [(9, 0), (3, 1)]
+
+
+def test_a_lookup_stops_at_the_first_miss_or_other_tokens():
+    index = KVOffloadIndex(4, 100)
+    for i in (0, 1, 3):
+        index.offload(i, H[i], TOKENS[i])
+    flat = [t for tokens in TOKENS for t in tokens]
+    assert len(index.lookup(H, flat, 0, 4, 4)) == 2
+    other = list(flat)
+    other[1] = 999  # same hash, other tokens (a collision): no hit
+    assert index.lookup(H, other, 0, 4, 4) == []
+
+
+def test_sizes():
+    assert num_host_slots(0, 100) == 0 and num_host_slots(1e-6, 100) == 10
+    with pytest.raises(ValueError):
+        KVOffloadIndex(0, 100)
+
+
+@pytest.mark.parametrize("value_dim", [8, 0])  # K/V heads, or a latent (MLA: no values)
+def test_the_worker_copies_whole_blocks_and_recomputes_a_bad_one(value_dim):
+    caches = [(torch.randn(6, 4, 2, 8), torch.randn(6, 4, 2, value_dim)) for _ in range(3)]
+    tier = HostKVTier(caches, 3)
+    want = [(k[1].clone(), v[1].clone(), k[2].clone()) for k, v in caches]
+    tier.offload(caches, [KVOffload(1, 0, H[0]), KVOffload(2, 1, H[1])])
+    data = NewRequestData("r", list(range(13)), [], SamplingParams(), [4, 5, 0, 3], 8)
+    plan = SchedulerOutput([data], CachedRequestData(), {"r": 5}, 5,
+                           kv_onloads=[KVOnload("r", 0, 0, 4, H[0]), KVOnload("r", 1, 1, 5, H[1])])
+    assert tier.apply(caches, plan, 4) is plan
+    for (k, v), (k1, v1, k2) in zip(caches, want):
+        assert torch.equal(k[4], k1) and torch.equal(v[4], v1) and torch.equal(k[5], k2)
+    tier.tensors[0][0][1].view(torch.uint8).bitwise_xor_(1)  # slot 1 goes bad
+    ran = tier.apply(caches, plan, 4)
+    assert tier.stats.failed_onloads == 1
+    # Block 1 onward is recomputed this step: 4 more tokens, the same end.
+    assert ran.scheduled_new_reqs[0].num_computed_tokens == 4
+    assert ran.num_scheduled_tokens == {"r": 9} and ran.total_num_scheduled_tokens == 9
