@@ -120,3 +120,30 @@ def test_prefix_hit_skips_cached_tokens():
     # 12 tokens = 3 full blocks; 2 are reused and the last block is recomputed.
     assert so.num_scheduled_tokens == {"b": 4}
     assert outs[0].num_cached_tokens == 8
+
+
+def test_a_request_preempted_after_it_was_planned_leaves_no_unwritten_block_cached():
+    """Under the priority policy the victim may be a request already planned this step:
+    its new full blocks were offered to the prefix cache when allocated, but the step no
+    longer writes them. They must not stay cached: a prefix hit on them (here the victim's
+    own re-admission) would read KV that was never computed."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12, max_model_len=256,
+                                  policy="priority", long_prefill_token_threshold=8),
+                  CacheConfig(block_size=4, enable_prefix_caching=True), 7)
+    prompt = list(range(1, 25))  # 6 blocks, prefilled 8 tokens a step
+    s.add_request(EngineCoreRequest("a", prompt, SamplingParams(max_tokens=2), [EOS], priority=9))
+    step(s)  # a: tokens 0-8
+    s.add_request(EngineCoreRequest("b", list(range(100, 104)), SamplingParams(max_tokens=20),
+                                    [EOS], priority=0))
+    so, _ = step(s)  # a: tokens 8-16; b admitted after it: running is [a, b]
+    assert so.num_scheduled_tokens == {"a": 8, "b": 4}
+    a = s.requests["a"]
+    so = s.schedule()  # a plans 16-24 (its last 2 free blocks, offered as cached); then
+    # b's next token needs a block: a (priority 9) is preempted after it was planned.
+    assert "a" in so.preempted_req_ids or a.num_preemptions == 1
+    pool = s.kv_cache_manager.pool
+    for index in (4, 5):  # the blocks that step would have written
+        assert pool.get_cached_block(a.block_hashes[index],
+                                     prompt[index * 4:index * 4 + 4]) is None, index
+    # Re-admitted at once or later, it starts from at most what was written (16 tokens).
+    assert a.num_computed_tokens <= 16

@@ -355,8 +355,17 @@ class Scheduler:
                 return None
 
     def _preempt(self, request: Request) -> None:
+        """Back to the head of the queue, its blocks freed. Blocks past its computed
+        tokens are taken out of the prefix cache: a request preempted after it was
+        planned this step (the priority policy's victim may be) had its new full blocks
+        offered as cached when they were allocated, and the step will not write them."""
+        manager = self.kv_cache_manager
+        unwritten = [b for b in manager.req_blocks.get(request.request_id, [])
+                     [request.num_computed_tokens // self.block_size:] if b is not None]
         self.running.remove(request)
-        self.kv_cache_manager.free(request)
+        manager.free(request)
+        if unwritten:
+            manager.pool.uncache_blocks(unwritten)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
