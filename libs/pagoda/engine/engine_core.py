@@ -13,7 +13,6 @@ from pagoda.messages import (EngineCoreOutput, EngineCoreRequest, FinishReason, 
                              SchedulerOutput)
 from pagoda.core.kv_offload import KVOffloadIndex
 from pagoda.core.scheduler import Scheduler, SchedulerStats
-from pagoda.worker.host_kv_tier import host_tier_slots
 from pagoda.core import step_quarantine
 from pagoda.core.step_recovery import reject_step
 from pagoda.engine.async_steps import MAX_STEPS_IN_FLIGHT, SerialExecutor
@@ -230,6 +229,12 @@ class EngineCore:
 def make_kv_offload_index(config: EngineConfig) -> KVOffloadIndex | None:
     """The scheduler's index of the host KV tier (--kv-offloading-size), None when off;
     the worker sizes its tier by the same rule (`host_kv_tier.host_tier_slots`)."""
+    if config.cache.kv_offloading_size <= 0:
+        return None
+    # lazy: host_kv_tier brings torch, and a scheduler process builds its flags from this
+    # module's imports without it (tests/services/cli/test_cli.py)
+    from pagoda.worker.host_kv_tier import host_tier_slots
+
     num_slots, block_bytes = host_tier_slots(config)
     return KVOffloadIndex(num_slots, block_bytes) if num_slots > 0 else None
 
