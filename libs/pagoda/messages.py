@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from pagoda.kv_transfer.params import KVTransferParams
 from pagoda.lora.request import LoRARequest
+from pagoda.multimodal.inputs import MultiModalFeature
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
@@ -122,6 +123,11 @@ class EngineCoreRequest:
     kv_transfer_params: KVTransferParams | None = None
     # The LoRA adapter to run with (None: the base model); its name keys the prefix cache.
     lora_request: LoRARequest | None = None
+    # One per media item of the prompt, sorted by offset (pagoda.multimodal.inputs):
+    # each item's placeholder run in prompt_token_ids, its content hash (which keys the
+    # prefix-cache blocks it overlaps and the worker's encoder cache) and its processor
+    # outputs (`data`; the encoder input). Empty for a text prompt.
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
 
     @property
     def lora_key(self) -> str | None:
