@@ -26,6 +26,7 @@ and encoder for a model family; the MediaRef / placeholder / feature shapes stay
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -146,3 +147,32 @@ def _part(part: Any, where: str, media: list[MediaRef], allow_pil: bool) -> dict
         raise ValueError(f"{where}.image_pil must be a PIL image.")
     media.append(MediaRef(modality, source, value, where))
     return {"type": modality}
+
+
+# A template that reads a message's content as a list of parts ("openai" content format,
+# vLLM's detection): it loops over the content or tests a part's type.
+_ITERATES_CONTENT = re.compile(
+    r"for\s+\w+\s+in\s+(message|msg|m)(\[['\"]content['\"]\]|\.content)|"
+    r"\[['\"]type['\"]\]\s*==|\.type\s*==")
+
+
+def template_reads_parts(template: str | None) -> bool:
+    """Whether a chat template renders content parts itself (else: "string" format)."""
+    return bool(template) and bool(_ITERATES_CONTENT.search(template))
+
+
+def flatten_placeholders(messages: list[dict[str, Any]], placeholders: Mapping[str, str]
+                         ) -> list[dict[str, Any]]:
+    """For a template that reads content as a string (vLLM's "string" content format):
+    each message's placeholders become the model's placeholder text, one per line before
+    the text (`<image>\\n<image>\\nquestion`), as vLLM writes them."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        marks = [placeholders[p["type"]] for p in content if p.get("type") in placeholders]
+        texts = [p["text"] for p in content if p.get("type") == "text"]
+        out.append({**message, "content": "\n".join(marks + ["\n".join(texts)])})
+    return out
