@@ -87,7 +87,8 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         """A chat with media: render, then load the media and run the model's processor
         (`media_prompt`): (the rendered text, the expanded ids, the features)."""
         if self.media is None:
-            raise ValueError("this tokenizer service takes no media")
+            raise ValueError(f"Model {self.model!r} does not accept multi-modal data (images): "
+                             "this tokenizer service has no processor for it.")
         chat = request.chat
         rendering = chat_input_from_proto(chat)
         template = (rendering["chat_template_kwargs"] or {}).get("chat_template") or \

@@ -123,6 +123,7 @@ def bad_request(client, *urls) -> dict:
         ask(client, *urls)
     body = info.value.body
     assert info.value.status_code == 400 and body["type"] == "BadRequestError", body
+    assert body["param"] == "messages", body
     return body
 
 

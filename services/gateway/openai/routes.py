@@ -113,9 +113,15 @@ async def start_chat(state: GatewayState, body: ChatCompletionRequest, request: 
                                 body.continue_final_message, body.template_kwargs(),
                                 body.tools, body.documents, state.options.limit_mm_per_prompt,
                                 body.mm_processor_kwargs)
-    reply = await tokenize(state, tpb.TokenizeRequest(
-        chat=chat, block_size=state.peers.routing_block_size(), cache_salt=body.cache_salt or "",
-        add_special_tokens=body.add_special_tokens, lora_key=lora.cache_key if lora else ""))
+    try:
+        reply = await tokenize(state, tpb.TokenizeRequest(
+            chat=chat, block_size=state.peers.routing_block_size(),
+            cache_salt=body.cache_salt or "", add_special_tokens=body.add_special_tokens,
+            lora_key=lora.cache_key if lora else ""))
+    except APIError as exc:  # a media item's refusal (loading, processor) names messages
+        if chat.media and exc.status == 400 and exc.param is None:
+            exc.param = "messages"
+        raise
     rid, unique = _request_id(request, id_prefix)
     prompt = Prompt(list(reply.token_ids), reply.prompt, _hashes(reply),
                     received_features(reply))
