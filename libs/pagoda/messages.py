@@ -77,6 +77,11 @@ class ModelRunnerOutput:
     # decoding with a draft model; the scheduler decides whether to verify them).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
+    # Encoder cache lookups this step (media items whose placeholder rows the step
+    # needed) and how many found the item's encoder output already computed.
+    num_encoder_cache_queries: int = 0
+    num_encoder_cache_hits: int = 0
+
     @classmethod
     def empty(cls) -> "ModelRunnerOutput":
         return cls([], [])
@@ -175,6 +180,9 @@ class NewRequestData:
     pooling_params: PoolingParams | None = None  # set for a pooling request
     # The request's adapter, sent once; the worker loads it (pagoda.lora.manager).
     lora_request: LoRARequest | None = None
+    # The prompt's media items with their encoder inputs (`data`), sent once; the
+    # worker encodes each when its placeholder run is first scheduled.
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
 
 
 @dataclass

@@ -59,10 +59,23 @@ def save_tiny_llava(path, tokenizer, tower: str = "clip", seed: int = 0,
     return str(path)
 
 
+# llava-hf's chat template: a user turn's images first ("<image>\n" each), then its text.
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}"
+    "{{ message['role'].upper() + ': '}}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] + ' ' }}{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] + ' '}}{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+
+
 def _with_image_token(tokenizer):
     tokenizer = _copy(tokenizer)
     if IMAGE_TOKEN not in tokenizer.get_vocab():
         tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
     return tokenizer
 
 
@@ -80,24 +93,44 @@ def _image_processor(tower: str):
     return SiglipImageProcessorPil(size=size)
 
 
-def old_layout_copy(src: str, dst) -> str:
-    """The same checkpoint under the hub's older llava-hf tensor names."""
+def layout_copy(src: str, dst, layout: str) -> str:
+    """The same checkpoint under one layout's tensor names: "new" (transformers' module
+    names: `model.vision_tower.*`, `model.language_model.*`, `lm_head.*`) or "old" (the
+    hub's llava-hf names: `vision_tower.vision_model.*`, `language_model.model.*`,
+    `language_model.lm_head.*`). Returns the names written."""
     from safetensors.torch import load_file, save_file
     shutil.copytree(src, dst, dirs_exist_ok=True)
     for name in os.listdir(dst):
         if name.endswith(".safetensors"):
             tensors = load_file(os.path.join(dst, name))
-            save_file({_old_name(k): v for k, v in tensors.items()}, os.path.join(dst, name),
-                      metadata={"format": "pt"})
+            save_file({_renamed(_canonical(k), layout): v for k, v in tensors.items()},
+                      os.path.join(dst, name), metadata={"format": "pt"})
     return str(dst)
 
 
-def _old_name(name: str) -> str:
-    if name.startswith("model.language_model."):
-        return "language_model.model." + name.removeprefix("model.language_model.")
-    if name.startswith("lm_head."):
-        return "language_model." + name
-    return name.removeprefix("model.")
+def _canonical(name: str) -> str:
+    """Either layout -> (part, rest) joined as 'part|rest'."""
+    name = name.removeprefix("model.") if name.split(".")[1] in (
+        "vision_tower", "multi_modal_projector", "language_model") else name
+    for part in ("vision_tower", "multi_modal_projector"):
+        if name.startswith(part + "."):
+            return f"{part}|{name.removeprefix(part + '.').removeprefix('vision_model.')}"
+    if name.startswith("language_model.lm_head.") or name.startswith("lm_head."):
+        return "lm_head|" + name.removeprefix("language_model.").removeprefix("lm_head.")
+    rest = name.removeprefix("language_model.").removeprefix("model.")
+    return "text|" + rest
+
+
+def _renamed(canonical: str, layout: str) -> str:
+    part, rest = canonical.split("|")
+    if layout == "new":
+        return {"vision_tower": f"model.vision_tower.{rest}",
+                "multi_modal_projector": f"model.multi_modal_projector.{rest}",
+                "lm_head": f"lm_head.{rest}", "text": f"model.language_model.{rest}"}[part]
+    return {"vision_tower": f"vision_tower.vision_model.{rest}",
+            "multi_modal_projector": f"multi_modal_projector.{rest}",
+            "lm_head": f"language_model.lm_head.{rest}",
+            "text": f"language_model.model.{rest}"}[part]
 
 
 def pattern_image(width: int, height: int, seed: int) -> Image.Image:
