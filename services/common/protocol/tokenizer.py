@@ -24,11 +24,18 @@ def chat_input_to_proto(messages: Sequence[Mapping[str, Any]], add_generation_pr
                         continue_final_message: bool,
                         chat_template_kwargs: Mapping[str, Any] | None = None,
                         tools: Sequence[Mapping[str, Any]] | None = None,
-                        documents: Sequence[Mapping[str, Any]] | None = None) -> pb.ChatInput:
-    """`messages` are normalized (content a string or None; see tokenizer.chat).
+                        documents: Sequence[Mapping[str, Any]] | None = None,
+                        media: Sequence[pb.MediaInput] = (),
+                        mm_processor_kwargs: Mapping[str, Any] | None = None) -> pb.ChatInput:
+    """`messages` are normalized (content a string, None, or for a message with media
+    its text parts and placeholders; see tokenizer.chat and multimodal.chat_parts);
+    `media` are the items the placeholders stand for, in prompt order.
     Raises ValueError naming the field for a value of the wrong type."""
     msg = pb.ChatInput(add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message)
+    msg.media.extend(media)
+    if mm_processor_kwargs:
+        _json(mm_processor_kwargs, msg.mm_processor_kwargs, "mm_processor_kwargs")
     if chat_template_kwargs:
         _json(chat_template_kwargs, msg.chat_template_kwargs, "chat_template_kwargs")
     for i, m in enumerate(messages):
@@ -58,8 +65,15 @@ def chat_input_from_proto(msg: pb.ChatInput) -> dict[str, Any]:
 # ---------------------------------------------------------------- to the wire
 def _add_message(item: pb.ChatMessage, m: Mapping[str, Any], where: str) -> None:
     item.role = m["role"]
-    if m.get("content") is not None:
-        item.content = m["content"]
+    content = m.get("content")
+    if isinstance(content, list):  # text parts and media placeholders, in order
+        for part in content:
+            if part.get("type") == "text":
+                item.parts.add(text=_string(part.get("text"), f"{where}.content"))
+            else:
+                item.parts.add(media=part["type"])
+    elif content is not None:
+        item.content = content
     for key in ("name", "tool_call_id"):
         if m.get(key) is not None:
             setattr(item, key, _string(m[key], f"{where}.{key}"))
@@ -134,6 +148,9 @@ def _string(value: Any, where: str) -> str:
 def _message_dict(m: pb.ChatMessage) -> dict[str, Any]:
     item: dict[str, Any] = {"role": m.role,
                             "content": m.content if m.HasField("content") else None}
+    if m.parts:
+        item["content"] = [{"type": "text", "text": p.text} if p.WhichOneof("part") == "text"
+                           else {"type": p.media} for p in m.parts]
     for key in ("name", "tool_call_id"):
         if m.HasField(key):
             item[key] = getattr(m, key)

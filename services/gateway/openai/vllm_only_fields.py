@@ -3,8 +3,8 @@
 A field neither vLLM nor Pagoda knows is ignored with a warning, as vLLM does
 (request_models._Body). But a client that sends one of vLLM's own fields expects vLLM's
 behaviour; silently dropping it would give a different answer than the one asked for
-(per-request logits processors, a P/D connector's kv_transfer_params, multimodal
-processor arguments, prompt embeddings). These are refused by name until Pagoda
+(per-request logits processors, a P/D connector's kv_transfer_params, prompt
+embeddings). These are refused by name until Pagoda
 serves them. vLLM's flat repetition-detection fields are folded into
 `repetition_detection` (`fold_repetition_fields`), which Pagoda serves.
 """
@@ -22,7 +22,6 @@ UNSERVED = {
                           "(pagoda serve --prefill-replicas/--decode-replicas)",
     "logits_processors": "per-request processors are not loaded; start the server with "
                          "--logits-processors and pass arguments in vllm_xargs",
-    "mm_processor_kwargs": "this server takes text input only",
     "prompt_embeds": "this server takes token ids or text only",
     "request_id": "send the X-Request-Id header instead",
     "return_token_ids": "use return_tokens_as_token_ids with logprobs",

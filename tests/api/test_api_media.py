@@ -1,0 +1,194 @@
+"""Images through the real gateway and the real tokenizer service (the cluster's
+processor) with the official openai client; a scripted scheduler stands in for the
+model. Each bad input is a 400 in OpenAI's error JSON naming what is wrong, and the
+gateway still serves afterwards. A good image reaches the scheduler as typed features
+(the tiny LLaVA's processor output) with its placeholder run expanded."""
+
+from __future__ import annotations
+
+import base64
+import sys
+from pathlib import Path
+
+import openai
+import pytest
+from api_fakes import FakeScheduler, Gateway, RecordingTokenizer
+from grpc_servers import start_grpc_server
+from media_server import MediaServer, png_bytes
+
+# The tiny LLaVA checkpoint builder lives with the engine's multimodal tests.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "multimodal"))
+from llava_cases import save_tiny_llava  # noqa: E402
+
+from pagoda.multimodal.media import MediaLimits
+from pagoda.multimodal.processing import load_mm_processor
+from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
+from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
+from pagoda.services.common.protocol.multimodal import features_from_proto
+from pagoda.services.tokenizer.media_prompt import MediaPreprocessor
+
+LIMITS = dict(timeout=0.5, max_retries=0, cache_dir=None, max_bytes=100_000, max_pixels=5_000)
+
+
+class Peers:
+    """A real tokenizer servicer with `media` attached, and the scripted scheduler."""
+
+    def __init__(self, tokenizer, model_dir: str, media: MediaPreprocessor) -> None:
+        self.scheduler = FakeScheduler(tokenizer)
+        self.tokenizer = RecordingTokenizer(tokenizer)
+        self.tokenizer.model = model_dir
+        self.tokenizer.media = media
+        self._servers = []
+        self.tokenizer_addr = self._serve(tpb_grpc.add_TokenizerServiceServicer_to_server,
+                                          self.tokenizer)
+        self.scheduler_addr = self._serve(spb_grpc.add_SchedulerServiceServicer_to_server,
+                                          self.scheduler)
+
+    def _serve(self, add_fn, servicer) -> str:
+        server, address = start_grpc_server(add_fn, servicer, max_workers=8)
+        self._servers.append(server)
+        return address
+
+    def stop(self) -> None:
+        for server in self._servers:
+            server.stop(None)
+
+
+@pytest.fixture(scope="module")
+def media_server():
+    with MediaServer(slow_seconds=2.0) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory, smollm2_tokenizer):
+    return save_tiny_llava(tmp_path_factory.mktemp("llava"), smollm2_tokenizer)
+
+
+def _client(peers):
+    gateway = Gateway(peers)
+    return gateway, openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused",
+                                  max_retries=0, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def llava(llava_dir, tmp_path_factory):
+    from pagoda.tokenizer.loader import load_tokenizer
+    tokenizer = load_tokenizer(llava_dir)
+    allowed = tmp_path_factory.mktemp("allowed")
+    (allowed / "cat.png").write_bytes(png_bytes((40, 30)))
+    limits = MediaLimits(allowed_media_domains=frozenset({"127.0.0.1"}),
+                         allowed_local_media_path=str(allowed), **LIMITS)
+    media = MediaPreprocessor(load_mm_processor(llava_dir, tokenizer),
+                              "LlavaForConditionalGeneration", llava_dir, limits, {"image": 2})
+    peers = Peers(tokenizer, llava_dir, media)
+    gateway, client = _client(peers)
+    yield client, peers, allowed
+    gateway.stop()
+    peers.stop()
+
+
+def ask(client, *images, text="What is in the image?"):
+    parts = [{"type": "text", "text": text}]
+    parts += [{"type": "image_url", "image_url": {"url": url}} for url in images]
+    return client.chat.completions.create(model="fake-model", max_tokens=3,
+                                          messages=[{"role": "user", "content": parts}])
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def test_an_image_reaches_the_scheduler_as_typed_features(llava, media_server):
+    client, peers, _ = llava
+    for url in (data_url(png_bytes((40, 30))), media_server.url("/ok.png")):
+        assert ask(client, url).choices[0].message.content
+        request = peers.scheduler.requests[-1]
+        features = features_from_proto(request.mm_features, len(request.prompt_token_ids))
+        assert len(features) == 1
+        f = features[0]
+        assert f.data["pixel_values"].shape == (3, 30, 30)  # the tower's crop
+        image_id = peers.tokenizer.tokenizer.convert_tokens_to_ids("<image>")
+        run = request.prompt_token_ids[f.offset:f.end]
+        assert run == [image_id] * f.length and f.length >= 24  # 5x5 patches
+    # The same picture twice has the same identifier; another picture another one.
+    ask(client, data_url(png_bytes((40, 30))))
+    again = peers.scheduler.requests[-1].mm_features[0].identifier
+    assert again == peers.scheduler.requests[-3].mm_features[0].identifier
+    assert again != peers.scheduler.requests[-2].mm_features[0].identifier
+
+
+def bad_request(client, *urls) -> dict:
+    with pytest.raises(openai.BadRequestError) as info:
+        ask(client, *urls)
+    body = info.value.body
+    assert info.value.status_code == 400 and body["type"] == "BadRequestError", body
+    assert body["param"] == "messages", body
+    return body
+
+
+@pytest.mark.parametrize("what,url,match", [
+    ("undecodable", "/garbage.png", "cannot be decoded"),
+    ("too many bytes", "/big.bin", "larger than the limit of 100000 bytes"),
+    ("outside the allowed domains", "localhost:/ok.png", "not in --allowed-media-domains"),
+    ("a timeout", "/slow.png", "timed out after 0.5 s"),
+    ("a redirect to a disallowed host", "redirect", "redirected to a host that is not allowed"),
+])
+def test_bad_media_urls_are_400s(llava, media_server, what, url, match):
+    client, _, _ = llava
+    if url.startswith("localhost:"):
+        url = media_server.url(url.split(":", 1)[1], host="localhost")
+    elif url == "redirect":
+        url = media_server.url(f"/redirect?to={media_server.url('/ok.png', host='localhost')}")
+    else:
+        url = media_server.url(url)
+    assert match in bad_request(client, url)["message"], what
+
+
+def test_too_many_pixels_is_a_400(llava):
+    client, _, _ = llava
+    assert "pixels" in bad_request(client, data_url(png_bytes((100, 100))))["message"]
+
+
+def test_too_many_images_is_a_400(llava, media_server):
+    client, _, _ = llava
+    url = media_server.url("/ok.png")
+    assert "At most 2 image(s)" in bad_request(client, url, url, url)["message"]
+
+
+def test_file_urls_only_under_the_allowed_path(llava, tmp_path):
+    client, _, allowed = llava
+    assert ask(client, f"file://{allowed}/cat.png").choices[0].message.content
+    (tmp_path / "secret.png").write_bytes(png_bytes())
+    assert "outside --allowed-local-media-path" in bad_request(
+        client, f"file://{tmp_path}/secret.png")["message"]
+
+
+def test_other_modalities_are_refused_by_name(llava):
+    client, _, _ = llava
+    with pytest.raises(openai.BadRequestError, match="'input_audio' is not supported yet"):
+        client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}])
+
+
+def test_the_gateway_still_serves_after_the_bad_inputs(llava, media_server):
+    client, _, _ = llava
+    assert ask(client, media_server.url("/other.png")).choices[0].message.content
+
+
+def test_an_image_to_a_text_only_model_is_a_400(smollm2_tokenizer, media_server):
+    media = MediaPreprocessor(None, "LlamaForCausalLM", "smollm2",
+                              MediaLimits(allowed_media_domains=frozenset({"127.0.0.1"})))
+    peers = Peers(smollm2_tokenizer, "smollm2", media)
+    gateway, client = _client(peers)
+    try:
+        before = sum(media_server.hits.values())
+        message = bad_request(client, media_server.url("/ok.png"))["message"]
+        assert "text-only model" in message and "LlamaForCausalLM" in message
+        assert sum(media_server.hits.values()) == before  # refused before fetching
+        plain = client.chat.completions.create(model="fake-model", max_tokens=2, messages=[
+            {"role": "user", "content": "hi"}])
+        assert plain.choices[0].message.content
+    finally:
+        gateway.stop()
+        peers.stop()
