@@ -27,7 +27,7 @@ from pagoda.model.registry import MODEL_REGISTRY, ModelRegistry
 SUPPORTED = ["BertForSequenceClassification", "BertModel", "DeepseekV2ForCausalLM",
              "DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
              "GptOssForCausalLM",
-             "GraniteMoeHybridForCausalLM",
+             "GraniteMoeHybridForCausalLM", "Idefics3ForConditionalGeneration",
              "HF_ColBERT",
              "LlamaForCausalLM", "LlamaModel", "LlavaForConditionalGeneration",
              "MistralForCausalLM", "MistralModel",

@@ -167,3 +167,24 @@ def test_image_embeds_are_refused_by_name(llm):
         llm.generate({"prompt": PROMPT.format(IMAGE_TOKEN),
                       "multi_modal_data": {"image": {"image_embeds": torch.zeros(4, 64)}}},
                      use_tqdm=False)
+
+
+@pytest.mark.parametrize("grid", [(4, 4), (3, 3), (5, 2)])
+def test_position_buckets_equal_transformers(grid):
+    """A frame whose patch grid differs from the tower's (4 x 4 here) takes HF's
+    bucketed position ids (fractional coordinates), not the first positions."""
+    from transformers.models.idefics3 import Idefics3VisionConfig
+    from transformers.models.idefics3.modeling_idefics3 import Idefics3VisionEmbeddings as HF
+
+    from pagoda.model.architectures.idefics3 import Idefics3Settings, Idefics3VisionEmbeddings
+    config = Idefics3VisionConfig(hidden_size=8, image_size=16, patch_size=4)
+    settings = Idefics3Settings.from_hf_config(
+        {"vision_config": config.to_dict(), "scale_factor": 2}, None).vision
+    torch.manual_seed(0)
+    hf = HF(config).eval()
+    ours = Idefics3VisionEmbeddings(settings, torch.float32)
+    ours.load_state_dict(hf.state_dict())
+    pixels = torch.randn(2, 3, grid[0] * 4, grid[1] * 4)
+    mask = torch.ones(2, *grid, dtype=torch.bool)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(pixels), hf(pixels, mask), atol=0, rtol=0)
