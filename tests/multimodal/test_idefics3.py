@@ -188,3 +188,37 @@ def test_position_buckets_equal_transformers(grid):
     mask = torch.ones(2, *grid, dtype=torch.bool)
     with torch.no_grad():
         torch.testing.assert_close(ours(pixels), hf(pixels, mask), atol=0, rtol=0)
+
+
+def test_the_tokenizer_service_gives_the_offline_features(idefics3_dir, llm):
+    """The cluster's processor (the tokenizer service's MediaPreprocessor, an image as a
+    data: URL) gives the offline ids and runs, and `is_embed` survives the wire; the
+    SmolVLM template renders content parts itself (no placeholder flattening)."""
+    import base64
+    import io
+
+    from pagoda.multimodal.chat_parts import template_reads_parts
+    from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as pb
+    from pagoda.services.common.protocol.multimodal import (features_from_proto,
+                                                            features_to_proto)
+    from pagoda.services.tokenizer.media_prompt import MediaPreprocessor
+    from test_feature_proto import proto
+
+    assert template_reads_parts(llm.get_tokenizer().chat_template)
+    image = pattern_image(64, 31, 2)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    service = MediaPreprocessor(llm.media.processor, "Idefics3ForConditionalGeneration",
+                                "tiny", cache_gb=0)
+    text = PROMPT.format(IMAGE_TOKEN)
+    served = service.process(text, [pb.MediaInput(modality="image", url=url)], None, True)
+    offline = process_prompt(llm.media.processor, text, {"image": image})
+    assert served.prompt_token_ids == offline.prompt_token_ids
+    wire = features_from_proto(proto(served.mm_features).mm_features,
+                               prompt_len=len(served.prompt_token_ids))
+    for got, want in zip(wire, offline.mm_features):
+        assert (got.identifier, got.offset, got.length) == (want.identifier, want.offset,
+                                                            want.length)
+        assert torch.equal(got.is_embed, want.is_embed)
+        assert torch.equal(got.data["pixel_values"], want.data["pixel_values"])
