@@ -35,7 +35,10 @@ SPECIAL_TOKENS = (["<fake_token_around_image>", IMAGE_TOKEN, "<end_of_utterance>
                   + [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)])
 
 
-def save_tiny_idefics3(path, tokenizer, seed: int = 0) -> str:
+def save_tiny_idefics3(path, tokenizer, seed: int = 0, tie_text: bool = False,
+                       tie_top: bool = False) -> str:
+    """`tie_text`/`tie_top`: text_config's and config.json's `tie_word_embeddings`
+    (transformers ties the LM head by the top-level one)."""
     import copy
 
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration, LlamaConfig
@@ -50,11 +53,12 @@ def save_tiny_idefics3(path, tokenizer, seed: int = 0) -> str:
     text = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        max_position_embeddings=512, rms_norm_eps=1e-5,
-                       initializer_range=0.2, eos_token_id=None)
+                       initializer_range=0.2, eos_token_id=None, tie_word_embeddings=tie_text)
     vision = Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                   num_attention_heads=4, image_size=TILE, patch_size=PATCH)
     config = Idefics3Config(vision_config=vision.to_dict(), text_config=text.to_dict(),
-                            image_token_id=image_token_id, scale_factor=2)
+                            image_token_id=image_token_id, scale_factor=2,
+                            tie_word_embeddings=tie_top)
     config.initializer_range = 0.2
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config).to(torch.float32)

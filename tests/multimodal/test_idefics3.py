@@ -149,6 +149,26 @@ def test_chat_equals_generate_and_same_image_is_a_prefix_hit(idefics3_dir):
     assert gen.prompt_token_ids == ids and list(gen.outputs[0].token_ids) == reference[0]
 
 
+@pytest.mark.parametrize("tie_text,tie_top", [
+    (True, False),
+    pytest.param(False, True, marks=pytest.mark.extended),
+])
+def test_lm_head_tied_as_transformers_ties_it(tie_text, tie_top, tmp_path, smollm2_tokenizer):
+    """transformers ties Idefics3's LM head by config.json's top-level
+    `tie_word_embeddings`; text_config's (True by default in saved configs) is ignored."""
+    path = save_tiny_idefics3(tmp_path / "tie", smollm2_tokenizer, seed=1, tie_text=tie_text,
+                              tie_top=tie_top)
+    _hf_model.cache_clear()
+    image = pattern_image(30, 20, 8)
+    text = PROMPT.format(IMAGE_TOKEN)
+    ids, reference = _hf_reference(path, text, [image])
+    _hf_model.cache_clear()
+    engine = LLM(model=path, **ENGINE)
+    results, _ = pagoda_results(engine, [{"prompt": text, "multi_modal_data": {"image": image}}],
+                                MAX_TOKENS)
+    assert_same(results[0], reference)
+
+
 def test_unknown_checkpoint_tensor_is_refused_by_name(idefics3_dir, tmp_path):
     from safetensors.torch import load_file, save_file
     path = tmp_path / "extra"

@@ -23,6 +23,7 @@ load). Every tensor is consumed; an unknown name is an error naming it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -47,10 +48,14 @@ _MAX_FRAMES = 6 * 6 + 1
 class Idefics3Settings:
     """config.json's multi-modal fields, as plain values."""
 
+    # transformers' `Idefics3VisionConfig` defaults (a config.json omits what equals them)
     vision: VisionTowerSettings = field(default_factory=lambda: VisionTowerSettings(
-        "siglip_vision_model", 1152, 4304, 27, 16, 364, 14, 3, 1e-6, "gelu_pytorch_tanh"))
+        "siglip_vision_model", 1152, 3072, 12, 16, 224, 32, 3, 1e-6, "gelu_pytorch_tanh"))
     scale_factor: int = 2
     image_token_id: int = 128257
+    # config.json's top-level `tie_word_embeddings` (transformers ties Idefics3's LM head
+    # by it, not by text_config's, which `save_pretrained` writes as True by default)
+    tie_word_embeddings: bool = False
 
     @property
     def image_seq_len(self) -> int:
@@ -75,7 +80,8 @@ class Idefics3Settings:
         values["model_type"] = "siglip_vision_model"  # the layer is SigLIP's
         activation(values["hidden_act"])
         s = cls(VisionTowerSettings(**values), int(hf_config.get("scale_factor", 2)),
-                int(hf_config.get("image_token_id", 128257)))
+                int(hf_config.get("image_token_id", 128257)),
+                bool(hf_config.get("tie_word_embeddings", False)))
         side = s.vision.image_size // s.vision.patch_size
         if side % s.scale_factor:
             raise ValueError(f"a {side}x{side} patch grid does not pixel-shuffle by "
@@ -172,8 +178,9 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
         if parallel.world_size > 1:
             raise ValueError(f"{arch.architecture} is not supported with tensor or pipeline "
                              "parallelism (single device only)")
-        super().__init__(arch, dtype, parallel)
         s = family_settings(arch, Idefics3Settings)
+        arch = dataclasses.replace(arch, tie_word_embeddings=s.tie_word_embeddings)
+        super().__init__(arch, dtype, parallel)
         self.settings = s
         self.vision_model = Idefics3VisionTransformer(s.vision, dtype)
         self.connector = Idefics3Connector(s.vision.hidden_size, arch.hidden_size,
