@@ -124,8 +124,7 @@ def test_runs_and_is_embed_masks(idefics3_dir, llm):
         [(f.offset, f.length) for f in processed.mm_features]
 
 
-def test_chat_equals_generate_and_same_image_is_a_prefix_hit(idefics3_dir):
-    llm = LLM(model=idefics3_dir, **ENGINE)
+def test_chat_equals_generate_and_same_image_is_a_prefix_hit(idefics3_dir, llm):
     image = pattern_image(44, 36, 6)
     messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
                                              {"type": "text", "text": "Describe it."}]}]
