@@ -33,6 +33,7 @@ SUPPORTED = ["BertForSequenceClassification", "BertModel", "DeepseekV2ForCausalL
              "MistralForCausalLM", "MistralModel",
              "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen2Model",
              "Qwen2MoeForCausalLM", "Qwen2VLForConditionalGeneration",
+             "Qwen2_5_VLForConditionalGeneration",
              "Qwen3ForCausalLM", "Qwen3Model", "Qwen3MoeForCausalLM", "XLMRobertaModel"]
 
 

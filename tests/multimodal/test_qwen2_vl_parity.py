@@ -23,11 +23,17 @@ def qwen2_vl_dir(tmp_path_factory, smollm2_tokenizer) -> str:
     return save_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2_vl"), smollm2_tokenizer)
 
 
+@pytest.fixture(scope="module")
+def qwen2_5_vl_dir(tmp_path_factory, smollm2_tokenizer) -> str:
+    return save_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2_5_vl"), smollm2_tokenizer,
+                              version="2.5")
+
+
 def _hf(path, text, images):
     """HF's inputs as Qwen2VLProcessor builds them (its constructor wants a video
     processor, which needs torchvision): the image processor over all images at once,
     each <|image_pad|> repeated grid.prod() / merge**2 times in the text, tokenized."""
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(path)
     pixels = AutoImageProcessor.from_pretrained(path, backend="pil")(images=images,
                                                                      return_tensors="pt")
@@ -39,7 +45,7 @@ def _hf(path, text, images):
     inputs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                   pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
                   mm_token_type_ids=(input_ids == image_id).int())
-    model = Qwen2VLForConditionalGeneration.from_pretrained(
+    model = AutoModelForImageTextToText.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager").eval()
     ids = inputs["input_ids"][0].tolist()
     with torch.no_grad():
@@ -53,12 +59,14 @@ def _hf(path, text, images):
     return ids, (tokens, sample, prompt)
 
 
-def test_qwen2_vl_matches_transformers(qwen2_vl_dir):
+@pytest.mark.parametrize("version", ["2", "2.5"])
+def test_qwen2_vl_matches_transformers(version, qwen2_vl_dir, qwen2_5_vl_dir):
+    path = qwen2_vl_dir if version == "2" else qwen2_5_vl_dir
     cases = [(f"USER: {IMAGE}What is this? ASSISTANT:", [pattern_image(40, 30, 1)]),
              (f"USER: {IMAGE} versus {IMAGE}? ASSISTANT:",
               [pattern_image(50, 26, 2), pattern_image(24, 37, 3)])]
-    references = [_hf(qwen2_vl_dir, text, images) for text, images in cases]
-    llm = LLM(model=qwen2_vl_dir, **ENGINE)
+    references = [_hf(path, text, images) for text, images in cases]
+    llm = LLM(model=path, **ENGINE)
     prompts = [{"prompt": text, "multi_modal_data": {"image": images}} for text, images in cases]
     for attempt in ("cold", "warm"):
         results, outs = pagoda_results(llm, prompts, MAX_TOKENS, attempt == "cold")

@@ -40,6 +40,8 @@ DEFAULT_LIMIT_PER_PROMPT = 999
 _FAMILY_PROCESSORS = {
     "LlavaForConditionalGeneration": "pagoda.multimodal.llava_processing:LlavaProcessor",
     "Qwen2VLForConditionalGeneration": "pagoda.multimodal.qwen2_vl_processing:Qwen2VLProcessor",
+    "Qwen2_5_VLForConditionalGeneration":
+        "pagoda.multimodal.qwen2_vl_processing:Qwen2VLProcessor",
 }
 
 

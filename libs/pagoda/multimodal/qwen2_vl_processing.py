@@ -1,4 +1,4 @@
-"""Qwen2-VL's preprocessing (transformers' `Qwen2VLProcessor`, per item): the PIL image
+"""Qwen2-VL's and Qwen2.5-VL's preprocessing (transformers' `Qwen2VLProcessor`, per item): the PIL image
 processor resizes each image to multiples of patch * merge within its pixel bounds
 (dynamic resolution), and the image's one `<|image_pad|>` (inside the template's
 `<|vision_start|>...<|vision_end|>`) becomes t * h * w / merge**2 placeholders."""
@@ -17,6 +17,7 @@ class Qwen2VLProcessor(MultiModalProcessor):
 
     def __init__(self, model_dir: str, hf_config: dict, tokenizer: Any) -> None:
         super().__init__(model_dir, hf_config, tokenizer)
+        self.architecture = (hf_config.get("architectures") or [self.architecture])[0]
         # lazy: transformers loads only when a multi-modal model is served
         from transformers import AutoImageProcessor
         self.merge_size = int((hf_config.get("vision_config") or {}).get("spatial_merge_size", 2))

@@ -1,4 +1,6 @@
-"""Qwen2-VL (`Qwen2VLForConditionalGeneration`): dynamic-resolution images through
+"""Qwen2-VL (`Qwen2VLForConditionalGeneration`) and Qwen2.5-VL
+(`Qwen2_5_VLForConditionalGeneration`, whose vision transformer adds RMSNorm, a gated
+MLP and window attention): dynamic-resolution images through
 `qwen2_vision.Qwen2VisionTransformer`, and Qwen2's text model with M-RoPE.
 
 M-RoPE: every position is three numbers (temporal, height, width). Text tokens carry
@@ -132,6 +134,8 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
                     name = name.removeprefix("model.")
                 elif name.startswith("model.language_model."):
                     name = "model." + name.removeprefix("model.language_model.")
+                if name.startswith("visual."):
+                    name = Qwen2VisionTransformer.checkpoint_name(name)
                 yield name, tensor
 
         super().load_weights(renamed())
@@ -139,6 +143,11 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
 
 ARCHITECTURES = (
     ModelArchitecture("Qwen2VLForConditionalGeneration", Qwen2VLForConditionalGeneration,
+                      update_arch_config=qwen2_arch_config, settings=Qwen2VLSettings,
+                      text_config_key="text_config",
+                      refuse_quantization="the vision transformer loads unquantized weights "
+                                          "only"),
+    ModelArchitecture("Qwen2_5_VLForConditionalGeneration", Qwen2VLForConditionalGeneration,
                       update_arch_config=qwen2_arch_config, settings=Qwen2VLSettings,
                       text_config_key="text_config",
                       refuse_quantization="the vision transformer loads unquantized weights "
