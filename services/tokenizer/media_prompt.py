@@ -48,11 +48,15 @@ class MediaPreprocessor:
     def __init__(self, processor: Any, architecture: str, model: str,
                  limits: MediaLimits | None = None,
                  limit_mm_per_prompt: Mapping[str, int] | None = None,
-                 cache_gb: float = 4.0) -> None:
+                 cache_gb: float = 4.0,
+                 default_kwargs: Mapping[str, Any] | None = None) -> None:
         self.processor = processor
         self.architecture = architecture
         self.model = model
         self.limit_mm_per_prompt = dict(limit_mm_per_prompt or {})
+        # --mm-processor-kwargs, under each request's own (the offline LLM's merge, so
+        # the items' identifiers agree between served and offline).
+        self.default_kwargs = dict(default_kwargs or {})
         metrics = tokenizer_metrics()
         self.connector = MediaConnector(limits, observer=metrics.observe_media_fetch)
         capacity = int(cache_gb * 2**30) if cache_gb and cache_gb > 0 else 0
@@ -81,7 +85,8 @@ class MediaPreprocessor:
         loaded = {modality: list(self._pool.map(self._load, items))
                   for modality, items in by_modality.items()}
         before = (self.cache.hits, self.cache.queries) if self.cache else (0, 0)
-        processed = process_prompt(self.processor, prompt, loaded, mm_processor_kwargs,
+        kwargs = {**self.default_kwargs, **(mm_processor_kwargs or {})}
+        processed = process_prompt(self.processor, prompt, loaded, kwargs,
                                    add_special_tokens=add_special_tokens,
                                    limit_mm_per_prompt=self.limit_mm_per_prompt,
                                    cache=self.cache, architecture=self.architecture)

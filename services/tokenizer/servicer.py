@@ -72,13 +72,11 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         response = pb.TokenizeResponse(token_ids=token_ids, prompt=prompt,
                                        token_type_ids=token_type_ids)
         features_to_proto(features, response.mm_features)
-        if request.block_size > 0 and not features:
-            # (A prompt with media gets no routing hashes until they include the items'
-            # identifiers as the schedulers' do: routing then goes by load.)
+        if request.block_size > 0:  # a block a media run overlaps is keyed by its identifier
             response.block_hashes.extend(hash_request_tokens(
                 token_ids, request.block_size, self.prefix_hash_seed,
                 request_keys(request.cache_salt, request.lora_key),
-                algo=self.prefix_caching_hash_algo))
+                algo=self.prefix_caching_hash_algo, mm_features=features))
         if request.return_token_strs:
             response.token_strs.extend(self.tokenizer.convert_ids_to_tokens(token_ids))
         return response

@@ -18,6 +18,8 @@ from pagoda.pooling_params import PREFILL_ONLY
 from pagoda.services.common.protocol.common import (logprobs_from_proto, logprobs_to_proto,
                                                     lora_request_from_proto,
                                                     lora_request_to_proto)
+from pagoda.services.common.protocol.multimodal import (features_from_proto,
+                                                        features_to_encode, features_to_proto)
 from pagoda.services.common.protocol.pooling_params import (pooled_data_from_proto,
                                                             pooled_data_to_proto,
                                                             pooling_params_from_proto,
@@ -54,6 +56,9 @@ def scheduler_output_to_proto(out: SchedulerOutput) -> pb.SchedulerOutput:
         )
         if new.lora_request is not None:
             lora_request_to_proto(new.lora_request, added.lora_request)
+        if new.mm_features:
+            features_to_proto(features_to_encode(new.mm_features, new.num_computed_tokens),
+                              added.mm_features)
         if new.pooling_params is not None:  # a pooling request: never sampled
             pooling_params_to_proto(new.pooling_params, added.pooling_params)
         else:
@@ -94,6 +99,7 @@ def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
                             if m.HasField("pooling_params") else None),
             lora_request=(lora_request_from_proto(m.lora_request)
                           if m.HasField("lora_request") else None),
+            mm_features=features_from_proto(m.mm_features, len(m.prompt_token_ids)),
         )
         for m in msg.scheduled_new_reqs
     ]
