@@ -64,14 +64,6 @@ class MediaPreprocessor:
         self._pool = ThreadPoolExecutor(envs.get("PAGODA_MEDIA_LOADING_THREAD_COUNT"),
                                         thread_name_prefix="media")
 
-    def placeholder_texts(self) -> dict[str, str]:
-        """Modality -> the placeholder token's text ("<image>"); empty for text-only."""
-        if self.processor is None:
-            return {}
-        tokenizer = self.processor.tokenizer
-        return {m: tokenizer.convert_ids_to_tokens(t)
-                for m, t in self.processor.placeholder_token_ids.items()}
-
     def process(self, prompt: str, media: Sequence[pb.MediaInput],
                 mm_processor_kwargs: Mapping[str, Any] | None, add_special_tokens: bool
                 ) -> ProcessedPrompt:
