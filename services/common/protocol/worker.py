@@ -145,7 +145,9 @@ def grammar_bitmask_from_bytes(data: bytes, num_rows: int) -> np.ndarray | None:
 
 
 def model_runner_output_to_proto(out: ModelRunnerOutput) -> pb.ModelRunnerOutput:
-    msg = pb.ModelRunnerOutput(req_ids=out.req_ids)
+    msg = pb.ModelRunnerOutput(req_ids=out.req_ids,
+                               num_encoder_cache_queries=out.num_encoder_cache_queries,
+                               num_encoder_cache_hits=out.num_encoder_cache_hits)
     for tokens in out.sampled_token_ids:
         msg.sampled_token_ids.add(token_ids=tokens)
     for req_id, lists in out.logprobs.items():
@@ -167,4 +169,6 @@ def model_runner_output_from_proto(msg: pb.ModelRunnerOutput) -> ModelRunnerOutp
         prompt_logprobs={k: logprobs_from_proto(v) for k, v in msg.prompt_logprobs.items()},
         pooler_output={k: pooled_data_from_proto(v) for k, v in msg.pooler_output.items()},
         draft_token_ids={k: list(v.token_ids) for k, v in msg.draft_token_ids.items()},
+        num_encoder_cache_queries=msg.num_encoder_cache_queries,
+        num_encoder_cache_hits=msg.num_encoder_cache_hits,
     )
