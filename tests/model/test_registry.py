@@ -29,7 +29,8 @@ SUPPORTED = ["BertForSequenceClassification", "BertModel", "DeepseekV2ForCausalL
              "GptOssForCausalLM",
              "GraniteMoeHybridForCausalLM",
              "HF_ColBERT",
-             "LlamaForCausalLM", "LlamaModel", "MistralForCausalLM", "MistralModel",
+             "LlamaForCausalLM", "LlamaModel", "LlavaForConditionalGeneration",
+             "MistralForCausalLM", "MistralModel",
              "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen2Model",
              "Qwen2MoeForCausalLM",
              "Qwen3ForCausalLM", "Qwen3Model", "Qwen3MoeForCausalLM", "XLMRobertaModel"]

@@ -94,8 +94,11 @@ class LLM(PoolingMethods, QueueMethods, ControlMethods):
              chat_template_kwargs: dict[str, Any] | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
              tools: list[dict[str, Any]] | None = None,
+             mm_processor_kwargs: dict[str, Any] | None = None,
              ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them;
+        image parts (vLLM's `image_url` with data:/http(s) URLs, `image_pil` with a PIL
+        image) become the model's placeholders and the prompt's images;
         `tools` (OpenAI function definitions) reach the template as the served chat
         route passes them; `chat_template_kwargs` go over the LLM's
         `default_chat_template_kwargs`."""
@@ -105,10 +108,16 @@ class LLM(PoolingMethods, QueueMethods, ControlMethods):
         tokenizer = self.get_tokenizer()
         items = []
         for conversation in conversations:
+            conversation, media = self.media.split_chat(conversation)
             ids = apply_chat_template(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
                                       continue_final_message=continue_final_message,
                                       chat_template_kwargs=chat_template_kwargs, tools=tools)
-            items.append((tokenizer.decode(ids), ids, None))
+            if media:  # image parts: expand the template's placeholders, process the images
+                text, ids, _, features = self.media.process(
+                    ids, self.media.load_media(media), mm_processor_kwargs, None)
+                items.append((tokenizer.decode(ids), ids, None, features))
+            else:
+                items.append((tokenizer.decode(ids), ids, None))
         return self._run(items, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(self, items: list[tuple[str | None, list[int] | None, str | None]],

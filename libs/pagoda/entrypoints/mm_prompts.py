@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from pagoda.config import EngineConfig
+from pagoda.multimodal.chat_parts import (extract_media, flatten_placeholders,
+                                          template_reads_parts)
 from pagoda.multimodal.inputs import MultiModalFeature
 from pagoda.multimodal.processing import (MultiModalProcessor, ProcessorCache, load_mm_processor,
                                           process_prompt, text_only_error)
@@ -57,3 +59,39 @@ class OfflineMedia:
             raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
         return self.process(source, prompt["multi_modal_data"],
                             prompt.get("mm_processor_kwargs"), prompt.get("cache_salt"))
+
+    def split_chat(self, messages: list[dict[str, Any]]):
+        """(the conversation the chat template renders, its media refs in prompt order).
+        A conversation without media parts comes back unchanged with no refs."""
+        mm = self.config.multimodal
+        chat = extract_media(messages, mm.limit_mm_per_prompt if mm else None, allow_pil=True)
+        if not chat.media:
+            return messages, []
+        processor = self.processor  # a text-only model refuses here, by name
+        conversation = chat.messages
+        if not template_reads_parts(getattr(self.tokenizer, "chat_template", None)):
+            texts = {m: self.tokenizer.convert_ids_to_tokens(t)
+                     for m, t in processor.placeholder_token_ids.items()}
+            conversation = flatten_placeholders(conversation, texts)
+        return conversation, chat.media
+
+    def load_media(self, refs) -> dict[str, list[Any]]:
+        """modality -> items: PIL images as given, URLs through `pagoda.multimodal.media`
+        (data: URLs decode locally; http(s) and file:// follow its default allow-lists).
+        image_embeds parts are refused: offline, pass the tensor to generate() as
+        multi_modal_data."""
+        from pagoda.multimodal.media import MediaConnector  # lazy: httpx, only for URLs
+        items: dict[str, list[Any]] = {}
+        connector = None
+        for ref in refs:
+            if ref.source == "pil":
+                value = ref.value
+            elif ref.source == "url":
+                connector = connector or MediaConnector()
+                value = connector.load_image(ref.value)
+            else:
+                raise ValueError(f"{ref.where}: image_embeds parts are not taken by LLM.chat; "
+                                 "pass the tensor to LLM.generate as multi_modal_data "
+                                 "{'image': {'image_embeds': tensor}}")
+            items.setdefault(ref.modality, []).append(value)
+        return items

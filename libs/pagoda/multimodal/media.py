@@ -43,7 +43,7 @@ from urllib.parse import unquote, urljoin, urlsplit
 import httpx
 from PIL import Image
 
-from pagoda import envs
+import pagoda.envs as envs  # the module, not the package: `pagoda` imports LLM, which loads media
 
 MAX_REDIRECTS = 5
 _CHUNK = 64 * 1024
