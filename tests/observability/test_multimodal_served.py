@@ -1,6 +1,6 @@
 """Done-when for images through the cluster: `pagoda serve` on a tiny random LLaVA, the
 official openai client sends an image (a data: URL, then a loopback http URL) with a
-question, and the answer equals the offline engine's and HF transformers' greedy
+question, and the answer equals offline `LLM.chat`'s and HF transformers' greedy
 tokens on the same weights (float32). The same image again is a prefix-cache hit that
 /metrics shows (its pixels then never reach the worker's encoder); a bad image is a 400
 and the cluster serves on; the dashboards' multimodal panels answer from a real
@@ -20,8 +20,6 @@ from obs_harness import panel_queries, panel_query_failures
 from serve_cluster import ServeProcess, wait_until
 
 from pagoda import LLM, SamplingParams
-from pagoda.multimodal.chat_parts import extract_media
-from pagoda.multimodal.chat_render import placeholder_texts, render_media_chat
 from pagoda.multimodal.processing import load_mm_processor
 from pagoda.services.common.redis_server import PrivateRedis
 
@@ -83,27 +81,22 @@ def ask(serve, url: str) -> str:
     return reply.choices[0].message.content
 
 
-def offline_reference(path: str):
-    """(offline text, offline token ids, HF token ids) for the question on the picture,
-    with the prompt rendered by the library function the tokenizer service uses."""
-    processor = load_mm_processor(path)
-    chat = extract_media(messages("data:,"))
-    prompt = render_media_chat(processor.tokenizer, chat.messages, placeholder_texts(processor),
-                               add_generation_prompt=True)
-    image = pattern_image(40, 52, 1)
+def offline_reference(path: str, data_url: str):
+    """(offline LLM.chat text, its token ids, HF generate's token ids) for the question on
+    the picture, HF given the prompt ids LLM.chat built and the processor's pixels."""
     llm = LLM(model=path, dtype="float32", max_model_len=256)
-    out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}},
-                       SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                       use_tqdm=False)[0]
-    pixels = processor.process_image(image, {})["pixel_values"][None]
+    out = llm.chat(messages(data_url), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                      ignore_eos=True), use_tqdm=False)[0]
+    pixels = load_mm_processor(path).process_image(pattern_image(40, 52, 1),
+                                                   {})["pixel_values"][None]
     hf_tokens, _, _ = hf_reference(path, out.prompt_token_ids, pixels, MAX_TOKENS)
     return out.outputs[0].text, list(out.outputs[0].token_ids), hf_tokens
 
 
 def test_a_served_image_answers_as_offline_and_hf(cluster, media, llava_dir):
-    text, tokens, hf_tokens = offline_reference(llava_dir)
-    assert tokens == hf_tokens
     data_url = "data:image/png;base64," + base64.b64encode(media.images["/picture.png"]).decode()
+    text, tokens, hf_tokens = offline_reference(llava_dir, data_url)
+    assert tokens == hf_tokens
     assert ask(cluster, data_url) == text
     assert ask(cluster, media.url("/picture.png")) == text
 
