@@ -3,6 +3,8 @@ logprobs of one prompt with images, in float32 with eager attention."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from pagoda import LLM, SamplingParams
@@ -10,12 +12,17 @@ from pagoda import LLM, SamplingParams
 LOGPROB_ATOL = 1e-4
 
 
+@functools.lru_cache(maxsize=2)
+def _hf_model(path: str):
+    from transformers import LlavaForConditionalGeneration
+    return LlavaForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
 def hf_reference(path: str, input_ids: list[int], pixel_values: torch.Tensor | None,
                  max_tokens: int):
     """(greedy tokens, their logprobs, prompt logprobs of tokens 1..n-1)."""
-    from transformers import LlavaForConditionalGeneration
-    model = LlavaForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager").eval()
+    model = _hf_model(path)
     ids = torch.tensor([input_ids])
     kwargs = {"pixel_values": pixel_values} if pixel_values is not None else {}
     with torch.no_grad():

@@ -106,12 +106,12 @@ def test_unverified_combinations_are_refused(llava_clip_dir, flag):
 
 
 def test_preemption_recomputes_the_same_answers(llava_clip_dir, llm):
-    images = [pattern_image(30 + 7 * i, 40, 30 + i) for i in range(4)]
+    images = [pattern_image(30 + 7 * i, 40, 30 + i) for i in range(3)]
     prompts = [{"prompt": f"USER: {IMAGE_TOKEN}\nItem {i}? ASSISTANT:",
                 "multi_modal_data": {"image": img}} for i, img in enumerate(images)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    tight = LLM(model=llava_clip_dir, **{**ENGINE, "num_gpu_blocks_override": 24})
+    tight = LLM(model=llava_clip_dir, **{**ENGINE, "num_gpu_blocks_override": 18})
     outs = tight.generate(prompts, params, use_tqdm=False)
     assert tight.llm_engine.core.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == reference

@@ -39,12 +39,15 @@ def test_llava_matches_transformers(tower, llava_clip_dir, llava_siglip_dir):
               [pattern_image(64, 31, 2), pattern_image(30, 30, 3)])]
     llm = LLM(model=path, **ENGINE)
     prompts = [{"prompt": text, "multi_modal_data": {"image": images}} for text, images in cases]
+    references = []
+    for text, images in cases:
+        ids, pixels = _hf_inputs(path, text, images)
+        references.append((ids, hf_reference(path, ids, pixels, MAX_TOKENS)))
     for attempt in ("cold", "warm"):
         results, outs = pagoda_results(llm, prompts, MAX_TOKENS, attempt == "cold")
-        for (text, images), ours, out in zip(cases, results, outs):
-            ids, pixels = _hf_inputs(path, text, images)
+        for (ids, reference), ours, out in zip(references, results, outs):
             assert out.prompt_token_ids == ids  # placeholder expansion equals HF's
-            assert_same(ours, hf_reference(path, ids, pixels, MAX_TOKENS))
+            assert_same(ours, reference)
             if attempt == "warm":
                 assert out.num_cached_tokens > 0
     pool = llm.llm_engine.core.scheduler.kv_cache_manager.pool
@@ -90,3 +93,23 @@ def test_image_embeds_and_token_id_prompts_match_pixels(llava_clip_dir):
 
 def _runner_model(llm):
     return llm.llm_engine.core.executor.runner.model  # the in-process executor
+
+
+def test_a_prefix_hit_that_ends_inside_the_image_run_matches_transformers(llava_clip_dir):
+    """The second prompt shares the first's image and the text before it, but not the
+    token right after the run, so its prefix hit ends inside the run (the run's tail is
+    recomputed from the encoder cache): still HF's answer."""
+    image = pattern_image(41, 38, 9)
+    llm = LLM(model=llava_clip_dir, **ENGINE)
+    first = f"USER:{IMAGE_TOKEN}\nWhat? ASSISTANT:"
+    second = f"USER:{IMAGE_TOKEN} Describe it. ASSISTANT:"
+    pagoda_results(llm, [{"prompt": first, "multi_modal_data": {"image": image}}], MAX_TOKENS,
+                   prompt_logprobs=False)
+    results, outs = pagoda_results(llm, [{"prompt": second, "multi_modal_data": {"image": image}}],
+                                   MAX_TOKENS, prompt_logprobs=False)
+    ids, pixels = _hf_inputs(llava_clip_dir, second, [image])
+    image_id = ids[ids.index(llm.media.processor.placeholder_token_ids["image"])]
+    start = ids.index(image_id)
+    end = start + ids.count(image_id)
+    assert start < outs[0].num_cached_tokens < end  # the hit ends inside the run
+    assert_same(results[0], hf_reference(llava_clip_dir, ids, pixels, MAX_TOKENS))

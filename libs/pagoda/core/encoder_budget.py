@@ -31,9 +31,11 @@ class EncoderBudget(SchedulerHook):
     """Caps each step's newly started media items at `max_rows` encoder rows.
 
     Invariants: `request.num_started_mm_items` counts the request's leading items
-    (sorted by offset) that were started or lie wholly inside computed tokens; it goes
-    back to 0 on preemption (the request recomputes, its items are encoded again or read
-    from the encoder cache); the budget is restored after every plan.
+    (sorted by offset) whose runs start inside its computed tokens: it is set only for
+    the requests a plan kept (`on_planned`), so a request whose blocks could not be
+    allocated starts its items again next step; it goes back to 0 on preemption (the
+    request recomputes, its items are encoded again or read from the encoder cache).
+    The budget is spent while a step is planned and restored after every plan.
     """
 
     def __init__(self, max_rows: int) -> None:
@@ -63,7 +65,6 @@ class EncoderBudget(SchedulerHook):
                 break
             self.remaining -= feature.num_embeds
             k += 1
-        request.num_started_mm_items = k
         return num_new
 
     def on_preempted(self, request: Request) -> None:
@@ -71,3 +72,9 @@ class EncoderBudget(SchedulerHook):
 
     def on_planned(self, output: SchedulerOutput, planned) -> None:
         self.remaining = self.max_rows
+        for request in planned:
+            features = request.mm_features
+            k = request.num_started_mm_items
+            while k < len(features) and features[k].offset < request.num_computed_tokens:
+                k += 1
+            request.num_started_mm_items = k
