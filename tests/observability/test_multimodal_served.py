@@ -150,3 +150,23 @@ def test_the_multimodal_dashboard_panels_answer(cluster, media, prometheus):
         failures[:] = panel_query_failures(prometheus, queries, "llava")
         return not failures
     assert wait_until(answered, 60, 1.0), failures
+
+
+@pytest.mark.extended
+def test_a_served_qwen2_vl_image_answers_as_offline(tmp_path, smollm2_tokenizer, media):
+    """Another family through the same path: Qwen2-VL's dynamic-resolution pixels and
+    int64 image grid travel typed, and M-RoPE positions come out as offline."""
+    from qwen2_vl_cases import save_tiny_qwen2_vl
+    path = save_tiny_qwen2_vl(tmp_path / "qwen2_vl", smollm2_tokenizer)
+    url = "data:image/png;base64," + base64.b64encode(png(pattern_image(50, 37, 4))).decode()
+    llm = LLM(model=path, dtype="float32", max_model_len=512)
+    want = llm.chat(messages(url), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                  ignore_eos=True), use_tqdm=False)[0]
+    del llm
+    with PrivateRedis() as redis:
+        serve = ServeProcess([path, "--served-model-name", "llava", "--dtype", "float32",
+                              "--max-model-len", "512", "--redis-url", redis.url])
+        try:
+            assert ask(serve, url) == want.outputs[0].text
+        finally:
+            assert serve.stop() == 0, serve.stderr_text()[-3000:]
