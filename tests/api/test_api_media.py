@@ -231,3 +231,22 @@ def test_routing_hashes_key_the_image_blocks_by_the_image(llava):
     assert red.block_hashes[:first_image_block] == green.block_hashes[:first_image_block]
     assert all(a != b for a, b in zip(red.block_hashes[first_image_block:],
                                       green.block_hashes[first_image_block:]))
+
+
+@pytest.mark.slow
+def test_an_image_to_the_real_text_only_cluster_is_a_400(plain_tiny_cluster, media_server):
+    """The shared tiny Llama cluster (all five services): refused by name, nothing
+    fetched, and the cluster answers the next request."""
+    client = openai.OpenAI(base_url=plain_tiny_cluster.url, api_key="unused", max_retries=0,
+                           timeout=60)
+    before = sum(media_server.hits.values())
+    with pytest.raises(openai.BadRequestError, match="text-only model") as info:
+        client.chat.completions.create(model="tiny", max_tokens=2, messages=[
+            {"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": media_server.url("/ok.png")}},
+                {"type": "text", "text": "hi"}]}])
+    assert info.value.body["param"] == "messages"
+    assert sum(media_server.hits.values()) == before
+    reply = client.chat.completions.create(model="tiny", max_tokens=2,
+                                           messages=[{"role": "user", "content": "hi"}])
+    assert reply.choices[0].finish_reason in ("length", "stop")
