@@ -48,25 +48,21 @@ class MediaPreprocessor:
     def __init__(self, processor: Any, architecture: str, model: str,
                  limits: MediaLimits | None = None,
                  limit_mm_per_prompt: Mapping[str, int] | None = None,
-                 cache_gb: float = 4.0) -> None:
+                 cache_gb: float = 4.0,
+                 default_kwargs: Mapping[str, Any] | None = None) -> None:
         self.processor = processor
         self.architecture = architecture
         self.model = model
         self.limit_mm_per_prompt = dict(limit_mm_per_prompt or {})
+        # --mm-processor-kwargs, under each request's own (the offline LLM's merge, so
+        # the items' identifiers agree between served and offline).
+        self.default_kwargs = dict(default_kwargs or {})
         metrics = tokenizer_metrics()
         self.connector = MediaConnector(limits, observer=metrics.observe_media_fetch)
         capacity = int(cache_gb * 2**30) if cache_gb and cache_gb > 0 else 0
         self.cache = LockedProcessorCache(capacity) if capacity and processor else None
         self._pool = ThreadPoolExecutor(envs.get("PAGODA_MEDIA_LOADING_THREAD_COUNT"),
                                         thread_name_prefix="media")
-
-    def placeholder_texts(self) -> dict[str, str]:
-        """Modality -> the placeholder token's text ("<image>"); empty for text-only."""
-        if self.processor is None:
-            return {}
-        tokenizer = self.processor.tokenizer
-        return {m: tokenizer.convert_ids_to_tokens(t)
-                for m, t in self.processor.placeholder_token_ids.items()}
 
     def process(self, prompt: str, media: Sequence[pb.MediaInput],
                 mm_processor_kwargs: Mapping[str, Any] | None, add_special_tokens: bool
@@ -81,7 +77,8 @@ class MediaPreprocessor:
         loaded = {modality: list(self._pool.map(self._load, items))
                   for modality, items in by_modality.items()}
         before = (self.cache.hits, self.cache.queries) if self.cache else (0, 0)
-        processed = process_prompt(self.processor, prompt, loaded, mm_processor_kwargs,
+        kwargs = {**self.default_kwargs, **(mm_processor_kwargs or {})}
+        processed = process_prompt(self.processor, prompt, loaded, kwargs,
                                    add_special_tokens=add_special_tokens,
                                    limit_mm_per_prompt=self.limit_mm_per_prompt,
                                    cache=self.cache, architecture=self.architecture)

@@ -10,6 +10,8 @@ from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as pb_
 from pagoda.config import DEFAULT_PREFIX_HASH_SEED
 from pagoda.core.block_hash import DEFAULT_HASH_ALGO
 from pagoda.engine.arg_utils import add_hub_args
+from pagoda.engine.multimodal_args import add_multimodal_cli_args
+from pagoda.json_flag import json_object
 from pagoda.services.common import startup_clock
 from pagoda.services.common.grpc_server import add_server_args, serve_sync
 from pagoda.services.common.logs import setup_logging
@@ -53,12 +55,7 @@ def add_media_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                        help="file:// image URLs are read only under this directory (unset: "
                             "refused). A security risk: only in trusted environments.")
-    group.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
-                       help="Most items per modality in one prompt, e.g. '{\"image\": 2}' "
-                            "(a modality left out: 999).")
-    group.add_argument("--mm-processor-cache-gb", type=float, default=4.0, metavar="GB",
-                       help="The processor's output cache by content hash, per tokenizer "
-                            "process (0: off).")
+    add_multimodal_cli_args(parser)  # --limit-mm-per-prompt, --mm-processor-kwargs, cache
 
 
 def media_flags(args: argparse.Namespace) -> list[str]:
@@ -70,6 +67,8 @@ def media_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--allowed-local-media-path", args.allowed_local_media_path]
     if args.limit_mm_per_prompt:
         flags += ["--limit-mm-per-prompt", args.limit_mm_per_prompt]
+    if args.mm_processor_kwargs:
+        flags += ["--mm-processor-kwargs", args.mm_processor_kwargs]
     flags += ["--mm-processor-cache-gb", f"{args.mm_processor_cache_gb:g}"]
     return flags
 
@@ -93,7 +92,9 @@ def build_media(servicer, args: argparse.Namespace) -> None:
         processor.architecture
     limits = MediaLimits.from_flags(args.allowed_media_domains, args.allowed_local_media_path)
     servicer.media = MediaPreprocessor(processor, architecture, servicer.model, limits, limit,
-                                       args.mm_processor_cache_gb)
+                                       args.mm_processor_cache_gb,
+                                       json_object(args.mm_processor_kwargs,
+                                                   "--mm-processor-kwargs") or {})
     if processor is not None:
         logger.info("multi-modal processor of %s loaded (%s)", servicer.model, architecture)
 

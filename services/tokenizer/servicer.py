@@ -13,7 +13,7 @@ from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as pb_
 from pagoda.config import DEFAULT_PREFIX_HASH_SEED
 from pagoda.core.block_hash import (DEFAULT_HASH_ALGO, check_hash_algo, hash_request_tokens,
                                      request_keys)
-from pagoda.multimodal.chat_parts import flatten_placeholders, template_reads_parts
+from pagoda.multimodal.chat_render import placeholder_texts, render_media_chat
 from pagoda.services.common.protocol.common import json_object_from_proto
 from pagoda.services.common.protocol.multimodal import features_to_proto
 from pagoda.services.common.protocol.sampling_params import decode_options_from_proto
@@ -72,13 +72,11 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         response = pb.TokenizeResponse(token_ids=token_ids, prompt=prompt,
                                        token_type_ids=token_type_ids)
         features_to_proto(features, response.mm_features)
-        if request.block_size > 0 and not features:
-            # (A prompt with media gets no routing hashes until they include the items'
-            # identifiers as the schedulers' do: routing then goes by load.)
+        if request.block_size > 0:  # a block a media run overlaps is keyed by its identifier
             response.block_hashes.extend(hash_request_tokens(
                 token_ids, request.block_size, self.prefix_hash_seed,
                 request_keys(request.cache_salt, request.lora_key),
-                algo=self.prefix_caching_hash_algo))
+                algo=self.prefix_caching_hash_algo, mm_features=features))
         if request.return_token_strs:
             response.token_strs.extend(self.tokenizer.convert_ids_to_tokens(token_ids))
         return response
@@ -91,13 +89,9 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
                              "this tokenizer service has no processor for it.")
         chat = request.chat
         rendering = chat_input_from_proto(chat)
-        template = (rendering["chat_template_kwargs"] or {}).get("chat_template") or \
-            getattr(self.tokenizer, "chat_template", None)
-        if not template_reads_parts(template):  # vLLM's "string" content format
-            rendering["messages"] = flatten_placeholders(rendering["messages"],
-                                                         self.media.placeholder_texts())
         with template_limits(self.template_limits):
-            prompt = render_chat_template(self.tokenizer, **rendering)
+            prompt = render_media_chat(self.tokenizer, rendering.pop("messages"),
+                                       placeholder_texts(self.media.processor), **rendering)
         kwargs = (json_object_from_proto(chat.mm_processor_kwargs)
                   if chat.HasField("mm_processor_kwargs") else None)
         processed = self.media.process(prompt, chat.media, kwargs, request.add_special_tokens)

@@ -192,3 +192,61 @@ def test_an_image_to_a_text_only_model_is_a_400(smollm2_tokenizer, media_server)
     finally:
         gateway.stop()
         peers.stop()
+
+
+def test_routing_hashes_key_the_image_blocks_by_the_image(llava):
+    """The tokenizer's block hashes (what KV-aware routing and the prefix index compare)
+    are the schedulers' function of the expanded ids and the images' identifiers: the
+    same text with another image differs from the first block the image touches on."""
+    import grpc
+
+    from pagoda.config import DEFAULT_PREFIX_HASH_SEED
+    from pagoda.core.block_hash import hash_request_tokens
+    from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
+    from pagoda.services.common.protocol.tokenizer import chat_input_to_proto
+    from pagoda.tokenizer.chat import normalize_messages
+
+    _, peers, _ = llava
+
+    def tokenize(color):
+        chat = user_with_image(data_url(png_bytes((40, 30), color)))
+        request = tpb.TokenizeRequest(block_size=4, chat=chat)
+        with grpc.insecure_channel(peers.tokenizer_addr) as channel:
+            return tpb_grpc.TokenizerServiceStub(channel).Tokenize(request, timeout=30)
+
+    def user_with_image(url):
+        from pagoda.services.gateway.multimodal.chat_media import split_media
+        with_media, media = split_media([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "What is it?"}]}], None)
+        return chat_input_to_proto(normalize_messages(with_media.messages), True, False,
+                                   media=media)
+
+    red, green = tokenize((200, 0, 0)), tokenize((0, 200, 0))
+    assert list(red.token_ids) == list(green.token_ids)  # same text, same run length
+    features = features_from_proto(red.mm_features, len(red.token_ids))
+    assert list(red.block_hashes) == hash_request_tokens(
+        list(red.token_ids), 4, DEFAULT_PREFIX_HASH_SEED, mm_features=features)
+    first_image_block = features[0].offset // 4
+    assert red.block_hashes[:first_image_block] == green.block_hashes[:first_image_block]
+    assert all(a != b for a, b in zip(red.block_hashes[first_image_block:],
+                                      green.block_hashes[first_image_block:]))
+
+
+@pytest.mark.slow
+def test_an_image_to_the_real_text_only_cluster_is_a_400(plain_tiny_cluster, media_server):
+    """The shared tiny Llama cluster (all five services): refused by name, nothing
+    fetched, and the cluster answers the next request."""
+    client = openai.OpenAI(base_url=plain_tiny_cluster.url, api_key="unused", max_retries=0,
+                           timeout=60)
+    before = sum(media_server.hits.values())
+    with pytest.raises(openai.BadRequestError, match="text-only model") as info:
+        client.chat.completions.create(model="tiny", max_tokens=2, messages=[
+            {"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": media_server.url("/ok.png")}},
+                {"type": "text", "text": "hi"}]}])
+    assert info.value.body["param"] == "messages"
+    assert sum(media_server.hits.values()) == before
+    reply = client.chat.completions.create(model="tiny", max_tokens=2,
+                                           messages=[{"role": "user", "content": "hi"}])
+    assert reply.choices[0].finish_reason in ("length", "stop")

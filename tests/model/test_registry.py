@@ -32,7 +32,8 @@ SUPPORTED = ["BertForSequenceClassification", "BertModel", "DeepseekV2ForCausalL
              "LlamaForCausalLM", "LlamaModel", "LlavaForConditionalGeneration",
              "MistralForCausalLM", "MistralModel",
              "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen2Model",
-             "Qwen2MoeForCausalLM",
+             "Qwen2MoeForCausalLM", "Qwen2VLForConditionalGeneration",
+             "Qwen2_5_VLForConditionalGeneration",
              "Qwen3ForCausalLM", "Qwen3Model", "Qwen3MoeForCausalLM", "XLMRobertaModel"]
 
 

@@ -80,3 +80,23 @@ def test_overlapping_runs_are_refused():
     msg = proto([feature(offset=0), feature(offset=2)])
     with pytest.raises(ValueError, match="overlaps"):
         features_from_proto(msg.mm_features, prompt_len=10)
+
+
+def test_a_worker_gets_pixels_only_for_items_it_must_encode():
+    from pagoda.messages import CachedRequestData, NewRequestData, SchedulerOutput
+    from pagoda.sampling_params import SamplingParams
+    from pagoda.services.common.protocol.worker import (scheduler_output_from_proto,
+                                                        scheduler_output_to_proto)
+    first, second = feature(offset=0, length=4), feature(offset=6, length=4,
+                                                         identifier="cd" * 32)
+    new = NewRequestData(req_id="r", prompt_token_ids=list(range(12)), output_token_ids=[],
+                         sampling_params=SamplingParams(max_tokens=1), block_ids=[0],
+                         num_computed_tokens=4, mm_features=[first, second])
+    out = SchedulerOutput(scheduled_new_reqs=[new], scheduled_cached_reqs=CachedRequestData(),
+                          num_scheduled_tokens={"r": 8}, total_num_scheduled_tokens=8,
+                          finished_req_ids=set(), preempted_req_ids=set())
+    got = scheduler_output_from_proto(scheduler_output_to_proto(out)).scheduled_new_reqs[0]
+    assert [f.identifier for f in got.mm_features] == [IDENT, "cd" * 32]
+    assert got.mm_features[0].data is None  # its run [0, 4) is a prefix hit: no pixels
+    assert torch.equal(got.mm_features[1].data["pixel_values"],
+                       second.data["pixel_values"])

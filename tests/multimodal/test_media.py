@@ -162,3 +162,11 @@ def test_every_media_error_is_a_value_error():
                 media.MediaDomainNotAllowedError, media.MediaRedirectNotAllowedError,
                 media.MediaFetchTimeoutError, media.LocalMediaPathError):
         assert issubclass(cls, ValueError)
+
+
+def test_the_connected_address_is_checked_too(server, monkeypatch):
+    # A name that resolved to a public address at the check but connects to loopback
+    # (DNS rebinding): stood in for by skipping the check before connecting.
+    monkeypatch.setattr(media, "check_host", lambda url, allowed: None)
+    with pytest.raises(media.MediaDomainNotAllowedError, match="connected to a non-public"):
+        connector(allowed_media_domains=None).load_bytes(server.url("/ok.png"))

@@ -123,9 +123,12 @@ DASHBOARDS = Path(__file__).resolve().parents[2] / "charts" / "pagoda" / "dashbo
 
 # The panels a plain colocated cluster cannot feed, each checked by the module whose
 # cluster does: speculative decoding (--speculative-config, test_spec_decode_served.py) and
-# prefill/decode transfers (a P/D cluster, test_dashboards_pd.py).
+# prefill/decode transfers (a P/D cluster, test_dashboards_pd.py) and images (a LLaVA
+# cluster, test_multimodal_served.py).
 PANEL_PARTS = {"speculative": ("vllm:spec_decode_",),
-               "pd": ("pagoda_kv_transfer_", "pagoda_kv_leased_")}
+               "pd": ("pagoda_kv_transfer_", "pagoda_kv_leased_"),
+               "multimodal": ("pagoda_encoder_cache_", "pagoda_tokenizer_media_",
+                              "vllm:mm_cache_")}
 # The migration panel: a colocated cluster feeds it zeros; the P/D module migrates a request.
 MIGRATION_METRIC = "pagoda_gateway_migrations_"
 

@@ -87,6 +87,11 @@ def arch_config_from_hf_dir(model_dir: str) -> ModelArchConfig:
         # common fields are the language model's, the family settings read the rest.
         text = dict(config.get(spec.text_config_key) or {})
         text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
+        rope = text.get("rope_scaling") or {}
+        if (rope.get("type") or rope.get("rope_type")) == "mrope":
+            # Multi-axis RoPE (hub configs of Qwen2-VL): plain RoPE per position axis, its
+            # sections read by the family's settings from the whole config.
+            text["rope_scaling"] = None
         config = {**text, "architectures": architectures}
     generation_path = os.path.join(model_dir, "generation_config.json")
     generation = _read_json(generation_path) if os.path.exists(generation_path) else {}

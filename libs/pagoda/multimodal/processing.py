@@ -39,6 +39,9 @@ DEFAULT_LIMIT_PER_PROMPT = 999
 # HF architecture -> "module:Class" of its processor (imported on first use).
 _FAMILY_PROCESSORS = {
     "LlavaForConditionalGeneration": "pagoda.multimodal.llava_processing:LlavaProcessor",
+    "Qwen2VLForConditionalGeneration": "pagoda.multimodal.qwen2_vl_processing:Qwen2VLProcessor",
+    "Qwen2_5_VLForConditionalGeneration":
+        "pagoda.multimodal.qwen2_vl_processing:Qwen2VLProcessor",
     "Idefics3ForConditionalGeneration":
         "pagoda.multimodal.idefics3_processing:Idefics3Processor",
 }

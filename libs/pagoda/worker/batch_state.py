@@ -36,6 +36,9 @@ class CachedRequestState:
     # Identifiers of those items this request already looked up in the encoder cache
     # (the lookup is counted once per request and item, not once per chunk).
     mm_looked_up: set[str] = field(default_factory=set)
+    # M-RoPE models (Qwen2-VL): the prompt's [3, L] positions and the generated tokens'
+    # offset, computed once (`mm_inputs.MultiModalStepInputs.positions`).
+    mrope: tuple | None = None
 
     @classmethod
     def from_new(cls, data: NewRequestData, generator: torch.Generator | None) -> "CachedRequestState":

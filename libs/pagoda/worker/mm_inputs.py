@@ -58,6 +58,31 @@ class MultiModalStepInputs:
             embeds[row0 + (targets - start)] = rows[feature.identifier][sources].to(embeds.dtype)
         return embeds
 
+    @property
+    def uses_mrope(self) -> bool:
+        return getattr(self.model, "uses_mrope", False)
+
+    def positions(self, states: dict[str, CachedRequestState], inputs: ModelInputs
+                  ) -> torch.Tensor:
+        """M-RoPE positions [3, T] of the step's tokens: a prompt token's from the model's
+        table, a generated token's its sequence position + delta on all three axes."""
+        qsl = inputs.attn_metadata.query_start_loc_cpu
+        rows = []
+        for i, req_id in enumerate(inputs.req_ids):
+            state = states[req_id]
+            if state.mrope is None:
+                state.mrope = self.model.mrope_positions(state.prompt_token_ids,
+                                                         state.mm_features)
+            table, delta = state.mrope
+            start, end = state.num_computed_tokens, state.num_computed_tokens + (qsl[i + 1] - qsl[i])
+            prompt_end = min(end, table.shape[1])
+            part = [table[:, start:prompt_end]] if start < prompt_end else []
+            if end > table.shape[1]:
+                generated = torch.arange(max(start, table.shape[1]), end) + delta
+                part.append(generated.expand(3, -1))
+            rows.extend(part)
+        return torch.cat(rows, dim=1).to(inputs.positions.device)
+
     def _count_lookup(self, state: CachedRequestState, feature: MultiModalFeature) -> None:
         """One counted lookup per request and item: where the request first needs it."""
         seen = state.mm_looked_up

@@ -284,6 +284,9 @@ class ModelRunner:
     def _forward(self, inputs: ModelInputs, inputs_embeds: torch.Tensor | None = None
                  ) -> torch.Tensor:
         md = inputs.attn_metadata
+        if self.mm_inputs is not None and self.mm_inputs.uses_mrope:  # 3-D positions, eager
+            return self.model(inputs.input_ids, self.mm_inputs.positions(self.states, inputs),
+                              self.kv_caches, md, inputs_embeds=inputs_embeds)
         if inputs_embeds is not None:  # media rows in the step: eager, from embeddings
             return self.model(inputs.input_ids, inputs.positions, self.kv_caches, md,
                               inputs_embeds=inputs_embeds)

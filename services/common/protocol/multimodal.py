@@ -106,6 +106,16 @@ def features_from_proto(features: Sequence[pb.MultiModalFeature], prompt_len: in
     return out
 
 
+def features_to_encode(features: Sequence[MultiModalFeature], num_computed_tokens: int
+                       ) -> list[MultiModalFeature]:
+    """What a worker gets with a new request: every item (identifiers and runs), with
+    data only for items whose run is not fully computed yet (a prefix hit covering a
+    whole image needs no pixels; the worker then never encodes it). A request the
+    worker must recompute from scratch (preempted, migrated) is sent as new again, with
+    the data its computed tokens then call for."""
+    return [f if f.end > num_computed_tokens else f.without_data() for f in features]
+
+
 def tensor_to_proto(tensor: Any, out: pb.Tensor) -> None:
     """A torch tensor (or a proto Tensor, copied) into `out`."""
     if isinstance(tensor, pb.Tensor):

@@ -12,10 +12,13 @@ fields, in `sampling_params`.)
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pagoda import envs
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as pb
 from pagoda.services.common.protocol.common import json_object_from_proto, json_object_to_proto
 
@@ -63,6 +66,26 @@ def chat_input_from_proto(msg: pb.ChatInput) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- to the wire
+def media_inputs(refs: Sequence[Any]) -> list[pb.MediaInput]:
+    """`pagoda.multimodal.chat_parts.MediaRef`s -> the tokenizer's MediaInputs: a URL as
+    it is, image_embeds base64-decoded (size-capped). ValueError naming the part."""
+    out = []
+    for ref in refs:
+        if ref.source == "url":
+            out.append(pb.MediaInput(modality=ref.modality, url=ref.value))
+            continue
+        max_bytes = envs.get("PAGODA_MEDIA_MAX_BYTES")
+        if len(ref.value) * 3 // 4 > max_bytes + 3:
+            raise ValueError(f"{ref.where}.image_embeds is larger than the limit of "
+                             f"{max_bytes} bytes.")
+        try:
+            data = base64.b64decode(ref.value, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError(f"{ref.where}.image_embeds is not valid base64.") from None
+        out.append(pb.MediaInput(modality=ref.modality, embeds=data))
+    return out
+
+
 def _add_message(item: pb.ChatMessage, m: Mapping[str, Any], where: str) -> None:
     item.role = m["role"]
     content = m.get("content")
