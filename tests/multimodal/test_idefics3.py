@@ -175,10 +175,12 @@ def test_unknown_checkpoint_tensor_is_refused_by_name(idefics3_dir, tmp_path):
     tensors = load_file(os.path.join(path, "model.safetensors"))
     assert any(k.startswith("model.vision_model.") for k in tensors)
     assert any(k.startswith("model.connector.modality_projection.") for k in tensors)
-    tensors["model.vision_model.encoder.extra_head.weight"] = torch.zeros(2)
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(Exception, match="extra_head"):
-        LLM(model=str(path), **ENGINE)
+    for extra in ("model.vision_model.encoder.extra_head.weight", "vision_model.stray.weight"):
+        bad = dict(tensors)
+        bad[extra] = torch.zeros(2)
+        save_file(bad, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(Exception, match=extra.split(".")[-2]):
+            LLM(model=str(path), **ENGINE)
 
 
 def test_image_embeds_are_refused_by_name(llm):

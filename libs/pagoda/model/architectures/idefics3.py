@@ -15,10 +15,10 @@ The text model is `LlamaForCausalLM` unchanged; images enter only through
 `inputs_embeds` (`pagoda.worker.mm_inputs`), as in `llava.py`.
 
 Checkpoint names: transformers' `model.vision_model.*`, `model.connector.*`,
-`model.text_model.*`, `lm_head.*` (SmolVLM's and Idefics3's hub checkpoints were
-written by the same class since it appeared in transformers 4.46, so there is one
-layout; the text model's bare `text_model.*`/`vision_model.*` without `model.` also
-load). Every tensor is consumed; an unknown name is an error naming it.
+`model.text_model.*`, `lm_head.*`: the only layout in use (SmolVLM's and Idefics3's hub
+checkpoints were written by this class, whose module names have not changed since it
+appeared in transformers 4.46; transformers keeps no key renames for it). Every tensor
+is consumed; an unknown name is an error naming it.
 """
 
 from __future__ import annotations
@@ -222,17 +222,20 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
 
 
 def _rename(name: str) -> str:
-    if name.startswith("model."):
-        rest = name.removeprefix("model.")
-        if rest.startswith(("vision_model.", "connector.", "text_model.")):
-            name = rest
-    if name.startswith("text_model."):
-        return "model." + name.removeprefix("text_model.")
-    if name.startswith("vision_model.encoder.layers."):
-        name = name.replace("vision_model.encoder.layers.", "vision_model.layers.", 1)
+    """A checkpoint name -> ours. Only transformers' names are ours to read; any other
+    keeps its name under `checkpoint.` so the loader refuses it by that name."""
+    if name.startswith("model.text_model."):
+        return "model." + name.removeprefix("model.text_model.")
+    if name.startswith("model.vision_model.encoder.layers."):
+        name = name.replace("model.vision_model.encoder.layers.", "vision_model.layers.", 1)
         for proj in ("q", "k", "v"):
             name = name.replace(f".self_attn.{proj}_proj.", f".self_attn.{proj}.")
-    return name
+        return name
+    if name.startswith(("model.vision_model.", "model.connector.")):
+        return name.removeprefix("model.")
+    if name.startswith("lm_head."):
+        return name
+    return "checkpoint." + name
 
 
 ARCHITECTURES = (
