@@ -146,7 +146,21 @@ def test_openai_responses_client_runs_a_three_turn_tool_conversation(tiny_client
         input=[{"type": "function_call_output", "call_id": clock.call_id,
                 "output": '{"time": "14:05"}'}])
     assert [i.type for i in third.output] == ["message"] and third.output_text
-    assert third.usage.input_tokens > second.usage.input_tokens
+    # The stored turns gave the last prompt the whole conversation: the same items sent
+    # at once, with no stored response, make a prompt of exactly as many tokens.
+    whole = [{"role": "user", "content": "Weather and time in Paris?"},
+             {"type": "function_call", "call_id": weather.call_id, "name": weather.name,
+              "arguments": weather.arguments},
+             {"type": "function_call_output", "call_id": weather.call_id,
+              "output": '{"temperature_c": 21}'},
+             {"type": "function_call", "call_id": clock.call_id, "name": clock.name,
+              "arguments": clock.arguments},
+             {"type": "function_call_output", "call_id": clock.call_id,
+              "output": '{"time": "14:05"}'}]
+    stateless = tiny_client.responses.create(model="tiny", tools=tools, max_output_tokens=6,
+                                             temperature=0.0, input=whole, store=False)
+    assert third.usage.input_tokens == stateless.usage.input_tokens
+    assert stateless.output_text == third.output_text
     # An output for a call the stored conversation does not have is a 400 naming input.
     with pytest.raises(openai.BadRequestError) as caught:
         tiny_client.responses.create(
