@@ -155,3 +155,17 @@ def test_vllm_fields_not_served_are_a_400_naming_them(gateway, field, value):
     assert "does not support" in reply.json()["error"]["message"]
     body[field] = None
     assert httpx.post(f"{gateway.url}/v1/responses", json=body, timeout=30).status_code == 200
+
+
+def test_truncation_auto_keeps_the_conversations_end(client, last_request, smollm2_tokenizer):
+    """vLLM's reading of truncation "auto": a conversation longer than the context keeps
+    its last tokens, leaving room for max_output_tokens; "disabled" (the default) is a
+    400."""
+    long_input = "word " * 400 + "the last question"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=MODEL, input=long_input, max_output_tokens=2)
+    r = client.responses.create(model=MODEL, input=long_input, max_output_tokens=2,
+                                truncation="auto")
+    prompt = list(last_request().prompt_token_ids)
+    assert r.usage.input_tokens == len(prompt) == 256 - 2  # api_fakes.MAX_MODEL_LEN
+    assert "the last question" in smollm2_tokenizer.decode(prompt)

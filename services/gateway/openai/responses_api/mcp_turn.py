@@ -84,7 +84,8 @@ async def respond_with_tools(state: GatewayState, body: ResponsesRequest, model:
     messages = list(messages)
     calls_left = body.max_tool_calls
     for _ in range(MAX_ROUNDS):
-        chat = to_chat_request(body, messages, [t.as_function() for t in tools.values()])
+        chat = to_chat_request(body, messages, [t.as_function() for t in tools.values()],
+                               state.peers.model_info().max_model_len)
         chat.stream = False
         run = await openai_routes.start_chat(state, chat, request, "resp")
         choice = (await openai_routes.collect(run.gen, request))[0]

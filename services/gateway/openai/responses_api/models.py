@@ -146,10 +146,12 @@ def conversation(req: ResponsesRequest, history: list[dict[str, Any]]
 
 
 def to_chat_request(req: ResponsesRequest, messages: list[dict[str, Any]],
-                    extra_tools: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+                    extra_tools: list[dict[str, Any]] | None = None,
+                    max_model_len: int | None = None) -> ChatCompletionRequest:
     """The chat completion that answers `req` (n = 1; its own validation applies):
     its function tools, and `extra_tools` (chat tools of the gateway's --tool-server
-    that the gateway runs itself; tool_choice auto unless the client chose)."""
+    that the gateway runs itself; tool_choice auto unless the client chose).
+    `max_model_len`: the served context, which truncation "auto" fits the prompt to."""
     logprobs = req.wants_logprobs
     effort = (req.reasoning or {}).get("effort")
     function_tools = (chat_tools(req.tools) or []) + (extra_tools or []) or None
@@ -162,6 +164,7 @@ def to_chat_request(req: ResponsesRequest, messages: list[dict[str, Any]],
         repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output,
         structured_outputs=req.structured_outputs, vllm_xargs=req.vllm_xargs,
+        truncate_prompt_tokens=auto_truncation(req, max_model_len),
         top_logprobs=(req.top_logprobs or 0) if logprobs else None,
         response_format=response_format(req.text), tools=function_tools,
         tool_choice=chat_tool_choice(req.tool_choice, "tool_choice" in req.model_fields_set)
@@ -169,6 +172,17 @@ def to_chat_request(req: ResponsesRequest, messages: list[dict[str, Any]],
         parallel_tool_calls=req.parallel_tool_calls,
         # gpt-oss style templates read the effort (vLLM passes it the same way).
         chat_template_kwargs={"reasoning_effort": effort} if effort else None)
+
+
+def auto_truncation(req: ResponsesRequest, max_model_len: int | None) -> int | None:
+    """vLLM's reading of truncation "auto": the prompt keeps its last tokens, as many as
+    leave room for max_output_tokens (vLLM's max_input_tokens; -1, the whole context,
+    without a max_output_tokens or a known context); "disabled": None, no truncation."""
+    if req.truncation != "auto":
+        return None
+    if max_model_len is None or req.max_output_tokens is None:
+        return -1
+    return max(max_model_len - req.max_output_tokens, 1)
 
 
 def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
