@@ -7,14 +7,16 @@ behaviour; silently dropping it would give a different answer than the one asked
 processor arguments, prompt embeddings, the side a prompt is truncated from). These are
 refused by name until Pagoda serves them, per route (`UNSERVED` for chat, completions
 and /v1/messages, `RESPONSES_UNSERVED` for /v1/responses, `POOLING_UNSERVED` and
-`EMBEDDINGS_UNSERVED` for the pooling routes). A field set to null is as good as absent, and so is a field set to the
-value Pagoda gives anyway (`SERVED_VALUES`: vLLM's default, or the behaviour Pagoda
-has), so a client that spells out the default is not refused.
+`EMBEDDINGS_UNSERVED` for the pooling routes). A field set to null is as good as
+absent, and so is a field set to the value Pagoda gives anyway (`SERVED_VALUES`: vLLM's
+default, or the behaviour Pagoda has), so a client that spells out the default is not
+refused.
 
 vLLM fields that are left ignored on purpose, because vLLM itself ignores them on these
 routes or they change no answer: `return_token_offsets` and `return_mm_kwargs` (render
 endpoints only), `prompt_cache_key` (Responses; vLLM ignores it), `stream_interval`
-(chunking of a stream, not its text), `session_id` (a tracing label),
+(chunking of a stream, not its text), `session_id` (a label of related requests;
+Pagoda's session router keys on `user`),
 `routed_experts_prompt_start` (only with --enable-return-routed-experts).
 
 vLLM's flat repetition-detection fields are folded into `repetition_detection`
