@@ -11,9 +11,9 @@ The response's `output` holds one `mcp_call` item per call (name, arguments, out
 or error: OpenAI's item) and then the final message; usage sums every round. The
 rounds are bounded (MAX_ROUNDS), and the calls by the request's `max_tool_calls`: a
 model that keeps calling gets an incomplete response (reason "max_tool_calls"), the
-calls past the limit not run. A tool server that cannot be reached while listing is a 424 (OpenAI's
-status for a failed MCP server); a failing call is that call's `error`, which the
-model sees as the tool's result. Only non-streamed requests run tools here.
+calls past the limit not run. A tool server that cannot be reached while listing is a
+424 (OpenAI's status for a failed MCP server); a failing call is that call's `error`,
+which the model sees as the tool's result. Only non-streamed requests run tools here.
 """
 
 from __future__ import annotations

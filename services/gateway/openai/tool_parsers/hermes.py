@@ -9,7 +9,6 @@ from pagoda.services.gateway.openai.tool_parsers.base import (ParsedOutput, Tool
 from pagoda.services.gateway.openai.tool_parsers.json_scan import skip_ws
 
 
-
 class HermesToolParser(ToolParser):
     """Content is the text before the first start tag (vLLM's rule: text after the
     calls is dropped); each call is the JSON object after a start tag."""
