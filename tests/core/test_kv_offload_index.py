@@ -19,10 +19,10 @@ def test_the_index_evicts_the_least_recently_used_and_never_a_pinned_slot():
     index = KVOffloadIndex(2, 100)
     index.offload(7, H[0], TOKENS[0])
     index.offload(8, H[1], TOKENS[1])
-    offloads, _ = index.take_ops()
+    offloads, *_ = index.take_ops()
     assert [(o.block_id, o.slot) for o in offloads] == [(7, 0), (8, 1)]
     flat = [t for tokens in TOKENS for t in tokens]
-    assert index.lookup(H, flat, 0, 3, 4) == [0, 1]  # both held, now pinned
+    assert index.lookup(H, flat, 0, 3, 4) == [(0, H[0]), (1, H[1])]  # both held, now pinned
     index.offload(9, H[2], TOKENS[2])  # every slot pinned: dropped
     assert H[2] not in index and len(index) == 2
     index.take_ops()  # the step ends: pins end
@@ -30,7 +30,7 @@ def test_the_index_evicts_the_least_recently_used_and_never_a_pinned_slot():
     assert H[0] not in index and H[2] in index and index.stats.evictions == 1
     # A hash held already is copied again into its own slot (a bad copy heals).
     index.offload(3, H[1], TOKENS[1])
-    offloads, _ = index.take_ops()
+    offloads, *_ = index.take_ops()
     assert [(o.block_id, o.slot) for o in offloads] == [(9, 0), (3, 1)]
 
 

@@ -27,6 +27,7 @@ import torch
 
 from pagoda.messages import ModelRunnerOutput, SchedulerOutput
 from pagoda.distributed.communication import recv_tensor, send_tensor
+from pagoda.worker.host_kv_tier import has_tier_ops
 from pagoda.worker.input_builder import ModelInputs, build_model_inputs
 from pagoda.worker.model_runner import ModelRunner
 from pagoda.model.intermediate_tensors import IntermediateTensors
@@ -79,8 +80,7 @@ class ParallelModelRunner(ModelRunner):
             self._append_sampled(sampled_token_ids)
         if self.parallel.pp_size == 1:
             return super().execute_model(scheduler_output)
-        if self.host_tier is not None and (scheduler_output.kv_offloads
-                                           or scheduler_output.kv_onloads):
+        if self.host_tier is not None and has_tier_ops(scheduler_output):
             # Each stage copies its layers' share (see ModelRunner.execute_model).
             scheduler_output = self.host_tier.apply(self.kv_caches, scheduler_output,
                                                     self.block_size)
