@@ -215,10 +215,13 @@ class KVOnload:
 @dataclass
 class KVSpill:
     """Write host-tier slot `slot` (expected to hold `block_hash`) to the disk tier
-    before this step's offloads reuse the slot (pagoda.worker.disk_kv_tier)."""
+    before this step's offloads reuse the slot (pagoda.worker.disk_kv_tier). With
+    `block_id` >= 0 the bytes come from that device block instead (its KV written in
+    an earlier step): the host tier took and lost the block within this one step."""
 
     slot: int
     block_hash: bytes
+    block_id: int = -1
 
 
 @dataclass

@@ -49,7 +49,8 @@ class KVDiskIndex:
         self.num_records = num_records
         self._entries: OrderedDict[BlockHash, tuple[int, ...]] = OrderedDict()
         self._pinned: set[BlockHash] = set()
-        self.spills: list[tuple[int, BlockHash]] = []  # (host slot, hash), this step
+        # (host slot, hash, device block or -1), this step
+        self.spills: list[tuple[int, BlockHash, int]] = []
         self.drops: list[BlockHash] = []
 
     def __len__(self) -> int:
@@ -58,15 +59,17 @@ class KVDiskIndex:
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._entries
 
-    def spill(self, slot: int, block_hash: BlockHash, token_ids: tuple[int, ...]) -> int:
-        """The host tier evicted `block_hash` from `slot`: keep it on disk, dropping the
-        least recently used unpinned records to make room. The number dropped; the
+    def spill(self, slot: int, block_hash: BlockHash, token_ids: tuple[int, ...],
+              block_id: int = -1) -> int:
+        """The host tier evicted `block_hash` from `slot` (or from device block
+        `block_id`, when it took the block this same step): keep it on disk, dropping
+        the least recently used unpinned records to make room. The number dropped; the
         block is lost instead (no spill) when every record is pinned."""
         if block_hash in self.drops:  # dropped earlier this step: the spill runs first
             self.drops.remove(block_hash)
         if block_hash in self._entries:  # written again all the same: heals a bad record
             self._entries.move_to_end(block_hash)
-            self.spills.append((slot, block_hash))
+            self.spills.append((slot, block_hash, block_id))
             return 0
         dropped = 0
         while len(self._entries) >= self.num_records:
@@ -77,7 +80,7 @@ class KVDiskIndex:
             self.drops.append(victim)
             dropped += 1
         self._entries[block_hash] = tuple(token_ids)
-        self.spills.append((slot, block_hash))
+        self.spills.append((slot, block_hash, block_id))
         return dropped
 
     def get(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> bool:
@@ -96,7 +99,7 @@ class KVDiskIndex:
         if block_hash in self._entries:
             self._entries.move_to_end(block_hash)
 
-    def take_ops(self) -> tuple[list[tuple[int, BlockHash]], list[BlockHash]]:
+    def take_ops(self) -> tuple[list[tuple[int, BlockHash, int]], list[BlockHash]]:
         """This step's spills and drops; the pins end with the step."""
         ops = self.spills, self.drops
         self.spills, self.drops = [], []

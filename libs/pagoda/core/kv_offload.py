@@ -20,10 +20,15 @@ Invariants:
     worker checks each onload's hash and checksum and recomputes on a mismatch, so a
     stale entry costs time, never a wrong answer.
 
+A slot taken twice in one step (the tier churns) keeps only its last offload: the
+worker's copies of one step may run in any order on CUDA, so two copies into one slot
+could leave the first one's bytes under the second one's hash.
+
 With a disk tier (`kv_disk_index.py`) an entry the host tier evicts is spilled to disk
-instead of forgotten, unless its slot was written by this same step (its bytes are
-not there before the step's offloads, and spills run before them): that block is
-dropped. A lookup then finds each block on the host first, else on disk.
+instead of forgotten. One whose slot this same step wrote is spilled from its device
+block (spills run before the step's offloads, so the slot does not hold it yet; the
+device block still does until the forward). A lookup then finds each block on the
+host first, else on disk.
 Not thread-safe: the scheduler's thread owns it.
 """
 
@@ -72,7 +77,7 @@ class KVOffloadIndex:
         self._pinned: set[int] = set()  # slots read by this step's onloads
         self._offloads: list[KVOffload] = []
         self._onloads: list[KVOnload] = []
-        self._written: set[int] = set()  # slots this step's offloads write
+        self._written: dict[int, int] = {}  # slot -> device block this step copies in
         self.stats = KVOffloadStats(block_bytes=block_bytes)
         self.disk = disk
         self.disk_stats = KVOffloadStats(block_bytes=block_bytes) if disk is not None else None
@@ -93,7 +98,7 @@ class KVOffloadIndex:
             # all the same, so a slot whose copy went bad (the worker recomputed it) heals.
             self._entries.move_to_end(block_hash)
             self._offloads.append(KVOffload(block_id, entry[0], block_hash))
-            self._written.add(entry[0])
+            self._written[entry[0]] = block_id
             self.stats.stored += 1
             return
         slot = self._take_slot()
@@ -102,7 +107,7 @@ class KVOffloadIndex:
         self._entries[block_hash] = (slot, tuple(token_ids))
         self._slot_hash[slot] = block_hash
         self._offloads.append(KVOffload(block_id, slot, block_hash))
-        self._written.add(slot)
+        self._written[slot] = block_id
         self.stats.stored += 1
 
     def _take_slot(self) -> int | None:
@@ -113,8 +118,12 @@ class KVOffloadIndex:
                 del self._entries[block_hash]
                 del self._slot_hash[slot]
                 self.stats.evictions += 1
-                if self.disk is not None and slot not in self._written:
-                    self.disk_stats.evictions += self.disk.spill(slot, block_hash, token_ids)
+                source = self._written.pop(slot, -1)
+                if source >= 0:  # copied in this step: that copy is superseded
+                    self._offloads = [op for op in self._offloads if op.slot != slot]
+                if self.disk is not None:
+                    self.disk_stats.evictions += self.disk.spill(slot, block_hash, token_ids,
+                                                                 source)
                     self.disk_stats.stored += 1
                 return slot
         return None
@@ -171,7 +180,7 @@ class KVOffloadIndex:
         """This step's copies (offloads, onloads, spills, disk drops), for the plan;
         the pins end with the step."""
         spills, drops = self.disk.take_ops() if self.disk is not None else ([], [])
-        ops = self._offloads, self._onloads, [KVSpill(s, h) for s, h in spills], drops
+        ops = self._offloads, self._onloads, [KVSpill(*spill) for spill in spills], drops
         self._offloads, self._onloads = [], []
         self._pinned.clear()
         self._written.clear()

@@ -129,9 +129,15 @@ class DiskKVTier:
         self._records.move_to_end(block_hash)
         self.stats.written_blocks += 1
         self.stats.written_bytes += length
-        while len(self._records) > self.num_records:  # the scheduler's index restarted
-            self.drop(next(iter(self._records)))
         return True
+
+    def trim(self) -> None:
+        """Delete the least recently used records beyond `num_records`. Called after a
+        step's drops (a step's spills may overshoot until its drops run); with the
+        scheduler's index in step nothing is left to trim, it only bounds the disk when
+        the index forgot records (a scheduler restarted, reset_prefix_cache)."""
+        while len(self._records) > self.num_records:
+            self.drop(next(iter(self._records)))
 
     # ------------------------------------------------------------------ read
     def read(self, block_hash: bytes, length: int) -> memoryview | None:

@@ -146,13 +146,22 @@ class HostKVTier:
         self.stats.offloaded_bytes += len(ops) * self.block_bytes
         self.stats.offload_seconds += time.perf_counter() - start
 
-    def spill(self, ops: list[KVSpill]) -> None:
-        """Slots -> disk records, each only if its slot still holds its hash and
-        matches its CRC (a bad slot is not written: its block is recomputed later)."""
+    def spill(self, kv_caches, ops: list[KVSpill]) -> None:
+        """Slots (or device blocks) -> disk records. A slot is written only if it still
+        holds its hash and matches its CRC (a bad slot is not: its block is recomputed
+        later)."""
         if self.disk is None or not ops:
             return
         start = time.perf_counter()
         for op in ops:
+            if op.block_id >= 0:
+                pieces = [t[op.block_id].cpu().contiguous().view(torch.uint8).numpy()
+                          for pair in kv_caches for t in pair if t.shape[-1]]
+                crc = 0
+                for piece in pieces:
+                    crc = zlib.crc32(piece, crc)
+                self.disk.write(op.block_hash, pieces, crc)
+                continue
             if not self.holds(op.slot, op.block_hash):
                 continue
             pieces = [t[op.slot].view(torch.uint8).numpy() for pair in self.tensors
@@ -222,10 +231,11 @@ class HostKVTier:
         """Run the plan's copies (offloads, then onloads); the plan the forward runs:
         a request with a failed onload starts at its first failed block instead, its
         tokens from there on scheduled this step (recomputed, so the answer holds)."""
-        self.spill(plan.kv_spills)
+        self.spill(kv_caches, plan.kv_spills)
         if self.disk is not None:
             for block_hash in plan.kv_disk_drops:
                 self.disk.drop(block_hash)
+            self.disk.trim()
         self.offload(kv_caches, plan.kv_offloads)
         failed = self.onload(kv_caches, [op for op in plan.kv_onloads if op.medium != "disk"])
         failed += self.onload_disk(kv_caches, [op for op in plan.kv_onloads

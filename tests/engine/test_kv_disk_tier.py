@@ -1,0 +1,157 @@
+"""The disk KV tier (--kv-offloading-disk-path / --kv-offloading-disk-size) below a
+host tier of four slots: prefixes evicted from the device pool and then from host
+memory come back from disk, and greedy output never changes, whatever happens to the
+files (corrupted, deleted, never written, left by an earlier start).
+
+Workload as test_kv_offload.py: four 40-token prefixes (10 blocks each) through a
+24-block pool, then revisited; the host tier holds 4 blocks, so nearly every revisited
+block was spilled to disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from pagoda import LLM, fault_injection
+from pagoda.core.kv_disk_index import RECORD_OVERHEAD
+from pagoda.core.kv_offload import GIB
+from tests.engine.test_kv_offload import BLOCK, TINY_BLOCK_BYTES, _prompts, _run
+
+HOST_SLOTS = 4
+
+
+def _llm(model: str, path, records: int = 64) -> LLM:
+    return LLM(model, dtype="float32", block_size=BLOCK, max_model_len=256,
+               num_gpu_blocks_override=24, max_num_batched_tokens=64,
+               kv_offloading_size=HOST_SLOTS * TINY_BLOCK_BYTES / GIB,
+               kv_offloading_disk_path=str(path),
+               kv_offloading_disk_size=records * (TINY_BLOCK_BYTES + RECORD_OVERHEAD) / GIB)
+
+
+def _tiers(llm: LLM):
+    core = llm.llm_engine.core
+    host = core.executor.runner.host_tier
+    return core.scheduler.kv_offload, host, host.disk
+
+
+def _records(disk) -> list:
+    return sorted(p for p in disk.path.iterdir() if not p.name.endswith(".tmp"))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    """Outputs of a pool big enough never to evict."""
+    first, revisits = _prompts()
+    big = LLM(tiny_llama_dir, dtype="float32", block_size=BLOCK, max_model_len=256,
+              num_gpu_blocks_override=512, max_num_batched_tokens=64)
+    return _run(big, first + revisits)
+
+
+def test_revisits_onload_from_the_disk_tier_with_the_same_output(tiny_llama_dir, reference,
+                                                                 tmp_path):
+    first, revisits = _prompts()
+    llm = _llm(tiny_llama_dir, tmp_path)
+    index, host, disk = _tiers(llm)
+    assert index.disk.num_records == disk.num_records == 64
+    assert _run(llm, first + revisits) == reference
+    stats = llm.llm_engine.core.get_stats()
+    # Each revisit's 9 onloadable prefix blocks: at most the host's 4 came from memory.
+    assert stats.kv_offload_disk.hits >= 4 * 9 - HOST_SLOTS
+    assert disk.stats.read_blocks == stats.kv_offload_disk.hits
+    assert disk.stats.failed_reads == 0 and host.stats.failed_onloads == 0
+    assert stats.kv_offload_disk.stored == disk.stats.written_blocks > 0
+    assert len(_records(disk)) == len(index.disk) == len(disk)
+    assert disk.path.parent == tmp_path / "rank0"
+
+
+def test_a_corrupted_record_is_recomputed_then_rewritten(tiny_llama_dir, reference, tmp_path):
+    first, revisits = _prompts()
+    llm = _llm(tiny_llama_dir, tmp_path)
+    index, host, disk = _tiers(llm)
+    assert _run(llm, first) == reference[:4]
+    for record in _records(disk):  # flip one byte of every payload's last value
+        data = bytearray(record.read_bytes())
+        data[-1] ^= 0x5A
+        record.write_bytes(bytes(data))
+    assert _run(llm, revisits[:1]) == reference[4:5]
+    assert disk.stats.failed_reads >= 1 and disk.stats.read_blocks == 0
+    # The recomputed blocks go down the tiers again when evicted: disk hits come back.
+    assert _run(llm, revisits[1:] + first) == reference[5:] + reference[:4]
+    assert _run(llm, revisits[:1]) == reference[4:5]
+    assert disk.stats.read_blocks >= 1
+
+
+def test_deleted_records_are_recomputed(tiny_llama_dir, reference, tmp_path):
+    first, revisits = _prompts()
+    llm = _llm(tiny_llama_dir, tmp_path)
+    index, host, disk = _tiers(llm)
+    assert _run(llm, first) == reference[:4]
+    for record in _records(disk):
+        record.unlink()
+    assert _run(llm, revisits) == reference[4:]
+    # Prefixes 0 and 1 were on disk only; 2 and 3 went down again while 0 and 1 ran.
+    assert disk.stats.failed_reads >= 9
+
+
+@pytest.mark.parametrize("how", ["injected-enospc", "directory-gone"])
+def test_a_disk_that_refuses_writes_costs_recompute_only(tiny_llama_dir, reference, tmp_path,
+                                                         monkeypatch, how):
+    first, revisits = _prompts()
+    llm = _llm(tiny_llama_dir, tmp_path)
+    index, host, disk = _tiers(llm)
+    if how == "injected-enospc":  # a full disk: every write raises ENOSPC
+        monkeypatch.setattr(fault_injection, "_SPEC",
+                            json.dumps([{"point": "kv_disk.write", "times": 0}]))
+    else:  # the directory was removed (or made unwritable) under the tier
+        shutil.rmtree(disk.path)
+    assert _run(llm, first + revisits) == reference
+    assert disk.stats.failed_writes > 0 and disk.stats.written_blocks == 0
+    assert disk.stats.read_blocks == 0 and disk.stats.failed_reads > 0
+    assert llm.llm_engine.core.scheduler.requests == {}
+
+
+def test_a_full_disk_tier_keeps_the_most_recent_blocks(tiny_llama_dir, reference, tmp_path):
+    first, revisits = _prompts()
+    llm = _llm(tiny_llama_dir, tmp_path, records=12)
+    index, host, disk = _tiers(llm)
+    assert _run(llm, first) == reference[:4]
+    assert len(index.disk) == 12 and index.disk_stats.evictions > 0
+    assert len(_records(disk)) == 12  # the evicted records' files are deleted
+    assert _run(llm, revisits) == reference[4:]
+    assert disk.stats.failed_reads == 0 and len(_records(disk)) <= 12
+
+
+def test_a_restarted_replica_drops_the_earlier_epoch(tiny_llama_dir, reference, tmp_path):
+    """A replica dies (its lock goes with the process) and a new one starts on the same
+    directory: the old records are deleted, and one copied into the new epoch is refused."""
+    first, revisits = _prompts()
+    old = _llm(tiny_llama_dir, tmp_path)
+    _, _, old_disk = _tiers(old)
+    assert _run(old, first) == reference[:4]
+    kept = {p.name: p.read_bytes() for p in _records(old_disk)}
+    with pytest.raises(RuntimeError, match="in use by another worker"):
+        _llm(tiny_llama_dir, tmp_path)
+    old_disk._lock.close()  # what the process's death does
+    new = _llm(tiny_llama_dir, tmp_path)
+    index, host, disk = _tiers(new)
+    assert not old_disk.path.exists() and disk.epoch != old_disk.epoch
+    assert _run(new, first) == reference[:4]
+    for name, data in kept.items():  # an old record put where the new epoch looks
+        if (disk.path / name).exists():
+            (disk.path / name).write_bytes(data)
+    assert _run(new, revisits) == reference[4:]
+    assert disk.stats.failed_reads > 0  # the old epoch's records: refused, recomputed
+
+
+def test_disk_flags_are_refused_by_name(tiny_llama_dir, tmp_path):
+    with pytest.raises(ValueError, match="kv_offloading_disk_size must be > 0"):
+        LLM(tiny_llama_dir, kv_offloading_size=0.01, kv_offloading_disk_path=str(tmp_path))
+    with pytest.raises(ValueError, match="kv_offloading_disk_size needs kv_offloading_disk_path"):
+        LLM(tiny_llama_dir, kv_offloading_size=0.01, kv_offloading_disk_size=1)
+    with pytest.raises(ValueError, match="kv_offloading_disk_path needs kv_offloading_size"):
+        LLM(tiny_llama_dir, kv_offloading_disk_path=str(tmp_path), kv_offloading_disk_size=1)
+    assert not os.listdir(tmp_path)
