@@ -42,6 +42,8 @@ class WorkerMetrics:
                                       "KV blocks whose tier copy failed its checks and were "
                                       "recomputed.", ["tier"], registry=registry)
         self._last = {"cpu": (0, 0.0, 0), "disk": (0, 0.0, 0)}
+        for tier in self._last:  # exported at 0 from start-up: a rate has a baseline
+            self.failed_onloads.labels(tier)
 
     def observe_host_tier(self, tier) -> None:
         """After a step: the host tier's onloads of that step (`HostKVTier.stats`)."""

@@ -124,7 +124,7 @@ class KVOffloadIndex:
                 if self.disk is not None:
                     self.disk_stats.evictions += self.disk.spill(slot, block_hash, token_ids,
                                                                  source)
-                    self.disk_stats.stored += 1
+                    self.disk_stats.stored += block_hash in self.disk  # not if all pinned
                 return slot
         return None
 
