@@ -42,7 +42,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagoda import fault_injection
+import pagoda.fault_injection as fault_injection
 
 logger = logging.getLogger(__name__)
 MAGIC = b"PGKVDSK1"
