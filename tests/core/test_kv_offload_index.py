@@ -151,5 +151,6 @@ def test_the_worker_writes_verifies_and_refuses_records(tmp_path):
     other = DiskKVTier(tmp_path / "other", 4, layout_identity(("n",)))
     (other.path / disk._file(H[0]).name).write_bytes(disk._file(H[0]).read_bytes())
     assert other.read(H[0], tier.block_bytes) is None
-    with pytest.raises(RuntimeError, match="in use by another worker"):
-        DiskKVTier(tmp_path, 4, disk.identity)
+    # Another worker of rank 0 on the same path (a second replica): its own directory.
+    second = DiskKVTier(tmp_path, 4, disk.identity)
+    assert second.path.parent.name == "rank0.1" and disk.path.exists()

@@ -127,18 +127,22 @@ def test_a_full_disk_tier_keeps_the_most_recent_blocks(tiny_llama_dir, reference
 
 def test_a_restarted_replica_drops_the_earlier_epoch(tiny_llama_dir, reference, tmp_path):
     """A replica dies (its lock goes with the process) and a new one starts on the same
-    directory: the old records are deleted, and one copied into the new epoch is refused."""
+    directory: the old records are deleted, and one copied into the new epoch is refused.
+    A replica started beside a live one gets a directory of its own."""
     first, revisits = _prompts()
     old = _llm(tiny_llama_dir, tmp_path)
     _, _, old_disk = _tiers(old)
     assert _run(old, first) == reference[:4]
     kept = {p.name: p.read_bytes() for p in _records(old_disk)}
-    with pytest.raises(RuntimeError, match="in use by another worker"):
-        _llm(tiny_llama_dir, tmp_path)
+    # A second replica on the same path while the first lives: a directory of its own.
+    other = _llm(tiny_llama_dir, tmp_path)
+    assert _tiers(other)[2].path.parent == tmp_path / "rank0.1" and old_disk.path.exists()
+    _tiers(other)[2]._lock.close()
     old_disk._lock.close()  # what the process's death does
     new = _llm(tiny_llama_dir, tmp_path)
     index, host, disk = _tiers(new)
-    assert not old_disk.path.exists() and disk.epoch != old_disk.epoch
+    assert disk.path.parent == tmp_path / "rank0" and disk.epoch != old_disk.epoch
+    assert not old_disk.path.exists()
     assert _run(new, first) == reference[:4]
     for name, data in kept.items():  # an old record put where the new epoch looks
         if (disk.path / name).exists():

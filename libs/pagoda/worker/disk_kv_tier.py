@@ -4,6 +4,9 @@
     <--kv-offloading-disk-path>/rank<R>/.lock             flock: one worker per rank dir
     <--kv-offloading-disk-path>/rank<R>/epoch-<E>/<name>  one record per block hash
 
+Replicas given the same path each claim a directory of their own (`rank<R>.1`, ...);
+the records of one are never read by another.
+
 A record is one whole block of this rank's share (every layer's tensors, in the host
 tier's order), behind a header:
 
@@ -69,6 +72,27 @@ def layout_identity(fields: tuple) -> bytes:
     return hashlib.sha256(repr(fields).encode()).digest()
 
 
+MAX_SHARERS = 64  # workers of one rank (replicas) that may share one --kv-offloading-disk-path
+
+
+def _claim(root: Path, rank: int):
+    """The first directory of `rank` under `root` no live worker holds (`rank<R>`, then
+    `rank<R>.1`, ...: replicas started with the same path each get their own), and its
+    lock, held for the life of the tier (the OS releases it when the process dies)."""
+    for i in range(MAX_SHARERS):
+        rank_dir = root / (f"rank{rank}" if i == 0 else f"rank{rank}.{i}")
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(rank_dir / ".lock", "a+b")  # noqa: SIM115 (held for life)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            continue
+        return rank_dir, lock
+    raise RuntimeError(f"--kv-offloading-disk-path {root}: {MAX_SHARERS} workers of rank "
+                       f"{rank} hold it already")
+
+
 class DiskKVTier:
     """At most `num_records` block records of this rank under `root`."""
 
@@ -78,15 +102,7 @@ class DiskKVTier:
             raise ValueError("the disk KV tier needs room for one block")
         self.num_records = num_records
         self.identity = identity
-        rank_dir = Path(root) / f"rank{rank}"
-        rank_dir.mkdir(parents=True, exist_ok=True)
-        self._lock = open(rank_dir / ".lock", "a+b")  # noqa: SIM115 (held for life)
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.close()
-            raise RuntimeError(f"--kv-offloading-disk-path {root}: {rank_dir} is in use by "
-                               "another worker; give each replica its own directory") from None
+        rank_dir, self._lock = _claim(Path(root), rank)
         for stale in rank_dir.glob("epoch-*"):  # an earlier start's records: dropped
             shutil.rmtree(stale, ignore_errors=True)
         self.epoch = uuid.uuid4().bytes
