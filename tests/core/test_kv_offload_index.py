@@ -154,3 +154,17 @@ def test_the_worker_writes_verifies_and_refuses_records(tmp_path):
     # Another worker of rank 0 on the same path (a second replica): its own directory.
     second = DiskKVTier(tmp_path, 4, disk.identity)
     assert second.path.parent.name == "rank0.1" and disk.path.exists()
+
+
+@pytest.mark.parametrize("hash_len", [5, 8, 32])
+def test_a_record_onloads_whatever_its_hash_length(tmp_path, hash_len):
+    """Any hash length round-trips (the payload starts 64-byte aligned after it)."""
+    caches = [(torch.randn(4, 4, 2, 8, dtype=torch.float64),
+               torch.randn(4, 4, 2, 8, dtype=torch.float64))]
+    tier = HostKVTier(caches, 1, DiskKVTier(tmp_path, 4, layout_identity(("m",))))
+    block_hash = bytes(range(hash_len))
+    tier.offload(caches, [KVOffload(1, 0, block_hash)])
+    tier.spill(caches, [KVSpill(0, block_hash)])
+    assert tier.onload_disk(caches, [KVOnload("r", 0, -1, 3, block_hash, "disk")]) == []
+    assert torch.equal(caches[0][0][3], caches[0][0][1])
+    assert torch.equal(caches[0][1][3], caches[0][1][1])

@@ -11,7 +11,9 @@ A record is one whole block of this rank's share (every layer's tensors, in the 
 tier's order), behind a header:
 
     magic "PGKVDSK1" | identity (32) | epoch (16) | hash length (u32) |
-    payload length (u64) | CRC-32 of the payload (u32) | block hash | payload
+    payload length (u64) | CRC-32 of the payload (u32) | block hash | zeros | payload
+
+the payload starting at a multiple of 64 bytes (aligned copies whatever the hash length).
 
 The identity is a digest of what the P/D handshake compares (`KvLayout`: the model,
 the KV dtype, the block size, the layout and this rank's tensor shapes, the prefix
@@ -50,6 +52,11 @@ import pagoda.fault_injection as fault_injection
 logger = logging.getLogger(__name__)
 MAGIC = b"PGKVDSK1"
 _HEADER = struct.Struct("<8s32s16sIQI")
+ALIGN = 64
+
+
+def _payload_start(hash_len: int) -> int:
+    return -(-(_HEADER.size + hash_len) // ALIGN) * ALIGN
 
 
 @dataclass
@@ -128,6 +135,7 @@ class DiskKVTier:
             with open(tmp, "wb") as f:
                 f.write(header)
                 f.write(block_hash)
+                f.write(bytes(_payload_start(len(block_hash)) - _HEADER.size - len(block_hash)))
                 for piece in pieces:
                     f.write(piece)
             os.replace(tmp, target)
@@ -172,9 +180,10 @@ class DiskKVTier:
         ok = len(data) >= _HEADER.size
         if ok:
             magic, identity, epoch, hash_len, payload_len, crc = _HEADER.unpack_from(view)
-            start = _HEADER.size + hash_len
+            start = _payload_start(hash_len)
             ok = (magic == MAGIC and identity == self.identity and epoch == self.epoch
-                  and view[_HEADER.size:start] == block_hash and payload_len == length
+                  and view[_HEADER.size:_HEADER.size + hash_len] == block_hash
+                  and payload_len == length
                   and len(data) == start + length
                   and zlib.crc32(view[start:]) == crc)
         if not ok:
