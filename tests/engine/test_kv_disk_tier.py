@@ -159,3 +159,49 @@ def test_disk_flags_are_refused_by_name(tiny_llama_dir, tmp_path):
     with pytest.raises(ValueError, match="kv_offloading_disk_path needs kv_offloading_size"):
         LLM(tiny_llama_dir, kv_offloading_disk_path=str(tmp_path), kv_offloading_disk_size=1)
     assert not os.listdir(tmp_path)
+
+
+@pytest.mark.extended
+def test_a_tp2_group_keeps_one_disk_directory_per_rank(tiny_llama_dir, reference, tmp_path):
+    """Each rank writes and checks its own share (rank0/, rank1/) and the group's output
+    equals the reference."""
+    first, revisits = _prompts()
+    llm = LLM(tiny_llama_dir, dtype="float32", block_size=BLOCK, max_model_len=256,
+              num_gpu_blocks_override=24, max_num_batched_tokens=64,
+              tensor_parallel_size=2, distributed_executor_backend="mp",
+              kv_offloading_size=HOST_SLOTS * TINY_BLOCK_BYTES / GIB,
+              kv_offloading_disk_path=str(tmp_path),
+              kv_offloading_disk_size=64 * (TINY_BLOCK_BYTES + RECORD_OVERHEAD) / GIB)
+    try:
+        assert _run(llm, first + revisits) == reference
+        stats = llm.llm_engine.core.get_stats()
+        assert stats.kv_offload_disk.hits >= 4 * 9 - HOST_SLOTS
+        for rank in (0, 1):
+            records = list((tmp_path / f"rank{rank}").glob("epoch-*/*"))
+            assert records and all(r.stat().st_size < TINY_BLOCK_BYTES for r in records)
+    finally:
+        llm.llm_engine.core.shutdown()
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("shape", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_a_record_lost_on_one_rank_only_is_recomputed_by_every_rank(tiny_llama_dir, reference,
+                                                                   tmp_path, shape):
+    """Rank 1's records are deleted, rank 0's are intact: the ranks agree on the failed
+    onloads. Before they did not: the ranks ran two plans; under TP the group aborted in
+    a collective, under PP the answer was wrong (stage 0 left the blocks' KV unwritten)."""
+    first, revisits = _prompts()
+    llm = LLM(tiny_llama_dir, dtype="float32", block_size=BLOCK, max_model_len=256,
+              num_gpu_blocks_override=24, max_num_batched_tokens=64,
+              distributed_executor_backend="mp", **{shape: 2},
+              kv_offloading_size=HOST_SLOTS * TINY_BLOCK_BYTES / GIB,
+              kv_offloading_disk_path=str(tmp_path),
+              kv_offloading_disk_size=64 * (TINY_BLOCK_BYTES + RECORD_OVERHEAD) / GIB)
+    try:
+        assert _run(llm, first) == reference[:4]
+        for record in (tmp_path / "rank1").glob("epoch-*/*"):
+            record.unlink()
+        assert _run(llm, revisits) == reference[4:]
+        assert any((tmp_path / "rank0").glob("epoch-*/*"))
+    finally:
+        llm.llm_engine.core.shutdown()

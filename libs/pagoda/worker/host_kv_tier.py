@@ -227,10 +227,16 @@ class HostKVTier:
         self.stats.onload_seconds += time.perf_counter() - start
         return failed
 
-    def apply(self, kv_caches, plan: SchedulerOutput, block_size: int) -> SchedulerOutput:
+    def apply(self, kv_caches, plan: SchedulerOutput, block_size: int,
+              agree=None) -> SchedulerOutput:
         """Run the plan's copies (offloads, then onloads); the plan the forward runs:
         a request with a failed onload starts at its first failed block instead, its
-        tokens from there on scheduled this step (recomputed, so the answer holds)."""
+        tokens from there on scheduled this step (recomputed, so the answer holds).
+
+        `agree` (a worker group's ranks, each holding its own share of every block):
+        given one 0/1 failure flag per `plan.kv_onloads` entry, the flags of every rank
+        OR-ed together, so every rank recomputes what any rank could not onload and
+        the ranks run the same plan."""
         self.spill(kv_caches, plan.kv_spills)
         if self.disk is not None:
             for block_hash in plan.kv_disk_drops:
@@ -240,6 +246,10 @@ class HostKVTier:
         failed = self.onload(kv_caches, [op for op in plan.kv_onloads if op.medium != "disk"])
         failed += self.onload_disk(kv_caches, [op for op in plan.kv_onloads
                                                if op.medium == "disk"])
+        if agree is not None and plan.kv_onloads:
+            bad = {(op.req_id, op.block_index) for op in failed}
+            flags = agree([int((op.req_id, op.block_index) in bad) for op in plan.kv_onloads])
+            failed = [op for op, flag in zip(plan.kv_onloads, flags) if flag]
         if not failed:
             return plan
         restart: dict[str, int] = {}

@@ -211,6 +211,9 @@ class ModelRunner:
             sched.max_model_len, self.device)
         self.cuda_graphs.capture()
 
+    # One rank: its own onload failures are the group's (ParallelRunner ORs every rank's).
+    _agree_on_onloads = None
+
     def reset(self) -> None:
         """Forget every request (a restarted scheduler knows none of them)."""
         self.states.clear()
@@ -224,7 +227,7 @@ class ModelRunner:
         if self.host_tier is not None and has_tier_ops(scheduler_output):
             # Before anything of the step: a failed onload turns into recompute here.
             scheduler_output = self.host_tier.apply(self.kv_caches, scheduler_output,
-                                                    self.block_size)
+                                                    self.block_size, self._agree_on_onloads)
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty()
