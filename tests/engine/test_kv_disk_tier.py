@@ -183,8 +183,8 @@ def test_a_tp2_group_keeps_one_disk_directory_per_rank(tiny_llama_dir, reference
         llm.llm_engine.core.shutdown()
 
 
-@pytest.mark.extended
-@pytest.mark.parametrize("shape", ["tensor_parallel_size", "pipeline_parallel_size"])
+@pytest.mark.parametrize("shape", [  # PP gave the wrong answer: in make test
+    pytest.param("tensor_parallel_size", marks=pytest.mark.extended), "pipeline_parallel_size"])
 def test_a_record_lost_on_one_rank_only_is_recomputed_by_every_rank(tiny_llama_dir, reference,
                                                                    tmp_path, shape):
     """Rank 1's records are deleted, rank 0's are intact: the ranks agree on the failed
