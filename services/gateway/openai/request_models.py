@@ -51,7 +51,7 @@ class _Body(BaseModel):
     def _log_ignored_fields(cls, data, handler):
         """vLLM's behaviour for fields it does not know: a warning, never a 400; vLLM's
         own fields that Pagoda does not serve are a 400 (vllm_only_fields.py)."""
-        refuse_unserved(data)
+        refuse_unserved(data, cls.model_fields)
         if "repetition_detection" in cls.model_fields:
             data = fold_repetition_fields(data)
         result = handler(data)

@@ -22,6 +22,8 @@ UNSERVED = {
                           "(pagoda serve --prefill-replicas/--decode-replicas)",
     "logits_processors": "per-request processors are not loaded; start the server with "
                          "--logits-processors and pass arguments in vllm_xargs",
+    "mm_processor_kwargs": "images (and their processor arguments) are taken by the chat API "
+                           "only, as image_url parts",
     "prompt_embeds": "this server takes token ids or text only",
     "request_id": "send the X-Request-Id header instead",
     "return_token_ids": "use return_tokens_as_token_ids with logprobs",
@@ -33,13 +35,14 @@ _REPETITION_FIELDS = {"max_repetition_pattern_size": "max_pattern_size",
                       "repetition_min_count": "min_count"}
 
 
-def refuse_unserved(data: Any) -> None:
+def refuse_unserved(data: Any, served: Any = ()) -> None:
     """A 400 for the first vLLM field in a request body that Pagoda does not serve
-    (a field set to null is as good as absent)."""
+    (a field set to null is as good as absent); `served`: the body's own fields, which
+    one API serves though another does not (mm_processor_kwargs: chat only)."""
     if not isinstance(data, dict):
         return
     for name, instead in UNSERVED.items():
-        if data.get(name) is not None:
+        if data.get(name) is not None and name not in served:
             raise APIError(f"{name} is a vLLM request field this server does not support: "
                            f"{instead}.", param=name)
 
