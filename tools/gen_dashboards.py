@@ -221,6 +221,21 @@ def cache_and_routing() -> Dashboard:
                "short",
                "A pull that did not complete (timeout, lease_expired, stale_epoch, ...) is "
                "recomputed by the decode replica: the client sees no error.")],
+        [Panel("Multimodal: encoder and processor cache hit rate",
+               [(f"{rate('pagoda_encoder_cache_hits_total')} / "
+                 f"{rate('pagoda_encoder_cache_queries_total')}", "encoder cache (worker)"),
+                (f"{rate('vllm:mm_cache_hits_total', '')} / "
+                 f"{rate('vllm:mm_cache_queries_total', '')}", "processor cache (tokenizer)")],
+               "percentunit",
+               "Media items whose encoder output (worker) or processor output (tokenizer, "
+               "--mm-processor-cache-gb) was found cached. An image whose whole run is a "
+               "prefix-cache hit is not looked up at all."),
+         Panel("Multimodal: media fetches",
+               quantiles("pagoda_tokenizer_media_fetch_seconds", "", qs=(0.5, 0.99))
+               + [(rate("pagoda_tokenizer_media_fetch_failures_total", "", "reason"),
+                   "failed {{reason}}/s")], "s",
+               "http(s) image fetches by the tokenizer service (cache hits included), and "
+               "the refused or failed ones by reason (allow-list, timeout, size, ...).")],
         [Panel("Index lookup and apply latency",
                quantiles("pagoda_kv_index_lookup_seconds", "", qs=(0.5, 0.99))
                + [(q, "apply " + legend) for q, legend in

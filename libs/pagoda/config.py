@@ -232,6 +232,24 @@ class SchedulerConfig:
     # vLLM's --async-scheduling: step N+1 is planned while step N runs, each running
     # request assumed to get one more token (`Request.num_output_placeholders`).
     async_scheduling: bool = False
+    # A multi-modal model's encoder budget (vLLM's names, in embedding rows): the rows of
+    # media items that start encoding in one step (`pagoda.core.encoder_budget`), and
+    # the rows the worker's encoder cache keeps. 0 for a text-only model.
+    max_num_encoder_input_tokens: int = 0
+    encoder_cache_size: int = 0
+
+
+@dataclass
+class MultiModalConfig:
+    """A multi-modal model's input limits and preprocessing (vLLM's flags): at most
+    `limit_mm_per_prompt[modality]` items per prompt (999 when a modality is left out),
+    `mm_processor_kwargs` passed to the HF processor of every item (a request's own
+    override them), and `mm_processor_cache_gb` GiB of processor outputs kept by content
+    hash (0: off). Set only for a model whose architecture takes media."""
+
+    limit_mm_per_prompt: dict = field(default_factory=dict)
+    mm_processor_kwargs: dict = field(default_factory=dict)
+    mm_processor_cache_gb: float = 4.0
 
 
 @dataclass
@@ -356,6 +374,8 @@ class EngineConfig:
     # --simulated-device (benchmarks): a device that sleeps each step and loads no
     # weights (pagoda.executor.simulated); None, the default: the real model runner.
     simulated_device: SimulatedDeviceConfig | None = None
+    # Set for a model that takes images (pagoda.multimodal); None: text only.
+    multimodal: MultiModalConfig | None = None
 
     @property
     def world_size(self) -> int:

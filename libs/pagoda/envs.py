@@ -72,6 +72,25 @@ VARIABLES = {v.name: v for v in [
     EnvVar("PAGODA_KV_EVENTS_USE_INT_BLOCK_HASHES", "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", _bool,
            True, "With --kv-events-config: 1 sends each block hash as the integer of its "
            "last 8 bytes (big-endian, vLLM's default), 0 as the whole digest (bytes)."),
+    # Media fetching (pagoda.multimodal.media): read by the service that loads images
+    # (the tokenizer service in a cluster, the offline LLM in process).
+    EnvVar("PAGODA_IMAGE_FETCH_TIMEOUT", "VLLM_IMAGE_FETCH_TIMEOUT", _positive_float, 5.0,
+           "Seconds one image fetch (an http(s) image_url, all its redirects and its body) "
+           "may take before the request fails with a 400."),
+    EnvVar("PAGODA_MEDIA_FETCH_MAX_RETRIES", "VLLM_MEDIA_FETCH_MAX_RETRIES", int, 2,
+           "Retries of a media fetch that failed in transport (connection error, timeout, "
+           "HTTP 5xx); refusals (allow-list, size, 4xx) are never retried."),
+    EnvVar("PAGODA_MEDIA_CACHE", "VLLM_MEDIA_CACHE", str, None,
+           "A directory: http(s) media are kept there by URL and read back instead of "
+           "fetched again (unset: no cache)."),
+    EnvVar("PAGODA_MEDIA_LOADING_THREAD_COUNT", "VLLM_MEDIA_LOADING_THREAD_COUNT", int, 8,
+           "Threads that fetch and decode one request's media in parallel."),
+    EnvVar("PAGODA_MEDIA_MAX_BYTES", None, int, 20 * 1024 * 1024,
+           "Largest media item in bytes (a data: URL's decoded bytes, a fetched body, a "
+           "local file); larger is a 400."),
+    EnvVar("PAGODA_IMAGE_MAX_PIXELS", None, int, 40_000_000,
+           "Largest image in pixels (width x height), checked from the header before "
+           "decoding (a decompression bomb is refused without being decoded)."),
 ]}
 
 

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from pagoda.kv_transfer.params import KVTransferParams
 from pagoda.lora.request import LoRARequest
+from pagoda.multimodal.inputs import MultiModalFeature
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
@@ -75,6 +76,11 @@ class ModelRunnerOutput:
     # req_id -> draft tokens a draft model proposes for its next step (speculative
     # decoding with a draft model; the scheduler decides whether to verify them).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+    # Encoder cache lookups this step (media items whose placeholder rows the step
+    # needed) and how many found the item's encoder output already computed.
+    num_encoder_cache_queries: int = 0
+    num_encoder_cache_hits: int = 0
 
     @classmethod
     def empty(cls) -> "ModelRunnerOutput":
@@ -122,6 +128,11 @@ class EngineCoreRequest:
     kv_transfer_params: KVTransferParams | None = None
     # The LoRA adapter to run with (None: the base model); its name keys the prefix cache.
     lora_request: LoRARequest | None = None
+    # One per media item of the prompt, sorted by offset (pagoda.multimodal.inputs):
+    # each item's placeholder run in prompt_token_ids, its content hash (which keys the
+    # prefix-cache blocks it overlaps and the worker's encoder cache) and its processor
+    # outputs (`data`; the encoder input). Empty for a text prompt.
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
 
     @property
     def lora_key(self) -> str | None:
@@ -169,6 +180,9 @@ class NewRequestData:
     pooling_params: PoolingParams | None = None  # set for a pooling request
     # The request's adapter, sent once; the worker loads it (pagoda.lora.manager).
     lora_request: LoRARequest | None = None
+    # The prompt's media items with their encoder inputs (`data`), sent once; the
+    # worker encodes each when its placeholder run is first scheduled.
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
 
 
 @dataclass

@@ -26,6 +26,7 @@ from dataclasses import fields
 from pagoda.config import EngineConfig
 from pagoda.lora.request import LoRARequest
 from pagoda.messages import EngineCoreRequest
+from pagoda.multimodal.checks import check_mm_features
 from pagoda.sampling_params import SamplingParams
 
 MAX_REQUEST_ID_LEN = 512
@@ -47,6 +48,7 @@ def check_request(request: EngineCoreRequest, config: EngineConfig, *,
     _check_ids("eos_token_ids", request.eos_token_ids, vocab)
     check_priority(request.priority, config.scheduler.policy)
     check_lora(request.lora_request, config)
+    check_mm_features(request, config)
     if not _check_pooling(request, config):
         if from_wire:
             _check_wire_params(request.sampling_params)

@@ -27,6 +27,7 @@ import time
 import httpx
 
 from pagoda.bench.stats import percentile
+from pagoda.services.bench import random_mm
 from pagoda.services.bench.datasets import (BenchRequest, arrival_times, random_requests,
                                             sharegpt_requests)
 from pagoda.services.bench.stream import RequestResult, request_body, send_request
@@ -51,7 +52,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="Tokenizer for building prompts: a directory, GGUF file or hub id "
                              "(default: the model path the server reports, else --model).")
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    parser.add_argument("--dataset-name", choices=["random", "sharegpt"], default="random")
+    parser.add_argument("--dataset-name", choices=["random", "sharegpt", "random-mm"],
+                        default="random",
+                        help="random-mm: random text and random images, one chat each "
+                             "(openai-chat backend; services/bench/random_mm.py).")
     parser.add_argument("--dataset-path", default=None, help="A local ShareGPT-format JSON file.")
     parser.add_argument("--sharegpt-output-len", type=int, default=None,
                         help="Fixed output length for ShareGPT (default: each reply's length).")
@@ -78,6 +82,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--structured", choices=STRUCTURED_MODES, default=None,
                         help="Constrain every answer (structured outputs): a JSON schema, a "
                              "regex or a choice (services/bench/structured.py).")
+    random_mm.add_args(parser)
     parser.set_defaults(func=run)
     return parser
 
@@ -93,7 +98,12 @@ def resolve_settings(args: argparse.Namespace) -> None:
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(2**31)
     if args.ignore_eos is None:
-        args.ignore_eos = args.dataset_name == "random"
+        args.ignore_eos = args.dataset_name in ("random", "random-mm")
+    if args.dataset_name == "random-mm":
+        if args.backend != "openai-chat":
+            raise SystemExit("pagoda bench serve: --dataset-name random-mm needs "
+                             "--backend openai-chat (images travel as chat parts)")
+        random_mm.parse_buckets(args.random_mm_bucket_config)
     if args.prompt_format == "tokens" and args.backend == "openai-chat":
         raise SystemExit("pagoda bench serve: --prompt-format tokens needs a completions backend")
     if args.dataset_name == "sharegpt" and not args.dataset_path:
@@ -136,9 +146,16 @@ async def bench(args: argparse.Namespace) -> dict:
                                    args.ignore_eos, args.temperature, args.logprobs),
                     **structured_fields(args.structured)}
 
-        for request in warmup:
-            await send_request(client, url, body(request), request)
-        results = await run_schedule(client, url, [body(r) for r in requests], requests,
+        bodies, warm_bodies = [body(r) for r in requests], [body(r) for r in warmup]
+        if args.dataset_name == "random-mm":  # warm-ups get images of their own seed
+            bodies = [random_mm.with_images(b, r, u) for b, r, u in
+                      zip(bodies, requests, random_mm.image_urls(args, len(requests), args.seed))]
+            warm_bodies = [random_mm.with_images(b, r, u) for b, r, u in zip(
+                warm_bodies, warmup,
+                random_mm.image_urls(args, len(warmup), args.seed + 1, same=False))]
+        for request, warm in zip(warmup, warm_bodies):
+            await send_request(client, url, warm, request)
+        results = await run_schedule(client, url, bodies, requests,
                                      arrival_times(len(requests), args.request_rate,
                                                    args.burstiness, args.seed), limit)
     return summarize(args, model, tokenizer_id, *results)
@@ -177,6 +194,10 @@ def summarize(args: argparse.Namespace, model: str, tokenizer_id: str,
         "random_output_len": args.random_output_len, "ignore_eos": args.ignore_eos,
         "temperature": args.temperature, "logprobs": args.logprobs, "seed": args.seed,
         "structured": args.structured,
+        **({"random_mm_base_items_per_request": args.random_mm_base_items_per_request,
+            "random_mm_bucket_config": args.random_mm_bucket_config,
+            "random_mm_same_image": args.random_mm_same_image}
+           if args.dataset_name == "random-mm" else {}),
         "duration": round(duration, 3), "completed": len(ok), "failed": len(results) - len(ok),
         "total_input_tokens": total_in, "total_output_tokens": total_out,
         "request_throughput": round(len(ok) / duration, 3),

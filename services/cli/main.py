@@ -31,6 +31,7 @@ COMMAND_MODULES = [
 BENCH_MODULES = [
     "pagoda.bench.throughput",  # pagoda bench throughput
     "pagoda.bench.latency",     # pagoda bench latency
+    "pagoda.bench.mm_processor",  # pagoda bench mm-processor
     "pagoda.services.bench.serve",       # pagoda bench serve
     "pagoda.services.bench.routing",     # pagoda bench routing
     "pagoda.services.bench.control_plane",  # pagoda bench control-plane

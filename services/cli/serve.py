@@ -44,7 +44,8 @@ from pagoda.services.gateway.disagg.prefix_pull import add_prefix_pull_args, pre
 from pagoda.services.gateway.lora.registry import add_lora_args, lora_flags
 from pagoda.services.gateway.routing.router import DEFAULT_POLICY, POLICIES
 from pagoda.services.gateway.web.cors_request_id import add_http_args, http_flags
-from pagoda.services.tokenizer.server import add_template_limit_args, template_limit_flags
+from pagoda.services.tokenizer.server import (add_media_args, add_template_limit_args,
+                                              media_flags, template_limit_flags)
 from pagoda.services.gateway.serving_options import (ServingOptions, add_serving_args,
                                                      add_uvicorn_args, gateway_flags,
                                                      uvicorn_kwargs)
@@ -84,6 +85,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="Chat template instead of the model's: a file or the template "
                              "itself (passed to the tokenizer).")
     add_template_limit_args(parser)  # passed to the tokenizer
+    add_media_args(parser)  # passed to the tokenizer (--limit-mm-per-prompt: the gateway too)
     parser.add_argument("--tokenizer-replicas", type=int, default=DEFAULT_TOKENIZER_REPLICAS,
                         help="Tokenizer processes (each about 400 MiB resident with the default "
                              "model): the gateway spreads calls over them round-robin, and a "
@@ -244,14 +246,16 @@ def build_services(args: argparse.Namespace, redis_url: str,
     gateway_env = {"PAGODA_API_KEY": args.api_key} if args.api_key else {}
     gateway_extra = (http_flags(args) + gateway_flags(args) + lora_flags(args)
                      + generate_read_flags(args) + prefix_pull_flags(args)
-                     + api_server_flags(args))
+                     + api_server_flags(args)
+                     + (["--limit-mm-per-prompt", args.limit_mm_per_prompt]
+                        if args.limit_mm_per_prompt else []))
     services = [
         grpc_service("kv-cache-manager", "kv-cache-manager", env=redis_env),
     ] + [
         grpc_service("tokenizer", name, *model_flags, *seed, *hub_flags(args),
                      *(["--tokenizer", args.tokenizer] if args.tokenizer else []),
                      *(["--chat-template", args.chat_template] if args.chat_template else []),
-                     *template_limit_flags(args))
+                     *template_limit_flags(args), *media_flags(args))
         for name in tokenizers
     ]
     for plan in plans:

@@ -31,14 +31,12 @@ UNSUPPORTED = {
                               "LLM(weight_transfer_config=...) with "
                               "init_weight_transfer_engine/update_weights",
     # adapters, multimodal, structured output, tools
-    "limit-mm-per-prompt": "Pagoda serves text-only models",
-    "mm-processor-kwargs": "Pagoda serves text-only models",
-    "allowed-local-media-path": "Pagoda serves text-only models",
     "guided-decoding-backend": "use --structured-outputs-config '{\"backend\": ...}' "
                                "(vLLM's newer flag)",
     "tool-parser-plugin": "parser plugins are not loaded; the built-in --tool-call-parser "
                           "names are hermes, llama3_json, mistral and pythonic",
-    "chat-template-content-format": "message contents are always flattened to strings",
+    "chat-template-content-format": "the content format is detected from the template "
+                                    "(text-only messages are flattened to strings)",
     "response-role": "the response role is always 'assistant'",
     # parallelism and platform
     "data-parallel-address": "data-parallel replicas of `pagoda serve` run on one machine "

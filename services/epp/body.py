@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
 from pagoda.services.common.protocol.tokenizer import chat_input_to_proto
+from pagoda.multimodal.chat_parts import extract_media
+from pagoda.services.common.protocol.tokenizer import media_inputs
 from pagoda.tokenizer.chat import normalize_messages
 
 
@@ -61,11 +63,15 @@ def parse_body(raw: bytes) -> ParsedBody:
 
 def _chat(body: dict) -> tpb.TokenizeRequest:
     try:
-        messages = normalize_messages(body["messages"], parse_arguments=False)
+        # Image parts travel to the tokenizer as the gateway sends them: the routing
+        # hashes then include the images' identifiers (the tokenizer loads them).
+        with_media = extract_media(body["messages"])
+        messages = normalize_messages(with_media.messages, parse_arguments=False)
         chat = chat_input_to_proto(messages, bool(body.get("add_generation_prompt", True)),
                                    bool(body.get("continue_final_message", False)),
                                    body.get("chat_template_kwargs"), body.get("tools"),
-                                   body.get("documents"))
+                                   body.get("documents"), media_inputs(with_media.media),
+                                   body.get("mm_processor_kwargs"))
     except (ValueError, TypeError) as exc:
         raise BadBody(str(exc), "messages") from None
     # vLLM's chat `add_special_tokens` is off by default: the template writes them.

@@ -55,6 +55,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="Other services' /metrics endpoints to include in this "
                              "gateway's /metrics (one scrape target for a local cluster; "
                              "their series get instance=HOST:PORT).")
+    parser.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                        help="vLLM's: most media items per modality in one prompt, e.g. "
+                             "'{\"image\": 2}'; more is a 400 before anything is fetched.")
     grpc_channels.add_tls_args(parser)  # to the tokenizer, schedulers, kv-cache-manager
     grpc_channels.add_keepalive_args(parser)
     grpc_channels.add_generate_read_args(parser)  # how long a silent replica is waited for

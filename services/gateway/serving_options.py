@@ -40,6 +40,7 @@ from pagoda.generation_config import FIELDS as GENERATION_FIELDS
 from pagoda.generation_config import (default_max_tokens, load_generation_defaults,
                                       parse_override)
 from pagoda.json_flag import json_object
+from pagoda.multimodal.processing import parse_limit_mm_per_prompt
 from pagoda.reasoning import get_reasoning_parser
 from pagoda.services.gateway.limits.request_limits import RequestLimits, add_limit_args
 from pagoda.services.gateway.openai.responses_api.store import (DEFAULT_MAX_BYTES,
@@ -96,6 +97,9 @@ class ServingOptions:
     tool_server: str | None = None
     # --enable-sleep-mode: serve /sleep, /wake_up and /is_sleeping (sleep/routes.py).
     enable_sleep_mode: bool = False
+    # vLLM's --limit-mm-per-prompt ({"image": N}), checked before the tokenizer loads
+    # anything (the tokenizer checks it again).
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
     _defaults: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -128,6 +132,8 @@ class ServingOptions:
         options.reasoning_parser = getattr(args, "reasoning_parser", None)
         options.tool_server = getattr(args, "tool_server", None)
         options.enable_sleep_mode = bool(getattr(args, "enable_sleep_mode", False))
+        options.limit_mm_per_prompt = parse_limit_mm_per_prompt(
+            getattr(args, "limit_mm_per_prompt", None))
         options.check_parsers()
         return options
 

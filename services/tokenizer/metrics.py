@@ -4,6 +4,12 @@
 Detokenize, and DecodeStream (one message of the streaming decoder, which carries
 deltas of many requests); `pagoda_tokenizer_tokens_total{operation}`: tokens
 encoded by Tokenize and tokens decoded by DecodeStream.
+
+Media (the service is the cluster's processor): `pagoda_tokenizer_media_fetch_seconds`
+(each http(s) image fetch, its redirects and body; a cache hit too),
+`pagoda_tokenizer_media_fetch_failures_total{reason}` (reason: the `MediaError`'s code,
+e.g. media_fetch_timeout, media_domain_not_allowed), and vLLM's multi-modal processor
+cache counters `vllm:mm_cache_queries` / `vllm:mm_cache_hits` (--mm-processor-cache-gb).
 """
 
 from __future__ import annotations
@@ -31,6 +37,29 @@ class TokenizerMetrics:
         for op in OPERATIONS:
             self.latency.labels(op)
             self.tokens.labels(op)
+        self.media_fetch = Histogram("pagoda_tokenizer_media_fetch_seconds",
+                                     "Seconds one http(s) media fetch took (cache hits too).",
+                                     buckets=[0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0,
+                                              2.5, 5.0, 10.0], registry=registry)
+        self.media_fetch_failures = Counter("pagoda_tokenizer_media_fetch_failures",
+                                            "Media fetches refused or failed, by reason.",
+                                            ["reason"], registry=registry)
+        self.mm_cache_queries = Counter("vllm:mm_cache_queries",
+                                        "Multi-modal processor cache lookups.",
+                                        registry=registry)
+        self.mm_cache_hits = Counter("vllm:mm_cache_hits",
+                                     "Multi-modal processor cache lookups that hit.",
+                                     registry=registry)
+
+    def observe_media_fetch(self, seconds: float, outcome: str) -> None:
+        """`pagoda.multimodal.media.FetchObserver`: outcome "ok", "cache_hit" or a code."""
+        self.media_fetch.observe(seconds)
+        if outcome not in ("ok", "cache_hit"):
+            self.media_fetch_failures.labels(outcome).inc()
+
+    def observe_processor_cache(self, hits: int, queries: int) -> None:
+        self.mm_cache_hits.inc(hits)
+        self.mm_cache_queries.inc(queries)
 
     @contextmanager
     def time(self, operation: str):

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
 from pagoda.config import DEFAULT_PREFIX_HASH_SEED
 from pagoda.core.block_hash import DEFAULT_HASH_ALGO
 from pagoda.engine.arg_utils import add_hub_args
+from pagoda.engine.multimodal_args import add_multimodal_cli_args
+from pagoda.json_flag import json_object
 from pagoda.services.common import startup_clock
 from pagoda.services.common.grpc_server import add_server_args, serve_sync
 from pagoda.services.common.logs import setup_logging
@@ -37,6 +40,63 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="The chat template to use instead of the model's: a file, or the "
                              "template itself (vLLM's reading).")
     add_template_limit_args(parser)
+    add_media_args(parser)
+
+
+def add_media_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's multi-modal flags; the tokenizer service is the cluster's processor (it
+    fetches media and runs the model's HF processor). See pagoda.multimodal.media for
+    what the allow-lists refuse (SSRF)."""
+    group = parser.add_argument_group("multi-modal inputs (vLLM's flags)")
+    group.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                       help="Only these hosts may be fetched for http(s) image URLs (a "
+                            "listed host may be private). Unset: any host whose addresses "
+                            "are all public; loopback, private and link-local are refused.")
+    group.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                       help="file:// image URLs are read only under this directory (unset: "
+                            "refused). A security risk: only in trusted environments.")
+    add_multimodal_cli_args(parser)  # --limit-mm-per-prompt, --mm-processor-kwargs, cache
+
+
+def media_flags(args: argparse.Namespace) -> list[str]:
+    """The media flags set, for a tokenizer child process."""
+    flags = []
+    if args.allowed_media_domains:
+        flags += ["--allowed-media-domains", *args.allowed_media_domains]
+    if args.allowed_local_media_path:
+        flags += ["--allowed-local-media-path", args.allowed_local_media_path]
+    if args.limit_mm_per_prompt:
+        flags += ["--limit-mm-per-prompt", args.limit_mm_per_prompt]
+    if args.mm_processor_kwargs:
+        flags += ["--mm-processor-kwargs", args.mm_processor_kwargs]
+    flags += ["--mm-processor-cache-gb", f"{args.mm_processor_cache_gb:g}"]
+    return flags
+
+
+def build_media(servicer, args: argparse.Namespace) -> None:
+    """Attach the cluster's processor (None for a text-only model: media are refused)."""
+    # lazy: the processor and media loaders bring PIL and transformers' image processors
+    from pagoda.model.loader import load_arch_config
+    from pagoda.multimodal.media import MediaLimits
+    from pagoda.multimodal.processing import load_mm_processor, parse_limit_mm_per_prompt
+    from pagoda.services.tokenizer.media_prompt import MediaPreprocessor
+
+    try:
+        limit = parse_limit_mm_per_prompt(args.limit_mm_per_prompt)
+    except ValueError as exc:
+        raise SystemExit(f"--limit-mm-per-prompt: {exc}") from None
+    processor = None
+    if os.path.isdir(servicer.model):
+        processor = load_mm_processor(servicer.model, servicer.tokenizer)
+    architecture = load_arch_config(servicer.model).architecture if processor is None else \
+        processor.architecture
+    limits = MediaLimits.from_flags(args.allowed_media_domains, args.allowed_local_media_path)
+    servicer.media = MediaPreprocessor(processor, architecture, servicer.model, limits, limit,
+                                       args.mm_processor_cache_gb,
+                                       json_object(args.mm_processor_kwargs,
+                                                   "--mm-processor-kwargs") or {})
+    if processor is not None:
+        logger.info("multi-modal processor of %s loaded (%s)", servicer.model, architecture)
 
 
 def add_template_limit_args(parser: argparse.ArgumentParser) -> None:
@@ -104,6 +164,7 @@ def main(args: argparse.Namespace) -> int:
                               args.chat_template, args.revision, args.tokenizer_revision,
                               args.download_dir, args.prefix_caching_hash_algo)
     servicer.template_limits = limits
+    build_media(servicer, args)
     startup_clock.mark("tokenizer load")
     serve_sync("tokenizer", args,
                [(pb_grpc.add_TokenizerServiceServicer_to_server, servicer, SERVICE_NAME)],

@@ -13,6 +13,9 @@ from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as pb_
 from pagoda.config import DEFAULT_PREFIX_HASH_SEED
 from pagoda.core.block_hash import (DEFAULT_HASH_ALGO, check_hash_algo, hash_request_tokens,
                                      request_keys)
+from pagoda.multimodal.chat_render import placeholder_texts, render_media_chat
+from pagoda.services.common.protocol.common import json_object_from_proto
+from pagoda.services.common.protocol.multimodal import features_to_proto
 from pagoda.services.common.protocol.sampling_params import decode_options_from_proto
 from pagoda.services.common.protocol.tokenizer import chat_input_from_proto
 from pagoda.services.tokenizer.metrics import timed, tokenizer_metrics
@@ -29,6 +32,9 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
     # Chat templates render within these (--chat-template-render-timeout and
     # --chat-template-max-output-chars; None: the sandbox's defaults).
     template_limits: TemplateLimits | None = None
+    # The cluster's processor for chats with media (media_prompt.MediaPreprocessor;
+    # None: media are refused).
+    media = None
 
     def __init__(self, tokenizer: Any, model: str, eos_token_ids: list[int],
                  prefix_hash_seed: str = DEFAULT_PREFIX_HASH_SEED,
@@ -52,22 +58,47 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         if request.block_size < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"block_size must not be negative, got {request.block_size}")
+        features: list = []
         try:
-            prompt, token_ids, token_type_ids = self._encode(request)
+            if request.WhichOneof("input") == "chat" and request.chat.media:
+                prompt, token_ids, features = self._encode_with_media(request)
+                token_type_ids = []
+            else:
+                prompt, token_ids, token_type_ids = self._encode(request)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:  # a template's own errors (jinja2) are the caller's input
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chat template error: {exc}")
+            what = "media processing error" if features or request.chat.media else \
+                "chat template error"
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {exc}")
         response = pb.TokenizeResponse(token_ids=token_ids, prompt=prompt,
                                        token_type_ids=token_type_ids)
-        if request.block_size > 0:
+        features_to_proto(features, response.mm_features)
+        if request.block_size > 0:  # a block a media run overlaps is keyed by its identifier
             response.block_hashes.extend(hash_request_tokens(
                 token_ids, request.block_size, self.prefix_hash_seed,
                 request_keys(request.cache_salt, request.lora_key),
-                algo=self.prefix_caching_hash_algo))
+                algo=self.prefix_caching_hash_algo, mm_features=features))
         if request.return_token_strs:
             response.token_strs.extend(self.tokenizer.convert_ids_to_tokens(token_ids))
         return response
+
+    def _encode_with_media(self, request: pb.TokenizeRequest) -> tuple[str, list[int], list]:
+        """A chat with media: render, then load the media and run the model's processor
+        (`media_prompt`): (the rendered text, the expanded ids, the features)."""
+        if self.media is None:
+            raise ValueError(f"Model {self.model!r} does not accept multi-modal data (images): "
+                             "this tokenizer service has no processor for it.")
+        chat = request.chat
+        rendering = chat_input_from_proto(chat)
+        with template_limits(self.template_limits):
+            prompt = render_media_chat(self.tokenizer, rendering.pop("messages"),
+                                       placeholder_texts(self.media.processor), **rendering)
+        kwargs = (json_object_from_proto(chat.mm_processor_kwargs)
+                  if chat.HasField("mm_processor_kwargs") else None)
+        processed = self.media.process(prompt, chat.media, kwargs, request.add_special_tokens)
+        tokenizer_metrics().tokens.labels("Tokenize").inc(len(processed.prompt_token_ids))
+        return prompt, processed.prompt_token_ids, processed.mm_features
 
     def _encode(self, request: pb.TokenizeRequest) -> tuple[str, list[int], list[int]]:
         """(the text encoded, its token ids, a text pair's token types); ValueError for

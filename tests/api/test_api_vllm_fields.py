@@ -99,7 +99,6 @@ def test_return_tokens_as_token_ids_in_chat_logprobs(client):
 @pytest.mark.parametrize("field,value", [("logits_processors", ["my.Processor"]),
                                          ("kv_transfer_params", {"do_remote_decode": True}),
                                          ("ec_transfer_params", {"x": 1}),
-                                         ("mm_processor_kwargs", {"fps": 1}),
                                          ("media_io_kwargs", {"video": {"fps": 1}}),
                                          ("request_id", "abc"), ("return_token_ids", True),
                                          ("return_prompt_text", True),
@@ -160,3 +159,13 @@ def test_reasoning_effort_is_a_chat_template_variable():
                                  chat_template_kwargs={"x": 1}).template_kwargs() == {"x": 1}
     with pytest.raises(Exception):
         ChatCompletionRequest(model=MODEL, messages=CHAT, reasoning_effort="extreme")
+
+
+def test_mm_processor_kwargs_are_served_by_chat_and_refused_by_completions(gateway):
+    reply = httpx.post(f"{gateway.url}/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": "x", "max_tokens": 1, "mm_processor_kwargs": {"fps": 1}})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "mm_processor_kwargs"
+    assert "chat API only" in reply.json()["error"]["message"]
+    reply = httpx.post(f"{gateway.url}/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": CHAT, "max_tokens": 1, "mm_processor_kwargs": {"fps": 1}})
+    assert reply.status_code == 200, reply.text  # a text-only chat: nothing to process

@@ -29,9 +29,11 @@ SUPPORTED = ["BertForSequenceClassification", "BertModel", "DeepseekV2ForCausalL
              "GptOssForCausalLM",
              "GraniteMoeHybridForCausalLM",
              "HF_ColBERT",
-             "LlamaForCausalLM", "LlamaModel", "MistralForCausalLM", "MistralModel",
+             "LlamaForCausalLM", "LlamaModel", "LlavaForConditionalGeneration",
+             "MistralForCausalLM", "MistralModel",
              "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen2Model",
-             "Qwen2MoeForCausalLM",
+             "Qwen2MoeForCausalLM", "Qwen2VLForConditionalGeneration",
+             "Qwen2_5_VLForConditionalGeneration",
              "Qwen3ForCausalLM", "Qwen3Model", "Qwen3MoeForCausalLM", "XLMRobertaModel"]
 
 

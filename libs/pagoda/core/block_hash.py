@@ -102,6 +102,14 @@ def request_keys(cache_salt: str | None, lora_key: str | None = None) -> tuple |
     return keys or None
 
 
+def mm_block_keys(mm_features: Sequence[Any], start: int, end: int) -> tuple[str, ...]:
+    """The identifiers of the media items whose placeholder runs overlap token positions
+    [start, end), in prompt order (vLLM's per-block multi-modal extra keys): a block
+    whose tokens are an image's placeholders is keyed by that image's content hash, so
+    equal placeholder tokens of different images never share KV."""
+    return tuple(f.identifier for f in mm_features if f.offset < end and start < f.offset + f.length)
+
+
 def hash_request_tokens(
     token_ids: Sequence[int],
     block_size: int,
@@ -109,15 +117,23 @@ def hash_request_tokens(
     extra_keys: Sequence[object] | None = None,
     start_hashes: Sequence[BlockHash] = (),
     algo: str = DEFAULT_HASH_ALGO,
+    mm_features: Sequence[Any] = (),
 ) -> list[BlockHash]:
     """Hashes of every full block of `token_ids` (a trailing partial block has none).
 
     `start_hashes` are already-known hashes of the leading blocks, so a growing
-    sequence only hashes its new full blocks.
+    sequence only hashes its new full blocks. `mm_features` (`MultiModalFeature`s of
+    the prompt) add, to each block they overlap, their identifiers after the request's
+    own `extra_keys`; a block no item overlaps is hashed exactly as without media.
     """
     hashes = list(start_hashes)
     parent = hashes[-1] if hashes else root_hash(seed, algo)
+    base = tuple(extra_keys) if extra_keys else ()
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra_keys, algo)
+        keys = extra_keys
+        if mm_features:
+            media = mm_block_keys(mm_features, start, start + block_size)
+            keys = (base + media) if media else extra_keys
+        parent = hash_block_tokens(parent, token_ids[start:start + block_size], keys, algo)
         hashes.append(parent)
     return hashes

@@ -76,6 +76,9 @@ class Request:
         self._hash_algo = hash_algo
         self.lora_request = core_request.lora_request
         self._extra_keys = request_keys(core_request.cache_salt, core_request.lora_key)
+        # The prompt's media items (placeholder runs, identifiers, encoder inputs): they
+        # key the blocks they overlap and travel to the worker with the request.
+        self.mm_features = list(core_request.mm_features)
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()
 
@@ -124,7 +127,7 @@ class Request:
     def _update_block_hashes(self) -> None:
         self.block_hashes = hash_request_tokens(
             self.all_token_ids, self._block_size, self._hash_seed, self._extra_keys,
-            start_hashes=self.block_hashes, algo=self._hash_algo)
+            start_hashes=self.block_hashes, algo=self._hash_algo, mm_features=self.mm_features)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, "

@@ -39,6 +39,7 @@ from typing import Iterable
 
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.encoder_budget import EncoderBudget
 from pagoda.core.kv_offload import KVOffloadIndex, KVOffloadStats
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.request_queue import SchedulingPolicy, create_request_queue
@@ -73,6 +74,9 @@ class SchedulerStats:
     # Cumulative host KV tier counters under --kv-offloading-size (None: off).
     kv_offload: KVOffloadStats | None = None
     kv_offload_disk: KVOffloadStats | None = None  # the disk tier below it (None: off)
+    # Cumulative encoder cache lookups of media items and their hits (multi-modal models).
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
 
 
 def feature_hooks(config: SchedulerConfig,
@@ -86,6 +90,8 @@ def feature_hooks(config: SchedulerConfig,
             hooks.append(ThinkingBudgetDrafts(config.reasoning_config))
     if config.max_loras is not None:
         hooks.append(LoRAGate(config.max_loras))
+    if config.max_num_encoder_input_tokens:
+        hooks.append(EncoderBudget(config.max_num_encoder_input_tokens))
     return hooks
 
 
@@ -115,6 +121,8 @@ class Scheduler:
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.encoder_cache_queries = 0  # the worker's counts, summed (SchedulerStats)
+        self.encoder_cache_hits = 0
         # Requests that ended since the last step: the worker drops their state.
         self._finished_req_ids: set[str] = set()
         self._pending_outputs: list[EngineCoreOutput] = []
@@ -125,6 +133,7 @@ class Scheduler:
         # The hooks of the per-request-per-step calls that do something (the rest are
         # the contract's no-ops). `hooks` is fixed from here on.
         self._extra_tokens_hooks = hooks_overriding(self.hooks, "extra_tokens")
+        self._limit_tokens_hooks = hooks_overriding(self.hooks, "limit_tokens")
         self._sampled_hooks = hooks_overriding(self.hooks, "on_sampled")
         self._token_hooks = hooks_overriding(self.hooks, "on_token")
         self._after_step_hooks = hooks_overriding(self.hooks, "after_step")
@@ -237,6 +246,8 @@ class Scheduler:
                 num_new = threshold
             if num_new > budget:
                 num_new = budget
+            for hook in self._limit_tokens_hooks:  # the encoder budget
+                num_new = hook.limit_tokens(request, request.num_computed_tokens, num_new)
             if num_new <= 0:
                 continue
             if hooks:
@@ -290,6 +301,12 @@ class Scheduler:
                     self.kv_offload.unpin(tier_slots)
                 break
             num_new = self._cap(num_new, budget)
+            if self._limit_tokens_hooks:
+                num_new = self._limit(request, num_hit, num_new)
+                if num_new <= 0:
+                    if tier_slots:
+                        self.kv_offload.unpin(tier_slots)
+                    break
             # The tier's blocks get fresh device blocks: the first new ones.
             new_blocks = self.kv_cache_manager.allocate_slots(
                 request, num_new, hit_blocks, num_hit, self.num_lookahead_tokens)
@@ -332,7 +349,18 @@ class Scheduler:
         return NewRequestData(
             request.request_id, request.prompt_token_ids, list(request.output_token_ids),
             request.sampling_params, self.kv_cache_manager.get_block_ids(request.request_id),
-            request.num_computed_tokens, request.pooling_params, lora_request=request.lora_request)
+            request.num_computed_tokens, request.pooling_params, lora_request=request.lora_request,
+            mm_features=request.mm_features)
+
+    def _limit(self, request: Request, num_hit: int, num_new: int) -> int:
+        """A waiting request's tokens after the features' limits (the encoder budget);
+        0 when it must wait: nothing allowed, or, without chunked prefill, less than all."""
+        wanted = num_new
+        for hook in self._limit_tokens_hooks:
+            num_new = hook.limit_tokens(request, request.num_computed_tokens + num_hit, num_new)
+        if num_new < wanted and not self.config.enable_chunked_prefill:
+            return 0
+        return num_new
 
     def _cap(self, num_new: int, budget: int) -> int:
         threshold = self.config.long_prefill_token_threshold
@@ -394,6 +422,8 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         now = time.time()
+        self.encoder_cache_queries += runner_output.num_encoder_cache_queries
+        self.encoder_cache_hits += runner_output.num_encoder_cache_hits
         self._finish_pooled(runner_output.pooler_output, outputs)
         # Bound once: this loop runs for every sampled request every step.
         requests = self.requests
@@ -488,7 +518,9 @@ class Scheduler:
         pool = self.kv_cache_manager.pool
         snapshot = SchedulerStats(len(self.running), len(self.waiting), pool.usage(),
                                   stats.queries, stats.hits, self.num_preemptions,
-                                  pool.num_blocks, pool.num_free_blocks)
+                                  pool.num_blocks, pool.num_free_blocks,
+                                  encoder_cache_queries=self.encoder_cache_queries,
+                                  encoder_cache_hits=self.encoder_cache_hits)
         if self.kv_offload is not None:
             snapshot.kv_offload = dataclasses.replace(self.kv_offload.stats)
             if self.kv_offload.disk_stats is not None:

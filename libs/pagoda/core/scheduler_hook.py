@@ -45,6 +45,12 @@ class SchedulerHook:
         this hook refused to admit may be admitted."""
 
     # ------------------------------------------------------------ planning
+    def limit_tokens(self, request: Request, start: int, num_new: int) -> int:
+        """The request would be planned tokens [start, start + num_new); how many of them
+        this feature allows this step (<= num_new; 0: none). Called once per request per
+        plan, before the KV blocks are allocated."""
+        return num_new
+
     def extra_tokens(self, request: Request, num_new: int, budget: int) -> int:
         """A running request is planned `num_new` tokens with `budget` left (its own
         tokens included); how many more this feature adds to them (<= budget - num_new)."""

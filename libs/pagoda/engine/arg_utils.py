@@ -15,6 +15,8 @@ import pagoda.envs as envs
 from pagoda.distributed.parallel_state import validate_parallel_config
 from pagoda.engine.async_steps import refuse_async_scheduling_combinations
 from pagoda.engine.hybrid_limits import check_draft_model, check_hybrid_model
+from pagoda.engine.multimodal_args import (add_multimodal_cli_args, encoder_budget,
+                                           multimodal_config, refuse_multimodal_combinations)
 from pagoda.engine.legacy_args import add_legacy_cli_args, resolve_legacy_args
 from pagoda.lora.config import LoRAConfig
 from pagoda.reasoning.budget import ReasoningConfig
@@ -110,6 +112,13 @@ class EngineArgs:
     simulated_device: dict | str | None = None
     # vLLM's --async-scheduling: plan step N+1 while step N runs (pagoda.engine.async_steps).
     async_scheduling: bool = False
+    # vLLM's multi-modal settings (pagoda.engine.multimodal_args); used by models that
+    # take images, ignored by text-only ones.
+    limit_mm_per_prompt: dict | str | None = None
+    mm_processor_kwargs: dict | str | None = None
+    mm_processor_cache_gb: float = 4.0
+    max_num_encoder_input_tokens: int | None = None
+    encoder_cache_size: int | None = None
 
     def __post_init__(self) -> None:
         self.runner, self.convert = resolve_legacy_args(
@@ -265,6 +274,7 @@ class EngineArgs:
                             default=False, help="Refused: Pagoda runs no remote code.")
         parser.add_argument("--simulated-device", default=None, metavar="JSON",
                             help=SIMULATED_DEVICE_HELP)
+        add_multimodal_cli_args(parser)
         add_legacy_cli_args(parser)
         return parser
 
@@ -354,6 +364,9 @@ class EngineArgs:
             async_scheduling=self.async_scheduling)
         refuse_async_scheduling_combinations(scheduler, self.pipeline_parallel_size,
                                              pooling.runner)
+        refuse_multimodal_combinations(self, arch, pooling.runner)
+        scheduler.max_num_encoder_input_tokens, scheduler.encoder_cache_size = encoder_budget(
+            self, arch, max_batched)
         _refuse_offloading_combinations(cache, arch, self.async_scheduling)
         names = self.served_model_name
         if isinstance(names, str):
@@ -378,7 +391,8 @@ class EngineArgs:
             logits_processors=self._logits_processors(pooling.runner),
             enable_sleep_mode=self.enable_sleep_mode,
             weight_transfer_config=_weight_transfer_config(self.weight_transfer_config),
-            simulated_device=SimulatedDeviceConfig.parse(self.simulated_device))
+            simulated_device=SimulatedDeviceConfig.parse(self.simulated_device),
+            multimodal=multimodal_config(self, arch))
 
     def _logits_processors(self, runner: str) -> tuple:
         # lazy: torch, loaded where an engine is built

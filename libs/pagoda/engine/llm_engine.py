@@ -24,6 +24,7 @@ from pagoda.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from pagoda.metrics.engine_metrics import EngineMetrics
 from pagoda.metrics.reader import Metric, get_metrics_snapshot
 from pagoda.metrics.recorder import EngineStatsRecorder
+from pagoda.multimodal.inputs import MultiModalFeature
 from pagoda.pooling_params import PREFILL_ONLY, TOKEN_TASKS, PoolingParams
 from pagoda.request_checks import check_request
 from pagoda.sampling_params import SamplingParams
@@ -51,7 +52,11 @@ class LLMEngine:
     def add_request(self, prompt: str | None, prompt_token_ids: list[int] | None,
                     params: SamplingParams | PoolingParams, request_id: str | None = None,
                     cache_salt: str | None = None, priority: int = 0,
-                    lora_request: LoRARequest | None = None) -> str:
+                    lora_request: LoRARequest | None = None,
+                    mm_features: list[MultiModalFeature] | None = None) -> str:
+        """Queue one prompt. `mm_features`: its media items, already processed with
+        `pagoda.multimodal.processing.process_prompt` (which expanded `prompt_token_ids`)."""
+        mm_features = list(mm_features or [])
         self.core.sleep.check_awake()  # before any bookkeeping: nothing to undo
         if prompt_token_ids is None:
             if prompt is None:
@@ -66,6 +71,9 @@ class LLMEngine:
             self._add_core_request(request)
             self._pooling[request_id] = (list(prompt_token_ids), params)
             return request_id
+        if mm_features and params.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens cannot be used with multi-modal data "
+                             "(it would cut an image's placeholder run)")
         prompt_token_ids, params = apply_prompt_fields(prompt_token_ids, params, self.tokenizer,
                                                        self.config.scheduler.max_model_len,
                                                        self.config.arch.vocab_size)
@@ -73,7 +81,8 @@ class LLMEngine:
         # The n children differ only in their ids and seeds: one check covers them all.
         check_request(EngineCoreRequest(request_id, list(prompt_token_ids), params, eos,
                                         cache_salt=cache_salt, priority=priority,
-                                        lora_request=lora_request), self.config)
+                                        lora_request=lora_request, mm_features=mm_features),
+                      self.config)
         parent = ParentRequest(request_id, prompt, list(prompt_token_ids), params)
         child_ids = self.output_processor.add_request(parent)
         try:  # the scheduler still refuses a duplicate id or a grammar it cannot compile
@@ -85,7 +94,8 @@ class LLMEngine:
                                                          child_params, eos,
                                                          cache_salt=cache_salt,
                                                          priority=priority,
-                                                         lora_request=lora_request))
+                                                         lora_request=lora_request,
+                                                         mm_features=mm_features))
         except ValueError:
             self.core.abort_requests(child_ids)
             for child_id in child_ids:

@@ -12,6 +12,7 @@ from pagoda.engine.llm_engine import LLMEngine
 from pagoda.entrypoints.beam_search import run_beam_search
 from pagoda.entrypoints.enqueue import QueueMethods
 from pagoda.entrypoints.llm_control import ControlMethods
+from pagoda.entrypoints.mm_prompts import OfflineMedia
 from pagoda.entrypoints.pooling import PoolingMethods
 from pagoda.entrypoints.prompts import Prompt, as_prompt_list, normalize_prompt
 from pagoda.generation_config import load_generation_defaults, parse_override
@@ -41,6 +42,7 @@ class LLM(PoolingMethods, QueueMethods, ControlMethods):
         self.llm_engine = LLMEngine(args, log_stats=not disable_log_stats)
         # vLLM's --default-chat-template-kwargs: under each call's chat_template_kwargs.
         self.default_chat_template_kwargs = dict(default_chat_template_kwargs or {})
+        self.media = OfflineMedia(self.llm_engine.config, self.llm_engine.get_tokenizer())
         self.generation_defaults = load_generation_defaults(
             self.llm_engine.config.model, args.generation_config,
             parse_override(args.override_generation_config))
@@ -68,8 +70,13 @@ class LLM(PoolingMethods, QueueMethods, ControlMethods):
         with different salts never share prefix-cache blocks). `priority`: one value per
         prompt, lower first (needs `scheduling_policy="priority"`). `lora_request`: the LoRA
         adapter of every prompt, or one per prompt (None: the base model; needs
-        `enable_lora=True`)."""
-        items = [normalize_prompt(p) for p in as_prompt_list(prompts)]
+        `enable_lora=True`). Media (vLLM's form): a dict's `multi_modal_data`
+        ({"image": PIL image, list of them, or embedding tensors / {"image_embeds": t}})
+        with one `<image>` placeholder per image in the prompt, and optional
+        `mm_processor_kwargs`."""
+        items = [self.media.from_prompt_dict(p)
+                 if isinstance(p, dict) and p.get("multi_modal_data") else normalize_prompt(p)
+                 for p in as_prompt_list(prompts)]
         return self._run(items, sampling_params, use_tqdm, priority, lora_request)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
@@ -87,8 +94,11 @@ class LLM(PoolingMethods, QueueMethods, ControlMethods):
              chat_template_kwargs: dict[str, Any] | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
              tools: list[dict[str, Any]] | None = None,
+             mm_processor_kwargs: dict[str, Any] | None = None,
              ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them;
+        image parts (vLLM's `image_url` with data:/http(s) URLs, `image_pil` with a PIL
+        image) become the model's placeholders and the prompt's images;
         `tools` (OpenAI function definitions) reach the template as the served chat
         route passes them; `chat_template_kwargs` go over the LLM's
         `default_chat_template_kwargs`."""
@@ -98,10 +108,16 @@ class LLM(PoolingMethods, QueueMethods, ControlMethods):
         tokenizer = self.get_tokenizer()
         items = []
         for conversation in conversations:
+            conversation, media = self.media.split_chat(conversation)
             ids = apply_chat_template(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
                                       continue_final_message=continue_final_message,
                                       chat_template_kwargs=chat_template_kwargs, tools=tools)
-            items.append((tokenizer.decode(ids), ids, None))
+            if media:  # image parts: expand the template's placeholders, process the images
+                text, ids, _, features = self.media.process(
+                    ids, self.media.load_media(media), mm_processor_kwargs, None)
+                items.append((tokenizer.decode(ids), ids, None, features))
+            else:
+                items.append((tokenizer.decode(ids), ids, None))
         return self._run(items, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(self, items: list[tuple[str | None, list[int] | None, str | None]],
@@ -137,9 +153,11 @@ class LLM(PoolingMethods, QueueMethods, ControlMethods):
         engine = self.llm_engine
         order: dict[str, int] = {}
         try:
-            for i, ((prompt, ids, salt), params) in enumerate(zip(items, params_list)):
+            for i, (item, params) in enumerate(zip(items, params_list)):
+                prompt, ids, salt = item[:3]
                 order[engine.add_request(prompt, ids, params, cache_salt=salt,
-                                         priority=priorities[i], lora_request=loras[i])] = i
+                                         priority=priorities[i], lora_request=loras[i],
+                                         mm_features=item[3] if len(item) > 3 else None)] = i
         except Exception:
             engine.abort_request(list(order))
             raise

@@ -78,6 +78,14 @@ class EngineMetrics:
             "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_cache_hits = counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        # The worker's encoder cache (multi-modal models): media items looked up where a
+        # step first needs their encoder rows, and those found (vLLM has no such series).
+        self.encoder_cache_queries = counter(
+            "pagoda_encoder_cache_queries",
+            "Encoder cache lookups of media items (once per request and item).")
+        self.encoder_cache_hits = counter(
+            "pagoda_encoder_cache_hits",
+            "Encoder cache lookups that found the item's encoder output.")
         self.num_preemptions = counter("vllm:num_preemptions",
                                        "Cumulative number of preemption from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
@@ -100,6 +108,7 @@ class EngineMetrics:
                                           ITERATION_TOKENS_BUCKETS)
         self._init_latency_histograms(histogram)
         self._last_queries = self._last_hits = 0
+        self._last_encoder = (0, 0)
         self._kv_offload = KVOffloadMetrics(names, values, registry)
         self._lora_info: Gauge | None = None  # log_lora_config, under --enable-lora
         self._spec: SpecDecodingMetrics | None = None  # log_spec_config
@@ -174,6 +183,10 @@ class EngineMetrics:
         self.prefix_cache_queries.inc(max(s.prefix_cache_queries - self._last_queries, 0))
         self.prefix_cache_hits.inc(max(s.prefix_cache_hits - self._last_hits, 0))
         self._last_queries, self._last_hits = s.prefix_cache_queries, s.prefix_cache_hits
+        q, h = self._last_encoder
+        self.encoder_cache_queries.inc(max(s.encoder_cache_queries - q, 0))
+        self.encoder_cache_hits.inc(max(s.encoder_cache_hits - h, 0))
+        self._last_encoder = (s.encoder_cache_queries, s.encoder_cache_hits)
         if self._lora_info is not None:
             self._record_lora(s)
         if self._spec is not None and s.spec_decoding is not None:

@@ -89,7 +89,9 @@ class ModelArchitecture:
     `ModelArchConfig.family_settings`. GGUF files carry no config.json and skip both.
     `gguf_layouts` maps each GGUF
     `general.architecture` this class runs to that format's tensor names.
-    `refuse_quantization`, when set, is why no quantization method (a quantized
+    `text_config_key` names the nested language-model config of a multi-modal model
+    (LLaVA's `text_config`): the common fields are parsed from it, the family settings
+    from the whole config.json. `refuse_quantization`, when set, is why no quantization method (a quantized
     checkpoint, or `--quantization`) can run this architecture: refused when the engine
     config is built, before any method-specific rule.
     Invariant: `hf_name` is the registry key; several entries may share a `model_cls`.
@@ -101,6 +103,7 @@ class ModelArchitecture:
     settings: type[FamilySettings] | None = None
     gguf_layouts: Mapping[str, GGUFLayout] = field(default_factory=dict)
     refuse_quantization: str | None = None
+    text_config_key: str | None = None
 
     @property
     def family(self) -> str:

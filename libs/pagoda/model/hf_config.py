@@ -81,6 +81,18 @@ def arch_config_from_hf_dir(model_dir: str) -> ModelArchConfig:
     if not architectures:
         raise ValueError(f"{model_dir}/config.json names no architecture")
     spec = MODEL_REGISTRY.resolve(architectures)
+    full_config = config
+    if spec.text_config_key:
+        # A multi-modal model nests its language model's config (`text_config`); the
+        # common fields are the language model's, the family settings read the rest.
+        text = dict(config.get(spec.text_config_key) or {})
+        text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
+        rope = text.get("rope_scaling") or {}
+        if (rope.get("type") or rope.get("rope_type")) == "mrope":
+            # Multi-axis RoPE (hub configs of Qwen2-VL): plain RoPE per position axis, its
+            # sections read by the family's settings from the whole config.
+            text["rope_scaling"] = None
+        config = {**text, "architectures": architectures}
     generation_path = os.path.join(model_dir, "generation_config.json")
     generation = _read_json(generation_path) if os.path.exists(generation_path) else {}
     num_heads = config["num_attention_heads"]
@@ -108,5 +120,6 @@ def arch_config_from_hf_dir(model_dir: str) -> ModelArchConfig:
     if spec.update_arch_config:
         arch = spec.update_arch_config(config, arch)
     if spec.settings:
-        arch = dataclasses.replace(arch, family_settings=spec.settings.from_hf_config(config, arch))
+        arch = dataclasses.replace(arch, family_settings=spec.settings.from_hf_config(full_config,
+                                                                                    arch))
     return arch

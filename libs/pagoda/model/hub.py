@@ -45,6 +45,9 @@ TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json",
 # A sentence-transformers model's pooling setup (`pagoda.model.pooler_config`): its module
 # list and configs at the root, and each module folder's config (`1_Pooling/config.json`).
 POOLING_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
+# A multi-modal model's HF processor settings (pagoda.multimodal.processing): the image
+# processor's resize/normalize config, read where prompts are processed.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 # ORG/NAME as the hub spells repo ids (letters, digits, "-", "_", "."; no "--" or "..").
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
 
@@ -192,7 +195,8 @@ def _files_to_fetch(repo_id: str, names: list[str], kind: Kind, fetch_index) -> 
     """The repo files serving reads: config and tokenizer files, and the weights."""
     root = [n for n in names if "/" not in n]
     wanted = [n for n in root if any(fnmatch.fnmatchcase(n, p)
-                                     for p in (*CONFIG_FILES, *TOKENIZER_FILES, *POOLING_FILES))]
+                                     for p in (*CONFIG_FILES, *TOKENIZER_FILES, *POOLING_FILES,
+                                               *PROCESSOR_FILES))]
     if "modules.json" in root:
         wanted += [n for n in names if n.count("/") == 1 and n.endswith("/config.json")]
     if "config.json" not in root:

@@ -8,6 +8,7 @@ from typing import Any
 
 import jinja2
 
+from pagoda.multimodal.chat_parts import PLACEHOLDER_TYPES
 from pagoda.tokenizer.chat_render import render_chat
 
 # OpenAI's roles ("developer" is the newer name of "system" for reasoning models;
@@ -146,11 +147,16 @@ def _parsed_tool_call(call: Any, where: str) -> Any:
     return {**call, "function": function}
 
 
-def _flatten_content(content: Any, where: str) -> str:
+def _flatten_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A string; or, for a content that `pagoda.multimodal.chat_parts.extract_media`
+    already turned into text parts and media placeholders ({"type": "image"}), that list
+    as it is (multimodal templates iterate over it and write the model's placeholder)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, Sequence) or isinstance(content, bytes):
         raise ValueError(f"{where} must be a string or a list of content parts.")
+    if any(isinstance(p, Mapping) and p.get("type") in PLACEHOLDER_TYPES for p in content):
+        return [dict(p) for p in content]
     texts = []
     for j, part in enumerate(content):
         part_where = f"{where}[{j}]"

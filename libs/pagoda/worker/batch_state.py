@@ -8,6 +8,7 @@ import torch
 
 from pagoda.lora.request import LoRARequest
 from pagoda.messages import NewRequestData
+from pagoda.multimodal.inputs import MultiModalFeature
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
@@ -30,12 +31,21 @@ class CachedRequestState:
     # This step's draft tokens (speculative decoding), verified after the known tokens;
     # set from each plan, never appended to `token_ids` (only emitted tokens are).
     spec_token_ids: list[int] = field(default_factory=list)
+    # The prompt's media items (placeholder runs and encoder inputs), sorted by offset.
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
+    # Identifiers of those items this request already looked up in the encoder cache
+    # (the lookup is counted once per request and item, not once per chunk).
+    mm_looked_up: set[str] = field(default_factory=set)
+    # M-RoPE models (Qwen2-VL): the prompt's [3, L] positions and the generated tokens'
+    # offset, computed once (`mm_inputs.MultiModalStepInputs.positions`).
+    mrope: tuple | None = None
 
     @classmethod
     def from_new(cls, data: NewRequestData, generator: torch.Generator | None) -> "CachedRequestState":
         state = cls(data.req_id, list(data.prompt_token_ids), list(data.output_token_ids),
                     data.sampling_params, list(data.block_ids), data.num_computed_tokens, generator,
-                    pooling_params=data.pooling_params, lora_request=data.lora_request)
+                    pooling_params=data.pooling_params, lora_request=data.lora_request,
+                    mm_features=list(data.mm_features))
         state.token_ids = state.prompt_token_ids + state.output_token_ids
         return state
 

@@ -34,8 +34,10 @@ from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.draft_model import DraftModelRunner
 from pagoda.worker import cpu_allocator
 from pagoda.worker.cuda_graphs import DecodeCUDAGraphs, cuda_graph_sizes
+from pagoda.worker.encoder_cache import EncoderCache
 from pagoda.worker.host_kv_tier import (HostKVTier, has_tier_ops, host_tier_slots,
                                        make_disk_tier)
+from pagoda.worker.mm_inputs import MultiModalStepInputs
 from pagoda.worker.pooling import pool_requests, token_type_ids
 from pagoda.worker.recurrent_state import RecurrentStateSlots, rewind_to_accepted_drafts
 
@@ -77,6 +79,8 @@ class ModelRunner:
         self.state_slots: RecurrentStateSlots | None = None
         self._recurrent_caches: list[int] = []  # their layers' indices in kv_caches
         self.host_tier: HostKVTier | None = None  # under --kv-offloading-size
+        # A multi-modal model's encoder cache and input-embedding builder (mm_inputs).
+        self.mm_inputs: MultiModalStepInputs | None = None
 
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
@@ -106,6 +110,9 @@ class ModelRunner:
         spec = self.config.scheduler.speculative_config
         if spec is not None and spec.uses_draft_model:
             self.drafter = DraftModelRunner(self.config, self.dtype, self.device)
+        if getattr(self.model, "supports_multimodal", False):
+            self.mm_inputs = MultiModalStepInputs(
+                self.model, EncoderCache(self.config.scheduler.encoder_cache_size))
         if self.config.lora is not None:
             self.lora_manager = LoRAModelManager(self.model, self.config.lora, self.device,
                                                  self.dtype)
@@ -218,6 +225,8 @@ class ModelRunner:
         """Forget every request (a restarted scheduler knows none of them)."""
         self.states.clear()
         self.generators.clear()
+        if self.mm_inputs is not None:
+            self.mm_inputs.cache.clear()
         if self.state_slots is not None:
             self.state_slots = RecurrentStateSlots(self.config.scheduler.max_num_seqs)
 
@@ -241,7 +250,9 @@ class ModelRunner:
             if inputs.num_drafts is not None:
                 inputs.attn_metadata.state_checkpoints = [d + 1 if d else 0
                                                           for d in inputs.num_drafts]
-        hidden = self._forward(inputs)
+        embeds = (self.mm_inputs.prepare(self.states, inputs)
+                  if self.mm_inputs is not None else None)
+        hidden = self._forward(inputs, embeds)
         prompt_logprobs = self._prompt_logprobs(inputs, hidden, scheduler_output.num_scheduled_tokens)
         sampled, logprobs = self._sample(inputs, hidden)
         if inputs.attn_metadata.state_checkpoints is not None:
@@ -250,8 +261,13 @@ class ModelRunner:
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             self.states[req_id].num_computed_tokens += n
         drafts = self._draft(inputs, sampled) if self.drafter is not None else {}
-        return ModelRunnerOutput(inputs.req_ids, sampled, logprobs, prompt_logprobs, pooled,
-                                 drafts)
+        output = ModelRunnerOutput(inputs.req_ids, sampled, logprobs, prompt_logprobs, pooled,
+                                   drafts)
+        if self.mm_inputs is not None:
+            self.mm_inputs.release(self.states)
+            output.num_encoder_cache_queries, output.num_encoder_cache_hits = \
+                self.mm_inputs.cache.take_counts()
+        return output
 
     def _draft(self, inputs: ModelInputs, sampled: list[list[int]]) -> dict[str, list[int]]:
         """The draft model's KV for this step's tokens, then its proposals for the
@@ -270,8 +286,15 @@ class ModelRunner:
                 wanted.append((req_id, state.token_ids, state.block_ids))
         return self.drafter.propose(wanted) if wanted else {}
 
-    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+    def _forward(self, inputs: ModelInputs, inputs_embeds: torch.Tensor | None = None
+                 ) -> torch.Tensor:
         md = inputs.attn_metadata
+        if self.mm_inputs is not None and self.mm_inputs.uses_mrope:  # 3-D positions, eager
+            return self.model(inputs.input_ids, self.mm_inputs.positions(self.states, inputs),
+                              self.kv_caches, md, inputs_embeds=inputs_embeds)
+        if inputs_embeds is not None:  # media rows in the step: eager, from embeddings
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, md,
+                              inputs_embeds=inputs_embeds)
         if self.is_encoder:
             return self.model(inputs.input_ids, inputs.positions, self.kv_caches, md,
                               token_type_ids=token_type_ids(self.states, inputs))

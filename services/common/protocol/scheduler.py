@@ -25,6 +25,7 @@ from pagoda.services.common.protocol.common import (
 )
 from pagoda.pooling_params import PREFILL_ONLY
 from pagoda.services.common.protocol.kv_transfer import kv_params_from_proto, kv_params_to_proto
+from pagoda.services.common.protocol.multimodal import features_from_proto, features_to_proto
 from pagoda.services.common.protocol.pooling_params import (
     pooled_data_from_proto,
     pooled_data_to_proto,
@@ -65,12 +66,13 @@ def request_to_proto(req: EngineCoreRequest) -> pb.GenerateRequest:
         kv_params_to_proto(req.kv_transfer_params, msg.kv_transfer_params)
     if req.lora_request is not None:
         lora_request_to_proto(req.lora_request, msg.lora_request)
+    features_to_proto(req.mm_features, msg.mm_features)
     return msg
 
 
 def request_from_proto(msg: pb.GenerateRequest) -> EngineCoreRequest:
     """The sampling params are not validated here (the scheduler's request check does,
-    once); a malformed LoRA request raises ValueError."""
+    once); a malformed LoRA request or media feature raises ValueError."""
     pooling = msg.HasField("pooling_params")
     return EngineCoreRequest(
         request_id=msg.request_id,
@@ -86,6 +88,7 @@ def request_from_proto(msg: pb.GenerateRequest) -> EngineCoreRequest:
                             if msg.HasField("kv_transfer_params") else None),
         lora_request=(lora_request_from_proto(msg.lora_request)
                       if msg.HasField("lora_request") else None),
+        mm_features=features_from_proto(msg.mm_features, len(msg.prompt_token_ids)),
     )
 
 

@@ -12,10 +12,13 @@ fields, in `sampling_params`.)
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pagoda import envs
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as pb
 from pagoda.services.common.protocol.common import json_object_from_proto, json_object_to_proto
 
@@ -24,11 +27,18 @@ def chat_input_to_proto(messages: Sequence[Mapping[str, Any]], add_generation_pr
                         continue_final_message: bool,
                         chat_template_kwargs: Mapping[str, Any] | None = None,
                         tools: Sequence[Mapping[str, Any]] | None = None,
-                        documents: Sequence[Mapping[str, Any]] | None = None) -> pb.ChatInput:
-    """`messages` are normalized (content a string or None; see tokenizer.chat).
+                        documents: Sequence[Mapping[str, Any]] | None = None,
+                        media: Sequence[pb.MediaInput] = (),
+                        mm_processor_kwargs: Mapping[str, Any] | None = None) -> pb.ChatInput:
+    """`messages` are normalized (content a string, None, or for a message with media
+    its text parts and placeholders; see tokenizer.chat and multimodal.chat_parts);
+    `media` are the items the placeholders stand for, in prompt order.
     Raises ValueError naming the field for a value of the wrong type."""
     msg = pb.ChatInput(add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message)
+    msg.media.extend(media)
+    if mm_processor_kwargs:
+        _json(mm_processor_kwargs, msg.mm_processor_kwargs, "mm_processor_kwargs")
     if chat_template_kwargs:
         _json(chat_template_kwargs, msg.chat_template_kwargs, "chat_template_kwargs")
     for i, m in enumerate(messages):
@@ -56,10 +66,37 @@ def chat_input_from_proto(msg: pb.ChatInput) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- to the wire
+def media_inputs(refs: Sequence[Any]) -> list[pb.MediaInput]:
+    """`pagoda.multimodal.chat_parts.MediaRef`s -> the tokenizer's MediaInputs: a URL as
+    it is, image_embeds base64-decoded (size-capped). ValueError naming the part."""
+    out = []
+    for ref in refs:
+        if ref.source == "url":
+            out.append(pb.MediaInput(modality=ref.modality, url=ref.value))
+            continue
+        max_bytes = envs.get("PAGODA_MEDIA_MAX_BYTES")
+        if len(ref.value) * 3 // 4 > max_bytes + 3:
+            raise ValueError(f"{ref.where}.image_embeds is larger than the limit of "
+                             f"{max_bytes} bytes.")
+        try:
+            data = base64.b64decode(ref.value, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError(f"{ref.where}.image_embeds is not valid base64.") from None
+        out.append(pb.MediaInput(modality=ref.modality, embeds=data))
+    return out
+
+
 def _add_message(item: pb.ChatMessage, m: Mapping[str, Any], where: str) -> None:
     item.role = m["role"]
-    if m.get("content") is not None:
-        item.content = m["content"]
+    content = m.get("content")
+    if isinstance(content, list):  # text parts and media placeholders, in order
+        for part in content:
+            if part.get("type") == "text":
+                item.parts.add(text=_string(part.get("text"), f"{where}.content"))
+            else:
+                item.parts.add(media=part["type"])
+    elif content is not None:
+        item.content = content
     for key in ("name", "tool_call_id"):
         if m.get(key) is not None:
             setattr(item, key, _string(m[key], f"{where}.{key}"))
@@ -134,6 +171,9 @@ def _string(value: Any, where: str) -> str:
 def _message_dict(m: pb.ChatMessage) -> dict[str, Any]:
     item: dict[str, Any] = {"role": m.role,
                             "content": m.content if m.HasField("content") else None}
+    if m.parts:
+        item["content"] = [{"type": "text", "text": p.text} if p.WhichOneof("part") == "text"
+                           else {"type": p.media} for p in m.parts]
     for key in ("name", "tool_call_id"):
         if m.HasField(key):
             item[key] = getattr(m, key)

@@ -18,6 +18,8 @@ from pagoda.pooling_params import PREFILL_ONLY
 from pagoda.services.common.protocol.common import (logprobs_from_proto, logprobs_to_proto,
                                                     lora_request_from_proto,
                                                     lora_request_to_proto)
+from pagoda.services.common.protocol.multimodal import (features_from_proto,
+                                                        features_to_encode, features_to_proto)
 from pagoda.services.common.protocol.pooling_params import (pooled_data_from_proto,
                                                             pooled_data_to_proto,
                                                             pooling_params_from_proto,
@@ -54,6 +56,9 @@ def scheduler_output_to_proto(out: SchedulerOutput) -> pb.SchedulerOutput:
         )
         if new.lora_request is not None:
             lora_request_to_proto(new.lora_request, added.lora_request)
+        if new.mm_features:
+            features_to_proto(features_to_encode(new.mm_features, new.num_computed_tokens),
+                              added.mm_features)
         if new.pooling_params is not None:  # a pooling request: never sampled
             pooling_params_to_proto(new.pooling_params, added.pooling_params)
         else:
@@ -98,6 +103,7 @@ def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
                             if m.HasField("pooling_params") else None),
             lora_request=(lora_request_from_proto(m.lora_request)
                           if m.HasField("lora_request") else None),
+            mm_features=features_from_proto(m.mm_features, len(m.prompt_token_ids)),
         )
         for m in msg.scheduled_new_reqs
     ]
@@ -146,7 +152,9 @@ def grammar_bitmask_from_bytes(data: bytes, num_rows: int) -> np.ndarray | None:
 
 
 def model_runner_output_to_proto(out: ModelRunnerOutput) -> pb.ModelRunnerOutput:
-    msg = pb.ModelRunnerOutput(req_ids=out.req_ids)
+    msg = pb.ModelRunnerOutput(req_ids=out.req_ids,
+                               num_encoder_cache_queries=out.num_encoder_cache_queries,
+                               num_encoder_cache_hits=out.num_encoder_cache_hits)
     for tokens in out.sampled_token_ids:
         msg.sampled_token_ids.add(token_ids=tokens)
     for req_id, lists in out.logprobs.items():
@@ -168,4 +176,6 @@ def model_runner_output_from_proto(msg: pb.ModelRunnerOutput) -> ModelRunnerOutp
         prompt_logprobs={k: logprobs_from_proto(v) for k, v in msg.prompt_logprobs.items()},
         pooler_output={k: pooled_data_from_proto(v) for k, v in msg.pooler_output.items()},
         draft_token_ids={k: list(v.token_ids) for k, v in msg.draft_token_ids.items()},
+        num_encoder_cache_queries=msg.num_encoder_cache_queries,
+        num_encoder_cache_hits=msg.num_encoder_cache_hits,
     )

@@ -16,13 +16,14 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pagoda.request_checks as request_checks
 from pagoda.lora.request import LoRARequest
 from pagoda.messages import EngineCoreRequest
 from pagoda.services.gateway.disagg.prefill_decode import disaggregation_of
 from pagoda.services.gateway.errors import APIError
+from pagoda.services.gateway.multimodal.chat_media import PD_REFUSAL
 from pagoda.services.gateway.generation.choices import ChoiceDelta, merge_choices, stream_choice
 from pagoda.services.gateway.generation.migration import DEFAULT_MIGRATION_LIMIT, Migration
 from pagoda.services.gateway.openai.completion_bodies import Usage
@@ -40,6 +41,9 @@ class Prompt:
     # Its prefix-cache block hashes, when routing asked the tokenizer for them along
     # with the tokenization (None otherwise: the router hashes ids itself if it must).
     block_hashes: list[bytes] | None = None
+    # Its media items (a chat with images), from the tokenizer: the scheduler keys
+    # blocks by their identifiers and the worker encodes their data.
+    mm_features: list = field(default_factory=list)
 
 
 def new_request_id(prefix: str, base: str | None = None) -> str:
@@ -120,7 +124,9 @@ class Generation:
                     request_id=f"{engine_id}-{p_idx}-{i}", prompt_token_ids=prompt.token_ids,
                     sampling_params=choice_params, eos_token_ids=eos, arrival_time=now,
                     cache_salt=body.cache_salt, priority=body.priority,
-                    lora_request=lora_request))
+                    lora_request=lora_request, mm_features=prompt.mm_features))
+        if any(p.mm_features for p in prompts) and disaggregation_of(peers).is_enabled():
+            raise APIError(PD_REFUSAL, param="messages")
 
     @property
     def num_choices(self) -> int:

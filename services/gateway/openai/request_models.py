@@ -54,7 +54,7 @@ class _Body(BaseModel):
     def _log_ignored_fields(cls, data, handler):
         """vLLM's behaviour for fields it does not know: a warning, never a 400; vLLM's
         own fields that Pagoda does not serve are a 400 (vllm_only_fields.py)."""
-        refuse_unserved(data, cls.vllm_unserved)
+        refuse_unserved(data, cls.vllm_unserved, own_fields=cls.model_fields)
         if "repetition_detection" in cls.model_fields:
             data = fold_repetition_fields(data)
         result = handler(data)
@@ -272,6 +272,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: keyword arguments for the model's HF processor (a chat with images).
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

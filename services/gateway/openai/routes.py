@@ -30,6 +30,7 @@ from pagoda.services.gateway.openai.request_models import (ChatCompletionRequest
 from pagoda.services.gateway.openai.tools import plan_tools
 from pagoda.services.gateway.state import GatewayState
 from pagoda.tokenizer.chat import normalize_messages
+from pagoda.services.gateway.multimodal.chat_media import received_features, split_media
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -110,12 +111,20 @@ async def start_chat(state: GatewayState, body: ChatCompletionRequest, request: 
     output = chat_output(state, body)
     messages, chat = chat_input(body.messages, body.add_generation_prompt,
                                 body.continue_final_message, body.template_kwargs(),
-                                body.tools, body.documents)
-    reply = await tokenize(state, tpb.TokenizeRequest(
-        chat=chat, block_size=state.peers.routing_block_size(), cache_salt=body.cache_salt or "",
-        add_special_tokens=body.add_special_tokens, lora_key=lora.cache_key if lora else ""))
+                                body.tools, body.documents, state.options.limit_mm_per_prompt,
+                                body.mm_processor_kwargs)
+    try:
+        reply = await tokenize(state, tpb.TokenizeRequest(
+            chat=chat, block_size=state.peers.routing_block_size(),
+            cache_salt=body.cache_salt or "", add_special_tokens=body.add_special_tokens,
+            lora_key=lora.cache_key if lora else ""))
+    except APIError as exc:  # a media item's refusal (loading, processor) names messages
+        if chat.media and exc.status == 400 and exc.param is None:
+            exc.param = "messages"
+        raise
     rid, unique = _request_id(request, id_prefix)
-    prompt = Prompt(list(reply.token_ids), reply.prompt, _hashes(reply))
+    prompt = Prompt(list(reply.token_ids), reply.prompt, _hashes(reply),
+                    received_features(reply))
     output.prompt = reply.prompt  # where the template left the thinking block
     await apply_prompt_fields(state, body, [prompt], tokenize)  # truncation, bad words
     requested = body.requested_max_tokens()
@@ -164,16 +173,20 @@ def _renderer_args(head: ResponseHeader, fmt: LogprobsFormat, gen: Generation,
 
 def chat_input(messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
                chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
-               documents: list[dict] | None = None) -> tuple[list[dict], tpb.ChatInput]:
+               documents: list[dict] | None = None,
+               limit_mm_per_prompt: dict[str, int] | None = None,
+               mm_processor_kwargs: dict | None = None) -> tuple[list[dict], tpb.ChatInput]:
     """(the normalized messages, the tokenizer's typed chat input); a 400 naming the
     field (messages, tools, chat_template_kwargs) for invalid input. Tool-call
     arguments travel as the client's JSON string: the tokenizer parses them once, where
-    the template reads them (its verdict on invalid JSON is the request's 400)."""
+    the template reads them (its verdict on invalid JSON is the request's 400). Image
+    parts become placeholders and MediaInputs (multimodal/chat_media.py)."""
     try:
-        messages = normalize_messages(messages, parse_arguments=False)
+        with_media, media = split_media(messages, limit_mm_per_prompt)
+        messages = normalize_messages(with_media.messages, parse_arguments=False)
         return messages, chat_input_to_proto(messages, add_generation_prompt,
                                              continue_final_message, chat_template_kwargs, tools,
-                                             documents)
+                                             documents, media, mm_processor_kwargs)
     except ValueError as exc:
         param = re.match(r"\w+", str(exc))
         raise APIError(str(exc), param=param.group(0) if param else "messages") from None

@@ -25,7 +25,7 @@ vLLM's flat repetition-detection fields are folded into `repetition_detection`
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from pagoda.services.gateway.errors import APIError
 
@@ -37,8 +37,9 @@ UNSERVED = {
     "ec_transfer_params": "this server has no encoder-cache disaggregation",
     "logits_processors": "per-request processors are not loaded; start the server with "
                          "--logits-processors and pass arguments in vllm_xargs",
-    "mm_processor_kwargs": "this server takes text input only",
-    "media_io_kwargs": "this server takes text input only",
+    "mm_processor_kwargs": "images (and their processor arguments) are taken by the chat API "
+                           "only, as image_url parts",
+    "media_io_kwargs": "media loading options are set by the server (VLLM_MEDIA_* variables), not per request",
     "prompt_embeds": "this server takes token ids or text only",
     "request_id": "send the X-Request-Id header instead",
     "return_token_ids": "use return_tokens_as_token_ids with logprobs",
@@ -92,12 +93,17 @@ _REPETITION_FIELDS = {"max_repetition_pattern_size": "max_pattern_size",
 
 
 def refuse_unserved(data: Any, unserved: Mapping[str, str] = UNSERVED,
-                    served: Mapping[str, tuple[Any, ...]] = SERVED_VALUES) -> None:
+                    served: Mapping[str, tuple[Any, ...]] = SERVED_VALUES,
+                    own_fields: Collection[str] = ()) -> None:
     """A 400 for the first vLLM field of `unserved` that a request body sets to a value
-    Pagoda does not give (null, or one of its `served` values, is as good as absent)."""
+    Pagoda does not give (null, or one of its `served` values, is as good as absent);
+    `own_fields`: the request model's own fields, which one API serves though another
+    does not (mm_processor_kwargs: chat only)."""
     if not isinstance(data, dict):
         return
     for name, instead in unserved.items():
+        if name in own_fields:
+            continue
         value = data.get(name)
         # bool is an int (`0 == False`), so the types must match too.
         if value is None or any(type(value) is type(v) and value == v

@@ -27,14 +27,14 @@ def test_a_vllm_flag_pagoda_lacks_is_named_with_the_reason():
     # As a user would run it: the console script, its stderr and exit code.
     out = subprocess.run([sys.executable, "-m", "pagoda.services.cli.main", "serve",
                           "meta-llama/Llama-3.1-8B-Instruct", "--cpu-offload-gb", "4",
-                          "--limit-mm-per-prompt", "{}", "--made-up-flag=3"],
+                          "--tool-parser-plugin", "p.py", "--made-up-flag=3"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert lines[0].startswith("pagoda serve: error: --cpu-offload-gb (a vLLM flag) is "
                                "not supported by Pagoda: weight offloading is not implemented")
-    assert lines[1].startswith("pagoda serve: error: --limit-mm-per-prompt (a vLLM flag) is "
-                               "not supported by Pagoda: Pagoda serves text-only models")
+    assert lines[1].startswith("pagoda serve: error: --tool-parser-plugin (a vLLM flag) is "
+                               "not supported by Pagoda: parser plugins are not loaded")
     assert lines[2] == ("pagoda serve: error: --made-up-flag is not supported by Pagoda: "
                         "pagoda serve has no such flag (see `pagoda serve --help`).")
     assert "usage:" not in out.stderr

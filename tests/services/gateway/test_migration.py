@@ -224,3 +224,44 @@ def test_a_replica_that_stops_answering_loses_its_choice_to_another(gateway, scr
     finally:
         for replica in replicas:
             replica.released.set()
+
+
+class ImageTokenizer(TokenizerServicer):
+    """The real servicer, with the media step scripted: a chat with an image becomes the
+    rendered prompt plus a 4-token run carrying one small typed tensor (what the model's
+    processor would return), so migration can be checked without a vision model."""
+
+    def _encode_with_media(self, request):
+        import torch  # lazy: only this scripted media step builds a tensor
+
+        from pagoda.multimodal.inputs import MultiModalFeature
+        ids = [5, 6] + [7] * 4 + [8]
+        pixels = torch.arange(12, dtype=torch.float32).reshape(3, 2, 2)
+        return "prompt", ids, [MultiModalFeature("image", "ab" * 32, 2, 4,
+                                                 {"pixel_values": pixels})]
+
+
+def test_a_migrated_request_carries_its_image_features(grpc_server_factory, smollm2_tokenizer,
+                                                       script):
+    tokenizer = grpc_server_factory(tpb_grpc.add_TokenizerServiceServicer_to_server,
+                                    ImageTokenizer(smollm2_tokenizer, "m", [EOS]))
+    replicas = [ScriptReplica(name, script, fail_at=5, reason="replica_failed")
+                for name in "ab"]
+    addresses = [grpc_server_factory(spb_grpc.add_SchedulerServiceServicer_to_server,
+                                     r).address for r in replicas]
+    server = AppServer(create_app(tokenizer.address, addresses, router="round_robin"),
+                       ready=lambda url: _all_routable(url, 2))
+    try:
+        reply = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                {"type": "text", "text": "What is it?"}]}], "max_tokens": 12})
+        assert reply.status_code == 200, reply.text
+    finally:
+        server.stop()
+    [resumed] = [r for replica in replicas for r in replica.resumed()]
+    first = next(r for replica in replicas for r in replica.requests
+                 if r.request_id == resumed.request_id.rsplit(".m", 1)[0])
+    assert len(first.mm_features) == 1
+    assert len(first.mm_features[0].data.tensors["pixel_values"].data) == 48  # 12 float32
+    assert list(resumed.mm_features) == list(first.mm_features)  # pixels, run, identifier

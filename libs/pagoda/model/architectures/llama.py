@@ -70,11 +70,16 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], md: AttentionMetadata,
-                intermediate: IntermediateTensors | None = None
+                intermediate: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None
                 ) -> torch.Tensor | IntermediateTensors:
         """hidden [T, hidden] after the final norm on the last stage; the stage's
-        IntermediateTensors elsewhere. Stages after the first take `intermediate`."""
-        if self.embed_tokens is not None:
+        IntermediateTensors elsewhere. Stages after the first take `intermediate`.
+        `inputs_embeds` [T, hidden] replaces the embedding lookup (a multi-modal model's
+        text embeddings with its encoder rows scattered in)."""
+        if inputs_embeds is not None:
+            hidden, residual = inputs_embeds, None
+        elif self.embed_tokens is not None:
             hidden, residual = self.embed(input_ids), None
         else:
             hidden, residual = intermediate
