@@ -123,3 +123,12 @@ def test_preemption_keeps_the_m_rope_positions(qwen2_vl_dir):
     outs = tight.generate(prompts, params, use_tqdm=False)
     assert tight.llm_engine.core.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in roomy]
+
+
+def test_the_default_encoder_budget_fits_the_largest_image(qwen2_vl_dir):
+    """max_pixels 48*48 over (6 * 2)**2 pixels per token: 16 tokens, above the 8-token
+    step budget, so the encoder budget (and its cache) default to 16."""
+    from pagoda.engine.arg_utils import EngineArgs
+    config = EngineArgs(model=qwen2_vl_dir, max_num_batched_tokens=8).create_engine_config()
+    assert config.scheduler.max_num_encoder_input_tokens == 16
+    assert config.scheduler.encoder_cache_size == 16

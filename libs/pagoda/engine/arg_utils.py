@@ -366,7 +366,7 @@ class EngineArgs:
                                              pooling.runner)
         refuse_multimodal_combinations(self, arch, pooling.runner)
         scheduler.max_num_encoder_input_tokens, scheduler.encoder_cache_size = encoder_budget(
-            self, arch, max_batched)
+            self, arch, max_batched, model_path)
         _refuse_offloading_combinations(cache, arch, self.async_scheduling)
         names = self.served_model_name
         if isinstance(names, str):
