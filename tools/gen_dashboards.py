@@ -163,6 +163,29 @@ def cache_and_routing() -> Dashboard:
                [(hit_rate.format(by="", m=M, r=RATE), "all replicas"),
                 (hit_rate.format(by=" by (instance)", m=M, r=RATE), "{{instance}}")],
                "percentunit", "Prompt tokens found cached / prompt tokens looked up.")],
+        [Panel("KV offload tiers: hit rate",
+               [(f"{rate('pagoda_kv_offload_hits_total', by='tier')} / "
+                 f"{rate('pagoda_kv_offload_queries_total', by='tier')}", "{{tier}}")],
+               "percentunit",
+               "Blocks onloaded from a tier / blocks looked up there (--kv-offloading-size: "
+               "cpu, device misses; --kv-offloading-disk-path: disk, host misses)."),
+         Panel("KV offload tiers: blocks/s",
+               [(rate("pagoda_kv_offload_hits_total", by="tier"), "{{tier}} hits"),
+                (rate("pagoda_kv_offload_queries_total", by="tier"), "{{tier}} queries"),
+                (rate("pagoda_kv_offload_evictions_total", by="tier"), "{{tier}} evictions")],
+               "short", "Evictions: blocks a full tier dropped (the host tier's go to disk "
+                        "when there is one).")],
+        [Panel("KV offload tiers: bytes/s",
+               [(rate("pagoda_kv_offload_bytes_total", by="tier, direction"),
+                 "{{tier}} {{direction}}")], "Bps",
+               "offload: into the tier (disk: spilled from the host tier); onload: back "
+               "into the device cache."),
+         Panel("KV offload tiers: onload time per step",
+               quantiles("pagoda_kv_offload_onload_seconds", "", by="tier", qs=(0.5, 0.99))
+               + [(rate("pagoda_kv_offload_failed_onloads_total", "", "tier"),
+                   "{{tier}} failed onloads/s")], "s",
+               "The worker's copies from a tier into the device cache in one step, checks "
+               "included. A failed onload (checksum, missing record) is recomputed.")],
         [Panel("Routing decisions/s by replica",
                [(rate("pagoda_router_decisions_total", "", "policy, replica"),
                  "{{policy}} -> {{replica}}")], "reqps"),

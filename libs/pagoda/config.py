@@ -201,6 +201,10 @@ class CacheConfig:
     # pagoda.worker.host_kv_tier). 0: off.
     kv_offloading_size: float = 0.0
     kv_offloading_backend: str = "native"
+    # A disk tier below the host tier (pagoda.worker.disk_kv_tier): blocks the host tier
+    # evicts are written under this directory, at most this many GiB. None / 0: off.
+    kv_offloading_disk_path: str | None = None
+    kv_offloading_disk_size: float = 0.0
 
 
 @dataclass

@@ -62,6 +62,9 @@ POINTS = {
     # RankWorker.execute_model (pagoda.worker.rank_worker), on every rank of a worker
     # group, before the step: fail = that rank raises InjectedFault (the group is rebuilt).
     "rank.step": "worker-group rank, a step about to run",
+    # gpu-worker disk KV tier (pagoda.worker.disk_kv_tier), before a record is written:
+    # fail = the write raises ENOSPC (a full disk; the block is then not on disk).
+    "kv_disk.write": "gpu-worker, a KV block about to be written to the disk tier",
 }
 # The context keys each point's caller passes to `check`. A fault naming one fires only
 # on calls with that value; a fault naming a context key its point lacks is refused.

@@ -221,6 +221,21 @@ class KVOnload:
     slot: int
     block_id: int
     block_hash: bytes
+    # "cpu": from host slot `slot`; "disk": from the disk tier's record of
+    # `block_hash` (`slot` unused, -1), verified the same way (vLLM's KV event medium).
+    medium: str = "cpu"
+
+
+@dataclass
+class KVSpill:
+    """Write host-tier slot `slot` (expected to hold `block_hash`) to the disk tier
+    before this step's offloads reuse the slot (pagoda.worker.disk_kv_tier). With
+    `block_id` >= 0 the bytes come from that device block instead (its KV written in
+    an earlier step): the host tier took and lost the block within this one step."""
+
+    slot: int
+    block_hash: bytes
+    block_id: int = -1
 
 
 @dataclass
@@ -253,6 +268,11 @@ class SchedulerOutput:
     # forward, offloads first (their device blocks are reused by this step), then onloads.
     kv_offloads: list[KVOffload] = field(default_factory=list)
     kv_onloads: list[KVOnload] = field(default_factory=list)
+    # The disk tier (--kv-offloading-disk-path), run before the offloads: host slots
+    # written to disk (the host tier evicted them), then disk records deleted (the disk
+    # tier evicted them). Disk onloads are `kv_onloads` with medium "disk".
+    kv_spills: list[KVSpill] = field(default_factory=list)
+    kv_disk_drops: list[bytes] = field(default_factory=list)
 
     @classmethod
     def empty(cls) -> "SchedulerOutput":

@@ -8,10 +8,12 @@ time minus this is the plan's round trip and (de)serialization.
 down and built again after a rank died or failed a step (executor/group.py; vLLM
 has no such metric). It moving at all is worth a look; a crash loop ends the worker.
 
-`pagoda_kv_offload_onload_seconds`: one step's copies from the host KV tier into the
-device cache (--kv-offloading-size), checksums included; observed for each step
-that onloads. `pagoda_kv_offload_failed_onloads_total`: blocks whose host copy failed
-its hash or checksum, recomputed instead (the answer is the same).
+`pagoda_kv_offload_onload_seconds{tier}`: one step's copies from a KV tier into the
+device cache (--kv-offloading-size: tier="cpu"; --kv-offloading-disk-path: "disk",
+the file reads included), checksums included; observed for each step that onloads
+from that tier. `pagoda_kv_offload_failed_onloads_total{tier}`: blocks whose copy
+failed its hash or checksum (or, on disk, was missing or foreign), recomputed instead
+(the answer is the same).
 """
 
 from __future__ import annotations
@@ -33,24 +35,33 @@ class WorkerMetrics:
                                       "Times the worker group was rebuilt after a rank "
                                       "failed.", registry=registry)
         self.onload_seconds = Histogram("pagoda_kv_offload_onload_seconds",
-                                        "Seconds one step spent onloading KV blocks from the "
-                                        "host tier.", buckets=STEP_BUCKETS, registry=registry)
+                                        "Seconds one step spent onloading KV blocks from a "
+                                        "tier.", ["tier"], buckets=STEP_BUCKETS,
+                                        registry=registry)
         self.failed_onloads = Counter("pagoda_kv_offload_failed_onloads",
-                                      "KV blocks whose host-tier copy failed its checksum "
-                                      "and were recomputed.", registry=registry)
-        self._last_tier: tuple[int, float, int] = (0, 0.0, 0)
+                                      "KV blocks whose tier copy failed its checks and were "
+                                      "recomputed.", ["tier"], registry=registry)
+        self._last = {"cpu": (0, 0.0, 0), "disk": (0, 0.0, 0)}
+        for tier in self._last:  # exported at 0 from start-up: a rate has a baseline
+            self.failed_onloads.labels(tier)
 
     def observe_host_tier(self, tier) -> None:
         """After a step: the host tier's onloads of that step (`HostKVTier.stats`)."""
         if tier is None:
             return
         s = tier.stats
-        blocks, seconds, failed = self._last_tier
-        if s.onloaded_blocks + s.failed_onloads > blocks + failed:
-            self.onload_seconds.observe(s.onload_seconds - seconds)
-        if s.failed_onloads > failed:
-            self.failed_onloads.inc(s.failed_onloads - failed)
-        self._last_tier = (s.onloaded_blocks, s.onload_seconds, s.failed_onloads)
+        self._observe("cpu", (s.onloaded_blocks, s.onload_seconds, s.failed_onloads))
+        if tier.disk is not None:
+            d = tier.disk.stats
+            self._observe("disk", (d.read_blocks, d.read_seconds, d.failed_reads))
+
+    def _observe(self, name: str, now: tuple[int, float, int]) -> None:
+        blocks, seconds, failed = self._last[name]
+        if now[0] + now[2] > blocks + failed:
+            self.onload_seconds.labels(name).observe(now[1] - seconds)
+        if now[2] > failed:
+            self.failed_onloads.labels(name).inc(now[2] - failed)
+        self._last[name] = now
 
 
 @one_per_process

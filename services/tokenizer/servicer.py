@@ -68,7 +68,9 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:  # a template's own errors (jinja2) are the caller's input
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chat template error: {exc}")
+            what = "media processing error" if features or request.chat.media else \
+                "chat template error"
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {exc}")
         response = pb.TokenizeResponse(token_ids=token_ids, prompt=prompt,
                                        token_type_ids=token_type_ids)
         features_to_proto(features, response.mm_features)

@@ -188,3 +188,53 @@ def test_chat_limits_apply(client):
         client.messages.create(model=MODEL, max_tokens=4, messages=HELLO, tools=[
             {"name": "deep", "input_schema": nested}])
     assert "nested more than" in info.value.body["error"]["message"]
+
+
+CLOCK = {"name": "get_time", "description": "The local time in a city.",
+         "input_schema": {"type": "object", "additionalProperties": False, "required": ["city"],
+                          "properties": {"city": {"type": "string",
+                                                  "enum": ["Paris", "Tokyo", "Lima"]}}}}
+
+
+def test_sdk_runs_a_three_turn_tool_conversation(client):
+    """The Done-when conversation through the anthropic SDK: two tool_use turns, each
+    answered with a tool_result, then the final text; the second turn streamed. The
+    random model cannot decide to call a tool, so the tool turns force one (tool_choice
+    "tool": structured outputs write a valid input); the last turn leaves the choice to
+    the model (no parser on this cluster: text)."""
+    tools = [WEATHER, CLOCK]
+    messages: list[dict] = [{"role": "user", "content": "Weather and time in Paris?"}]
+    first = greedy(client, max_tokens=64, messages=messages, tools=tools,
+                   tool_choice={"type": "tool", "name": "get_weather"})
+    assert first.stop_reason == "tool_use"
+    (weather,) = [b for b in first.content if b.type == "tool_use"]
+    assert weather.name == "get_weather" and weather.input["city"] in ("Paris", "Tokyo", "Lima")
+    messages += [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": weather.id,
+                                               "content": "Sunny, 21 C."}]}]
+
+    with client.messages.stream(model=MODEL, max_tokens=64, extra_body=GREEDY, tools=tools,
+                                messages=messages,
+                                tool_choice={"type": "tool", "name": "get_time"}) as stream:
+        kinds = [e.type for e in stream]
+        second = stream.get_final_message()
+    assert "content_block_delta" in kinds and kinds[-1] == "message_stop"
+    assert second.stop_reason == "tool_use"
+    (clock,) = [b for b in second.content if b.type == "tool_use"]
+    assert clock.name == "get_time" and clock.input["city"] in ("Paris", "Tokyo", "Lima")
+    assert clock.id != weather.id
+    assert second.usage.input_tokens > first.usage.input_tokens
+    messages += [{"role": "assistant", "content": [b.model_dump() for b in second.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": clock.id,
+                                               "content": [{"type": "text",
+                                                            "text": "14:05"}]}]}]
+
+    third = greedy(client, max_tokens=8, messages=messages, tools=tools)
+    assert third.stop_reason in ("end_turn", "max_tokens") and text_of(third)
+    assert third.usage.input_tokens > second.usage.input_tokens
+    # Both results reached the prompt: the same conversation without the last one's
+    # text counts fewer tokens.
+    shorter = [*messages[:-1], {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": clock.id, "content": ""}]}]
+    assert client.messages.count_tokens(model=MODEL, messages=shorter, tools=tools
+                                        ).input_tokens < third.usage.input_tokens

@@ -104,3 +104,22 @@ def test_the_anthropic_sdk_authenticates_with_its_own_header(peers):
         assert openai_shape["error"]["code"] == 401
     finally:
         gw.stop()
+
+
+@pytest.mark.parametrize("field,value", [("kv_transfer_params", {"do_remote_decode": True}),
+                                         ("request_id", "r1"), ("truncation_side", "right"),
+                                         ("logits_processors", ["my.Processor"])])
+def test_vllm_fields_not_served_are_an_anthropic_400_naming_them(client, field, value):
+    """A vLLM request field Pagoda lacks is refused on /v1/messages as on chat (named, in
+    Anthropic's error shape); Anthropic's own sampling fields and vLLM's served extras
+    pass."""
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(model=MODEL, max_tokens=4, messages=MESSAGES,
+                               extra_body={field: value})
+    assert info.value.body["type"] == "error"
+    assert info.value.body["error"]["type"] == "invalid_request_error"
+    assert info.value.body["error"]["message"].startswith(f"{field} is a vLLM request field")
+    m = client.messages.create(model=MODEL, max_tokens=4, messages=MESSAGES,
+                               stop_sequences=["zzz"], extra_body={
+                                   field: None, "temperature": 0, "top_k": 5, "top_p": 0.9})
+    assert m.type == "message"

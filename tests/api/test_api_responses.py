@@ -119,3 +119,53 @@ def test_what_is_not_served_is_a_400_naming_the_field(gateway):
         assert reply.json()["error"]["param"] == param
     reply = httpx.get(f"{gateway.url}/v1/responses/chatcmpl-1", timeout=30)
     assert reply.status_code == 400 and "begins with 'resp'" in reply.json()["error"]["message"]
+
+
+def test_vllm_extras_reach_the_engine_as_on_chat(client, last_request, smollm2_tokenizer):
+    """vLLM's ResponsesRequest extras (seed, stop, repetition_penalty, ignore_eos,
+    logit_bias, include_stop_str_in_output, structured_outputs, vllm_xargs) are served as
+    chat serves them, never dropped."""
+    full = client.responses.create(model=MODEL, input="x", max_output_tokens=12).output_text
+    word = full.split()[2]
+    r = client.responses.create(model=MODEL, input="x", max_output_tokens=12, extra_body={
+        "seed": 7, "stop": [word], "repetition_penalty": 1.25, "ignore_eos": True,
+        "logit_bias": {"42": 1.5}, "vllm_xargs": {"k": 3}})
+    assert r.output_text == full[:full.index(word)]
+    params = last_request().sampling_params
+    assert (params.seed, params.repetition_penalty, params.ignore_eos) == (7, 1.25, True)
+    assert dict(params.logit_bias) == {42: 1.5}
+    kept = client.responses.create(model=MODEL, input="x", max_output_tokens=12, extra_body={
+        "stop": [word], "include_stop_str_in_output": True})
+    assert kept.output_text == full[:full.index(word) + len(word)]
+    client.responses.create(model=MODEL, input="x", max_output_tokens=2, extra_body={
+        "structured_outputs": {"choice": ["yes", "no"]}})
+    assert list(last_request().sampling_params.structured_outputs.choice.values) == ["yes", "no"]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("request_id", "abc"), ("kv_transfer_params", {"do_remote_decode": True}),
+    ("mm_processor_kwargs", {"fps": 1}), ("enable_response_messages", True),
+    ("previous_input_messages", [{"role": "user", "content": "hi"}]),
+    ("previous_response", {"id": "resp_1"}), ("truncation_side", "right")])
+def test_vllm_fields_not_served_are_a_400_naming_them(gateway, field, value):
+    body = {"model": MODEL, "input": "x", "max_output_tokens": 1, field: value}
+    reply = httpx.post(f"{gateway.url}/v1/responses", json=body, timeout=30)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == field
+    assert "does not support" in reply.json()["error"]["message"]
+    body[field] = None
+    assert httpx.post(f"{gateway.url}/v1/responses", json=body, timeout=30).status_code == 200
+
+
+def test_truncation_auto_keeps_the_conversations_end(client, last_request, smollm2_tokenizer):
+    """vLLM's reading of truncation "auto": a conversation longer than the context keeps
+    its last tokens, leaving room for max_output_tokens; "disabled" (the default) is a
+    400."""
+    long_input = "word " * 400 + "the last question"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=MODEL, input=long_input, max_output_tokens=2)
+    r = client.responses.create(model=MODEL, input=long_input, max_output_tokens=2,
+                                truncation="auto")
+    prompt = list(last_request().prompt_token_ids)
+    assert r.usage.input_tokens == len(prompt) == 256 - 2  # api_fakes.MAX_MODEL_LEN
+    assert "the last question" in smollm2_tokenizer.decode(prompt)

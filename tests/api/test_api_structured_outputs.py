@@ -86,6 +86,30 @@ def test_request_fields_constrain_the_answer_streamed_and_not(client, smollm2_to
         check_output(kind, choice.message.content, choice.finish_reason, smollm2_tokenizer)
 
 
+# vLLM's structural_tag (xgrammar's tag format): a fixed opening tag, a JSON value from a
+# schema, a fixed closing tag; nothing else may be written.
+STRUCTURAL_TAG = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+    {"type": "const_string", "value": "<color>"},
+    {"type": "json_schema", "json_schema": {"enum": ["red", "green", "blue"]}},
+    {"type": "const_string", "value": "</color>"}]}}
+
+
+@pytest.mark.parametrize("extra", [
+    {"response_format": STRUCTURAL_TAG},
+    {"structured_outputs": {"structural_tag": json.dumps(STRUCTURAL_TAG)}},  # vLLM's: a string
+], ids=["response_format", "structured_outputs"])
+def test_structural_tag_constrains_the_answer_streamed_and_not(client, extra):
+    reply = chat(client, temperature=0.0, extra_body=extra)
+    text, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+    assert finish == "stop" and re.fullmatch(r'<color>"(red|green|blue)"</color>', text), text
+    streamed, streamed_finish, _ = streamed_text(chat(
+        client, temperature=0.0, extra_body=extra, stream=True,
+        stream_options={"include_usage": True}))
+    assert (streamed, streamed_finish) == (text, finish)
+    for choice in chat(client, temperature=1.0, seed=3, n=2, extra_body=extra).choices:
+        assert re.fullmatch(r'<color>"(red|green|blue)"</color>', choice.message.content)
+
+
 def test_response_format_kinds(client):
     schema_format = {"type": "json_schema", "json_schema": {"name": "person", "strict": True,
                                                             "schema": PERSON_SCHEMA}}

@@ -98,8 +98,13 @@ def test_return_tokens_as_token_ids_in_chat_logprobs(client):
 
 @pytest.mark.parametrize("field,value", [("logits_processors", ["my.Processor"]),
                                          ("kv_transfer_params", {"do_remote_decode": True}),
-                                         ("mm_processor_kwargs", {"fps": 1}),
-                                         ("request_id", "abc"), ("return_token_ids", True)])
+                                         ("ec_transfer_params", {"x": 1}),
+                                         ("media_io_kwargs", {"video": {"fps": 1}}),
+                                         ("request_id", "abc"), ("return_token_ids", True),
+                                         ("return_prompt_text", True),
+                                         ("logprob_token_ids", [1, 2]),
+                                         ("truncation_side", "right"),
+                                         ("watermarking", True)])
 @pytest.mark.parametrize("api", ["chat", "completions"])
 def test_vllm_fields_not_served_are_a_400_naming_them(gateway, field, value, api):
     body = {"model": MODEL, "max_tokens": 1, field: value,
@@ -112,6 +117,21 @@ def test_vllm_fields_not_served_are_a_400_naming_them(gateway, field, value, api
     # null is as good as absent, and the server still answers
     body[field] = None
     assert httpx.post(f"{gateway.url}/v1/{path}", json=body, timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_vllm_fields_at_the_value_pagoda_gives_pass(gateway, api):
+    """Spelling out what Pagoda does anyway (vLLM's default) is not refused, and the
+    OpenAI and vLLM fields Pagoda serves pass together."""
+    body = {"model": MODEL, "max_tokens": 1, "return_token_ids": False, "watermarking": False,
+            "return_prompt_text": False, "truncation_side": "left", "truncate_prompt_tokens": 4,
+            "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "seed": 3, "priority": 0,
+            "cache_salt": "s", "vllm_xargs": {"k": 1}, "bad_words": ["zz"],
+            "thinking_token_budget": -1, "user": "u", "presence_penalty": 0.1,
+            **({"messages": CHAT} if api == "chat" else {"prompt": "x"})}
+    path = "chat/completions" if api == "chat" else "completions"
+    reply = httpx.post(f"{gateway.url}/v1/{path}", json=body, timeout=30)
+    assert reply.status_code == 200, reply.text
 
 
 def test_vllm_flat_repetition_fields_become_repetition_detection(client, last_request, gateway):
@@ -139,3 +159,13 @@ def test_reasoning_effort_is_a_chat_template_variable():
                                  chat_template_kwargs={"x": 1}).template_kwargs() == {"x": 1}
     with pytest.raises(Exception):
         ChatCompletionRequest(model=MODEL, messages=CHAT, reasoning_effort="extreme")
+
+
+def test_mm_processor_kwargs_are_served_by_chat_and_refused_by_completions(gateway):
+    reply = httpx.post(f"{gateway.url}/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": "x", "max_tokens": 1, "mm_processor_kwargs": {"fps": 1}})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "mm_processor_kwargs"
+    assert "chat API only" in reply.json()["error"]["message"]
+    reply = httpx.post(f"{gateway.url}/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": CHAT, "max_tokens": 1, "mm_processor_kwargs": {"fps": 1}})
+    assert reply.status_code == 200, reply.text  # a text-only chat: nothing to process

@@ -104,3 +104,66 @@ def test_unknown_previous_response_is_404_naming_the_field(tiny_client):
     with pytest.raises(openai.NotFoundError) as caught:
         tiny_client.responses.create(model="tiny", input="x", previous_response_id="resp_nope")
     assert caught.value.body["param"] == "previous_response_id"
+
+
+CLOCK = {"type": "function", "name": "get_time", "description": "The local time in a city.",
+         "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                        "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}}}}
+
+
+def test_openai_responses_client_runs_a_three_turn_tool_conversation(tiny_client,
+                                                                     second_gateway):
+    """The Done-when conversation: two tool turns, then the answer, each turn continued
+    by previous_response_id only (the client resends nothing), the second streamed and
+    the last on the other gateway. The random model cannot decide to call a tool, so
+    the two tool turns force one by `tool_choice` (structured outputs write a valid
+    call); the last leaves the choice to the model (no parser: text)."""
+    tools = [*TOOLS, CLOCK]
+    first = tiny_client.responses.create(
+        model="tiny", input="Weather and time in Paris?", tools=tools, tool_choice=CALL,
+        max_output_tokens=32, temperature=0.0)
+    [weather] = first.output
+    assert (weather.type, weather.name) == ("function_call", "get_weather")
+
+    turn = dict(model="tiny", tools=tools, max_output_tokens=32, temperature=0.0,
+                tool_choice={"type": "function", "name": "get_time"},
+                previous_response_id=first.id,
+                input=[{"type": "function_call_output", "call_id": weather.call_id,
+                        "output": '{"temperature_c": 21}'}])
+    with tiny_client.responses.stream(**turn) as events:
+        kinds = [e.type for e in events]
+        second = events.get_final_response()
+    assert "response.function_call_arguments.delta" in kinds
+    [clock] = second.output
+    assert (clock.type, clock.name) == ("function_call", "get_time")
+    assert json.loads(clock.arguments)["city"] in ("Paris", "Oslo")
+    assert clock.call_id != weather.call_id
+    assert second.usage.input_tokens > first.usage.input_tokens
+
+    third = second_gateway.responses.create(
+        model="tiny", tools=tools, max_output_tokens=6, temperature=0.0,
+        previous_response_id=second.id,
+        input=[{"type": "function_call_output", "call_id": clock.call_id,
+                "output": '{"time": "14:05"}'}])
+    assert [i.type for i in third.output] == ["message"] and third.output_text
+    # The stored turns gave the last prompt the whole conversation: the same items sent
+    # at once, with no stored response, make a prompt of exactly as many tokens.
+    whole = [{"role": "user", "content": "Weather and time in Paris?"},
+             {"type": "function_call", "call_id": weather.call_id, "name": weather.name,
+              "arguments": weather.arguments},
+             {"type": "function_call_output", "call_id": weather.call_id,
+              "output": '{"temperature_c": 21}'},
+             {"type": "function_call", "call_id": clock.call_id, "name": clock.name,
+              "arguments": clock.arguments},
+             {"type": "function_call_output", "call_id": clock.call_id,
+              "output": '{"time": "14:05"}'}]
+    stateless = tiny_client.responses.create(model="tiny", tools=tools, max_output_tokens=6,
+                                             temperature=0.0, input=whole, store=False)
+    assert third.usage.input_tokens == stateless.usage.input_tokens
+    assert stateless.output_text == third.output_text
+    # An output for a call the stored conversation does not have is a 400 naming input.
+    with pytest.raises(openai.BadRequestError) as caught:
+        tiny_client.responses.create(
+            model="tiny", previous_response_id=third.id, max_output_tokens=2,
+            input=[{"type": "function_call_output", "call_id": "call_nope", "output": "x"}])
+    assert caught.value.body["param"] == "input"

@@ -214,6 +214,53 @@ def run_batch_invariant(model, want, decode, streams=32):
     return [merged]
 
 
+# The tiny model's whole KV block at --block-size 16 (3 layers x (k, v) x 16 tokens x
+# 2 KV heads x 16 dims x fp32), and a device pool that holds the longest request (~30
+# blocks) but not the request set: the second round finds most prefixes in a tier.
+TINY_BLOCK_BYTES_16 = 3 * 2 * 16 * 2 * 16 * 4
+TIER_POOL_BLOCKS = 32
+
+
+def run_tier(model, want, decode, tmp_path, tier: str):
+    """The request set twice on a 32-block pool with a KV tier: the second round's
+    prefixes (the shared one, the long prompt's blocks) were evicted by the first round
+    and come back from host memory ("cpu") or from disk below a 2-block host tier
+    ("disk"); the row fails if that tier onloaded fewer than a prefix's blocks, if any
+    onload failed its checks, or if an answer differs."""
+    from pagoda.core.kv_disk_index import RECORD_OVERHEAD  # lazy: the engine library
+    from pagoda.core.kv_offload import GIB  # lazy: as above
+
+    host_blocks = 256 if tier == "cpu" else 2
+    flags = ["--num-gpu-blocks-override", str(TIER_POOL_BLOCKS),
+             "--kv-offloading-backend", "native",
+             "--kv-offloading-size", repr(host_blocks * TINY_BLOCK_BYTES_16 / GIB)]
+    if tier == "disk":
+        flags += ["--kv-offloading-disk-path", str(tmp_path / "kv-disk"),
+                  "--kv-offloading-disk-size",
+                  repr(256 * (TINY_BLOCK_BYTES_16 + RECORD_OVERHEAD) / GIB)]
+    hits_name = "pagoda_kv_offload_hits_total"
+    with served(model, *flags) as serve:
+        first = send_all(serve.url, REQUESTS)
+        before = metric(serve, hits_name, tier=tier)
+        again = send_all(serve.url, REQUESTS)
+        hits = wait_until(lambda: metric(serve, hits_name, tier=tier) - before, 10)
+        failed = metric(serve, "pagoda_kv_offload_failed_onloads_total")
+        records = len(list((tmp_path / "kv-disk").glob("rank0/epoch-*/*"))) if tier == "disk" \
+            else None
+    # The shared prefix alone is 5 blocks: a round that onloaded fewer used no tier.
+    assert hits >= 5, f"{tier} tier: {hits:.0f} blocks onloaded in the second round"
+    assert failed == 0, f"{tier} tier: {failed:.0f} onloads failed their checks"
+    name = f"prefix from {'host' if tier == 'cpu' else 'disk'} tier"
+    notes = f"{hits:.0f} blocks onloaded from the {tier} tier in round 2"
+    if records is not None:
+        notes += f"; {records} records on disk"
+    row = check_row(name, want, again, FP32_LOGPROB_TOL, decode, notes=notes)
+    warm = check_row(name, want, first, FP32_LOGPROB_TOL, decode)
+    row.failures = [f"round 1: {line}" for line in warm.failures] + row.failures
+    row.cells.update({c: v for c, v in warm.cells.items() if v == "FAIL"})
+    return [row]
+
+
 PATHS = {
     "pd-pagoda": lambda m, w, d, t: run_pd(m, w, d, "P/D, PagodaConnector"),
     "pd-dist": lambda m, w, d, t: run_pd(m, w, d, "P/D, PagodaDistConnector", *DIST_PD),
@@ -229,6 +276,8 @@ PATHS = {
     "pp2": lambda m, w, d, t: run_plain("PP=2", "--pipeline-parallel-size", "2",
                                         "--distributed-executor-backend", "mp")(m, w, d),
     "lora": lambda m, w, d, t: run_lora(m, w, d, t),
+    "host-tier": lambda m, w, d, t: run_tier(m, w, d, t, "cpu"),
+    "disk-tier": lambda m, w, d, t: run_tier(m, w, d, t, "disk"),
 }
 
 

@@ -245,6 +245,17 @@ def test_a_module_without_a_table_is_an_error_not_a_silent_skip(make_package):
         registry.supported_architectures()
 
 
+def test_a_family_that_fails_to_import_costs_only_its_own_architectures(make_package):
+    make_package("mixed_architectures", {
+        "one_file.py": textwrap.dedent(ONE_FILE_ARCHITECTURE),
+        "needs_extra.py": "raise ImportError('No module named fancy_kernels')\n"})
+    registry = ModelRegistry(packages=("mixed_architectures",))
+    assert registry.resolve("OneFileForCausalLM").model_cls.__name__ == "OneFileForCausalLM"
+    with pytest.raises(ValueError, match=r"mixed_architectures.needs_extra \(ImportError: No module "
+                                         r"named fancy_kernels\)"):
+        registry.resolve("FancyForCausalLM")
+
+
 def test_importing_the_registry_imports_no_model_code():
     code = ("import sys\n"
             "import pagoda.model.registry\n"

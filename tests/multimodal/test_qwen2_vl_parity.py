@@ -108,3 +108,27 @@ def test_hub_config_and_new_layout_give_the_same_answers(qwen2_vl_dir, tmp_path)
     got, _ = pagoda_results(LLM(model=str(other), **ENGINE), prompts, MAX_TOKENS, False)
     assert got[0][0] == want[0][0]
     torch.testing.assert_close(torch.tensor(got[0][1]), torch.tensor(want[0][1]), atol=1e-6, rtol=0)
+
+
+def test_preemption_keeps_the_m_rope_positions(qwen2_vl_dir):
+    """Requests preempted mid-decode recompute prompt and generated tokens at the same
+    3-D positions (generated ones at position + delta): the same tokens."""
+    from pagoda import SamplingParams
+    prompts = [{"prompt": f"USER: {IMAGE}Item {i}? ASSISTANT:",
+                "multi_modal_data": {"image": pattern_image(30 + 9 * i, 44 - 5 * i, 50 + i)}}
+               for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    roomy = LLM(model=qwen2_vl_dir, **ENGINE).generate(prompts, params, use_tqdm=False)
+    tight = LLM(model=qwen2_vl_dir, **{**ENGINE, "num_gpu_blocks_override": 12})
+    outs = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.llm_engine.core.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in roomy]
+
+
+def test_the_default_encoder_budget_fits_the_largest_image(qwen2_vl_dir):
+    """max_pixels 48*48 over (6 * 2)**2 pixels per token: 16 tokens, above the 8-token
+    step budget, so the encoder budget (and its cache) default to 16."""
+    from pagoda.engine.arg_utils import EngineArgs
+    config = EngineArgs(model=qwen2_vl_dir, max_num_batched_tokens=8).create_engine_config()
+    assert config.scheduler.max_num_encoder_input_tokens == 16
+    assert config.scheduler.encoder_cache_size == 16

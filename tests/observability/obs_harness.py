@@ -123,10 +123,12 @@ DASHBOARDS = Path(__file__).resolve().parents[2] / "charts" / "pagoda" / "dashbo
 
 # The panels a plain colocated cluster cannot feed, each checked by the module whose
 # cluster does: speculative decoding (--speculative-config, test_spec_decode_served.py) and
-# prefill/decode transfers (a P/D cluster, test_dashboards_pd.py) and images (a LLaVA
+# prefill/decode transfers (a P/D cluster, test_dashboards_pd.py), KV offload tiers
+# (--kv-offloading-size and a disk tier, test_kv_tiers_dashboard.py) and images (a LLaVA
 # cluster, test_multimodal_served.py).
 PANEL_PARTS = {"speculative": ("vllm:spec_decode_",),
                "pd": ("pagoda_kv_transfer_", "pagoda_kv_leased_"),
+               "kv_tiers": ("pagoda_kv_offload_",),
                "multimodal": ("pagoda_encoder_cache_", "pagoda_tokenizer_media_",
                               "vllm:mm_cache_")}
 # The migration panel: a colocated cluster feeds it zeros; the P/D module migrates a request.
@@ -134,7 +136,7 @@ MIGRATION_METRIC = "pagoda_gateway_migrations_"
 
 
 def panel_part(expr: str) -> str:
-    """"speculative", "pd" or "colocated": which cluster a panel query needs."""
+    """"speculative", "pd", "kv_tiers" or "colocated": which cluster a panel query needs."""
     return next((part for part, metrics in PANEL_PARTS.items()
                  if any(metric in expr for metric in metrics)), "colocated")
 

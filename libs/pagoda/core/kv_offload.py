@@ -19,6 +19,16 @@ Invariants:
   * the index may be wrong about the worker (a worker restart, a refused step): the
     worker checks each onload's hash and checksum and recomputes on a mismatch, so a
     stale entry costs time, never a wrong answer.
+
+A slot taken twice in one step (the tier churns) keeps only its last offload: the
+worker's copies of one step may run in any order on CUDA, so two copies into one slot
+could leave the first one's bytes under the second one's hash.
+
+With a disk tier (`kv_disk_index.py`) an entry the host tier evicts is spilled to disk
+instead of forgotten. One whose slot this same step wrote is spilled from its device
+block (spills run before the step's offloads, so the slot does not hold it yet; the
+device block still does until the forward). A lookup then finds each block on the
+host first, else on disk.
 Not thread-safe: the scheduler's thread owns it.
 """
 
@@ -28,14 +38,15 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from pagoda.core.block_hash import BlockHash
-from pagoda.messages import KVOffload, KVOnload
+from pagoda.core.kv_disk_index import KVDiskIndex
+from pagoda.messages import KVOffload, KVOnload, KVSpill
 
 GIB = 1024 ** 3
 
 
 @dataclass
 class KVOffloadStats:
-    """Cumulative counters of the host tier (blocks), since start."""
+    """Cumulative counters of one tier (blocks), since start."""
 
     queries: int = 0  # blocks looked up in the tier (device misses)
     hits: int = 0  # blocks onloaded from it
@@ -55,7 +66,8 @@ class KVOffloadIndex:
     """hash -> (slot, token ids) for the blocks the host tier holds, least recently
     used first."""
 
-    def __init__(self, num_slots: int, block_bytes: int) -> None:
+    def __init__(self, num_slots: int, block_bytes: int,
+                 disk: KVDiskIndex | None = None) -> None:
         if num_slots <= 0:
             raise ValueError(f"the host KV tier needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
@@ -65,7 +77,10 @@ class KVOffloadIndex:
         self._pinned: set[int] = set()  # slots read by this step's onloads
         self._offloads: list[KVOffload] = []
         self._onloads: list[KVOnload] = []
+        self._written: dict[int, int] = {}  # slot -> device block this step copies in
         self.stats = KVOffloadStats(block_bytes=block_bytes)
+        self.disk = disk
+        self.disk_stats = KVOffloadStats(block_bytes=block_bytes) if disk is not None else None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -83,6 +98,7 @@ class KVOffloadIndex:
             # all the same, so a slot whose copy went bad (the worker recomputed it) heals.
             self._entries.move_to_end(block_hash)
             self._offloads.append(KVOffload(block_id, entry[0], block_hash))
+            self._written[entry[0]] = block_id
             self.stats.stored += 1
             return
         slot = self._take_slot()
@@ -91,53 +107,83 @@ class KVOffloadIndex:
         self._entries[block_hash] = (slot, tuple(token_ids))
         self._slot_hash[slot] = block_hash
         self._offloads.append(KVOffload(block_id, slot, block_hash))
+        self._written[slot] = block_id
         self.stats.stored += 1
 
     def _take_slot(self) -> int | None:
         if self._free_slots:
             return self._free_slots.pop()
-        for block_hash, (slot, _) in self._entries.items():  # LRU first
+        for block_hash, (slot, token_ids) in self._entries.items():  # LRU first
             if slot not in self._pinned:
                 del self._entries[block_hash]
                 del self._slot_hash[slot]
                 self.stats.evictions += 1
+                source = self._written.pop(slot, -1)
+                if source >= 0:  # copied in this step: that copy is superseded
+                    self._offloads = [op for op in self._offloads if op.slot != slot]
+                if self.disk is not None:
+                    self.disk_stats.evictions += self.disk.spill(slot, block_hash, token_ids,
+                                                                 source)
+                    self.disk_stats.stored += block_hash in self.disk  # not if all pinned
                 return slot
         return None
 
     # ------------------------------------------------------------------ onload
     def lookup(self, block_hashes, all_token_ids, start: int, end: int,
-               block_size: int) -> list[int]:
-        """Slots of the longest run of blocks `start..end-1` the tier holds (a prefix
-        hit must stay whole from block 0), pinned for this step."""
-        slots: list[int] = []
+               block_size: int) -> list[tuple[int, BlockHash]]:
+        """(host slot, hash) of the longest run of blocks `start..end-1` the tiers hold
+        (a prefix hit must stay whole from block 0), slot -1 for a block on disk;
+        pinned for this step."""
+        hits: list[tuple[int, BlockHash]] = []
+        disk = self.disk
         for i in range(start, end):
             self.stats.queries += 1
-            entry = self._entries.get(block_hashes[i])
-            if entry is None or entry[1] != tuple(all_token_ids[i * block_size:(i + 1) * block_size]):
+            block_hash = block_hashes[i]
+            tokens = tuple(all_token_ids[i * block_size:(i + 1) * block_size])
+            entry = self._entries.get(block_hash)
+            if entry is not None and entry[1] == tokens:
+                hits.append((entry[0], block_hash))
+                self._pinned.add(entry[0])
+                continue
+            if disk is None:
                 break
-            slots.append(entry[0])
-            self._pinned.add(entry[0])
-        return slots
+            self.disk_stats.queries += 1
+            if not disk.get(block_hash, tokens):
+                break
+            hits.append((-1, block_hash))
+        return hits
 
-    def unpin(self, slots: list[int]) -> None:
+    def unpin(self, hits: list[tuple[int, BlockHash]]) -> None:
         """The lookup's request was not admitted this step."""
-        self._pinned.difference_update(slots)
+        for slot, block_hash in hits:
+            if slot < 0:
+                self.disk.unpin(block_hash)
+            else:
+                self._pinned.discard(slot)
 
-    def plan_onloads(self, req_id: str, first_index: int, slots: list[int],
+    def plan_onloads(self, req_id: str, first_index: int, hits: list[tuple[int, BlockHash]],
                      block_ids: list[int]) -> None:
-        """Request `req_id` takes `slots` as its blocks `first_index..`, into `block_ids`."""
-        for i, (slot, block_id) in enumerate(zip(slots, block_ids)):
-            block_hash = self._slot_hash[slot]
+        """Request `req_id` takes `hits` as its blocks `first_index..`, into `block_ids`."""
+        for i, ((slot, block_hash), block_id) in enumerate(zip(hits, block_ids)):
+            if slot < 0:
+                self.disk.touch(block_hash)
+                self._onloads.append(KVOnload(req_id, first_index + i, -1, block_id,
+                                              block_hash, "disk"))
+                self.disk_stats.hits += 1
+                continue
             self._entries.move_to_end(block_hash)
             self._onloads.append(KVOnload(req_id, first_index + i, slot, block_id, block_hash))
-        self.stats.hits += len(slots)
+            self.stats.hits += 1
 
     # ------------------------------------------------------------------ step
-    def take_ops(self) -> tuple[list[KVOffload], list[KVOnload]]:
-        """This step's copies, for the plan; the pins end with the step."""
-        ops = self._offloads, self._onloads
+    def take_ops(self) -> tuple[list[KVOffload], list[KVOnload], list[KVSpill], list[bytes]]:
+        """This step's copies (offloads, onloads, spills, disk drops), for the plan;
+        the pins end with the step."""
+        spills, drops = self.disk.take_ops() if self.disk is not None else ([], [])
+        ops = self._offloads, self._onloads, [KVSpill(*spill) for spill in spills], drops
         self._offloads, self._onloads = [], []
         self._pinned.clear()
+        self._written.clear()
         return ops
 
     def drop(self, block_hash: BlockHash) -> None:
@@ -148,6 +194,8 @@ class KVOffloadIndex:
             self._free_slots.append(entry[0])
 
     def clear(self) -> None:
-        """Forget every entry (reset_prefix_cache)."""
+        """Forget every entry (reset_prefix_cache), on disk too."""
         for block_hash in list(self._entries):
             self.drop(block_hash)
+        if self.disk is not None:
+            self.disk.clear()

@@ -73,6 +73,7 @@ class SchedulerStats:
     spec_decoding: SpecDecodingStats | None = None
     # Cumulative host KV tier counters under --kv-offloading-size (None: off).
     kv_offload: KVOffloadStats | None = None
+    kv_offload_disk: KVOffloadStats | None = None  # the disk tier below it (None: off)
     # Cumulative encoder cache lookups of media items and their hits (multi-modal models).
     encoder_cache_queries: int = 0
     encoder_cache_hits: int = 0
@@ -198,7 +199,8 @@ class Scheduler:
         output = SchedulerOutput(new_reqs, cached, num_scheduled, sum(num_scheduled.values()),
                                  self._finished_req_ids, preempted)
         if self.kv_offload is not None:
-            output.kv_offloads, output.kv_onloads = self.kv_offload.take_ops()
+            (output.kv_offloads, output.kv_onloads, output.kv_spills,
+             output.kv_disk_drops) = self.kv_offload.take_ops()
         self._finished_req_ids = set()
         requests = self.requests
         if self.async_scheduling:
@@ -521,6 +523,8 @@ class Scheduler:
                                   encoder_cache_hits=self.encoder_cache_hits)
         if self.kv_offload is not None:
             snapshot.kv_offload = dataclasses.replace(self.kv_offload.stats)
+            if self.kv_offload.disk_stats is not None:
+                snapshot.kv_offload_disk = dataclasses.replace(self.kv_offload.disk_stats)
         for hook in self.hooks:
             hook.add_stats(snapshot, self.running, self.waiting)
         return snapshot

@@ -60,6 +60,11 @@ class EngineArgs:
     # (None or 0: off) and its backend ("native" only).
     kv_offloading_size: float | None = None
     kv_offloading_backend: str | None = None
+    # A disk tier below it (no vLLM flag; named after vLLM's, LMCache's local_disk /
+    # max_local_disk_size): blocks the host tier evicts, under this directory, at most
+    # this many GiB. Both or neither, and only with kv_offloading_size.
+    kv_offloading_disk_path: str | None = None
+    kv_offloading_disk_size: float | None = None
     seed: int = 0
     served_model_name: list[str] | str | None = None
     tensor_parallel_size: int = 1
@@ -169,6 +174,14 @@ class EngineArgs:
                                  "(default: off).")
         parser.add_argument("--kv-offloading-backend", default=None, choices=["native"],
                             help="The KV offloading backend (native: Pagoda's host tier).")
+        parser.add_argument("--kv-offloading-disk-path", default=None, metavar="DIR",
+                            help="A directory for a disk KV tier below the host tier: "
+                                 "blocks the host tier evicts are written there and "
+                                 "onloaded on a later prefix hit. Its content from an "
+                                 "earlier start is dropped. Needs --kv-offloading-size and "
+                                 "--kv-offloading-disk-size (default: off).")
+        parser.add_argument("--kv-offloading-disk-size", type=float, default=None,
+                            metavar="GiB", help="GiB the disk KV tier may hold.")
         parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
         parser.add_argument("--seed", type=int, default=d.seed)
         parser.add_argument("--logits-processors", nargs="+", default=None, metavar="FQCN",
@@ -337,6 +350,8 @@ class EngineArgs:
             cache.kv_cache_memory_bytes = self.kv_cache_memory_bytes
         cache.kv_offloading_size, cache.kv_offloading_backend = _kv_offloading(
             self.kv_offloading_size, self.kv_offloading_backend)
+        cache.kv_offloading_disk_path, cache.kv_offloading_disk_size = _kv_offloading_disk(
+            self.kv_offloading_disk_path, self.kv_offloading_disk_size, cache.kv_offloading_size)
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
             max_model_len=max_model_len, enable_chunked_prefill=chunked,
@@ -351,7 +366,7 @@ class EngineArgs:
                                              pooling.runner)
         refuse_multimodal_combinations(self, arch, pooling.runner)
         scheduler.max_num_encoder_input_tokens, scheduler.encoder_cache_size = encoder_budget(
-            self, arch, max_batched)
+            self, arch, max_batched, model_path)
         _refuse_offloading_combinations(cache, arch, self.async_scheduling)
         names = self.served_model_name
         if isinstance(names, str):
@@ -554,6 +569,25 @@ def _kv_offloading(size: float | None, backend: str | None) -> tuple[float, str]
         raise ValueError(f"kv_offloading_backend {backend!r} is not supported; expected "
                          "'native' (LMCache is not built in)")
     return float(size or 0.0), backend or "native"
+
+
+def _kv_offloading_disk(path: str | None, size: float | None,
+                        host_size: float) -> tuple[str | None, float]:
+    """--kv-offloading-disk-path / --kv-offloading-disk-size -> (directory, GiB); a
+    ValueError naming the flag when one comes without the other, the size is not
+    positive, or there is no host tier above the disk (its blocks come from there)."""
+    if path is None and not size:
+        return None, 0.0
+    if not path:
+        raise ValueError("kv_offloading_disk_size needs kv_offloading_disk_path (the "
+                         "directory of the disk KV tier)")
+    if size is None or size <= 0:
+        raise ValueError(f"kv_offloading_disk_size must be > 0 GiB with "
+                         f"kv_offloading_disk_path, got {size}")
+    if host_size <= 0:
+        raise ValueError("kv_offloading_disk_path needs kv_offloading_size > 0: the disk "
+                         "tier keeps the blocks the host tier evicts")
+    return str(path), float(size)
 
 
 def _refuse_offloading_combinations(cache: CacheConfig, arch, async_scheduling: bool) -> None:

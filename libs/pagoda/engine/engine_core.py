@@ -233,10 +233,15 @@ def make_kv_offload_index(config: EngineConfig) -> KVOffloadIndex | None:
         return None
     # lazy: host_kv_tier brings torch, and a scheduler process builds its flags from this
     # module's imports without it (tests/services/cli/test_cli.py)
-    from pagoda.worker.host_kv_tier import host_tier_slots
+    from pagoda.core.kv_disk_index import KVDiskIndex
+    from pagoda.worker.host_kv_tier import disk_tier_records, host_tier_slots
 
     num_slots, block_bytes = host_tier_slots(config)
-    return KVOffloadIndex(num_slots, block_bytes) if num_slots > 0 else None
+    if num_slots <= 0:
+        return None
+    num_records = disk_tier_records(config)
+    disk = KVDiskIndex(num_records) if num_records > 0 else None
+    return KVOffloadIndex(num_slots, block_bytes, disk)
 
 
 def make_structured_output_manager(config: EngineConfig) -> StructuredOutputManager:

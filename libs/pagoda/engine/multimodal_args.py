@@ -15,6 +15,8 @@ with media is refused by name (`pagoda.multimodal.checks`).
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from typing import Any
 
 from pagoda.config import MultiModalConfig
@@ -53,11 +55,13 @@ def multimodal_config(args: Any, arch) -> MultiModalConfig | None:
         mm_processor_cache_gb=gb)
 
 
-def encoder_budget(args: Any, arch, max_num_batched_tokens: int) -> tuple[int, int]:
+def encoder_budget(args: Any, arch, max_num_batched_tokens: int,
+                   model_path: str | None = None) -> tuple[int, int]:
     """(max_num_encoder_input_tokens, encoder_cache_size); (0, 0) for a text-only model."""
     if not is_multimodal_architecture(arch.architecture):
         return 0, 0
-    largest = getattr(arch.family_settings, "max_tokens_per_mm_item", 0)
+    largest = (getattr(arch.family_settings, "max_tokens_per_mm_item", 0)
+               or _largest_dynamic_item(model_path))
     budget = args.max_num_encoder_input_tokens or max(max_num_batched_tokens, largest)
     cache = args.encoder_cache_size or budget
     if budget < largest:
@@ -86,3 +90,19 @@ def refuse_multimodal_combinations(args: Any, arch, runner: str) -> None:
     if named:
         raise ValueError(f"{arch.architecture} (a multi-modal model) is not supported with "
                          f"{', '.join(named)}: the combination is not verified")
+
+
+def _largest_dynamic_item(model_path: str | None) -> int:
+    """A dynamic-resolution processor's largest image in placeholder tokens: its
+    `max_pixels` (or `size.longest_edge`) over (patch * merge)**2 (Qwen2-VL's rule);
+    0 when the model folder says nothing."""
+    path = os.path.join(model_path or "", "preprocessor_config.json")
+    if not model_path or not os.path.exists(path):
+        return 0
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    max_pixels = config.get("max_pixels") or (config.get("size") or {}).get("longest_edge")
+    patch, merge = config.get("patch_size"), config.get("merge_size")
+    if not (max_pixels and patch and merge):
+        return 0
+    return int(max_pixels) // (int(patch) * int(merge)) ** 2

@@ -192,7 +192,9 @@ class EngineMetrics:
         if self._spec is not None and s.spec_decoding is not None:
             self._spec.record(s.spec_decoding)
         if s.kv_offload is not None:
-            self._kv_offload.record(s.kv_offload)
+            self._kv_offload.record(s.kv_offload, "cpu")
+        if s.kv_offload_disk is not None:
+            self._kv_offload.record(s.kv_offload_disk, "disk")
 
     def _record_iteration(self, it: IterationStats) -> None:
         if it.num_preempted_reqs:

@@ -2,7 +2,8 @@
 
 vLLM's OffloadingConnector reports transfers in its own `vllm:kv_offload_*` family
 whose per-tier hit counters have no settled name yet, so these are Pagoda's, labelled
-by `tier` ("cpu": host memory; a disk tier would add "disk"):
+by `tier` ("cpu": host memory; "disk": the disk tier below it, whose "offload"
+bytes are the blocks the host tier spilled to it):
 
     pagoda_kv_offload_queries_total    blocks looked up in the tier (device misses)
     pagoda_kv_offload_hits_total       blocks onloaded from it instead of recomputed
@@ -10,7 +11,8 @@ by `tier` ("cpu": host memory; a disk tier would add "disk"):
     pagoda_kv_offload_evictions_total  blocks the tier dropped to make room (LRU)
 
 The onload latency and the failed onloads (hash or checksum: recomputed) are the
-worker's (`pagoda_kv_offload_onload_seconds`, `pagoda_kv_offload_failed_onloads_total`).
+worker's (`pagoda_kv_offload_onload_seconds{tier}`,
+`pagoda_kv_offload_failed_onloads_total{tier}`).
 """
 
 from __future__ import annotations
@@ -19,27 +21,38 @@ from prometheus_client import CollectorRegistry, Counter
 
 from pagoda.core.kv_offload import KVOffloadStats
 
-TIER = "cpu"
+TIERS = ("cpu", "disk")
 
 
 class KVOffloadMetrics:
-    """Counters fed from the scheduler's cumulative `KVOffloadStats` snapshots."""
+    """Counters fed from the scheduler's cumulative `KVOffloadStats` snapshots, one set
+    of children per tier."""
 
     def __init__(self, names: list[str], values: tuple, registry: CollectorRegistry) -> None:
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(name, doc, [*names, "tier", *extra], registry=registry)
 
-        labels = (*values, TIER)
-        self.queries = counter("pagoda_kv_offload_queries",
-                               "KV blocks looked up in the offload tier.").labels(*labels)
-        self.hits = counter("pagoda_kv_offload_hits",
-                            "KV blocks onloaded from the offload tier.").labels(*labels)
-        self.evictions = counter("pagoda_kv_offload_evictions",
-                                 "KV blocks evicted from the offload tier (LRU).").labels(*labels)
+        queries = counter("pagoda_kv_offload_queries", "KV blocks looked up in the offload tier.")
+        hits = counter("pagoda_kv_offload_hits", "KV blocks onloaded from the offload tier.")
+        evictions = counter("pagoda_kv_offload_evictions",
+                            "KV blocks evicted from the offload tier (LRU).")
         moved = counter("pagoda_kv_offload_bytes", "Bytes copied to or from the offload tier.",
                         ("direction",))
-        self.offload_bytes = moved.labels(*labels, "offload")
-        self.onload_bytes = moved.labels(*labels, "onload")
+        self._tiers = {}
+        for tier in TIERS:
+            labels = (*values, tier)
+            self._tiers[tier] = _TierCounters(
+                queries.labels(*labels), hits.labels(*labels), evictions.labels(*labels),
+                moved.labels(*labels, "offload"), moved.labels(*labels, "onload"))
+
+    def record(self, s: KVOffloadStats, tier: str = "cpu") -> None:
+        self._tiers[tier].record(s)
+
+
+class _TierCounters:
+    def __init__(self, queries, hits, evictions, offload_bytes, onload_bytes) -> None:
+        self.queries, self.hits, self.evictions = queries, hits, evictions
+        self.offload_bytes, self.onload_bytes = offload_bytes, onload_bytes
         self._last = KVOffloadStats()
 
     def record(self, s: KVOffloadStats) -> None:

@@ -14,6 +14,7 @@ The config parser (`hf_config`), the GGUF reader (`gguf_loader`) and the loader
 from __future__ import annotations
 
 import importlib
+import logging
 import pkgutil
 import threading
 from collections.abc import Sequence
@@ -22,18 +23,26 @@ from pagoda.model.arch_spec import GGUFLayout, ModelArchitecture
 
 ARCHITECTURE_PACKAGES = ("pagoda.model.architectures",)
 
+logger = logging.getLogger(__name__)
+
 
 class ModelRegistry:
     """HF class name -> `ModelArchitecture`, filled from `packages` on first use.
 
     Invariant: each HF name maps to exactly one entry (a second registration of a name
     raises instead of silently replacing the first); after the first lookup every
-    module of `packages` has been imported once and all its entries are present.
+    module of `packages` has been imported once and the entries of every module that
+    imported are present. A module that raises on import (a bug, a missing optional
+    package) costs only its own architectures: it is logged, and a lookup that finds no
+    entry names it and its error, so one broken family never stops the others loading.
+    A module that imports but declares no table is still an error for everyone: that is
+    a programming mistake the tests must catch, not a runtime condition.
     """
 
     def __init__(self, packages: Sequence[str] = ARCHITECTURE_PACKAGES) -> None:
         self._packages = tuple(packages)
         self._architectures: dict[str, ModelArchitecture] = {}
+        self._broken: dict[str, str] = {}  # module name -> its import error
         self._discovered = False
         self._discovering = False  # an architecture module calling `register` on import
         self._lock = threading.RLock()
@@ -69,7 +78,14 @@ class ModelRegistry:
                 for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
                     if info.name.startswith("_"):
                         continue
-                    module = importlib.import_module(f"{package_name}.{info.name}")
+                    module_name = f"{package_name}.{info.name}"
+                    try:
+                        module = importlib.import_module(module_name)
+                    except Exception as exc:  # noqa: BLE001 - any import failure isolates that file
+                        self._broken[module_name] = f"{type(exc).__name__}: {exc}"
+                        logger.error("architecture module %s failed to import; its architectures "
+                                     "are unavailable: %s", module_name, self._broken[module_name])
+                        continue
                     table = getattr(module, "ARCHITECTURES", None)
                     if table is None:
                         raise ImportError(f"{module.__name__} is in an architecture package but "
@@ -79,6 +95,7 @@ class ModelRegistry:
             self._discovered = True
         except BaseException:
             self._architectures.clear()  # all or nothing: a retry starts from scratch
+            self._broken.clear()
             raise
         finally:
             self._discovering = False
@@ -106,7 +123,15 @@ class ModelRegistry:
                 if name in self._architectures:
                     return self._architectures[name]
         raise ValueError(f"Model architectures {names} are not supported; supported "
-                         f"architectures: {', '.join(self.supported_architectures())}")
+                         f"architectures: {', '.join(self.supported_architectures())}"
+                         f"{self._broken_note()}")
+
+    def _broken_note(self) -> str:
+        """Why some architectures may be missing: the modules that failed to import."""
+        if not self._broken:
+            return ""
+        listed = "; ".join(f"{name} ({error})" for name, error in sorted(self._broken.items()))
+        return f". These architecture modules failed to import, so their architectures are unavailable: {listed}"
 
     def resolve_gguf(self, gguf_architecture: str,
                      model_name: str = "") -> tuple[ModelArchitecture, GGUFLayout]:
@@ -122,7 +147,8 @@ class ModelRegistry:
                           if gguf_architecture in a.gguf_layouts]
         if not candidates:
             raise ValueError(f"GGUF architecture {gguf_architecture!r} is not supported; "
-                             f"supported: {', '.join(self.supported_gguf_architectures())}")
+                             f"supported: {', '.join(self.supported_gguf_architectures())}"
+                             f"{self._broken_note()}")
         lowered = model_name.lower()
         named = [a for a in candidates if a.family != gguf_architecture and a.family in lowered]
         primary = [a for a in candidates if a.family == gguf_architecture]

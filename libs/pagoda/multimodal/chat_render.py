@@ -17,10 +17,14 @@ from pagoda.tokenizer.chat import render_chat_template
 
 
 def placeholder_texts(processor: Any) -> dict[str, str]:
-    """Modality -> the model's placeholder token text ("<image>"); {} without a processor."""
+    """Modality -> the text a string-format prompt names an item with: the processor's
+    `prompt_placeholders` where the family writes more than its placeholder token (vLLM's
+    Qwen2-VL: "<|vision_start|><|image_pad|><|vision_end|>"), else the placeholder
+    token's text ("<image>"); {} without a processor."""
     if processor is None:
         return {}
-    return {modality: processor.tokenizer.convert_ids_to_tokens(token_id)
+    own = getattr(processor, "prompt_placeholders", None) or {}
+    return {modality: own.get(modality) or processor.tokenizer.convert_ids_to_tokens(token_id)
             for modality, token_id in processor.placeholder_token_ids.items()}
 
 

@@ -15,6 +15,11 @@ was written. An onload whose slot holds another hash (never written, overwritten
 worker restarted) or whose bytes no longer match the CRC is not copied: the request
 is recomputed from that block in the same step (`apply`), so the answer is the same.
 Runs on the step thread, before the forward.
+
+With a disk tier below (`disk_kv_tier.py`, --kv-offloading-disk-path) the plan also
+spills slots to disk and onloads blocks from it (`KVOnload.medium == "disk"`); a step
+runs spills, disk drops, offloads, then onloads, and a disk onload that fails its
+checks is recomputed the same way.
 """
 
 from __future__ import annotations
@@ -28,8 +33,11 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.messages import KVOnload, SchedulerOutput
+from pagoda.core.kv_disk_index import num_disk_records
+from pagoda.messages import KVOnload, KVSpill, SchedulerOutput
 from pagoda.model.kv_cache import kv_cache_bytes_per_block, kv_cache_torch_dtype
+from pagoda.kv_transfer.block_shares import LAYOUT
+from pagoda.worker.disk_kv_tier import DiskKVTier, layout_identity
 
 logger = logging.getLogger(__name__)
 GIB = 1024 ** 3
@@ -44,6 +52,33 @@ def host_tier_slots(config: EngineConfig) -> tuple[int, int]:
     dtype = kv_cache_torch_dtype(config.kv_cache_dtype, getattr(torch, config.dtype))
     block_bytes = kv_cache_bytes_per_block(config.arch, config.cache.block_size, dtype)
     return int(size * GIB) // block_bytes, block_bytes
+
+
+def disk_tier_records(config: EngineConfig) -> int:
+    """Whole-block records the disk tier holds under `config` (0: no disk tier). The
+    scheduler's index and every worker rank size it by this rule."""
+    num_slots, block_bytes = host_tier_slots(config)
+    if num_slots <= 0 or not config.cache.kv_offloading_disk_path:
+        return 0
+    return num_disk_records(config.cache.kv_offloading_disk_size, block_bytes)
+
+
+def make_disk_tier(config: EngineConfig, kv_caches, parallel) -> DiskKVTier | None:
+    """This rank's disk tier under --kv-offloading-disk-path, None when off. Its
+    identity is what the P/D handshake compares (`KvLayout`), with this rank's share."""
+    num_records = disk_tier_records(config)
+    if num_records <= 0:
+        return None
+    identity = layout_identity((
+        config.model, config.cache.prefix_hash_seed, config.cache.block_size, LAYOUT,
+        HostKVTier._layout(kv_caches), parallel.tp_size, parallel.pp_size, parallel.rank))
+    return DiskKVTier(config.cache.kv_offloading_disk_path, num_records, identity,
+                      parallel.rank)
+
+
+def has_tier_ops(plan: SchedulerOutput) -> bool:
+    """Whether the plan carries any copy for the KV tiers."""
+    return bool(plan.kv_offloads or plan.kv_onloads or plan.kv_spills or plan.kv_disk_drops)
 
 
 @dataclass
@@ -62,7 +97,8 @@ class HostTierStats:
 class HostKVTier:
     """`num_slots` blocks of host memory shaped like `kv_caches`' blocks."""
 
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_slots: int) -> None:
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_slots: int,
+                 disk: DiskKVTier | None = None) -> None:
         pin = kv_caches[0][0].device.type == "cuda"
         self.num_slots = num_slots
         self.tensors = [tuple(torch.empty((num_slots, *t.shape[1:]), dtype=t.dtype,
@@ -73,6 +109,7 @@ class HostKVTier:
         self._hash: list[bytes | None] = [None] * num_slots
         self._crc: list[int] = [0] * num_slots
         self.stats = HostTierStats()
+        self.disk = disk
         self.block_bytes = sum(t[0].numel() * t.element_size() for pair in self.tensors for t in pair)
 
     @staticmethod
@@ -109,6 +146,59 @@ class HostKVTier:
         self.stats.offloaded_bytes += len(ops) * self.block_bytes
         self.stats.offload_seconds += time.perf_counter() - start
 
+    def spill(self, kv_caches, ops: list[KVSpill]) -> None:
+        """Slots (or device blocks) -> disk records. A slot is written only if it still
+        holds its hash and matches its CRC (a bad slot is not: its block is recomputed
+        later)."""
+        if self.disk is None or not ops:
+            return
+        start = time.perf_counter()
+        for op in ops:
+            if op.block_id >= 0:
+                pieces = [t[op.block_id].cpu().contiguous().view(torch.uint8).numpy()
+                          for pair in kv_caches for t in pair if t.shape[-1]]
+                crc = 0
+                for piece in pieces:
+                    crc = zlib.crc32(piece, crc)
+                self.disk.write(op.block_hash, pieces, crc)
+                continue
+            if not self.holds(op.slot, op.block_hash):
+                continue
+            pieces = [t[op.slot].view(torch.uint8).numpy() for pair in self.tensors
+                      for t in pair if t.shape[-1]]
+            crc = 0
+            for piece in pieces:
+                crc = zlib.crc32(piece, crc)
+            if crc == self._crc[op.slot]:
+                self.disk.write(op.block_hash, pieces, crc)
+        self.disk.stats.write_seconds += time.perf_counter() - start
+
+    def onload_disk(self, kv_caches, ops: list[KVOnload]) -> list[KVOnload]:
+        """Verified disk records -> device blocks; the ops that failed (not copied)."""
+        if not ops:
+            return []
+        start = time.perf_counter()
+        failed = []
+        same_layout = self._layout(kv_caches) == self.layout
+        for op in ops:
+            payload = self.disk.read(op.block_hash, self.block_bytes) \
+                if self.disk is not None and same_layout else None
+            if payload is None:
+                failed.append(op)
+                continue
+            offset = 0
+            raw = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else None
+            for dev_pair, host_pair in zip(kv_caches, self.tensors):
+                for dev, host in zip(dev_pair, host_pair):
+                    n = host[0].numel() * host.element_size()
+                    if n:
+                        block = raw[offset:offset + n].view(host.dtype).view(host.shape[1:])
+                        dev[op.block_id].copy_(block, non_blocking=False)
+                    offset += n
+        if self.disk is not None:  # the blocks and failures are counted in disk.stats
+            self.disk.stats.read_seconds += time.perf_counter() - start
+        return failed
+
     def onload(self, kv_caches, ops: list[KVOnload]) -> list[KVOnload]:
         """Verified slots -> device blocks; the ops that failed (not copied)."""
         if not ops:
@@ -137,12 +227,29 @@ class HostKVTier:
         self.stats.onload_seconds += time.perf_counter() - start
         return failed
 
-    def apply(self, kv_caches, plan: SchedulerOutput, block_size: int) -> SchedulerOutput:
+    def apply(self, kv_caches, plan: SchedulerOutput, block_size: int,
+              agree=None) -> SchedulerOutput:
         """Run the plan's copies (offloads, then onloads); the plan the forward runs:
         a request with a failed onload starts at its first failed block instead, its
-        tokens from there on scheduled this step (recomputed, so the answer holds)."""
+        tokens from there on scheduled this step (recomputed, so the answer holds).
+
+        `agree` (a worker group's ranks, each holding its own share of every block):
+        given one 0/1 failure flag per `plan.kv_onloads` entry, the flags of every rank
+        OR-ed together, so every rank recomputes what any rank could not onload and
+        the ranks run the same plan."""
+        self.spill(kv_caches, plan.kv_spills)
+        if self.disk is not None:
+            for block_hash in plan.kv_disk_drops:
+                self.disk.drop(block_hash)
+            self.disk.trim()
         self.offload(kv_caches, plan.kv_offloads)
-        failed = self.onload(kv_caches, plan.kv_onloads)
+        failed = self.onload(kv_caches, [op for op in plan.kv_onloads if op.medium != "disk"])
+        failed += self.onload_disk(kv_caches, [op for op in plan.kv_onloads
+                                               if op.medium == "disk"])
+        if agree is not None and plan.kv_onloads:
+            bad = {(op.req_id, op.block_index) for op in failed}
+            flags = agree([int((op.req_id, op.block_index) in bad) for op in plan.kv_onloads])
+            failed = [op for op, flag in zip(plan.kv_onloads, flags) if flag]
         if not failed:
             return plan
         restart: dict[str, int] = {}

@@ -35,7 +35,8 @@ from pagoda.spec_decode.draft_model import DraftModelRunner
 from pagoda.worker import cpu_allocator
 from pagoda.worker.cuda_graphs import DecodeCUDAGraphs, cuda_graph_sizes
 from pagoda.worker.encoder_cache import EncoderCache
-from pagoda.worker.host_kv_tier import HostKVTier, host_tier_slots
+from pagoda.worker.host_kv_tier import (HostKVTier, has_tier_ops, host_tier_slots,
+                                       make_disk_tier)
 from pagoda.worker.mm_inputs import MultiModalStepInputs
 from pagoda.worker.pooling import pool_requests, token_type_ids
 from pagoda.worker.recurrent_state import RecurrentStateSlots, rewind_to_accepted_drafts
@@ -197,7 +198,9 @@ class ModelRunner:
                                       if 0 <= i - start < len(self.kv_caches)]
         num_slots = host_tier_slots(self.config)[0]
         if num_slots > 0 and self.host_tier is None:  # kept when the cache is set up again
-            self.host_tier = HostKVTier(self.kv_caches, num_slots)
+            self.host_tier = HostKVTier(self.kv_caches, num_slots,
+                                        make_disk_tier(self.config, self.kv_caches,
+                                                       self.parallel))
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks, self.kv_cache_dtype)
         # Graphs capture a whole-model decode; a group's ranks run eagerly for now.
@@ -215,6 +218,9 @@ class ModelRunner:
             sched.max_model_len, self.device)
         self.cuda_graphs.capture()
 
+    # One rank: its own onload failures are the group's (ParallelRunner ORs every rank's).
+    _agree_on_onloads = None
+
     def reset(self) -> None:
         """Forget every request (a restarted scheduler knows none of them)."""
         self.states.clear()
@@ -227,11 +233,10 @@ class ModelRunner:
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if self.host_tier is not None and (scheduler_output.kv_offloads
-                                           or scheduler_output.kv_onloads):
+        if self.host_tier is not None and has_tier_ops(scheduler_output):
             # Before anything of the step: a failed onload turns into recompute here.
             scheduler_output = self.host_tier.apply(self.kv_caches, scheduler_output,
-                                                    self.block_size)
+                                                    self.block_size, self._agree_on_onloads)
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty()

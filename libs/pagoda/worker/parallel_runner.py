@@ -27,6 +27,7 @@ import torch
 
 from pagoda.messages import ModelRunnerOutput, SchedulerOutput
 from pagoda.distributed.communication import recv_tensor, send_tensor
+from pagoda.worker.host_kv_tier import has_tier_ops
 from pagoda.worker.input_builder import ModelInputs, build_model_inputs
 from pagoda.worker.model_runner import ModelRunner
 from pagoda.model.intermediate_tensors import IntermediateTensors
@@ -79,15 +80,27 @@ class ParallelModelRunner(ModelRunner):
             self._append_sampled(sampled_token_ids)
         if self.parallel.pp_size == 1:
             return super().execute_model(scheduler_output)
-        if self.host_tier is not None and (scheduler_output.kv_offloads
-                                           or scheduler_output.kv_onloads):
+        if self.host_tier is not None and has_tier_ops(scheduler_output):
             # Each stage copies its layers' share (see ModelRunner.execute_model).
             scheduler_output = self.host_tier.apply(self.kv_caches, scheduler_output,
-                                                    self.block_size)
+                                                    self.block_size, self._agree_on_onloads)
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty() if self.parallel.is_last_stage else None
         return self._execute_pipelined(scheduler_output)
+
+    def _agree_on_onloads(self, flags: list[int]) -> list[int]:
+        """Every rank's onload failure flags OR-ed (MAX) over the whole group (the world
+        group spans every rank under PP, the TP group does otherwise): a block one rank
+        could not onload is recomputed by all, so the ranks' plans stay equal."""
+        group = self.parallel.pp_group if self.parallel.pp_size > 1 else self.parallel.tp_group
+        if group is None:
+            return flags
+        t = torch.tensor(flags, dtype=torch.int32, device=self.device)
+        opts = torch.distributed.AllreduceOptions()
+        opts.reduceOp = torch.distributed.ReduceOp.MAX
+        group.allreduce([t], opts).wait()
+        return t.tolist()
 
     def _sample(self, inputs: ModelInputs, hidden: torch.Tensor):
         if self.is_output_rank:

@@ -76,7 +76,8 @@ class PlanLedger:
         new_by_id = {d.req_id: d for d in plan.scheduled_new_reqs}
         for op in plan.kv_onloads:
             data = new_by_id.get(op.req_id)
-            if data is None or not 0 <= op.block_index < len(data.block_ids) \
+            if data is None or op.medium not in ("cpu", "disk") \
+                    or not 0 <= op.block_index < len(data.block_ids) \
                     or data.block_ids[op.block_index] != op.block_id \
                     or (op.block_index + 1) * self.block_size > data.num_computed_tokens:
                 raise PlanRejected("a host-tier onload that is not a computed block of a new "

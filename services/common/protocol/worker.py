@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as pb
-from pagoda.messages import (CachedRequestData, KVOffload, KVOnload, ModelRunnerOutput,
-                             NewRequestData, SchedulerOutput)
+from pagoda.messages import (CachedRequestData, KVOffload, KVOnload, KVSpill,
+                             ModelRunnerOutput, NewRequestData, SchedulerOutput)
 from pagoda.pooling_params import PREFILL_ONLY
 from pagoda.services.common.protocol.common import (logprobs_from_proto, logprobs_to_proto,
                                                     lora_request_from_proto,
@@ -70,7 +70,11 @@ def scheduler_output_to_proto(out: SchedulerOutput) -> pb.SchedulerOutput:
         msg.kv_offloads.add(block_id=op.block_id, slot=op.slot, block_hash=op.block_hash)
     for op in out.kv_onloads:
         msg.kv_onloads.add(req_id=op.req_id, block_index=op.block_index, slot=op.slot,
-                           block_id=op.block_id, block_hash=op.block_hash)
+                           block_id=op.block_id, block_hash=op.block_hash, medium=op.medium)
+    for spill in out.kv_spills:
+        msg.kv_spills.add(slot=spill.slot, block_hash=spill.block_hash,
+                          from_device=spill.block_id >= 0, block_id=max(spill.block_id, 0))
+    msg.kv_disk_drops.extend(out.kv_disk_drops)
     cached = out.scheduled_cached_reqs
     msg.scheduled_cached_reqs.req_ids.extend(cached.req_ids)
     msg.scheduled_cached_reqs.num_computed_tokens.extend(cached.num_computed_tokens)
@@ -122,8 +126,11 @@ def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
         scheduled_spec_decode_tokens={r: list(t.token_ids)
                                       for r, t in msg.scheduled_spec_decode_tokens.items()},
         kv_offloads=[KVOffload(m.block_id, m.slot, m.block_hash) for m in msg.kv_offloads],
-        kv_onloads=[KVOnload(m.req_id, m.block_index, m.slot, m.block_id, m.block_hash)
-                    for m in msg.kv_onloads],
+        kv_onloads=[KVOnload(m.req_id, m.block_index, m.slot, m.block_id, m.block_hash,
+                             m.medium or "cpu") for m in msg.kv_onloads],
+        kv_spills=[KVSpill(m.slot, m.block_hash, m.block_id if m.from_device else -1)
+                   for m in msg.kv_spills],
+        kv_disk_drops=list(msg.kv_disk_drops),
     )
 
 

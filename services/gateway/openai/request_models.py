@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import fields
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
@@ -23,7 +23,8 @@ from pagoda.services.gateway.errors import APIError
 from pagoda.services.gateway.openai.beam_fields import check_beam_search
 from pagoda.services.gateway.openai.structured_outputs import request_structured_outputs
 from pagoda.services.gateway.openai.tools import forced_constraint
-from pagoda.services.gateway.openai.vllm_only_fields import fold_repetition_fields, refuse_unserved
+from pagoda.services.gateway.openai.vllm_only_fields import (UNSERVED, fold_repetition_fields,
+                                                             refuse_unserved)
 
 logger = logging.getLogger(__name__)
 INT32_MAX = 2**31 - 1
@@ -45,13 +46,15 @@ class StreamOptions(BaseModel):
 class _Body(BaseModel):
     # NaN/Infinity are accepted by Python's JSON parser; no sampling field wants them.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # vLLM's fields of this route that Pagoda does not serve (vllm_only_fields.py).
+    vllm_unserved: ClassVar[Mapping[str, str]] = UNSERVED
 
     @model_validator(mode="wrap")
     @classmethod
     def _log_ignored_fields(cls, data, handler):
         """vLLM's behaviour for fields it does not know: a warning, never a 400; vLLM's
         own fields that Pagoda does not serve are a 400 (vllm_only_fields.py)."""
-        refuse_unserved(data)
+        refuse_unserved(data, cls.vllm_unserved, own_fields=cls.model_fields)
         if "repetition_detection" in cls.model_fields:
             data = fold_repetition_fields(data)
         result = handler(data)

@@ -14,11 +14,14 @@ through the app's validation handler, never a 422. What depends on the served mo
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagoda.pooling_params import PoolingParams
+from pagoda.services.gateway.openai.vllm_only_fields import (EMBEDDINGS_SERVED_VALUES,
+                                                             EMBEDDINGS_UNSERVED,
+                                                             POOLING_UNSERVED, refuse_unserved)
 
 INT32_MAX = 2**31 - 1
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
@@ -29,6 +32,14 @@ Truncation = Annotated[int, Field(ge=-1, le=INT32_MAX)] | None
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # vLLM's fields of this route that Pagoda does not serve: a 400 naming the field.
+    vllm_unserved: ClassVar[Mapping[str, str]] = POOLING_UNSERVED
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unserved(cls, data: Any) -> Any:
+        refuse_unserved(data, cls.vllm_unserved, EMBEDDINGS_SERVED_VALUES)
+        return data
 
     model: str | None = None
     user: str | None = None
@@ -38,6 +49,7 @@ class _Body(BaseModel):
 
 
 class EmbeddingRequest(_Body):
+    vllm_unserved: ClassVar[Mapping[str, str]] = EMBEDDINGS_UNSERVED
     input: Input
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
@@ -53,6 +65,7 @@ PoolingTask = Literal["embed", "classify", "token_classify", "token_embed"]
 
 
 class PoolingRequest(_Body):
+    vllm_unserved: ClassVar[Mapping[str, str]] = EMBEDDINGS_UNSERVED
     input: Input
     encoding_format: Literal["float", "base64"] = "float"
     add_special_tokens: bool = True

@@ -74,6 +74,10 @@ def test_base64_is_little_endian_float32(embedder):
     encoded = post(embedder, "/v1/embeddings", {"input": "paris", "encoding_format": "base64"})
     raw = base64.b64decode(encoded.json()["data"][0]["embedding"])
     assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == floats
+    # vLLM's embed_dtype/endianness spelled as what this is: served, the same bytes
+    same = post(embedder, "/v1/embeddings", {"input": "paris", "encoding_format": "base64",
+                                             "embed_dtype": "float32", "endianness": "little"})
+    assert same.status_code == 200 and same.json()["data"] == encoded.json()["data"]
 
 
 def test_token_id_inputs_and_truncation(embedder, offline):
@@ -99,6 +103,13 @@ def test_token_id_inputs_and_truncation(embedder, offline):
     ({"input": "paris", "truncate_prompt_tokens": 65}, "truncate_prompt_tokens",
      "greater than max_model_len (64)"),
     ({"input": [999999]}, "input", "out of vocabulary"),
+    # vLLM's fields this server does not serve: named, never ignored
+    ({"input": "paris", "embed_dtype": "float16"}, "embed_dtype", "does not support"),
+    ({"input": "paris", "endianness": "big"}, "endianness", "does not support"),
+    ({"input": "paris", "messages": [{"role": "user", "content": "x"}]}, "messages",
+     "does not support"),
+    ({"input": "paris", "request_id": "r1"}, "request_id", "does not support"),
+    ({"input": "paris", "truncation_side": "left"}, "truncation_side", "does not support"),
 ])
 def test_bad_input_is_a_400_with_openai_error_json(embedder, body, param, message):
     response = post(embedder, "/v1/embeddings", body)

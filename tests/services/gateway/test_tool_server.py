@@ -21,6 +21,7 @@ from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
 from pagoda.services.gateway.app import create_app
+from pagoda.services.gateway.openai.responses_api.mcp_turn import MAX_ROUNDS
 from pagoda.services.gateway.serving_options import ServingOptions
 from pagoda.services.tokenizer.servicer import TokenizerServicer
 
@@ -144,5 +145,28 @@ def test_an_unreachable_tool_server_is_a_clean_error(smollm2_tokenizer,
         assert time.monotonic() - started < 60 and fake.prompts == []
         assert httpx.post(f"{app.url}/v1/responses", timeout=60,
                           json={"input": "hi"}).status_code == 200  # still serving
+    finally:
+        app.stop()
+
+
+def test_max_tool_calls_bounds_the_calls_the_gateway_runs(
+        mcp_server, smollm2_tokenizer, grpc_server_factory_module):
+    """A model that keeps calling: `max_tool_calls` calls run, then the response is
+    incomplete with OpenAI's reason; without it the rounds' bound stops the loop."""
+    app, fake = start(smollm2_tokenizer, grpc_server_factory_module, [CALL], mcp_server)
+    try:
+        body = httpx.post(f"{app.url}/v1/responses", timeout=60, json={
+            "input": "Add forever.", "tools": MCP_TOOLS, "max_tool_calls": 2}).json()
+        assert [item["type"] for item in body["output"]] == ["mcp_call", "mcp_call"]
+        assert body["status"] == "incomplete"
+        assert body["incomplete_details"] == {"reason": "max_tool_calls"}
+        assert len(fake.prompts) == 3  # the third answer's call was not run
+        fake.prompts.clear()
+        body = httpx.post(f"{app.url}/v1/responses", timeout=60, json={
+            "input": "Add forever.", "tools": MCP_TOOLS}).json()
+        assert len(body["output"]) == MAX_ROUNDS and body["status"] == "incomplete"
+        bad = httpx.post(f"{app.url}/v1/responses", timeout=60, json={
+            "input": "x", "tools": MCP_TOOLS, "max_tool_calls": -1})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tool_calls"
     finally:
         app.stop()

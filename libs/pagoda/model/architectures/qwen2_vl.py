@@ -41,7 +41,7 @@ class Qwen2VLSettings:
 
     @property
     def max_tokens_per_mm_item(self) -> int:
-        return 0  # dynamic resolution: the budget is max_num_batched_tokens (or set it)
+        return 0  # dynamic resolution: the processor's max_pixels decides (multimodal_args)
 
     @classmethod
     def from_hf_config(cls, hf_config: dict, arch: ModelArchConfig) -> "Qwen2VLSettings":

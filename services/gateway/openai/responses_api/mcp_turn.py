@@ -9,10 +9,11 @@ API does with tool servers.
 
 The response's `output` holds one `mcp_call` item per call (name, arguments, output
 or error: OpenAI's item) and then the final message; usage sums every round. The
-rounds are bounded (MAX_ROUNDS): a model that keeps calling gets an incomplete
-response. A tool server that cannot be reached while listing is a 424 (OpenAI's
-status for a failed MCP server); a failing call is that call's `error`, which the
-model sees as the tool's result. Only non-streamed requests run tools here.
+rounds are bounded (MAX_ROUNDS), and the calls by the request's `max_tool_calls`: a
+model that keeps calling gets an incomplete response (reason "max_tool_calls"), the
+calls past the limit not run. A tool server that cannot be reached while listing is a
+424 (OpenAI's status for a failed MCP server); a failing call is that call's `error`,
+which the model sees as the tool's result. Only non-streamed requests run tools here.
 """
 
 from __future__ import annotations
@@ -81,8 +82,10 @@ async def respond_with_tools(state: GatewayState, body: ResponsesRequest, model:
     output: list[dict] = []
     usage = [0, 0, 0]
     messages = list(messages)
+    calls_left = body.max_tool_calls
     for _ in range(MAX_ROUNDS):
-        chat = to_chat_request(body, messages, [t.as_function() for t in tools.values()])
+        chat = to_chat_request(body, messages, [t.as_function() for t in tools.values()],
+                               state.peers.model_info().max_model_len)
         chat.stream = False
         run = await openai_routes.start_chat(state, chat, request, "resp")
         choice = (await openai_routes.collect(run.gen, request))[0]
@@ -99,6 +102,9 @@ async def respond_with_tools(state: GatewayState, body: ResponsesRequest, model:
             messages.append({"role": "assistant", "content": text})
             return _response(body, response_id, model, created, output, usage,
                              "max_output_tokens" if incomplete else None), messages
+        if calls_left is not None and len(calls) > calls_left:
+            break
+        calls_left = None if calls_left is None else calls_left - len(calls)
         messages.append({"role": "assistant", "content": message.get("content") or "",
                          "tool_calls": calls})
         for call in calls:

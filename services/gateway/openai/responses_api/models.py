@@ -11,14 +11,16 @@ them; the rest are echoed back in the response object, as OpenAI and vLLM do.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, Mapping
 
 from pydantic import Field
 
 from pagoda.services.gateway.errors import APIError
-from pagoda.services.gateway.openai.request_models import INT32_MAX, ChatCompletionRequest, _Body
+from pagoda.services.gateway.openai.request_models import (INT32_MAX, INT64_MAX, INT64_MIN,
+                                                          ChatCompletionRequest, _Body)
 from pagoda.services.gateway.openai.responses_api.input_items import (chat_tool_choice,
                                                                       chat_tools, input_messages)
+from pagoda.services.gateway.openai.vllm_only_fields import RESPONSES_UNSERVED
 
 # The `include` entry that asks for the output text's logprobs.
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
@@ -36,7 +38,9 @@ MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 class ResponsesRequest(_Body):
     """POST /v1/responses (OpenAI's fields, plus vLLM's extras: top_k, priority,
-    cache_salt, skip_special_tokens)."""
+    cache_salt, skip_special_tokens, and the sampling fields that chat shares)."""
+
+    vllm_unserved: ClassVar[Mapping[str, str]] = RESPONSES_UNSERVED
 
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -64,6 +68,17 @@ class ResponsesRequest(_Body):
     priority: Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)] = 0
     cache_salt: str | None = None
     skip_special_tokens: bool = True
+    # OpenAI's: at most this many calls of the gateway's own (--tool-server) tools.
+    max_tool_calls: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
+    # vLLM's ResponsesRequest extras, served by the chat path as chat serves them.
+    logit_bias: dict[str, float] | None = None
+    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
+    stop: str | list[str] | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    structured_outputs: dict[str, Any] | None = None
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
 
     def check(self) -> None:
         """What Pagoda's Responses API does not serve, and malformed fields the chat
@@ -131,10 +146,12 @@ def conversation(req: ResponsesRequest, history: list[dict[str, Any]]
 
 
 def to_chat_request(req: ResponsesRequest, messages: list[dict[str, Any]],
-                    extra_tools: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+                    extra_tools: list[dict[str, Any]] | None = None,
+                    max_model_len: int | None = None) -> ChatCompletionRequest:
     """The chat completion that answers `req` (n = 1; its own validation applies):
     its function tools, and `extra_tools` (chat tools of the gateway's --tool-server
-    that the gateway runs itself; tool_choice auto unless the client chose)."""
+    that the gateway runs itself; tool_choice auto unless the client chose).
+    `max_model_len`: the served context, which truncation "auto" fits the prompt to."""
     logprobs = req.wants_logprobs
     effort = (req.reasoning or {}).get("effort")
     function_tools = (chat_tools(req.tools) or []) + (extra_tools or []) or None
@@ -143,6 +160,11 @@ def to_chat_request(req: ResponsesRequest, messages: list[dict[str, Any]],
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, stream=req.stream,
         user=req.user, cache_salt=req.cache_salt, priority=req.priority,
         skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
+        logit_bias=req.logit_bias, seed=req.seed, stop=req.stop,
+        repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        structured_outputs=req.structured_outputs, vllm_xargs=req.vllm_xargs,
+        truncate_prompt_tokens=auto_truncation(req, max_model_len),
         top_logprobs=(req.top_logprobs or 0) if logprobs else None,
         response_format=response_format(req.text), tools=function_tools,
         tool_choice=chat_tool_choice(req.tool_choice, "tool_choice" in req.model_fields_set)
@@ -150,6 +172,17 @@ def to_chat_request(req: ResponsesRequest, messages: list[dict[str, Any]],
         parallel_tool_calls=req.parallel_tool_calls,
         # gpt-oss style templates read the effort (vLLM passes it the same way).
         chat_template_kwargs={"reasoning_effort": effort} if effort else None)
+
+
+def auto_truncation(req: ResponsesRequest, max_model_len: int | None) -> int | None:
+    """vLLM's reading of truncation "auto": the prompt keeps its last tokens, as many as
+    leave room for max_output_tokens (vLLM's max_input_tokens; -1, the whole context,
+    without a max_output_tokens or a known context); "disabled": None, no truncation."""
+    if req.truncation != "auto":
+        return None
+    if max_model_len is None or req.max_output_tokens is None:
+        return -1
+    return max(max_model_len - req.max_output_tokens, 1)
 
 
 def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:

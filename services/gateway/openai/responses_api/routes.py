@@ -84,7 +84,8 @@ async def create_response(body: ResponsesRequest, request: Request):
             await store.put(response["id"], StoredResponse(
                 response, turn_messages + answered[len(messages):]))
         return JSONResponse(response)
-    run = await openai_routes.start_chat(state, to_chat_request(body, messages), request,
+    chat = to_chat_request(body, messages, max_model_len=state.peers.model_info().max_model_len)
+    run = await openai_routes.start_chat(state, chat, request,
                                          "resp", clamp_max_tokens=True)
     turn = Turn(body, run, turn_messages, store)
     if body.stream:

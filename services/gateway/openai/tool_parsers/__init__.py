@@ -27,6 +27,7 @@ PARSERS = {
     "llama3_json": f"{_M}.llama3_json:Llama3JsonToolParser",
     "llama4_json": f"{_M}.llama3_json:Llama3JsonToolParser",
     "llama4_pythonic": f"{_M}.llama4_pythonic:Llama4PythonicToolParser",
+    "longcat": f"{_M}.hermes:LongcatToolParser",
     "mistral": f"{_M}.mistral:MistralToolParser",
     "openai": f"{_M}.openai:GptOssToolParser",
     "pythonic": f"{_M}.pythonic:PythonicToolParser",

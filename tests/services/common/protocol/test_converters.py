@@ -19,7 +19,7 @@ from pagoda.messages import (CachedRequestData, EngineCoreOutput, EngineCoreRequ
                              LogprobsLists, ModelRunnerOutput, NewRequestData, SchedulerOutput)
 import numpy as np
 
-from pagoda.messages import KVOffload, KVOnload
+from pagoda.messages import KVOffload, KVOnload, KVSpill
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2
 from pagoda.services.common.protocol.worker import (scheduler_output_from_proto,
                                                     scheduler_output_to_proto)
@@ -231,8 +231,13 @@ def test_kv_event_round_trip(event):
 def test_host_tier_copies_cross_the_wire():
     plan = SchedulerOutput([], CachedRequestData(), {}, 0,
                            kv_offloads=[KVOffload(3, 7, b"\x01" * 32)],
-                           kv_onloads=[KVOnload("r", 2, 7, 9, b"\x02" * 32)])
+                           kv_onloads=[KVOnload("r", 2, 7, 9, b"\x02" * 32),
+                                       KVOnload("r", 3, -1, 4, b"\x03" * 32, "disk")],
+                           kv_spills=[KVSpill(5, b"\x04" * 32), KVSpill(6, b"\x05" * 32, 0)],
+                           kv_disk_drops=[b"\x06" * 32])
     wire = worker_pb2.SchedulerOutput.FromString(
         scheduler_output_to_proto(plan).SerializeToString())
     back = scheduler_output_from_proto(wire)
     assert back.kv_offloads == plan.kv_offloads and back.kv_onloads == plan.kv_onloads
+    # A spill from device block 0 stays one (proto3's 0 default is not "from the slot").
+    assert back.kv_spills == plan.kv_spills and back.kv_disk_drops == plan.kv_disk_drops

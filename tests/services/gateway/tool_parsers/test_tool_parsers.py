@@ -32,6 +32,14 @@ CASES = [
     ("hermes", "The weather in Paris is sunny.", "The weather in Paris is sunny.", []),
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
      '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', []),  # cut: content
+    # LongCat-Flash (vLLM's `longcat`, a hermes variant with its own tags)
+    ("longcat", 'Checking.\n<longcat_tool_call>\n{"name": "get_weather", "arguments": '
+                '{"city": "Paris", "unit": "celsius"}}\n</longcat_tool_call>\n'
+                '<longcat_tool_call>\n{"name": "now", "arguments": {}}\n</longcat_tool_call>',
+     "Checking.\n", [("get_weather", WEATHER), ("now", {})]),
+    ("longcat", "Paris is sunny.", "Paris is sunny.", []),
+    ("longcat", '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>',
+     '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>', []),  # not its tag
     # Llama 3.1 / 3.2 JSON
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": '
                     '"celsius"}}', None, [("get_weather", WEATHER)]),
