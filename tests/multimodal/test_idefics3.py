@@ -183,6 +183,14 @@ def test_unknown_checkpoint_tensor_is_refused_by_name(idefics3_dir, tmp_path):
             LLM(model=str(path), **ENGINE)
 
 
+def test_frames_of_another_size_are_refused_naming_max_image_size(llm):
+    with pytest.raises(ValueError, match="max_image_size"):
+        llm.generate({"prompt": PROMPT.format(IMAGE_TOKEN),
+                      "multi_modal_data": {"image": pattern_image(40, 40, 1)},
+                      "mm_processor_kwargs": {"max_image_size": {"longest_edge": 20}}},
+                     use_tqdm=False)
+
+
 def test_image_embeds_are_refused_by_name(llm):
     with pytest.raises(ValueError, match="image_embeds"):
         llm.generate({"prompt": PROMPT.format(IMAGE_TOKEN),

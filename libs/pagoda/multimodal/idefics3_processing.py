@@ -54,6 +54,9 @@ class Idefics3Processor(MultiModalProcessor):
         # lazy: transformers loads only when a multi-modal model is served
         from transformers import AutoImageProcessor
         self.image_seq_len = image_seq_len(hf_config)
+        # Every frame must be the tower's image_size: image_seq_len rows per frame
+        # assume it (HF's model fails on any other max_image_size too).
+        self.frame_side = int((hf_config.get("vision_config") or {}).get("image_size", 224))
         declared = _processor_config(model_dir).get("image_seq_len")
         if declared is not None and int(declared) != self.image_seq_len:
             raise ValueError(f"processor_config.json image_seq_len {declared} differs from "
@@ -75,6 +78,11 @@ class Idefics3Processor(MultiModalProcessor):
         out = self.image_processor(images=[image], return_tensors="pt",
                                    return_row_col_info=True, **kwargs)
         pixels = out["pixel_values"][0]  # [frames, 3, S, S]
+        if tuple(pixels.shape[-2:]) != (self.frame_side, self.frame_side):
+            raise ValueError(f"{self.architecture} takes frames of {self.frame_side}x"
+                             f"{self.frame_side} (the vision model's image_size); the image "
+                             f"processor made {tuple(pixels.shape[-2:])}: check "
+                             "max_image_size in mm_processor_kwargs")
         mask = out.get("pixel_attention_mask")
         if mask is not None and not bool(mask[0].all()):
             # One item's frames are all the tile size; padding would only come from a
