@@ -28,7 +28,7 @@ SUPPORTED = ["BertForSequenceClassification", "BertModel", "DeepseekV2ForCausalL
              "DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
              "GptOssForCausalLM",
              "GraniteMoeHybridForCausalLM",
-             "HF_ColBERT",
+             "HF_ColBERT", "Idefics3ForConditionalGeneration",
              "LlamaForCausalLM", "LlamaModel", "LlavaForConditionalGeneration",
              "MistralForCausalLM", "MistralModel",
              "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen2Model",

@@ -128,6 +128,10 @@ class _EncoderLayer(nn.Module):
         return x + self.mlp(self.layer_norm2(x))
 
 
+# SigLIP's encoder layer, for towers that share it (Idefics3's vision transformer).
+VisionEncoderLayer = _EncoderLayer
+
+
 class _Embeddings(nn.Module):
     def __init__(self, s: VisionTowerSettings, dtype: torch.dtype) -> None:
         super().__init__()

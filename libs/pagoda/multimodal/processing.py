@@ -42,6 +42,8 @@ _FAMILY_PROCESSORS = {
     "Qwen2VLForConditionalGeneration": "pagoda.multimodal.qwen2_vl_processing:Qwen2VLProcessor",
     "Qwen2_5_VLForConditionalGeneration":
         "pagoda.multimodal.qwen2_vl_processing:Qwen2VLProcessor",
+    "Idefics3ForConditionalGeneration":
+        "pagoda.multimodal.idefics3_processing:Idefics3Processor",
 }
 
 
@@ -79,8 +81,16 @@ class MultiModalProcessor:
         raise NotImplementedError
 
     def num_embeds(self, data: Mapping[str, Any]) -> int:
-        """Rows of the encoder output (= placeholder run length) of one item's data."""
+        """Rows of the encoder output of one item's data."""
         raise NotImplementedError
+
+    def placeholder_run(self, modality: str, data: Mapping[str, Any]) -> list[int]:
+        """The item's run of token ids (what its one placeholder expands to). Default:
+        `num_embeds` copies of the placeholder token, each taking an encoder row. A
+        family whose run interleaves text tokens (Idefics3's tile markers) overrides it;
+        the positions holding the placeholder token are then the `is_embed` ones, and
+        there must be exactly `num_embeds` of them."""
+        return [self.placeholder_token_ids[modality]] * self.num_embeds(data)
 
     def embeds_data(self, embeds: Any) -> dict[str, Any]:
         """One item's precomputed embeddings (`image_embeds` [rows, hidden])."""
@@ -266,12 +276,14 @@ def process_prompt(processor: MultiModalProcessor | None, prompt: str | Sequence
     features: list[MultiModalFeature] = []
     for modality, values in items.items():
         datas = [_item_data(processor, modality, v, kwargs, cache) for v in values]
-        ids, runs = _expand_placeholders(ids, processor.placeholder_token_ids[modality],
-                                         [processor.num_embeds(d) for d, _ in datas], modality)
+        token_id = processor.placeholder_token_ids[modality]
+        item_runs = [processor.placeholder_run(modality, d) for d, _ in datas]
+        ids, runs = _expand_placeholders(ids, token_id, item_runs, modality)
         # An earlier modality's runs shift when this one's placeholders expand before them.
         features = _shift(features, runs)
-        features += [MultiModalFeature(modality, ident, offset, length, data)
-                     for (data, ident), (offset, length) in zip(datas, runs)]
+        features += [MultiModalFeature(modality, ident, offset, length, data,
+                                       _is_embed(run, token_id, processor.num_embeds(data)))
+                     for (data, ident), (offset, length), run in zip(datas, runs, item_runs)]
     features.sort(key=lambda f: f.offset)
     return ProcessedPrompt(ids, features)
 
@@ -302,29 +314,42 @@ def _item_data(processor: MultiModalProcessor, modality: str, item: Any,
     return data, identifier
 
 
-def _expand_placeholders(ids: list[int], token_id: int, lengths: list[int], modality: str
-                         ) -> tuple[list[int], list[tuple[int, int]]]:
-    """Expand the i-th placeholder to `lengths[i]` tokens (a run already that long is
-    kept). Returns the new ids and each item's (offset, length)."""
+def _is_embed(run: list[int], token_id: int, num_embeds: int) -> Any:
+    """The run's `is_embed` mask (None when every position takes an encoder row)."""
+    import torch  # lazy: importing this module costs no torch (flag parsers use it)
+    mask = torch.tensor([t == token_id for t in run], dtype=torch.bool)
+    if int(mask.sum()) != num_embeds:
+        raise ValueError(f"a placeholder run holds {int(mask.sum())} placeholder tokens for "
+                         f"{num_embeds} encoder rows")
+    return None if bool(mask.all()) else mask
+
+
+def _expand_placeholders(ids: list[int], token_id: int, item_runs: list[list[int]],
+                         modality: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """Expand the i-th placeholder to `item_runs[i]` (a run already expanded in the
+    prompt is kept). Returns the new ids and each item's (offset, length)."""
     out: list[int] = []
     runs: list[tuple[int, int]] = []
     i = 0
     while i < len(ids):
-        if ids[i] != token_id:
+        run = item_runs[len(runs)] if len(runs) < len(item_runs) else None
+        n = len(run) if run is not None else 0
+        if run is not None and n > 1 and ids[i:i + n] == run:
+            i += n  # already expanded (a prompt_token_ids prompt from HF's processor)
+        elif ids[i] == token_id:
+            if run is None:
+                raise ValueError(f"the prompt has more {modality} placeholders than the "
+                                 f"{len(item_runs)} {modality}(s) given")
+            i += 1
+        else:
             out.append(ids[i])
             i += 1
             continue
-        if len(runs) == len(lengths):
-            raise ValueError(f"the prompt has more {modality} placeholders than the "
-                             f"{len(lengths)} {modality}(s) given")
-        n = lengths[len(runs)]
-        run = ids[i:i + n]
-        i += n if n > 1 and len(run) == n and all(t == token_id for t in run) else 1
         runs.append((len(out), n))
-        out.extend([token_id] * n)
-    if len(runs) != len(lengths):
+        out.extend(run)
+    if len(runs) != len(item_runs):
         raise ValueError(f"the prompt has {len(runs)} {modality} placeholder(s) for "
-                         f"{len(lengths)} {modality}(s): put one placeholder per {modality} "
+                         f"{len(item_runs)} {modality}(s): put one placeholder per {modality} "
                          "in the prompt (the chat template does it for image parts)")
     return out, runs
 
