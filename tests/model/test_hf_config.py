@@ -58,3 +58,31 @@ def test_activation_partial_rotary_and_phi3_longrope_keys(tmp_path):
     assert arch.hidden_act == "silu" and arch.family_settings.partial_rotary_factor == 0.75
     assert arch.rope_scaling == {"rope_type": "longrope", "short_factor": [1.0] * 6,
                                  "long_factor": [2.0] * 6, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("top, text", [(True, False), (False, True), (False, False), (True, True)])
+@pytest.mark.parametrize("architecture", ["LlavaForConditionalGeneration",
+                                          "Qwen2VLForConditionalGeneration"])
+def test_a_multimodal_head_is_tied_as_transformers_ties_it(tmp_path, architecture, top, text):
+    """transformers ties by the top-level flag its config class derives from both levels;
+    untying where it ties would load a head the checkpoint does not have (or the wrong one)."""
+    import transformers
+
+    text_config = {"model_type": "llama" if "Llava" in architecture else "qwen2_vl_text",
+                   "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 128,
+                   "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+                   "tie_word_embeddings": text}
+    vision_config = ({"model_type": "clip_vision_model", "hidden_size": 16,
+                      "intermediate_size": 32, "num_attention_heads": 2,
+                      "num_hidden_layers": 2, "image_size": 28, "patch_size": 14}
+                     if "Llava" in architecture else {"depth": 1, "embed_dim": 16,
+                                                     "hidden_size": 32, "num_heads": 2})
+    body = {"architectures": [architecture], "text_config": text_config,
+            "vision_config": vision_config, "tie_word_embeddings": top,
+            "model_type": "llava" if "Llava" in architecture else "qwen2_vl"}
+    if "Qwen2VL" in architecture:
+        text_config["rope_scaling"] = {"type": "mrope", "mrope_section": [2, 1, 1]}
+    (tmp_path / "config.json").write_text(json.dumps(body))
+    hf = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert arch_config_from_hf_dir(str(tmp_path)).tie_word_embeddings == hf.tie_word_embeddings

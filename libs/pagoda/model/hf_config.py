@@ -86,7 +86,11 @@ def arch_config_from_hf_dir(model_dir: str) -> ModelArchConfig:
         # A multi-modal model nests its language model's config (`text_config`); the
         # common fields are the language model's, the family settings read the rest.
         text = dict(config.get(spec.text_config_key) or {})
-        text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
+        # transformers v5 ties the head by the top-level flag, which the LLaVA and Qwen2-VL
+        # config classes set when either level asks for it (their rule for pre-v5 saves);
+        # a family whose config class has no such rule (Idefics3) reads its own.
+        text["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", False)
+                                           or text.get("tie_word_embeddings", False))
         rope = text.get("rope_scaling") or {}
         if (rope.get("type") or rope.get("rope_type")) == "mrope":
             # Multi-axis RoPE (hub configs of Qwen2-VL): plain RoPE per position axis, its
