@@ -4,7 +4,9 @@ values; Granite-4.0-H (GraniteMoeHybrid) keeps a Mamba2 conv and SSM state per r
 beside the attention layer's blocks. Each family's served paths answer the matrix's
 request set exactly as the offline float32 engine does on the same weights (the same
 token ids, logprobs within 1e-4):
-- DeepSeek-V3: plain, 16-token prefill chunks, TP=2, a KV pool small enough to preempt;
+- DeepSeek-V3: plain, 16-token prefill chunks, TP=2, a KV pool small enough to preempt,
+  P/D (the latent blocks moved prefill -> decode, both connectors), the prefix pulled
+  from another replica and a request migrated off a killed gpu-worker;
 - Granite-4.0-H: plain, 16-token prefill chunks, a preempting pool (the state is
   rebuilt), n-gram and draft-model speculation (rejected drafts rewound out of the
   state: vLLM's hybrid bug #39273). Seeded requests under speculation are checked as in
@@ -22,12 +24,13 @@ import pathlib
 
 import pytest
 import torch
-from clusters import NGRAM, SMALL_POOL_BLOCKS, served, spec_flags
+from clusters import DIST_PD, NGRAM, SMALL_POOL_BLOCKS, served, spec_flags
 from compare import FP32_LOGPROB_TOL
 from request_set import REQUESTS
 from rows import ROWS, check_row
 from served import send_all
 from serve_cluster import wait_until
+from test_matrix import run_pd, run_replicas
 
 pytestmark = [pytest.mark.matrix, pytest.mark.matrix_full, pytest.mark.slow]
 
@@ -122,9 +125,11 @@ def metric(serve, name: str) -> float:
     return sum(v for (n, _), v in serve.scrape().items() if n == name)
 
 
-def record(row) -> None:
-    ROWS.append(row)
-    assert not row.failures, "\n".join(row.failures)
+def record(*rows) -> None:
+    """Add the rows to the table, then fail naming every failed path and request."""
+    ROWS.extend(rows)
+    failures = [line for row in rows for line in row.failures]
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("title,flags", [
@@ -140,6 +145,26 @@ def test_deepseek_path(deepseek, title, flags):
         got = send_all(serve.url, REQUESTS)
     assert all(flag in worker for flag in flags if flag.startswith("--")), worker
     record(check_row(title, want, got, FP32_LOGPROB_TOL, decode))
+
+
+@pytest.mark.parametrize("connector", ["PagodaConnector", "PagodaDistConnector"])
+def test_deepseek_pd(deepseek, connector):
+    """1 prefill + 1 decode replica: the decode side pulls the prompt's latent blocks
+    (the rows check that blocks moved) and answers as the offline engine."""
+    model, want, decode = deepseek
+    extra = DIST_PD if connector == "PagodaDistConnector" else []
+    record(*run_pd(model, want, decode, f"DeepSeek-V3 (MLA): P/D, {connector}", *extra))
+
+
+def test_deepseek_prefix_pull_and_migration(deepseek):
+    """Replica 1 pulls the latent blocks of replica 0's prefixes; then its gpu-worker is
+    killed mid-stream and the requests continue on replica 0."""
+    model, want, decode = deepseek
+    rows = run_replicas(model, want, decode)
+    for row in rows:
+        row.path = f"DeepSeek-V3 (MLA): {row.path}"
+        row.failures = [f"DeepSeek-V3 (MLA): {line}" for line in row.failures]
+    record(*rows)
 
 
 def test_deepseek_preempting(deepseek):
