@@ -291,7 +291,8 @@ class EngineArgs:
             method = get_quantization_config(arch.quantization_config)
             method.check_architecture(arch.architecture)
             if arch.moe is not None:
-                from pagoda.model.moe_quantized import refuse_unsupported_expert_quantization
+                from pagoda.model.moe_quantized import \
+                    refuse_unsupported_expert_quantization  # lazy: as above
 
                 refuse_unsupported_expert_quantization(method, arch.architecture)
         kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, device)
