@@ -34,7 +34,7 @@ from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc as
 from pagoda.services.common import grpc_channels
 from pagoda.services.common.kv_transfer_metrics import kv_transfer_metrics
 from pagoda.services.common.tracing import intercept
-from pagoda.kv_transfer.block_shares import LAYOUT, BlockShape, as_bytes
+from pagoda.kv_transfer.block_shares import BlockShape, as_bytes
 from pagoda.kv_transfer.config import DIST_CONNECTOR
 from pagoda.services.gpu_worker.kv_dist import SEND_BATCH, DistTransport, status_of
 
@@ -124,7 +124,7 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
                            kv_dtype=str(shape.dtype).removeprefix("torch."),
                            block_size=shape.block_size, num_layers=shape.num_layers,
                            num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                           layout=LAYOUT, num_blocks=num_blocks,
+                           layout=shape.layout, num_blocks=num_blocks,
                            device_type=self.device_type)
 
     def _check_epoch(self, epoch: str, context) -> None:

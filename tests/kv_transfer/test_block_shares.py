@@ -75,3 +75,48 @@ def test_bytes_of_another_size_and_ids_outside_the_cache_are_refused():
         SHAPE.blocks(b"\0" * (SHAPE.nbytes - 2), 1)
     with pytest.raises(ValueError, match="no KV block 6"):
         check_block_ids([0, 6], BLOCKS)
+
+
+# ---------------------------------------------------------------- latent (MLA) blocks
+LATENT = 24
+LATENT_SHAPE = BlockShape(LAYERS, BS, 1, LATENT, torch.float32, num_parts=1)
+
+
+def latent_cache() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A latent cache as kv_cache.allocate_kv_caches builds it: the latent rows and an
+    empty value tensor per layer; every tensor-parallel rank holds all of it."""
+    return [(torch.randn(BLOCKS, BS, 1, LATENT), torch.empty(BLOCKS, BS, 1, 0))
+            for _ in range(LAYERS)]
+
+
+def test_a_latent_block_is_each_layers_latent_rows():
+    cache = latent_cache()
+    data = as_bytes(read_share(cache, [2]))
+    assert len(data) == LATENT_SHAPE.nbytes == LAYERS * BS * LATENT * 4  # no value bytes
+    assert data == b"".join(as_bytes(latent[2]) for latent, _ in cache)
+    assert (LATENT_SHAPE.layout, SHAPE.layout) == ("blocks_tokens_latent",
+                                                    "blocks_tokens_heads_dim")
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (2, 2)])
+def test_latent_blocks_move_between_groups_of_any_shape(tp, pp):
+    """Each rank of a T x P group holds its stage's layers of the whole latent: the
+    shares assemble into the source's bytes, and written back they fill every rank."""
+    source = latent_cache()
+    ids = [4, 1]
+    shares = []
+    for rank in range(tp * pp):
+        share = rank_share(LAYERS, 1, tp, pp, rank)
+        assert (share.head_start, share.num_heads) == (0, 1)  # replicated on every TP rank
+        mine = source[share.layer_start:share.layer_end]
+        shares.append((share, read_share(mine, ids)))
+    blocks = assemble(LATENT_SHAPE, shares, len(ids))
+    assert as_bytes(blocks) == as_bytes(read_share(source, ids))
+    for rank in range(tp * pp):
+        share = rank_share(LAYERS, 1, tp, pp, rank)
+        target = [(torch.zeros(BLOCKS, BS, 1, LATENT), torch.empty(BLOCKS, BS, 1, 0))
+                  for _ in range(share.layer_end - share.layer_start)]
+        write_share(target, [0, 5], LATENT_SHAPE.blocks(as_bytes(blocks), 2), share)
+        for (latent, _), (want, _) in zip(target, source[share.layer_start:share.layer_end]):
+            assert torch.equal(latent[0], want[4]) and torch.equal(latent[5], want[1])
+            assert not latent[1:5].any()

@@ -1,11 +1,20 @@
-"""The differential matrix on the model families whose KV cache is not Llama's (issue 30):
+"""The differential matrix on the model families whose cache is not Llama's (issue 30):
 DeepSeek-V3's multi-head latent attention caches one latent per token, not keys and
-values. Each family's served paths (plain, 16-token prefill chunks, a KV pool small
-enough to preempt, TP=2) answer the matrix's request set exactly as the offline float32
-engine does on the same weights (the same token ids, logprobs within 1e-4).
+values; Granite-4.0-H (GraniteMoeHybrid) keeps a Mamba2 conv and SSM state per request
+beside the attention layer's blocks. Each family's served paths answer the matrix's
+request set exactly as the offline float32 engine does on the same weights (the same
+token ids, logprobs within 1e-4):
+- DeepSeek-V3: plain, 16-token prefill chunks, TP=2, a KV pool small enough to preempt,
+  P/D (the latent blocks moved prefill -> decode, both connectors), the prefix pulled
+  from another replica and a request migrated off a killed gpu-worker;
+- Granite-4.0-H: plain, 16-token prefill chunks, a preempting pool (the state is
+  rebuilt), n-gram and draft-model speculation (rejected drafts rewound out of the
+  state: vLLM's hybrid bug #39273). Seeded requests under speculation are checked as in
+  test_matrix: the same tokens twice on that path (rejection sampling draws differently).
 
-P/D and the prefix pull are not rows here: moving latent blocks is refused by name
-(test_deepseek.py). `make test-matrix` runs these rows (PAGODA_MATRIX=full).
+P/D, the prefix pull and migration are not hybrid rows: moving the Mamba state is
+refused by name (test_granitemoehybrid.py), as are TP and PP for the family.
+`make test-matrix` runs these rows (PAGODA_MATRIX=full).
 """
 
 from __future__ import annotations
@@ -15,12 +24,13 @@ import pathlib
 
 import pytest
 import torch
-from clusters import SMALL_POOL_BLOCKS, served
+from clusters import DIST_PD, NGRAM, SMALL_POOL_BLOCKS, served, spec_flags
 from compare import FP32_LOGPROB_TOL
 from request_set import REQUESTS
 from rows import ROWS, check_row
 from served import send_all
 from serve_cluster import wait_until
+from test_matrix import run_pd, run_replicas
 
 pytestmark = [pytest.mark.matrix, pytest.mark.matrix_full, pytest.mark.slow]
 
@@ -59,12 +69,41 @@ def _tiny_deepseek_v3(out: pathlib.Path, tokenizer) -> str:
     return str(out)
 
 
-@pytest.fixture(scope="module")
-def deepseek(tmp_path_factory, smollm2_tokenizer):
+def _tiny_granite_hybrid(out: pathlib.Path, tokenizer) -> str:
+    """A random Granite-4.0-H with SmolLM2's whole vocabulary: Mamba2 layers around one
+    attention layer (NoPE, as the released models), MoE with a shared MLP, scan chunks
+    of 8 tokens (every prompt spans several). Tied embeddings, a large embedding and a
+    small residual multiplier make its greedy answers run into repeats, so n-gram drafts
+    are accepted in part (40 of 50 here) and the rest rewound out of the state."""
+    from transformers import AutoModelForCausalLM, GraniteMoeHybridConfig  # lazy: fixture
+
+    config = GraniteMoeHybridConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=32, shared_intermediate_size=48,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=8,
+        mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=8,
+        position_embedding_type=None, max_position_embeddings=1024,
+        embedding_multiplier=4.0, residual_multiplier=0.3, logits_scaling=1.3,
+        attention_multiplier=0.2, tie_word_embeddings=True, initializer_range=0.2,
+        bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    assert json.loads((out / "config.json").read_text())["architectures"] == [
+        "GraniteMoeHybridForCausalLM"]
+    return str(out)
+
+
+def _with_reference(model: str):
     """(model dir, its offline fp32 answers, decode)."""
     from reference import reference_answers, reference_llm  # lazy: loads the engine
 
-    model = _tiny_deepseek_v3(tmp_path_factory.mktemp("tiny_deepseek_v3"), smollm2_tokenizer)
     llm = reference_llm(model)
     tokenizer = llm.get_tokenizer()
     answers = reference_answers(llm, REQUESTS)
@@ -72,13 +111,27 @@ def deepseek(tmp_path_factory, smollm2_tokenizer):
     return model, answers, lambda ids: tokenizer.decode(ids)
 
 
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory, smollm2_tokenizer):
+    return _with_reference(_tiny_deepseek_v3(tmp_path_factory.mktemp("tiny_deepseek_v3"),
+                                             smollm2_tokenizer))
+
+
+@pytest.fixture(scope="module")
+def granite_hybrid(tmp_path_factory, smollm2_tokenizer):
+    return _with_reference(_tiny_granite_hybrid(
+        tmp_path_factory.mktemp("tiny_granite_hybrid"), smollm2_tokenizer))
+
+
 def metric(serve, name: str) -> float:
     return sum(v for (n, _), v in serve.scrape().items() if n == name)
 
 
-def record(row) -> None:
-    ROWS.append(row)
-    assert not row.failures, "\n".join(row.failures)
+def record(*rows) -> None:
+    """Add the rows to the table, then fail naming every failed path and request."""
+    ROWS.extend(rows)
+    failures = [line for row in rows for line in row.failures]
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("title,flags", [
@@ -96,12 +149,37 @@ def test_deepseek_path(deepseek, title, flags):
     record(check_row(title, want, got, FP32_LOGPROB_TOL, decode))
 
 
+@pytest.mark.parametrize("connector", ["PagodaConnector", "PagodaDistConnector"])
+def test_deepseek_pd(deepseek, connector):
+    """1 prefill + 1 decode replica: the decode side pulls the prompt's latent blocks
+    (the rows check that blocks moved) and answers as the offline engine."""
+    model, want, decode = deepseek
+    extra = DIST_PD if connector == "PagodaDistConnector" else []
+    record(*run_pd(model, want, decode, f"DeepSeek-V3 (MLA): P/D, {connector}", *extra))
+
+
+def test_deepseek_prefix_pull_and_migration(deepseek):
+    """Replica 1 pulls the latent blocks of replica 0's prefixes; then its gpu-worker is
+    killed mid-stream and the requests continue on replica 0."""
+    model, want, decode = deepseek
+    rows = run_replicas(model, want, decode)
+    for row in rows:
+        row.path = f"DeepSeek-V3 (MLA): {row.path}"
+        row.failures = [f"DeepSeek-V3 (MLA): {line}" for line in row.failures]
+    record(*rows)
+
+
 def test_deepseek_preempting(deepseek):
     """A pool of SMALL_POOL_BLOCKS latent blocks under the whole set at once: requests
     are preempted and recomputed, and still give the reference's answers."""
-    model, want, decode = deepseek
+    record(preempting_row("DeepSeek-V3 (MLA)", *deepseek))
+
+
+def preempting_row(family: str, model, want, decode, blocks: int = SMALL_POOL_BLOCKS):
+    """The request set sent at once (up to 4 rounds, until one preempts) to a pool of
+    `blocks` blocks: one row, failed if any round's answers differ."""
     with served(model, "--max-num-batched-tokens", "64", "--num-gpu-blocks-override",
-                str(SMALL_POOL_BLOCKS)) as serve:
+                str(blocks)) as serve:
         before = metric(serve, "vllm:num_preemptions_total")
         rounds = []
         for _ in range(4):  # until one round overlaps enough to preempt
@@ -110,12 +188,66 @@ def test_deepseek_preempting(deepseek):
                 break
         preempted = metric(serve, "vllm:num_preemptions_total") - before
     assert preempted > 0, f"the small KV pool preempted nothing in {len(rounds)} rounds"
-    rows = [check_row(f"DeepSeek-V3 (MLA): KV pool of {SMALL_POOL_BLOCKS} blocks, "
-                      "preempting", want, got, FP32_LOGPROB_TOL, decode,
+    rows = [check_row(f"{family}: KV pool of {blocks} blocks, preempting", want,
+                      got, FP32_LOGPROB_TOL, decode,
                       notes=f"{preempted:.0f} preemptions in {len(rounds)} round(s)")
             for got in rounds]
     row = rows[-1]  # one row: a round's failure shows in it
     row.failures = [line for r in rows for line in r.failures]
     for r in rows[:-1]:
         row.cells.update({c: v for c, v in r.cells.items() if v != "ok"})
-    record(row)
+    return row
+
+
+# --------------------------------------------------------------- Granite-4.0-H (hybrid)
+@pytest.mark.parametrize("title,flags", [
+    ("Granite-4.0-H (Mamba2 hybrid): plain", []),
+    ("Granite-4.0-H (Mamba2 hybrid): chunked prefill, 16-token chunks",
+     ["--max-num-batched-tokens", "16"]),
+])
+def test_hybrid_path(granite_hybrid, title, flags):
+    model, want, decode = granite_hybrid
+    with served(model, *flags) as serve:
+        worker = serve.service_args("gpu-worker")
+        got = send_all(serve.url, REQUESTS)
+    assert all(flag in worker for flag in flags if flag.startswith("--")), worker
+    record(check_row(title, want, got, FP32_LOGPROB_TOL, decode))
+
+
+# The hybrid model's requests run through the pool of SMALL_POOL_BLOCKS without running
+# it dry (4 rounds at once preempted nothing, served and offline: one attention layer's
+# blocks, no prefix caching); 34 does, and the long request (30 blocks with its answer)
+# still fits alone.
+HYBRID_POOL_BLOCKS = 34
+
+
+def test_hybrid_preempting(granite_hybrid):
+    """Preempted requests free their state slots; re-admitted, the state is rebuilt
+    from their tokens: the reference's answers."""
+    record(preempting_row("Granite-4.0-H (Mamba2 hybrid)", *granite_hybrid,
+                          blocks=HYBRID_POOL_BLOCKS))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_hybrid_speculation(granite_hybrid, tiny_llama_dir, method):
+    """n-gram drafts (accepted in part), and a draft model (the matrix's tiny Llama: same
+    vocabulary, its own answers, every draft rejected), verified by the hybrid target:
+    rejected drafts leave nothing in the Mamba state, so greedy requests give the
+    reference's tokens; seeded ones the same tokens twice on this path."""
+    model, want, decode = granite_hybrid
+    config = NGRAM if method == "ngram" else {"model": tiny_llama_dir,
+                                              "num_speculative_tokens": 3}
+    with served(model, *spec_flags(config)) as serve:
+        got = send_all(serve.url, REQUESTS)
+        again = send_all(serve.url, [r for r in REQUESTS if r.seeded])
+        drafted = metric(serve, "vllm:spec_decode_num_draft_tokens_total")
+        accepted = metric(serve, "vllm:spec_decode_num_accepted_tokens_total")
+    assert drafted > 0, f"{method}: nothing was drafted"
+    assert accepted < drafted, f"{method}: every draft was accepted (no rewind tested)"
+    if method == "ngram":  # the model repeats itself: drafts accepted in part, then rewound
+        assert accepted > 0, "n-gram: no draft was accepted (no partial rewind tested)"
+    name = "n-gram speculation" if method == "ngram" else "draft-model speculation"
+    record(check_row(f"Granite-4.0-H (Mamba2 hybrid): {name}", want, got, FP32_LOGPROB_TOL,
+                     decode, again=again,
+                     notes=f"{accepted:.0f}/{drafted:.0f} draft tokens accepted; seeded: "
+                           "same tokens twice on this path"))

@@ -136,8 +136,13 @@ def validate_parallel_config(arch: ModelArchConfig, tp_size: int, pp_size: int,
     if moe_inter and not enable_expert_parallel and moe_inter % tp_size:
         raise ValueError(f"MoE intermediate size ({moe_inter}) must be divisible by tensor "
                          f"parallel size ({tp_size}) without expert parallelism.")
-    # With expert parallelism every rank needs an expert; on a dense model the flag
-    # does nothing (as in vLLM).
+    # With expert parallelism every rank needs an expert. On a dense model vLLM ignores
+    # the flag; Pagoda refuses it, so a command line never claims a split it does not do.
+    if enable_expert_parallel and arch.moe is None:
+        raise ValueError(f"--enable-expert-parallel: {arch.architecture} is a dense model, "
+                         "with no MoE experts to place on ranks; drop the flag (it applies "
+                         "to MoE architectures: Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, "
+                         "gpt-oss)")
     num_experts = arch.moe.num_experts if arch.moe else 0
     if enable_expert_parallel and 0 < num_experts < tp_size:
         raise ValueError(f"Number of experts ({num_experts}) must be at least the "

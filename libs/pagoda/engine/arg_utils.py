@@ -22,7 +22,7 @@ from pagoda.lora.config import LoRAConfig
 from pagoda.reasoning.budget import ReasoningConfig
 from pagoda.simulated_device import FLAG_HELP as SIMULATED_DEVICE_HELP
 from pagoda.simulated_device import SimulatedDeviceConfig
-from pagoda.spec_decode.config import SpeculativeConfig
+from pagoda.spec_decode.config import SpeculativeConfig, refuse_mtp
 
 # Why --trust-remote-code is refused rather than ignored: a user who passes it expects
 # the model's own Python code to run, and Pagoda never runs it.
@@ -308,13 +308,16 @@ class EngineArgs:
             self.quantization, arch.quantization_config))
         if arch.quantization_config is not None:
             _refuse_unquantizable(arch)
-        if arch.moe is not None and arch.quantization_config is not None:
             # lazy: torch and the model code load where an engine is built (see above)
-            from pagoda.model.moe_quantized import refuse_unsupported_expert_quantization
             from pagoda.model.quantization import get_quantization_config
 
-            refuse_unsupported_expert_quantization(
-                get_quantization_config(arch.quantization_config), arch.architecture)
+            method = get_quantization_config(arch.quantization_config)
+            method.check_architecture(arch.architecture)
+            if arch.moe is not None:
+                from pagoda.model.moe_quantized import \
+                    refuse_unsupported_expert_quantization  # lazy: as above
+
+                refuse_unsupported_expert_quantization(method, arch.architecture)
         kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, device)
         pooling = resolve_pooling(model_path, arch, self.runner, self.convert, self.pooler_config)
         # A sentence-transformers model reads at most its max_seq_length tokens (vLLM's cap).
@@ -359,7 +362,7 @@ class EngineArgs:
                                           if pooling.runner == "generate" else 0),
             max_waiting_requests=self.max_waiting_requests, policy=self.scheduling_policy,
             max_loras=self.max_loras if self.enable_lora else None,
-            speculative_config=self._speculative_config(pooling.runner, arch),
+            speculative_config=self._speculative_config(pooling.runner, arch, model_path),
             reasoning_config=self._reasoning_config(model_path, arch.vocab_size),
             async_scheduling=self.async_scheduling)
         refuse_async_scheduling_combinations(scheduler, self.pipeline_parallel_size,
@@ -426,7 +429,8 @@ class EngineArgs:
         return resolve_gguf_int4(self.gguf_int4, model_path if is_gguf(model_path) else None,
                                  device, dtype, batch_invariant, self.enable_lora)
 
-    def _speculative_config(self, runner: str, arch):
+    def _speculative_config(self, runner: str, arch, model_path: str):
+        refuse_mtp(self.speculative_config, arch.architecture, model_path)
         config = SpeculativeConfig.parse(self.speculative_config)
         if config is not None and runner != "generate":
             raise ValueError("--speculative-config applies to generation, not --runner pooling")

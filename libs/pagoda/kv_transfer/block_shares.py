@@ -16,6 +16,16 @@ as the model (layers, KV heads, head size), dtype and block size agree.
 
 With fewer KV heads than TP ranks, several ranks hold the same head; any of them
 gives it (`assemble` writes each share, equal copies overwrite each other).
+
+A latent cache (multi-head latent attention, `ModelArchConfig.kv_latent_dim`) has one
+part per layer, not two: the latent rows `[block_size, 1, kv_latent_dim]` (its value
+tensor holds no bytes, kv_cache.py), so a block on the wire is
+
+    [ L0.latent[b] | L1.latent[b] | ... ]
+
+and every tensor-parallel rank holds the whole latent (one "head", replicated). Its
+layout name (`LATENT_LAYOUT`) and head size (the latent's) travel in the P/D handshake,
+so a latent cache never meets a K/V cache or a latent of another size.
 """
 
 from __future__ import annotations
@@ -29,26 +39,34 @@ from pagoda.distributed.parallel_state import (kv_head_start, rank_coordinates,
                                               stage_layer_range)
 
 LAYOUT = "blocks_tokens_heads_dim"  # KvLayout.layout: the cache tensors' dimension order
+LATENT_LAYOUT = "blocks_tokens_latent"  # KvLayout.layout of a latent cache (keys only)
 
 
 @dataclass(frozen=True)
 class BlockShape:
-    """The whole model's KV for one block: `num_layers` x (key, value) x
-    [block_size, num_kv_heads, head_dim] of `dtype`."""
+    """The whole model's KV for one block: `num_layers` x `num_parts` (key and value: 2;
+    a latent cache's latent alone: 1) x [block_size, num_kv_heads, head_dim] of `dtype`."""
 
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    num_parts: int = 2
+
+    @property
+    def layout(self) -> str:
+        """KvLayout.layout: what the two sides of a transfer must agree on."""
+        return LAYOUT if self.num_parts == 2 else LATENT_LAYOUT
 
     @property
     def nbytes(self) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * element
+        return (self.num_layers * self.num_parts * self.block_size * self.num_kv_heads
+                * self.head_dim * element)
 
     def blocks(self, data: bytes | bytearray | memoryview, count: int) -> torch.Tensor:
-        """`count` blocks' bytes as [count, layers, 2, block_size, heads, head_dim];
+        """`count` blocks' bytes as [count, layers, parts, block_size, heads, head_dim];
         ValueError unless `data` is exactly `count` blocks."""
         if len(data) != count * self.nbytes:
             raise ValueError(f"a KV block is {self.nbytes} bytes here; got {len(data)} bytes "
@@ -58,8 +76,9 @@ class BlockShape:
         return raw.view(self.dtype).view(self.dims(count))
 
     def dims(self, count: int) -> tuple[int, ...]:
-        """[count, layers, 2, block_size, heads, head_dim]."""
-        return (count, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        """[count, layers, parts, block_size, heads, head_dim]."""
+        return (count, self.num_layers, self.num_parts, self.block_size, self.num_kv_heads,
+                self.head_dim)
 
     def check(self, blocks: torch.Tensor, count: int) -> None:
         """ValueError unless `blocks` is `count` whole blocks of this shape and dtype."""
@@ -88,22 +107,27 @@ def rank_share(num_layers: int, num_kv_heads: int, tp_size: int, pp_size: int,
     return RankShare(start, end, kv_head_start(num_kv_heads, tp_size, tp_rank), heads)
 
 
+def cached_parts(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A layer's cache tensors that hold bytes: (key, value), or (latent,) for a latent
+    cache, whose value tensor is empty by construction (kv_cache.layer_cache_spec)."""
+    return (key,) if value.shape[-1] == 0 else (key, value)
+
+
 def read_share(kv_caches: Sequence, block_ids: Sequence[int]) -> torch.Tensor:
     """This rank's share of `block_ids`, on the cache's device:
-    [len(block_ids), local layers, 2, block_size, local heads, head_dim]."""
+    [len(block_ids), local layers, parts, block_size, local heads, head_dim]."""
     key = kv_caches[0][0]
     index = torch.tensor(list(block_ids), dtype=torch.long, device=key.device)
-    per_layer = [torch.stack((k.index_select(0, index), v.index_select(0, index)), dim=1)
+    per_layer = [torch.stack([t.index_select(0, index) for t in cached_parts(k, v)], dim=1)
                  for k, v in kv_caches]
     return torch.stack(per_layer, dim=1)
 
 
 def assemble(shape: BlockShape, shares: Sequence[tuple[RankShare, torch.Tensor]],
              count: int) -> torch.Tensor:
-    """Whole blocks [count, layers, 2, block_size, heads, head_dim] from every rank's
+    """Whole blocks [count, layers, parts, block_size, heads, head_dim] from every rank's
     `read_share`; ValueError if some layer or head is in no share."""
-    out = torch.empty(count, shape.num_layers, 2, shape.block_size, shape.num_kv_heads,
-                      shape.head_dim, dtype=shape.dtype)
+    out = torch.empty(shape.dims(count), dtype=shape.dtype)
     covered = torch.zeros(shape.num_layers, shape.num_kv_heads, dtype=torch.bool)
     for share, data in shares:
         heads = slice(share.head_start, share.head_start + share.num_heads)
@@ -125,22 +149,17 @@ def write_share(kv_caches: Sequence, block_ids: Sequence[int], blocks: torch.Ten
     heads = slice(share.head_start, share.head_start + share.num_heads)
     mine = blocks[:, share.layer_start:share.layer_end, :, :, heads]
     for layer, (k, v) in enumerate(kv_caches):
-        k.index_copy_(0, index, mine[:, layer, 0].contiguous().to(k.device))
-        v.index_copy_(0, index, mine[:, layer, 1].contiguous().to(v.device))
+        for part, tensor in enumerate(cached_parts(k, v)):
+            tensor.index_copy_(0, index, mine[:, layer, part].contiguous().to(tensor.device))
 
 
 
 def runner_geometry(runner) -> tuple[BlockShape, int] | None:
     """(whole block's shape, blocks in the cache) of a model runner of any rank, or
-    None before its KV cache is allocated. NotImplementedError for a latent cache
-    (multi-head latent attention): its blocks have no K/V head layout to move; and for a
-    hybrid model (Mamba2 layers): its blocks do not hold the recurrent state."""
+    None before its KV cache is allocated. A latent cache's block is one latent part of
+    one "head" per layer. NotImplementedError for a hybrid model (Mamba2 layers): its
+    blocks do not hold the recurrent state."""
     arch = runner.config.arch
-    if arch.kv_latent_dim is not None:
-        raise NotImplementedError(
-            f"{arch.architecture} caches multi-head latent attention latents: moving its KV "
-            "blocks (P/D disaggregation, the prefix pull) is not supported; serve it "
-            "without a KV transfer (a single prefill+decode worker)")
     if arch.mamba is not None:
         raise NotImplementedError(
             f"{arch.architecture} is a hybrid model with Mamba2 layers whose recurrent state "
@@ -149,15 +168,24 @@ def runner_geometry(runner) -> tuple[BlockShape, int] | None:
             "prefill+decode worker)")
     if not runner.kv_caches:
         return None
-    shape = BlockShape(arch.num_hidden_layers, runner.block_size, arch.num_key_value_heads,
-                       arch.head_dim, runner.kv_cache_dtype)
+    if arch.kv_latent_dim is not None:
+        shape = BlockShape(arch.num_hidden_layers, runner.block_size, 1, arch.kv_latent_dim,
+                           runner.kv_cache_dtype, num_parts=1)
+    else:
+        shape = BlockShape(arch.num_hidden_layers, runner.block_size, arch.num_key_value_heads,
+                           arch.head_dim, runner.kv_cache_dtype)
     return shape, runner.kv_caches[0][0].shape[0]
+
+
+def block_heads(arch) -> int:
+    """The "heads" of a whole block: the model's KV heads, or 1 for a latent cache."""
+    return 1 if arch.kv_latent_dim is not None else arch.num_key_value_heads
 
 
 def runner_share(runner) -> RankShare:
     """The share of every block `runner` (one rank of its group) caches."""
     arch, parallel = runner.config.arch, runner.parallel
-    return rank_share(arch.num_hidden_layers, arch.num_key_value_heads, parallel.tp_size,
+    return rank_share(arch.num_hidden_layers, block_heads(arch), parallel.tp_size,
                       parallel.pp_size, parallel.rank)
 
 

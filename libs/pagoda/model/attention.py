@@ -343,5 +343,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                           value_cache, p, scale, logits_soft_cap,
                                           attn_metadata.batch_invariant, sinks))
     if len(outputs) == 1:
-        return outputs[0]
+        # A lone prefill's [H, Q, D] result permuted to [Q, H, D] is a strided view, which
+        # the caller's `view(T, H * D)` cannot take (SDPA's output happens to permute back
+        # contiguous; the explicit softcap/sinks form's does not): one layout for all.
+        return outputs[0].contiguous()
     return torch.cat(outputs) if outputs else torch.empty_like(query)

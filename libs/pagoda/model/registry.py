@@ -13,6 +13,7 @@ The config parser (`hf_config`), the GGUF reader (`gguf_loader`) and the loader
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import logging
 import pkgutil
@@ -122,9 +123,12 @@ class ModelRegistry:
             for name in names:
                 if name in self._architectures:
                     return self._architectures[name]
-        raise ValueError(f"Model architectures {names} are not supported; supported "
-                         f"architectures: {', '.join(self.supported_architectures())}"
-                         f"{self._broken_note()}")
+        supported = self.supported_architectures()
+        nearest = difflib.get_close_matches(names[0], supported, n=1, cutoff=0.5) if names \
+            else []
+        hint = f" (the nearest supported: {nearest[0]})" if nearest else ""
+        raise ValueError(f"Model architectures {names} are not supported{hint}; supported "
+                         f"architectures: {', '.join(supported)}{self._broken_note()}")
 
     def _broken_note(self) -> str:
         """Why some architectures may be missing: the modules that failed to import."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
 from pagoda.json_flag import json_object
@@ -89,3 +91,30 @@ class SpeculativeConfig:
             raise ValueError("--speculative-config: disable_by_batch_size must be an integer "
                              f">= 2, got {disable!r}")
         return cls(k, method, lookup_max, lookup_min, disable, model)
+
+
+MTP_METHODS = ("mtp", "deepseek_mtp")  # vLLM's names for drafts from the model's MTP heads
+
+
+def refuse_mtp(value: dict | str | None, architecture: str, model_path: str) -> None:
+    """ValueError for `{"method": "mtp"}` (vLLM's multi-token-prediction drafts), naming
+    the architecture, whether its checkpoint has MTP heads (config.json
+    `num_nextn_predict_layers`) and the methods Pagoda implements instead."""
+    value = json_object(value, "--speculative-config")
+    if not value or value.get("method") not in MTP_METHODS:
+        return
+    config_file = os.path.join(model_path, "config.json")
+    num_mtp = 0
+    if os.path.isfile(config_file):
+        with open(config_file, encoding="utf-8") as f:
+            num_mtp = json.load(f).get("num_nextn_predict_layers") or 0
+    if num_mtp:
+        why = (f"{architecture}'s checkpoint has {num_mtp} MTP layer(s), but Pagoda does not "
+               "run MTP heads as drafts (it loads the model without them)")
+    else:
+        why = (f"{architecture} has no MTP heads (config.json has no "
+               "num_nextn_predict_layers)")
+    raise ValueError(f"--speculative-config: method {value['method']!r} drafts with the "
+                     f"model's multi-token-prediction heads; {why}. Use "
+                     '{"method": "ngram"} (prompt lookup) or {"model": DRAFT} (a draft '
+                     "model of the same tokenizer)")

@@ -28,8 +28,9 @@ import typing
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.kv_transfer.block_shares import (as_bytes, assemble, rank_share, read_share,
-                                             runner_geometry, runner_share, write_share)
+from pagoda.kv_transfer.block_shares import (as_bytes, assemble, block_heads, rank_share,
+                                             read_share, runner_geometry, runner_share,
+                                             write_share)
 from pagoda.messages import ModelRunnerOutput, SchedulerOutput
 from pagoda.distributed.communication import (broadcast_bytes, min_over, recv_object,
                                               recv_tensor, send_object, send_tensor)
@@ -148,10 +149,10 @@ class RankWorker:
         arch, parallel = self.runner.config.arch, self.parallel
         shares = [(runner_share(self.runner), mine)]
         for rank in range(1, parallel.world_size):
-            share = rank_share(arch.num_hidden_layers, arch.num_key_value_heads,
+            share = rank_share(arch.num_hidden_layers, block_heads(arch),
                                parallel.tp_size, parallel.pp_size, rank)
-            dims = (len(block_ids), share.layer_end - share.layer_start, 2, shape.block_size,
-                    share.num_heads, shape.head_dim)
+            dims = (len(block_ids), share.layer_end - share.layer_start, shape.num_parts,
+                    shape.block_size, share.num_heads, shape.head_dim)
             nbytes = math.prod(dims) * mine.element_size()
             raw = recv_tensor((nbytes,), torch.uint8, "cpu", self.control, rank, _KV_TAG)
             shares.append((share, raw.view(shape.dtype).view(dims)))

@@ -105,3 +105,20 @@ def assert_matches_transformers(path: str, prompts: list[list[int]], max_tokens:
     pool = llm.llm_engine.core.scheduler.kv_cache_manager.pool
     assert pool.num_free_blocks == pool.num_blocks  # nothing leaked
     return llm
+
+
+def cache_runner(path: str, num_blocks: int = 4, block_size: int = 16):
+    """One rank's model runner as the KV transfer code reads it
+    (kv_transfer.block_shares.runner_geometry, runner_share): the checkpoint's
+    architecture, its KV caches allocated in float32, no parallelism."""
+    from types import SimpleNamespace  # lazy: this helper only
+
+    from pagoda.distributed.parallel_state import SINGLE
+    from pagoda.model.kv_cache import allocate_kv_caches
+    from pagoda.model.loader import load_arch_config
+
+    arch = load_arch_config(path)
+    return SimpleNamespace(config=SimpleNamespace(arch=arch), parallel=SINGLE,
+                           block_size=block_size, kv_cache_dtype=torch.float32,
+                           kv_caches=allocate_kv_caches(arch, num_blocks, block_size,
+                                                        torch.float32, "cpu"))

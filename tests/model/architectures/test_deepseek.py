@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from transformers import DeepseekV2Config, DeepseekV3Config
 
 from arch_parity import (ENGINE, VOCAB_SIZE, assert_matches_transformers, assert_same,
-                         hf_greedy, pagoda_greedy, random_prompts, save_tiny_checkpoint)
+                         cache_runner, hf_greedy, pagoda_greedy, random_prompts,
+                         save_tiny_checkpoint)
 from pagoda import LLM
 from pagoda.model.decoder_layer import GatedMLP
 from pagoda.model.deepseek_moe import DeepseekMoE
@@ -127,20 +128,24 @@ def test_fp8_block_checkpoint_is_refused_by_name(tmp_path, smollm2_tokenizer):
         load_arch_config(path)
 
 
-def test_moving_latent_blocks_is_refused_by_name(tmp_path, smollm2_tokenizer):
-    """P/D and the prefix pull ask the worker's KV geometry: a latent cache answers
-    NotImplementedError (the gRPC service's UNIMPLEMENTED), naming the architecture."""
-    from types import SimpleNamespace
-
-    from pagoda.kv_transfer.block_shares import runner_geometry
+def test_latent_blocks_travel_as_the_latent(tmp_path, smollm2_tokenizer):
+    """P/D and the prefix pull move whole blocks: for a latent cache, each layer's
+    latent rows (no value bytes), under the layout name the handshake compares."""
+    from pagoda.kv_transfer.block_shares import (as_bytes, read_share, runner_geometry,
+                                                 runner_share, write_share)
 
     path = save_tiny_checkpoint(tmp_path, v2_config(), smollm2_tokenizer)
-    arch = load_arch_config(path)
-    runner = SimpleNamespace(config=SimpleNamespace(arch=arch),
-                             kv_caches=allocate_kv_caches(arch, 4, 16, torch.float32, "cpu"))
-    with pytest.raises(NotImplementedError, match="DeepseekV2ForCausalLM caches multi-head "
-                                                  "latent attention latents"):
-        runner_geometry(runner)
+    source, target = cache_runner(path), cache_runner(path)
+    shape, num_blocks = runner_geometry(source)
+    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.num_parts,
+            shape.layout, num_blocks) == (3, 1, 16 + 8, 1, "blocks_tokens_latent", 4)
+    assert shape.nbytes == 3 * 16 * 24 * 4
+    for latent, _ in source.kv_caches:
+        latent.normal_()
+    data = as_bytes(read_share(source.kv_caches, [2, 0]))
+    write_share(target.kv_caches, [1, 3], shape.blocks(data, 2), runner_share(target))
+    for (want, _), (got, _) in zip(source.kv_caches, target.kv_caches):
+        assert torch.equal(got[1], want[2]) and torch.equal(got[3], want[0])
 
 
 def test_preemption_recomputes_the_latent_cache(tmp_path, smollm2_tokenizer):

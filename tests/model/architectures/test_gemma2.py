@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from transformers import Gemma2Config
 
-from arch_parity import (VOCAB_SIZE, assert_matches_transformers, random_prompts,
-                         save_tiny_checkpoint)
+from arch_parity import (VOCAB_SIZE, assert_matches_transformers, assert_same, hf_greedy,
+                         pagoda_greedy, random_prompts, save_tiny_checkpoint)
+from pagoda import LLM
 from pagoda.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelArchConfig, SlidingWindowConfig
 from pagoda.model.architectures.gemma2 import Gemma2ForCausalLM, GemmaSettings, gemma2_arch_config
 from pagoda.model.loader import load_arch_config
@@ -43,3 +44,17 @@ def test_gemma2_config_without_layer_types_alternates_from_a_sliding_layer():
     assert [arch.layer_sliding_window(i) for i in range(3)] == [4096, None, 4096]
     settings = GemmaSettings.from_hf_config(hf_config, arch)
     assert settings.query_pre_attn_scalar == 256 and settings.attn_logit_softcapping == 50.0
+
+
+def test_a_prompt_prefilled_alone_matches_transformers(tmp_path, smollm2_tokenizer):
+    """A step holding one lone prefill (one request at a time, as LLM.generate([p]) or a
+    server mostly runs): soft-capped attention's output was a strided view the output
+    projection could not take, and every such step failed."""
+    config = Gemma2Config(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, max_position_embeddings=256, sliding_window=8,
+                          attn_logit_softcapping=2.0)
+    path = save_tiny_checkpoint(tmp_path, config, smollm2_tokenizer)
+    llm = LLM(model=path, dtype="float32", block_size=16, num_gpu_blocks_override=64)
+    prompt = random_prompts([20])[0]
+    assert_same(pagoda_greedy(llm, [prompt], 6)[0], hf_greedy(path, [prompt], 6))

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import GptOssConfig
 
-from arch_parity import (VOCAB_SIZE, assert_matches_transformers, hf_greedy, pagoda_greedy,
-                         random_prompts, save_tiny_checkpoint)
+from arch_parity import (VOCAB_SIZE, assert_matches_transformers, assert_same, hf_greedy,
+                         pagoda_greedy, random_prompts, save_tiny_checkpoint)
 from pagoda import LLM
 from pagoda.model import ops
 from pagoda.model.decoder_layer import PagedSelfAttention
@@ -41,6 +41,11 @@ def save_gpt_oss(path, tokenizer, sink_scale: float = 2.0) -> str:
     """A tiny random gpt-oss whose sinks (N(0, sink_scale)) and expert biases (zero in
     HF's init) are visibly non-zero."""
     save_tiny_checkpoint(path, gpt_oss_config(), tokenizer)
+    randomize_sinks_and_biases(path, sink_scale)
+    return str(path)
+
+
+def randomize_sinks_and_biases(path, sink_scale: float = 2.0) -> None:
     file = os.path.join(path, "model.safetensors")
     tensors = load_file(file)
     g = torch.Generator().manual_seed(1)
@@ -50,7 +55,6 @@ def save_gpt_oss(path, tokenizer, sink_scale: float = 2.0) -> str:
         elif name.endswith(("gate_up_proj_bias", "down_proj_bias")):
             tensors[name] = 0.5 * torch.randn(t.shape, generator=g)
     save_file(tensors, file, metadata={"format": "pt"})
-    return str(path)
 
 
 def test_gpt_oss_greedy_and_logprobs_match_transformers(tmp_path, smollm2_tokenizer):
@@ -63,6 +67,16 @@ def test_gpt_oss_greedy_and_logprobs_match_transformers(tmp_path, smollm2_tokeni
     sinks = model.model.layers[0].self_attn.sinks
     assert sinks.abs().min() > 0.05  # the sinks take part in the comparison
     assert_matches_transformers(path, random_prompts([7, 30, 45]), 16)
+
+
+def test_a_prompt_prefilled_alone_matches_transformers(tmp_path, smollm2_tokenizer):
+    """One request at a time (how a server mostly sees them): a step holding a lone
+    prefill. Its sink attention's output came back as a strided view the output
+    projection could not take (found serving gpt-oss); now it is the batched answer."""
+    path = save_gpt_oss(tmp_path, smollm2_tokenizer)
+    llm = LLM(model=path, dtype="float32", block_size=16, num_gpu_blocks_override=64)
+    for prompt in random_prompts([20, 3]):
+        assert_same(pagoda_greedy(llm, [prompt], 6)[0], hf_greedy(path, [prompt], 6))
 
 
 def test_zeroed_sinks_change_the_logits(tmp_path, smollm2_tokenizer):

@@ -13,7 +13,8 @@ import torch
 from transformers import GraniteMoeHybridConfig, LlamaConfig
 
 from arch_parity import (ENGINE, VOCAB_SIZE, assert_matches_transformers, assert_same,
-                         hf_greedy, pagoda_greedy, random_prompts, save_tiny_checkpoint)
+                         cache_runner, hf_greedy, pagoda_greedy, random_prompts,
+                         save_tiny_checkpoint)
 from pagoda import LLM
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
@@ -159,17 +160,12 @@ def test_parallelism_and_lora_are_refused(tmp_path, smollm2_tokenizer, args):
 def test_moving_kv_blocks_is_refused_by_name(tmp_path, smollm2_tokenizer):
     """P/D and the prefix pull ask the worker's KV geometry: the Mamba state is not in
     the blocks, so a hybrid model answers NotImplementedError naming the architecture."""
-    from types import SimpleNamespace
-
     from pagoda.kv_transfer.block_shares import runner_geometry
 
     path = save_tiny_checkpoint(tmp_path, granite_hybrid_config(), smollm2_tokenizer)
-    arch = load_arch_config(path)
-    runner = SimpleNamespace(config=SimpleNamespace(arch=arch),
-                             kv_caches=allocate_kv_caches(arch, 4, 16, torch.float32, "cpu"))
     with pytest.raises(NotImplementedError, match="GraniteMoeHybridForCausalLM is a hybrid "
                                                   "model with Mamba2 layers"):
-        runner_geometry(runner)
+        runner_geometry(cache_runner(path))
 
 
 def test_a_request_without_its_state_is_refused():

@@ -111,3 +111,30 @@ def test_a_mismatch_after_ready_is_loud_but_leaves_the_gateway_serving():
             in reason
         assert mismatches("prefix_hash_seed") == before + 1
     with_peers(test)
+
+
+def test_a_latent_cache_pairs_only_with_a_latent_of_its_size():
+    """DeepSeek's latent blocks (one part of kv_lora_rank + qk_rope_head_dim values per
+    token and layer) carry their layout and size in the handshake: another latent size,
+    or a K/V cache of the same byte size, is refused naming the field."""
+    import torch
+
+    from pagoda.kv_transfer.block_shares import BlockShape
+    from pagoda.services.gateway.disagg.prefill_decode import handshake_mismatches
+
+    def info(shape: BlockShape) -> spb.GetModelInfoResponse:
+        reply = spb.GetModelInfoResponse(model="m")
+        reply.kv_layout.CopyFrom(kpb.KvLayout(
+            model="m", kv_dtype="float32", block_size=shape.block_size,
+            num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim, layout=shape.layout, prefix_hash_seed="s"))
+        return reply
+
+    v3 = BlockShape(3, 16, 1, 576, torch.float32, num_parts=1)
+    assert handshake_mismatches(info(v3), info(v3)) == []
+    other = BlockShape(3, 16, 1, 512, torch.float32, num_parts=1)
+    assert handshake_mismatches(info(v3), info(other)) == [("head_dim", "576 vs 512")]
+    kv = BlockShape(3, 16, 1, 288, torch.float32)  # the same bytes per block as `v3`
+    assert kv.nbytes == v3.nbytes
+    assert ("layout", "'blocks_tokens_latent' vs 'blocks_tokens_heads_dim'") in \
+        handshake_mismatches(info(v3), info(kv))

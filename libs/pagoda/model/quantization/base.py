@@ -135,6 +135,10 @@ class QuantizationConfig(ABC):
         """HF module names (or `re:` patterns) the checkpoint leaves unquantized."""
         return []
 
+    def check_architecture(self, architecture: str) -> None:
+        """ValueError, at start-up, when this method cannot quantize `architecture`
+        (a method made for one family's tensors); every architecture by default."""
+
 
 def tiled_linear(x: torch.Tensor, num_columns: int,
                  dequantize: Callable[[int, int], torch.Tensor],

@@ -58,6 +58,13 @@ class Mxfp4Config(QuantizationConfig):
     def from_config(cls, config: dict) -> Mxfp4Config:
         return cls()
 
+    def check_architecture(self, architecture: str) -> None:
+        if architecture != "GptOssForCausalLM":
+            raise ValueError(f"MXFP4 (quant_method mxfp4) checkpoints are supported for gpt-oss "
+                             f"(GptOssForCausalLM) only, whose MoE experts they quantize, not "
+                             f"for {architecture}: use an unquantized, fp8, awq or gptq "
+                             "checkpoint of it")
+
     def get_linear_method(self) -> LinearMethodBase:
         raise ValueError("MXFP4 (quant_method mxfp4) checkpoints are supported for gpt-oss "
                          "(GptOssForCausalLM) only, whose MoE experts they quantize; for this "
