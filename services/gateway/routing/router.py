@@ -106,6 +106,7 @@ class PrefixLookup:
     cached_blocks: dict[str, int]  # in the KV cache (what a prefix pull can read)
     # instance id -> (host-tier, disk-tier) blocks of the run after its cached ones
     tier_blocks: dict[str, tuple[int, int]] = field(default_factory=dict)
+    medium_weights: dict[str, float] = field(default_factory=lambda: DEFAULT_MEDIUM_WEIGHTS)
 
 
 @dataclass
@@ -187,8 +188,9 @@ class Router:
         now = time.monotonic()
         self._recent_counts[chosen.address] = (self.recent_requests(chosen.address, now) + 1.0,
                                                now)
-        return Route(chosen, self.policy, predicted, pending, request.num_requests,
-                     PrefixLookup(hashes, cached, tiers) if hashes is not None else None)
+        prefix = (PrefixLookup(hashes, cached, tiers, self.medium_weights) if hashes is not None
+                  else None)
+        return Route(chosen, self.policy, predicted, pending, request.num_requests, prefix)
 
     def recent_requests(self, address: str, now: float) -> float:
         """Requests routed to `address` lately, each decayed by exp(-age / RECENT_TAU_S)."""
