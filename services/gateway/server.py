@@ -85,7 +85,7 @@ def _medium_weights(text: str) -> dict[str, float]:
     try:
         return parse_medium_weights(text)
     except ValueError as exc:  # argparse prints it and exits 2
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--kv-medium-weights: ")) from None
 
 
 def main(args: argparse.Namespace) -> int:

@@ -288,9 +288,9 @@ def parse_medium_weights(text: str) -> dict[str, float]:
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"--kv-medium-weights is not JSON: {exc}") from None
+        raise ValueError(f"--kv-medium-weights: not JSON: {exc}") from None
     if not isinstance(raw, dict):
-        raise ValueError('--kv-medium-weights must be a JSON object, e.g. {"CPU": 0.8}')
+        raise ValueError('--kv-medium-weights: not a JSON object such as {"CPU": 0.8}')
     weights = {}
     for medium, weight in raw.items():
         if medium == "GPU" and weight == 1:
