@@ -166,3 +166,8 @@ def test_blocks_evicted_into_the_tier_are_published_as_medium_cpu(tiny_llama_dir
     assert held["CPU"] == set(index._entries) and len(held["CPU"]) >= 9
     assert held["GPU"] == set(core.cached_block_hashes())
     assert not held["CPU"] & held["GPU"]  # evicted, not onloaded back
+    # A resync: the snapshot carries the device's blocks, the tier publishes its again.
+    assert set(core.kv_index_snapshot()) == held["GPU"]
+    again = [e for e in take() if e.medium == "CPU"]
+    assert [type(e).__name__ for e in again] == ["BlockStored"]
+    assert set(again[0].block_hashes) == held["CPU"]
