@@ -7,6 +7,8 @@ never share entries)::
     pagoda:kv:{model}:{block_size}:inst:{id}:blocks   SET of hash hexes the instance holds
     ...:block:{hash hex}:CPU, ...:inst:{id}:blocks:CPU  the same for its host tier
     ...:block:{hash hex}:DISK, ...:inst:{id}:blocks:DISK  and for its disk tier
+    pagoda:kv:{model}:{block_size}:tiered             SET of instance ids that stored a
+                                                      block in a tier (until cleared)
     pagoda:kv:{model}:{block_size}:inst:{id}:meta     HASH epoch, sequence_number, resync
     pagoda:kv:{model}:{block_size}:instances          ZSET instance id -> last seen (unix s)
     pagoda:kv:{model}:{block_size}:inst:{id}:leases   ZSET lease id -> expiry (unix s)
@@ -26,6 +28,9 @@ Invariants:
     dropped completely from its own block sets;
   * a snapshot or AllBlocksCleared replaces every medium of the instance (the tiers
     publish their blocks again as events after a snapshot);
+  * an instance with a tier entry is in `tiered` (it may stay there with none: that
+    only costs its lookups a second round trip), so a cluster without tiers looks up
+    the device sets alone, as before tiers;
   * an instance's batches are applied in order without holes (sequencing.py);
     otherwise it is marked `resync` and its batches are ignored until the
     snapshot it owes arrives;
@@ -229,10 +234,20 @@ class PrefixIndex:
         ns = namespace(model, block_size)
         pipe = self.redis.pipeline(transaction=False)
         pipe.zrangebyscore(f"{ns}:instances", self.clock() - self.heartbeat_timeout, "+inf")
+        pipe.smembers(f"{ns}:tiered")
         for h in block_hashes:
-            for medium in MEDIA:
-                pipe.smembers(f"{ns}:block:{h.hex()}{_suffix(medium)}")
-        live, *members = pipe.execute()
+            pipe.smembers(f"{ns}:block:{h.hex()}")
+        live, tiered, *on_device = pipe.execute()
+        if set(live) & tiered:  # a second round trip only where some live replica has tiers
+            pipe = self.redis.pipeline(transaction=False)
+            for h in block_hashes:
+                pipe.smembers(f"{ns}:block:{h.hex()}:{MEDIUM_CPU}")
+                pipe.smembers(f"{ns}:block:{h.hex()}:{MEDIUM_DISK}")
+            in_tiers = pipe.execute()
+        else:
+            in_tiers = [set()] * (2 * len(block_hashes))
+        members = [m for i, gpu in enumerate(on_device)
+                   for m in (gpu, in_tiers[2 * i], in_tiers[2 * i + 1])]
         counts = {inst: [0, 0, 0] for inst in live}  # device, host, disk
         on_device_run = set(live)  # instances whose run has been all device so far
         walking = set(live)  # instances whose run has not ended
@@ -340,6 +355,8 @@ class PrefixIndex:
             elif isinstance(event, BlockStored):
                 _queue_change(pipe, ns, instance_id, event.block_hashes, add=True,
                               medium=event.medium)
+                if event.medium in (MEDIUM_CPU, MEDIUM_DISK) and event.block_hashes:
+                    pipe.sadd(f"{ns}:tiered", instance_id)
             elif isinstance(event, BlockRemoved):
                 _queue_change(pipe, ns, instance_id, event.block_hashes, add=False,
                               medium=event.medium)
@@ -367,6 +384,7 @@ class PrefixIndex:
             self.redis.delete(blocks_key)
             if medium == MEDIUM_GPU:
                 n_device = len(hexes)
+        self.redis.srem(f"{ns}:tiered", instance_id)
         return n_device
 
     def _apply_leases(self, ns: str, instance_id: str, pinned: Sequence,

@@ -41,6 +41,7 @@ def test_a_block_moves_between_media_and_the_lookup_counts_each(redis_client):
     index.apply(MODEL, 4, "s1", "e1", 5, [AllBlocksCleared()])
     assert index.lookup_tiers(MODEL, 4, h) == {}
     assert not redis_client.keys("pagoda:kv:m:4:block:*")
+    assert not redis_client.smembers("pagoda:kv:m:4:tiered")  # back to one round trip
 
 
 def test_a_snapshot_or_a_dropped_instance_clears_its_tiers_too(redis_client):
