@@ -107,18 +107,21 @@ def create_app(tokenizer_addr: str, scheduler_addrs: list[str],
                http_options: HttpOptions | None = None, router: str = DEFAULT_POLICY,
                on_fatal: Callable[[str], None] | None = None,
                options: ServingOptions | None = None,
+               kv_medium_weights: dict[str, float] | None = None,
                loras: LoRARegistry | None = None,
                prefix_pull: PrefixPullOptions | None = None) -> FastAPI:
     """`router`: the routing policy; `on_fatal`: called if the cluster cannot be
     served correctly (block hashes disagree, a --lora-modules adapter cannot run);
     `options`: vLLM's serving flags (serving_options.py; default: vLLM's defaults);
     `loras`: the adapters served by name (lora/registry.py; default: none);
-    `prefix_pull`: --kv-prefix-pull (disagg/prefix_pull.py; default: off)."""
+    `prefix_pull`: --kv-prefix-pull (disagg/prefix_pull.py; default: off);
+    `kv_medium_weights`: --kv-medium-weights (routing/router.py; default: its defaults)."""
     state = GatewayState(None, list(served_model_names or []), api_key,
                          options or ServingOptions(), loras or LoRARegistry())
 
     def make_peers() -> Peers:
         peers = Peers(tokenizer_addr, scheduler_addrs, router, on_fatal=on_fatal)
+        peers.router.medium_weights.update(kv_medium_weights or {})
         if prefix_pull is not None and prefix_pull.enabled:
             peers.prefix_pull = PrefixPull(peers, prefix_pull)
         return peers

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -15,7 +16,8 @@ from pagoda.services.gateway import api_servers
 from pagoda.services.gateway.disagg.prefix_pull import PrefixPullOptions, add_prefix_pull_args
 from pagoda.services.gateway.lora.registry import add_lora_args, registry_from_args
 from pagoda.services.gateway.observability.metrics import PeerMetrics
-from pagoda.services.gateway.routing.router import DEFAULT_POLICY, POLICIES
+from pagoda.services.gateway.routing.router import (DEFAULT_MEDIUM_WEIGHTS, DEFAULT_POLICY,
+                                                    POLICIES, parse_medium_weights)
 from pagoda.services.gateway.serving_options import (ServingOptions, add_serving_args,
                                                      add_uvicorn_args, uvicorn_kwargs)
 from pagoda.services.gateway.web.cors_request_id import HttpOptions, add_http_args
@@ -45,6 +47,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-manager-addr", default="127.0.0.1:50054",
                         help="host:port of the kv-cache-manager (used by the KV-aware router "
                              "and the prefix-index probe; '' = none).")
+    parser.add_argument("--kv-medium-weights", type=_medium_weights, default={},
+                        metavar="JSON",
+                        help="kv_aware: what a prompt token a replica holds in its KV "
+                             "offloading tiers is worth against one in its KV cache (1; "
+                             "recompute: 0), by KV event medium: JSON such as "
+                             f"'{json.dumps(DEFAULT_MEDIUM_WEIGHTS)}' (the default).")
     add_prefix_pull_args(parser)  # --kv-prefix-pull: needs the kv-cache-manager's index
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="Names clients may use for the model (default: the scheduler's).")
@@ -74,6 +82,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-server-pid-file", default=None, metavar="PATH",
                         help="With --api-server-count > 1: keep {\"parent\": PID, "
                              "\"api_servers\": {INDEX: PID}} in this file while serving.")
+
+
+def _medium_weights(text: str) -> dict[str, float]:
+    try:
+        return parse_medium_weights(text)
+    except ValueError as exc:  # argparse prints it and exits 2
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--kv-medium-weights: ")) from None
 
 
 def main(args: argparse.Namespace) -> int:
@@ -110,7 +125,8 @@ def main(args: argparse.Namespace) -> int:
                      args.kv_cache_manager_addr or None, PeerMetrics.parse_list(args.peer_metrics),
                      http_options=HttpOptions.from_args(args), router=args.router,
                      on_fatal=on_fatal, options=options, loras=registry_from_args(args),
-                     prefix_pull=PrefixPullOptions.from_args(args))
+                     prefix_pull=PrefixPullOptions.from_args(args),
+                     kv_medium_weights=args.kv_medium_weights)
     startup_clock.mark("app")
     scheme = "https" if "ssl_certfile" in server_kwargs else "http"
     logger.info("gateway on %s://%s:%d (tokenizer %s, schedulers %s, router %s)%s", scheme,

@@ -5,6 +5,10 @@ never share entries)::
 
     pagoda:kv:{model}:{block_size}:block:{hash hex}   SET of instance ids holding it
     pagoda:kv:{model}:{block_size}:inst:{id}:blocks   SET of hash hexes the instance holds
+    ...:block:{hash hex}:CPU, ...:inst:{id}:blocks:CPU  the same for its host tier
+    ...:block:{hash hex}:DISK, ...:inst:{id}:blocks:DISK  and for its disk tier
+    pagoda:kv:{model}:{block_size}:tiered             SET of instance ids that stored a
+                                                      block in a tier (until cleared)
     pagoda:kv:{model}:{block_size}:inst:{id}:meta     HASH epoch, sequence_number, resync
     pagoda:kv:{model}:{block_size}:instances          ZSET instance id -> last seen (unix s)
     pagoda:kv:{model}:{block_size}:inst:{id}:leases   ZSET lease id -> expiry (unix s)
@@ -12,10 +16,21 @@ never share entries)::
                                                       block_hashes, expiry (expires then)
     pagoda:kv:namespaces                              SET of "{block_size}:{model}"
 
+A block's medium (KV events' `medium`, vLLM's names) picks the pair of sets: "GPU"
+(the engine's KV cache) the unsuffixed ones, "CPU" and "DISK" (the host and disk
+tiers, `pagoda.core.kv_offload`) the suffixed ones. A block evicted from the device
+into the host tier moves from the first pair to the second, so it stays findable one
+tier lower; one onloaded back is in both.
+
 Invariants:
-  * `block:h` contains instance i exactly when `inst:i:blocks` contains h (both
-    are written in the same pipeline), so an instance's entries can always be
-    dropped completely from its own block set;
+  * `block:h[:M]` contains instance i exactly when `inst:i:blocks[:M]` contains h
+    (both are written in the same pipeline), so an instance's entries can always be
+    dropped completely from its own block sets;
+  * a snapshot or AllBlocksCleared replaces every medium of the instance (the tiers
+    publish their blocks again as events after a snapshot);
+  * an instance with a tier entry is in `tiered` (it may stay there with none: that
+    only costs its lookups a second round trip), so a cluster without tiers looks up
+    the device sets alone, as before tiers;
   * an instance's batches are applied in order without holes (sequencing.py);
     otherwise it is marked `resync` and its batches are ignored until the
     snapshot it owes arrives;
@@ -39,7 +54,8 @@ from dataclasses import dataclass
 
 import redis
 
-from pagoda.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pagoda.core.kv_events import (MEDIA, MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, AllBlocksCleared,
+                                   BlockRemoved, BlockStored, KVEvent)
 from pagoda.services.kv_cache_manager.sequencing import (Action, Decision, InstanceMeta,
                                                           decide_batch, decide_heartbeat)
 
@@ -50,6 +66,30 @@ PIPELINE_CHUNK = 5000  # commands per pipeline round trip when copying a snapsho
 
 def namespace(model: str, block_size: int) -> str:
     return f"pagoda:kv:{model}:{block_size}"
+
+
+def _suffix(medium: str) -> str:
+    """The key suffix of a medium's sets ("" for the device: the keys from before tiers)."""
+    if medium in ("", MEDIUM_GPU):
+        return ""
+    if medium in (MEDIUM_CPU, MEDIUM_DISK):
+        return f":{medium}"
+    raise ValueError(f"unknown KV medium {medium!r}")
+
+
+@dataclass(frozen=True)
+class TierMatch:
+    """What one instance holds of a prompt's leading blocks: `device` blocks in its KV
+    cache, then `host` and `disk` blocks in its tiers (a scheduler onloads a run of
+    tier blocks that follows its device hits, host first: kv_offload.lookup)."""
+
+    device: int = 0
+    host: int = 0
+    disk: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host + self.disk
 
 
 @dataclass(frozen=True)
@@ -182,6 +222,52 @@ class PrefixIndex:
                 counts[inst.decode()] = i + 1
         return counts
 
+    def lookup_tiers(self, model: str, block_size: int, block_hashes: Sequence[bytes]
+                     ) -> dict[str, TierMatch]:
+        """Live instance id -> its leading run of `block_hashes`: the device hits
+        first, then blocks its host or disk tier holds (host counted where both do);
+        the run ends at the first block in none of them, and after the device hits a
+        block only on the device also ends it (the scheduler's tier lookup would miss
+        it). Instances holding none are absent."""
+        if not block_hashes:
+            return {}
+        ns = namespace(model, block_size)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zrangebyscore(f"{ns}:instances", self.clock() - self.heartbeat_timeout, "+inf")
+        pipe.smembers(f"{ns}:tiered")
+        for h in block_hashes:
+            pipe.smembers(f"{ns}:block:{h.hex()}")
+        live, tiered, *on_device = pipe.execute()
+        if set(live) & tiered:  # a second round trip only where some live replica has tiers
+            pipe = self.redis.pipeline(transaction=False)
+            for h in block_hashes:
+                pipe.smembers(f"{ns}:block:{h.hex()}:{MEDIUM_CPU}")
+                pipe.smembers(f"{ns}:block:{h.hex()}:{MEDIUM_DISK}")
+            in_tiers = pipe.execute()
+        else:
+            in_tiers = [set()] * (2 * len(block_hashes))
+        members = [m for i, gpu in enumerate(on_device)
+                   for m in (gpu, in_tiers[2 * i], in_tiers[2 * i + 1])]
+        counts = {inst: [0, 0, 0] for inst in live}  # device, host, disk
+        on_device_run = set(live)  # instances whose run has been all device so far
+        walking = set(live)  # instances whose run has not ended
+        for i in range(len(block_hashes)):
+            on_gpu, on_cpu, on_disk = members[3 * i:3 * i + 3]
+            for inst in list(walking):
+                if inst in on_device_run and inst in on_gpu:
+                    counts[inst][0] += 1
+                    continue
+                on_device_run.discard(inst)
+                if inst in on_cpu:
+                    counts[inst][1] += 1
+                elif inst in on_disk:
+                    counts[inst][2] += 1
+                else:
+                    walking.discard(inst)
+            if not walking:
+                break
+        return {inst.decode(): TierMatch(*n) for inst, n in counts.items() if sum(n)}
+
     def leases(self, model: str, block_size: int, instance_id: str) -> dict[str, dict]:
         """The instance's live leases: lease id -> its record (request_id, block_ids,
         block_hashes as hex, expiry)."""
@@ -259,13 +345,21 @@ class PrefixIndex:
     def _apply_events(self, ns: str, instance_id: str, events: Sequence[KVEvent]) -> None:
         pipe = self.redis.pipeline(transaction=False)
         for event in events:
+            if not isinstance(event, AllBlocksCleared) and event.medium not in ("", *MEDIA):
+                logger.warning("instance %s: KV event of unknown medium %r ignored",
+                               instance_id, event.medium)
+                continue
             if isinstance(event, AllBlocksCleared):
                 pipe.execute()
                 self._clear_instance(ns, instance_id)
             elif isinstance(event, BlockStored):
-                _queue_change(pipe, ns, instance_id, event.block_hashes, add=True)
+                _queue_change(pipe, ns, instance_id, event.block_hashes, add=True,
+                              medium=event.medium)
+                if event.medium in (MEDIUM_CPU, MEDIUM_DISK) and event.block_hashes:
+                    pipe.sadd(f"{ns}:tiered", instance_id)
             elif isinstance(event, BlockRemoved):
-                _queue_change(pipe, ns, instance_id, event.block_hashes, add=False)
+                _queue_change(pipe, ns, instance_id, event.block_hashes, add=False,
+                              medium=event.medium)
         pipe.execute()
 
     def _add_blocks(self, ns: str, instance_id: str, block_hashes: Sequence[bytes]) -> None:
@@ -276,15 +370,22 @@ class PrefixIndex:
             pipe.execute()
 
     def _clear_instance(self, ns: str, instance_id: str) -> int:
-        blocks_key = f"{ns}:inst:{instance_id}:blocks"
-        hexes = [m.decode() for m in self.redis.smembers(blocks_key)]
-        for start in range(0, len(hexes), PIPELINE_CHUNK):
-            pipe = self.redis.pipeline(transaction=False)
-            for hx in hexes[start:start + PIPELINE_CHUNK]:
-                pipe.srem(f"{ns}:block:{hx}", instance_id)
-            pipe.execute()
-        self.redis.delete(blocks_key)
-        return len(hexes)
+        """Drop the instance's entries of every medium; returns its device blocks."""
+        n_device = 0
+        for medium in MEDIA:
+            suffix = _suffix(medium)
+            blocks_key = f"{ns}:inst:{instance_id}:blocks{suffix}"
+            hexes = [m.decode() for m in self.redis.smembers(blocks_key)]
+            for start in range(0, len(hexes), PIPELINE_CHUNK):
+                pipe = self.redis.pipeline(transaction=False)
+                for hx in hexes[start:start + PIPELINE_CHUNK]:
+                    pipe.srem(f"{ns}:block:{hx}{suffix}", instance_id)
+                pipe.execute()
+            self.redis.delete(blocks_key)
+            if medium == MEDIUM_GPU:
+                n_device = len(hexes)
+        self.redis.srem(f"{ns}:tiered", instance_id)
+        return n_device
 
     def _apply_leases(self, ns: str, instance_id: str, pinned: Sequence,
                       released: Sequence[str]) -> None:
@@ -328,10 +429,11 @@ class PrefixIndex:
 
 
 def _queue_change(pipe, ns: str, instance_id: str, block_hashes: Sequence[bytes],
-                  add: bool) -> None:
+                  add: bool, medium: str = MEDIUM_GPU) -> None:
     if not block_hashes:
         return
+    suffix = _suffix(medium)
     hexes = [h.hex() for h in block_hashes]
     for hx in hexes:
-        (pipe.sadd if add else pipe.srem)(f"{ns}:block:{hx}", instance_id)
-    (pipe.sadd if add else pipe.srem)(f"{ns}:inst:{instance_id}:blocks", *hexes)
+        (pipe.sadd if add else pipe.srem)(f"{ns}:block:{hx}{suffix}", instance_id)
+    (pipe.sadd if add else pipe.srem)(f"{ns}:inst:{instance_id}:blocks{suffix}", *hexes)

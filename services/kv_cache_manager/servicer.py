@@ -78,13 +78,16 @@ class KvCacheManagerServicer(pb_grpc.KvCacheManagerServiceServicer):
                      ) -> pb.LookupPrefixResponse:
         start = time.perf_counter()
         try:
-            counts = self.index.lookup(request.model, request.block_size,
-                                       list(request.block_hashes))
+            matches = self.index.lookup_tiers(request.model, request.block_size,
+                                              list(request.block_hashes))
         except redis.RedisError as exc:
             self._redis_error("lookup", context, exc)
         if self.metrics is not None:
             self.metrics.lookup_latency.observe(time.perf_counter() - start)
-        return pb.LookupPrefixResponse(num_cached_blocks=counts)
+        return pb.LookupPrefixResponse(
+            num_cached_blocks={i: m.device for i, m in matches.items() if m.device},
+            num_host_blocks={i: m.host for i, m in matches.items() if m.host},
+            num_disk_blocks={i: m.disk for i, m in matches.items() if m.disk})
 
     def ListInstances(self, request: pb.ListInstancesRequest, context: grpc.ServicerContext
                       ) -> pb.ListInstancesResponse:

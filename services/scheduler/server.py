@@ -209,7 +209,7 @@ async def _serve(args: argparse.Namespace, core, info: pb.GetModelInfoResponse,
     servicer.bind_loop(loop)
     if publisher is not None:  # a resync's snapshot is taken on the engine thread
         publisher.snapshot_source = lambda deliver: engine.call_soon(
-            lambda: deliver(core.cached_block_hashes()))
+            lambda: deliver(core.kv_index_snapshot()))
 
     server = grpc_channels.aio_server()
     pb_grpc.add_SchedulerServiceServicer_to_server(servicer, server)

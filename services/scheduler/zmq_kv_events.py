@@ -17,7 +17,8 @@ structs encoded as msgpack), one multipart message per step with events:
 
 A block hash is the integer of its digest's last 8 bytes read big-endian (vLLM's
 default; PAGODA_/VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 sends the digest bytes).
-`medium` is "GPU", vLLM's name for the engine's own KV cache (also on a CPU run);
+`medium` is "GPU", vLLM's name for the engine's own KV cache (also on a CPU run), "CPU"
+for the host tier (as vLLM's OffloadingConnector publishes it), "DISK" for the disk tier;
 Pagoda's events carry no adapter, so `lora_id` and `lora_name` are null.
 
 Replay (`replay_endpoint`, a ROUTER socket): a client sends [b"", start_seq (8
@@ -41,7 +42,6 @@ from pagoda.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, K
 from pagoda.services.scheduler.kv_events_config import KVEventsConfig
 
 logger = logging.getLogger(__name__)
-MEDIUM_GPU = "GPU"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -55,10 +55,10 @@ def event_to_wire(event: KVEvent, int_hashes: bool) -> list:
         parent = (None if event.parent_block_hash is None
                   else external_hash(event.parent_block_hash, int_hashes))
         return ["BlockStored", [external_hash(h, int_hashes) for h in event.block_hashes],
-                parent, list(event.token_ids), event.block_size, None, MEDIUM_GPU, None]
+                parent, list(event.token_ids), event.block_size, None, event.medium, None]
     if isinstance(event, BlockRemoved):
         return ["BlockRemoved", [external_hash(h, int_hashes) for h in event.block_hashes],
-                MEDIUM_GPU]
+                event.medium]
     if isinstance(event, AllBlocksCleared):
         return ["AllBlocksCleared"]
     raise TypeError(f"not a KV event: {event!r}")

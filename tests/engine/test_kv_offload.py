@@ -145,3 +145,29 @@ def test_the_tier_refuses_what_it_cannot_keep_exact(tiny_llama_dir, extra):
     with pytest.raises(ValueError, match="--kv-offloading-size is not supported with"):
         EngineArgs(model=tiny_llama_dir, dtype="float32", kv_offloading_size=0.01,
                    **extra).create_engine_config()
+
+
+def test_blocks_evicted_into_the_tier_are_published_as_medium_cpu(tiny_llama_dir):
+    """The prefix index's view (KV events): an evicted prefix leaves the device ("GPU")
+    and enters the host tier ("CPU"); what the events say is what each medium holds."""
+    first, _ = _prompts()
+    llm = _llm(tiny_llama_dir, 24, tier_blocks=64)
+    core = llm.llm_engine.core
+    events, take = [], core.take_kv_events
+    core.take_kv_events = lambda: events.extend(take()) or []
+    _run(llm, first)
+    held = {"GPU": set(), "CPU": set()}
+    for event in events:
+        if type(event).__name__ == "BlockStored":
+            held[event.medium].update(event.block_hashes)
+        elif type(event).__name__ == "BlockRemoved":
+            held[event.medium].difference_update(event.block_hashes)
+    index, _ = _tier(llm)
+    assert held["CPU"] == set(index._entries) and len(held["CPU"]) >= 9
+    assert held["GPU"] == set(core.cached_block_hashes())
+    assert not held["CPU"] & held["GPU"]  # evicted, not onloaded back
+    # A resync: the snapshot carries the device's blocks, the tier publishes its again.
+    assert set(core.kv_index_snapshot()) == held["GPU"]
+    again = [e for e in take() if e.medium == "CPU"]
+    assert [type(e).__name__ for e in again] == ["BlockStored"]
+    assert set(again[0].block_hashes) == held["CPU"]

@@ -52,6 +52,7 @@ class KVDiskIndex:
         # (host slot, hash, device block or -1), this step
         self.spills: list[tuple[int, BlockHash, int]] = []
         self.drops: list[BlockHash] = []
+        self.touched: dict[BlockHash, None] = {}  # entered or left (KV events), in order
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -77,9 +78,11 @@ class KVDiskIndex:
             if victim is None:
                 return dropped
             del self._entries[victim]
+            self.touched[victim] = None
             self.drops.append(victim)
             dropped += 1
         self._entries[block_hash] = tuple(token_ids)
+        self.touched[block_hash] = None
         self.spills.append((slot, block_hash, block_id))
         return dropped
 
@@ -99,6 +102,9 @@ class KVDiskIndex:
         if block_hash in self._entries:
             self._entries.move_to_end(block_hash)
 
+    def hashes(self) -> list[BlockHash]:
+        return list(self._entries)
+
     def take_ops(self) -> tuple[list[tuple[int, BlockHash, int]], list[BlockHash]]:
         """This step's spills and drops; the pins end with the step."""
         ops = self.spills, self.drops
@@ -109,5 +115,6 @@ class KVDiskIndex:
     def clear(self) -> None:
         """Forget every record (reset_prefix_cache); their files are deleted."""
         self.drops.extend(h for h in self._entries if h not in self._pinned)
+        self.touched.update(dict.fromkeys(self._entries))
         self._entries = OrderedDict((h, t) for h, t in self._entries.items()
                                     if h in self._pinned)

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 from pagoda.core.block_hash import BlockHash
 from pagoda.core.kv_disk_index import KVDiskIndex
+from pagoda.core.kv_events import MEDIUM_CPU, MEDIUM_DISK, KVEvent
+from pagoda.core.kv_tier_events import TierEventLog
 from pagoda.messages import KVOffload, KVOnload, KVSpill
 
 GIB = 1024 ** 3
@@ -81,6 +83,10 @@ class KVOffloadIndex:
         self.stats = KVOffloadStats(block_bytes=block_bytes)
         self.disk = disk
         self.disk_stats = KVOffloadStats(block_bytes=block_bytes) if disk is not None else None
+        # The prefix index's view of the tiers (medium "CPU" / "DISK"): see kv_tier_events.
+        self.events = TierEventLog(MEDIUM_CPU, self.__contains__)
+        self.disk_events = (TierEventLog(MEDIUM_DISK, disk.__contains__) if disk is not None
+                            else None)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -106,6 +112,7 @@ class KVOffloadIndex:
             return  # every slot is read by this step's onloads: this block is dropped
         self._entries[block_hash] = (slot, tuple(token_ids))
         self._slot_hash[slot] = block_hash
+        self.events.touched[block_hash] = None
         self._offloads.append(KVOffload(block_id, slot, block_hash))
         self._written[slot] = block_id
         self.stats.stored += 1
@@ -117,6 +124,7 @@ class KVOffloadIndex:
             if slot not in self._pinned:
                 del self._entries[block_hash]
                 del self._slot_hash[slot]
+                self.events.touched[block_hash] = None
                 self.stats.evictions += 1
                 source = self._written.pop(slot, -1)
                 if source >= 0:  # copied in this step: that copy is superseded
@@ -190,6 +198,7 @@ class KVOffloadIndex:
         """Forget one entry (its copy is known to be bad)."""
         entry = self._entries.pop(block_hash, None)
         if entry is not None:
+            self.events.touched[block_hash] = None
             del self._slot_hash[entry[0]]
             self._free_slots.append(entry[0])
 
@@ -199,3 +208,22 @@ class KVOffloadIndex:
             self.drop(block_hash)
         if self.disk is not None:
             self.disk.clear()
+        self.republish()  # the index cleared every medium with the device's reset
+
+    # ------------------------------------------------------------------ KV events
+    def take_events(self, block_size: int) -> list[KVEvent]:
+        """The tiers' KV events since the last call (medium "CPU", then "DISK")."""
+        self.events.block_size = block_size
+        events = self.events.take()
+        if self.disk_events is not None:
+            self.disk_events.touched |= self.disk.touched
+            self.disk.touched = {}
+            self.disk_events.block_size = block_size
+            events += self.disk_events.take()
+        return events
+
+    def republish(self) -> None:
+        """Publish every block the tiers hold again (the prefix index forgot them)."""
+        self.events.republish(list(self._entries))
+        if self.disk_events is not None:
+            self.disk_events.republish(self.disk.hashes())

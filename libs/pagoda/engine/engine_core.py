@@ -210,10 +210,25 @@ class EngineCore:
         return self.scheduler.get_stats()
 
     def take_kv_events(self) -> list[KVEvent]:
-        return self.scheduler.kv_cache_manager.take_events()
+        """The device's events (medium "GPU"), then the tiers' ("CPU", "DISK")."""
+        manager = self.scheduler.kv_cache_manager
+        events = manager.take_events()
+        tiers = self.scheduler.kv_offload
+        if tiers is not None:
+            tier_events = tiers.take_events(manager.block_size)
+            if manager.pool.enable_kv_events:
+                events += tier_events
+        return events
 
     def cached_block_hashes(self) -> list[bytes]:
         return self.scheduler.kv_cache_manager.pool.cached_hashes()
+
+    def kv_index_snapshot(self) -> list[bytes]:
+        """The device's cached hashes for a resync of the prefix index (which replaces
+        every medium of this instance); the tiers' blocks follow as events."""
+        if self.scheduler.kv_offload is not None:
+            self.scheduler.kv_offload.republish()
+        return self.cached_block_hashes()
 
     def reset_prefix_cache(self) -> bool:
         reset = self.scheduler.kv_cache_manager.reset_prefix_cache()

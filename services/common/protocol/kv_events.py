@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagoda.services._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2 as pb
-from pagoda.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pagoda.core.kv_events import (MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored,
+                                   KVEvent)
 
 
 def kv_event_to_proto(event: KVEvent) -> pb.KvEvent:
@@ -15,9 +16,11 @@ def kv_event_to_proto(event: KVEvent) -> pb.KvEvent:
             parent_block_hash=event.parent_block_hash or b"",
             token_ids=event.token_ids,
             block_size=event.block_size,
+            medium=event.medium,
         ))
     if isinstance(event, BlockRemoved):
-        return pb.KvEvent(block_removed=pb.BlockRemoved(block_hashes=event.block_hashes))
+        return pb.KvEvent(block_removed=pb.BlockRemoved(block_hashes=event.block_hashes,
+                                                               medium=event.medium))
     if isinstance(event, AllBlocksCleared):
         return pb.KvEvent(all_blocks_cleared=pb.AllBlocksCleared())
     raise TypeError(f"not a KV event: {event!r}")
@@ -32,9 +35,11 @@ def kv_event_from_proto(msg: pb.KvEvent) -> KVEvent:
             parent_block_hash=m.parent_block_hash or None,
             token_ids=list(m.token_ids),
             block_size=m.block_size,
+            medium=m.medium or MEDIUM_GPU,
         )
     if kind == "block_removed":
-        return BlockRemoved(block_hashes=list(msg.block_removed.block_hashes))
+        return BlockRemoved(block_hashes=list(msg.block_removed.block_hashes),
+                            medium=msg.block_removed.medium or MEDIUM_GPU)
     if kind == "all_blocks_cleared":
         return AllBlocksCleared()
     raise ValueError("empty KV event")

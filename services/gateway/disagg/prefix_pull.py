@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
@@ -57,7 +58,7 @@ from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc as
 from pagoda.services.common.protocol.kv_transfer import kv_params_from_proto
 from pagoda.services.gateway.disagg.prefill_decode import handshake_problem
 from pagoda.services.gateway.observability.metrics import gateway_metrics
-from pagoda.services.gateway.routing.router import Route, RouteRequest
+from pagoda.services.gateway.routing.router import Route, RouteRequest, weighted_cached_tokens
 
 logger = logging.getLogger(__name__)
 # Fewest blocks worth a pull. On the CPU above 2 blocks already pay, by 15 ms; 4 leaves
@@ -141,16 +142,24 @@ def can_lease(replica, target) -> bool:
             and handshake_problem(info, target.info) is None)
 
 
-def choose_source(replicas, route: Route, num_prompt_tokens: int,
-                  min_blocks: int) -> PullChoice | None:
+def choose_source(replicas, route: Route, num_prompt_tokens: int, min_blocks: int,
+                  weights: dict[str, float] | None = None) -> PullChoice | None:
     """The replica holding the most leading blocks of the routed prompt, when it holds
     at least `min_blocks` more than the routed replica (of the blocks the request can
-    use: never the one holding the prompt's last token, which is always computed)."""
+    use: never the one holding the prompt's last token, which is always computed).
+    The routed replica's own host/disk-tier run counts toward what it holds at its
+    medium's weight (`weights`, default the router's `--kv-medium-weights`: an onload,
+    below a device hit, above a recompute); a source offers only what its KV cache
+    holds (a lease pins device blocks)."""
     target, prefix = route.replica, route.prefix
     if prefix is None or not can_consume(target):
         return None
-    usable = min(len(prefix.block_hashes), (num_prompt_tokens - 1) // target.info.block_size)
-    held = min(prefix.cached_blocks.get(target.instance_id, 0), usable)
+    block_size = target.info.block_size
+    usable = min(len(prefix.block_hashes), (num_prompt_tokens - 1) // block_size)
+    host, disk = prefix.tier_blocks.get(target.instance_id, (0, 0))
+    held = min(usable, math.ceil(weighted_cached_tokens(
+        num_prompt_tokens, prefix.cached_blocks.get(target.instance_id, 0), host, disk,
+        block_size, weights or prefix.medium_weights) / block_size))
     best, best_blocks = None, 0
     for replica in replicas:
         blocks = min(prefix.cached_blocks.get(replica.instance_id, 0), usable)

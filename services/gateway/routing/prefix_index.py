@@ -51,10 +51,11 @@ class PrefixIndexClient:
     async def lookup(self, tokenizer_stub, token_ids: Sequence[int],
                      block_hashes: Sequence[bytes] | None, cache_salt: str, model: str,
                      block_size: int, lora_key: str = ""
-                     ) -> tuple[list[bytes], dict[str, int]] | None:
-        """(the prompt's block hashes, instance id -> cached leading blocks), or None
-        when the index cannot answer now. `block_hashes` None: hash `token_ids` first
-        (with the salt and the LoRA adapter's key, as the schedulers hash them)."""
+                     ) -> tuple[list[bytes], dict[str, int], dict[str, tuple[int, int]]] | None:
+        """(the prompt's block hashes, instance id -> leading blocks in its KV cache,
+        instance id -> (host-tier, disk-tier) blocks of the run that follows them), or
+        None when the index cannot answer now. `block_hashes` None: hash `token_ids`
+        first (with the salt and the LoRA adapter's key, as the schedulers hash them)."""
         now = time.monotonic()
         if now < self._skip_until:
             return None
@@ -66,14 +67,16 @@ class PrefixIndexClient:
                 block_hashes = hashed.block_hashes
             hashes = list(block_hashes)
             if not hashes:
-                return [], {}
+                return [], {}, {}
             reply = await self.stub.LookupPrefix(kpb.LookupPrefixRequest(
                 model=model, block_size=block_size, block_hashes=hashes),
                 timeout=LOOKUP_TIMEOUT_S)
         except grpc.RpcError as exc:
             self._on_error(exc, now)
             return None
-        return hashes, dict(reply.num_cached_blocks)
+        tiers = {inst: (reply.num_host_blocks.get(inst, 0), reply.num_disk_blocks.get(inst, 0))
+                 for inst in {*reply.num_host_blocks, *reply.num_disk_blocks}}
+        return hashes, dict(reply.num_cached_blocks), tiers
 
     def _on_error(self, exc: grpc.RpcError, now: float) -> None:
         code = exc.code()

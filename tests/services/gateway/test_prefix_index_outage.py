@@ -24,7 +24,8 @@ class FailingStub:
     async def LookupPrefix(self, request, timeout):  # noqa: N802 (the RPC's name)
         self.calls += 1
         if self.healed:
-            return type("Reply", (), {"num_cached_blocks": {"replica-0": 2}})()
+            return type("Reply", (), {"num_cached_blocks": {"replica-0": 2},
+                                          "num_host_blocks": {}, "num_disk_blocks": {}})()
         raise grpc.aio.AioRpcError(self.code, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                    details="index unreachable")
 
@@ -54,4 +55,4 @@ def test_a_down_or_frozen_index_is_skipped_for_a_while_then_asked_again(code, mo
     first, during, calls_during, after = asyncio.run(run())
     assert first is None and during is None  # the router weighs load alone
     assert calls_during == 1  # the second request did not wait on the index
-    assert after == ([b"a" * 32, b"b" * 32], {"replica-0": 2})  # taken back
+    assert after == ([b"a" * 32, b"b" * 32], {"replica-0": 2}, {})  # taken back

@@ -83,6 +83,20 @@ def test_no_pull(source, cached, min_blocks):
     assert choose_source([r, source], route(r, cached), len(PROMPT), min_blocks) is None
 
 
+def test_the_target_s_own_tier_run_counts_at_its_weight():
+    """R holds the prompt's first 9 blocks in its host tier: an onload there is worth
+    0.8 of a device hit (7.2 blocks, so 8 held), a pull from S's 9 device blocks is only
+    one block better. From its disk tier (0.5: 5 held) the pull is 4 better."""
+    r, s = Replica("r"), Replica("s")
+    in_host = Route(r, "kv_aware", prefix=PrefixLookup(HASHES, {"s": 9}, {"r": (9, 0)}))
+    assert choose_source([r, s], in_host, len(PROMPT), 2) is None
+    choice = choose_source([r, s], in_host, len(PROMPT), 1)
+    assert (choice.source, choice.num_blocks, choice.num_held) == (s, 9, 8)
+    on_disk = Route(r, "kv_aware", prefix=PrefixLookup(HASHES, {"s": 9}, {"r": (0, 9)}))
+    assert choose_source([r, s], on_disk, len(PROMPT), 4).num_held == 5
+    assert choose_source([r, s], on_disk, len(PROMPT), 4, {"CPU": 0.8, "DISK": 1.0}) is None
+
+
 def test_never_into_a_producer_nor_without_the_index():
     p, s = Replica("p", kv_role="kv_producer"), Replica("s")
     assert choose_source([p, s], route(p, {"s": 9}), len(PROMPT), 1) is None

@@ -35,10 +35,13 @@ class FakeReplica:
 
 
 class FakeIndex:
-    """The prefix index: instance id -> cached leading blocks, or down (None)."""
+    """The prefix index: instance id -> cached leading blocks (and, past them, host-
+    and disk-tier blocks), or down (None)."""
 
-    def __init__(self, blocks: dict[str, int] | None) -> None:
+    def __init__(self, blocks: dict[str, int] | None,
+                 tiers: dict[str, tuple[int, int]] | None = None) -> None:
         self.blocks = blocks
+        self.tiers = tiers or {}
         self.calls = 0
 
     async def lookup(self, tokenizer_stub, token_ids, block_hashes, cache_salt, model,
@@ -46,7 +49,8 @@ class FakeIndex:
         self.calls += 1
         if self.blocks is None:
             return None
-        return hash_request_tokens(token_ids, block_size, "seed"), dict(self.blocks)
+        return (hash_request_tokens(token_ids, block_size, "seed"), dict(self.blocks),
+                dict(self.tiers))
 
 
 PROMPT = list(range(1000, 1000 + 32 * BLOCK + 5))  # 32 full blocks and a bit

@@ -181,3 +181,15 @@ def test_a_taken_replay_endpoint_is_a_clear_error(tmp_path):
     finally:
         taken.close(linger=0)
         ctx.term()
+
+
+def test_a_tier_block_goes_out_under_its_medium_as_vllm_sends_offloaded_blocks():
+    from pagoda.core.kv_events import BlockRemoved as Removed, BlockStored as Stored
+    from pagoda.services.scheduler.zmq_kv_events import event_to_wire
+
+    digest = bytes(range(32))
+    stored = event_to_wire(Stored([digest], None, [], BS, "CPU"), int_hashes=True)
+    assert stored == ["BlockStored", [low64(digest)], None, [], BS, None, "CPU", None]
+    assert event_to_wire(Removed([digest], "DISK"), True) == ["BlockRemoved", [low64(digest)],
+                                                              "DISK"]
+    assert event_to_wire(Removed([digest]), True)[2] == "GPU"
