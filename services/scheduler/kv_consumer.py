@@ -108,7 +108,8 @@ class KvConsumer:
         hashes = hash_request_tokens(request.prompt_token_ids, self.info.block_size,
                                      self.info.prefix_hash_seed,
                                      request_keys(request.cache_salt, request.lora_key),
-                                     algo=self.info.prefix_caching_hash_algo or DEFAULT_HASH_ALGO)
+                                     algo=self.info.prefix_caching_hash_algo or DEFAULT_HASH_ALGO,
+                                     mm_features=request.mm_features)  # the engine's keys
         if list(params.block_hashes) != hashes[:len(params.block_hashes)]:
             metrics.failures.labels("hash_mismatch").inc()
             metrics.fallbacks.labels("recompute").inc()

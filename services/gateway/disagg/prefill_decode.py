@@ -1,9 +1,11 @@
 """Prefill/decode disaggregation at the gateway: one choice, two replicas, one stream.
 
     choice ─► prefill replica (kv_producer): prompt, max_tokens 1, do_remote_decode
+              (its images with their pixels: it encodes them)
            ◄─ first token (streamed to the client at once) + complete{kv_transfer_params}
            ─► decode replica: prompt + [first token] as output, do_remote_prefill
-              (it pulls the blocks it lacks worker to worker, then decodes)
+              (it pulls the blocks it lacks worker to worker, then decodes; its images
+              come without pixels where the lease covers their runs: disagg/media.py)
            ◄─ the remaining tokens
 
 `DisaggregatedReplica` wraps the decode replica the router chose and looks like it to
@@ -51,6 +53,7 @@ from pagoda.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2 as kpb
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc as kpb_grpc
 from pagoda.services.gateway.disagg.labels import HANDSHAKE_FIELDS
+from pagoda.services.gateway.disagg.media import decode_side_features
 from pagoda.services.gateway.errors import APIError
 from pagoda.services.gateway.observability.metrics import gateway_metrics
 from pagoda.services.gateway.routing import context as router_context
@@ -306,6 +309,9 @@ class DisaggregatedReplica:
             decode = replace(request, output_token_ids=list(generated), kv_transfer_params=None)
             if generated and params is not None:
                 decode.kv_transfer_params = replace(params, do_remote_prefill=True)
+                # The prefill side encoded the images: no pixels where the lease covers them.
+                decode.mm_features = decode_side_features(
+                    request.mm_features, params, self.decode.info.block_size)
                 if request.sampling_params.prompt_logprobs is not None:  # scored already
                     decode.sampling_params = replace(request.sampling_params,
                                                      prompt_logprobs=None)
