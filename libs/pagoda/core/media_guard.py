@@ -8,15 +8,20 @@ the model would read placeholder embeddings where the encoder's rows belong and 
 wrongly. Whenever a step would (an import that fell short, a failed pull, a recompute
 after preemption, a run that reaches into the prompt's partial last block, which no
 lease covers), the scheduler ends the request (ABORT, with `failure` naming the item)
-instead. The gateway, which holds the pixels, sends them whenever the decode replica is
-to compute the prompt itself (no prefill replica, a failed prefill): only a replica
-told that its prompt was prefilled elsewhere gets items without data.
+instead (the stream ends INVALID_ARGUMENT with this text, before any output). The
+gateway, which holds the pixels, sends them whenever the decode replica is to compute
+the prompt itself (no prefill replica, a failed prefill, a lease short of a run), and
+sends the request again with them when a decode replica refuses it this way: only a
+replica told that its prompt was prefilled elsewhere gets items without data.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+# In every refusal's text: how a caller (the gateway) tells this refusal from others.
+MISSING_ENCODER_INPUT = "arrived without its encoder input"
 
 
 def missing_encoder_input(mm_features: Sequence[Any], start: int, num_new: int) -> str | None:
@@ -27,8 +32,8 @@ def missing_encoder_input(mm_features: Sequence[Any], start: int, num_new: int) 
         if feature.offset >= end:
             break  # sorted by offset: the rest lie beyond these tokens
         if feature.data is None and start < feature.offset + feature.length:
-            return (f"{feature.modality} {feature.identifier[:12]} arrived without its "
-                    f"encoder input (prefill/decode disaggregation: the prefill replica "
+            return (f"{feature.modality} {feature.identifier[:12]} {MISSING_ENCODER_INPUT} "
+                    f"(prefill/decode disaggregation: the prefill replica "
                     f"encodes it), but tokens [{start}, {end}) of this request, inside its "
                     f"placeholder run [{feature.offset}, {feature.offset + feature.length}), "
                     "would have to be computed here: the prompt's imported KV did not cover "

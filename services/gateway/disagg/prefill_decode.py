@@ -47,6 +47,7 @@ from dataclasses import replace
 import grpc
 
 import pagoda.tracing as tracing
+from pagoda.core.media_guard import MISSING_ENCODER_INPUT
 from pagoda.kv_transfer.config import DIST_CONNECTOR
 from pagoda.kv_transfer.params import KVTransferParams
 from pagoda.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
@@ -318,14 +319,38 @@ class DisaggregatedReplica:
             cached = params.num_cached_tokens if params is not None else None
             decode_span = _phase_span("pagoda.disagg.decode", request.request_id,
                                       blocks=len(params.remote_block_ids) if params else 0)
-            async for out in self.decode.generate(decode):
-                if cached is not None:
-                    out.num_cached_tokens = cached
-                yield out
+            received = False
+            try:
+                async for out in self.decode.generate(decode):
+                    received = True
+                    if cached is not None:
+                        out.num_cached_tokens = cached
+                    yield out
+            except grpc.RpcError as exc:
+                if received or decode.mm_features is request.mm_features \
+                        or not refused_for_missing_media(exc):
+                    raise
+                # Its import fell short of an image's run (a failed pull): compute the
+                # prompt there as a colocated replica would, with the pixels.
+                logger.warning("decode replica %s lacked an image's KV (%s); sending the "
+                               "request again with its pixels", self.decode.address,
+                               exc.details())
+                _count_fallback("media_recompute")
+                again = replace(decode, mm_features=request.mm_features,
+                                kv_transfer_params=None)
+                async for out in self.decode.generate(again):
+                    yield out
         finally:
             _end_span(decode_span, instance=self.decode.instance_id)
             if params is not None:
                 disagg.release_soon(params)
+
+
+def refused_for_missing_media(exc: grpc.RpcError) -> bool:
+    """Whether a decode replica refused a request for an image it got without pixels
+    and would have had to encode (`pagoda.core.media_guard`)."""
+    return exc.code() == grpc.StatusCode.INVALID_ARGUMENT and \
+        MISSING_ENCODER_INPUT in (exc.details() or "")
 
 
 def _phase_span(name: str, request_id: str, **attributes):
