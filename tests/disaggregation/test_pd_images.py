@@ -50,18 +50,34 @@ def media():
         yield server
 
 
+def start(llava_dir, redis_url: str, *extra: str) -> ServeProcess:
+    return ServeProcess([llava_dir, "--served-model-name", "llava", "--dtype", "float32",
+                         "--max-model-len", "256", "--block-size", "16",
+                         "--allowed-media-domains", "127.0.0.1", "--redis-url", redis_url,
+                         "--prefill-replicas", "1", "--decode-replicas", "1", *extra])
+
+
 @pytest.fixture(scope="module")
 def pd(llava_dir, media):
     with PrivateRedis() as redis:
-        serve = ServeProcess([llava_dir, "--served-model-name", "llava", "--dtype", "float32",
-                              "--max-model-len", "256", "--block-size", "16",
-                              "--allowed-media-domains", "127.0.0.1",
-                              "--redis-url", redis.url,
-                              "--prefill-replicas", "1", "--decode-replicas", "1"])
+        serve = start(llava_dir, redis.url)
         try:
             yield serve
         finally:
             assert serve.stop() == 0, serve.stderr_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def offline(llava_dir, media) -> str:
+    """Offline LLM.chat's answer (greedy, float32) to the question on the picture."""
+    llm = LLM(model=llava_dir, dtype="float32", max_model_len=256)
+    out = llm.chat(messages(data_url(media)), SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)[0]
+    return out.outputs[0].text
+
+
+def data_url(media) -> str:
+    return "data:image/png;base64," + base64.b64encode(media.images["/picture.png"]).decode()
 
 
 def messages(url: str) -> list[dict]:
@@ -76,18 +92,13 @@ def ask(serve, url: str):
         extra_body={"ignore_eos": True})
 
 
-def test_an_image_through_prefill_and_decode_answers_as_offline(pd, media, llava_dir):
-    data_url = "data:image/png;base64," + base64.b64encode(media.images["/picture.png"]).decode()
-    llm = LLM(model=llava_dir, dtype="float32", max_model_len=256)
-    want = llm.chat(messages(data_url), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                                                       ignore_eos=True), use_tqdm=False)[0]
-    del llm
+def test_an_image_through_prefill_and_decode_answers_as_offline(pd, media, offline):
     decode = role_address(pd, "scheduler", "kv_consumer")
     pulled = metric(pd, "pagoda_kv_transfer_blocks_total")
-    for url in (data_url, media.url("/picture.png")):
+    for url in (data_url(media), media.url("/picture.png")):
         raw = ask(pd, url)
         assert PREFILL_HEADER in raw.headers  # prefilled on the prefill replica
-        assert raw.parse().choices[0].message.content == want.outputs[0].text
+        assert raw.parse().choices[0].message.content == offline
     # The decode replica imported the prompt's blocks (image run included) ...
     assert metric(pd, "pagoda_kv_transfer_blocks_total") > pulled
     # ... and never encoded: its worker looked no image up; the prefill side's did.
@@ -106,3 +117,22 @@ def replica_metric(pd, role: str, name: str) -> float:
     port = flag_value(role_process(pd, "scheduler", role).cmdline(), "--metrics-port")
     return sum(v for (n, ls), v in pd.scrape().items()
                if n == name and dict(ls).get("instance", "").endswith(f":{port}"))
+
+
+def test_a_decode_side_whose_pull_fails_gets_the_pixels_and_answers_the_same(llava_dir, media,
+                                                                            offline):
+    """Every pull times out: the decode replica lacks the image's KV, refuses to compute
+    its run without pixels, and the gateway sends it the request again with them."""
+    with PrivateRedis() as redis:
+        serve = start(llava_dir, redis.url, "--kv-transfer-timeout", "0.000001",
+                      "--kv-lease-timeout", "60")
+        try:
+            raw = ask(serve, data_url(media))
+            assert PREFILL_HEADER in raw.headers
+            assert raw.parse().choices[0].message.content == offline
+            assert metric(serve, "pagoda_kv_transfer_failures_total", reason="timeout") >= 1
+            assert metric(serve, "pagoda_gateway_disagg_fallbacks_total",
+                          kind="media_recompute") == 1
+            assert replica_metric(serve, "kv_consumer", "pagoda_mm_input_bytes_total") > 0
+        finally:
+            assert serve.stop() == 0, serve.stderr_text()[-3000:]
