@@ -327,7 +327,7 @@ class DisaggregatedReplica:
                         out.num_cached_tokens = cached
                     yield out
             except grpc.RpcError as exc:
-                if received or decode.mm_features is request.mm_features \
+                if received or all(f.data is not None for f in decode.mm_features) \
                         or not refused_for_missing_media(exc):
                     raise
                 # Its import fell short of an image's run (a failed pull): compute the
