@@ -7,7 +7,8 @@ import re
 from typing import TYPE_CHECKING
 
 from pagoda.multimodal.inputs import MODALITIES
-from pagoda.multimodal.processing import check_mm_limits, text_only_error
+from pagoda.core.media_guard import MISSING_ENCODER_INPUT
+from pagoda.multimodal.processing import POSITIONS_FROM_DATA, check_mm_limits, text_only_error
 
 if TYPE_CHECKING:
     from pagoda.config import EngineConfig
@@ -45,6 +46,12 @@ def check_mm_features(request: EngineCoreRequest, config: EngineConfig) -> None:
         if f.length <= 0 or f.offset < previous_end or f.end > len(request.prompt_token_ids):
             raise ValueError(f"{where}: placeholder run [{f.offset}, {f.end}) is outside the "
                              "prompt, empty, or overlaps/precedes the previous run")
+        if f.data is None and config.arch.architecture in POSITIONS_FROM_DATA:
+            # Worded as media_guard's refusal: the gateway then resends it with its data.
+            raise ValueError(f"{where}: {f.modality} {f.identifier[:12]} "
+                             f"{MISSING_ENCODER_INPUT}, and {config.arch.architecture} "
+                             "computes its M-RoPE positions from the item's image_grid_thw "
+                             "even where the prompt's KV was prefilled elsewhere")
         if f.data is None and not prefilled_elsewhere:
             raise ValueError(f"{where}: carries no encoder input (data); the worker that "
                              f"runs the prompt needs the {f.modality}'s tensors (only a "

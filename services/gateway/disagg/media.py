@@ -29,4 +29,7 @@ def decode_side_features(features: Sequence[MultiModalFeature], params: KVTransf
     leased_tokens = len(params.block_hashes) * block_size
     if not features or any(f.end > leased_tokens for f in features):
         return list(features)
+    if any(f.data is not None and "image_grid_thw" in f.data for f in features):
+        # M-RoPE (Qwen2-VL): the decode side computes every position from the grids.
+        return list(features)
     return [f.without_data() for f in features]

@@ -91,12 +91,21 @@ class Qwen2VLForConditionalGeneration(MultiModalLM, Qwen2ForCausalLM):
     def make_rotary_embeddings(self):
         return MRotaryEmbedding(self.arch, self.settings.mrope_section), None
 
-
     def embed_multimodal(self, items: list[Mapping[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each item's rows: `image_embeds` as given (vLLM's embedding input), or the
+        vision transformer over the `pixel_values` items, run as one batch."""
         device = self.model.embed_tokens.weight.device
-        pixels = torch.cat([d["pixel_values"] for d in items]).to(device, self.dtype)
-        grids = [tuple(int(v) for v in d["image_grid_thw"]) for d in items]
-        return self.visual(pixels, grids)
+        out: list[torch.Tensor | None] = [None] * len(items)
+        encode = [i for i, d in enumerate(items) if "image_embeds" not in d]
+        for i, d in enumerate(items):
+            if "image_embeds" in d:
+                out[i] = d["image_embeds"].to(device, self.dtype)
+        if encode:
+            pixels = torch.cat([items[i]["pixel_values"] for i in encode]).to(device, self.dtype)
+            grids = [tuple(int(v) for v in items[i]["image_grid_thw"]) for i in encode]
+            for i, rows in zip(encode, self.visual(pixels, grids)):
+                out[i] = rows
+        return out
 
     def mrope_positions(self, prompt_token_ids: Sequence[int], features) -> tuple[torch.Tensor,
                                                                                    int]:
