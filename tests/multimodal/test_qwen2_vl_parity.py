@@ -183,3 +183,42 @@ def test_a_pd_decode_side_never_gets_an_item_without_its_grid(qwen2_vl_dir):
                                kv_transfer_params=KVTransferParams(do_remote_prefill=True))
     with pytest.raises(ValueError, match=f"{MISSING_ENCODER_INPUT}.*image_grid_thw"):
         check_request(decode, config)
+
+
+def test_served_image_embeds_with_their_grid_reach_the_processor_as_offline(qwen2_vl_dir):
+    """The chat part in vLLM's form ({"type": "image_embeds", "image_embeds":
+    {"image_embeds": b64, "image_grid_thw": b64}}) through the gateway's parsing and wire
+    and the tokenizer service's preprocessing gives the offline prompt and items."""
+    import base64
+    import io
+
+    from pagoda.multimodal.chat_parts import extract_media
+    from pagoda.multimodal.processing import load_mm_processor, process_prompt
+    from pagoda.services.common.protocol.tokenizer import media_inputs
+    from pagoda.services.tokenizer.media_prompt import MediaPreprocessor
+
+    def b64(tensor):
+        buf = io.BytesIO()
+        torch.save(tensor, buf)
+        return base64.b64encode(buf.getvalue()).decode()
+
+    grid = torch.tensor([[1, 4, 6]])
+    rows = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))  # text width
+    chat = extract_media([{"role": "user", "content": [
+        {"type": "image_embeds", "image_embeds": {"image_embeds": b64(rows),
+                                                  "image_grid_thw": b64(grid)}},
+        {"type": "text", "text": "What is this?"}]}])
+    processor = load_mm_processor(qwen2_vl_dir)
+    text = f"USER: {IMAGE}What is this? ASSISTANT:"
+    served = MediaPreprocessor(processor, "Qwen2VLForConditionalGeneration", "tiny",
+                               cache_gb=0).process(text, media_inputs(chat.media), None, True)
+    offline = process_prompt(processor, text, {"image": {"image_embeds": rows,
+                                                         "image_grid_thw": grid}})
+    assert served.prompt_token_ids == offline.prompt_token_ids
+    (got,), (want,) = served.mm_features, offline.mm_features
+    assert (got.identifier, got.offset, got.length) == (want.identifier, want.offset, want.length)
+    assert torch.equal(got.data["image_embeds"], rows)
+    assert got.data["image_grid_thw"].tolist() == [1, 4, 6]
+    with pytest.raises(ValueError, match="image_grid_thw"):
+        extract_media([{"role": "user", "content": [
+            {"type": "image_embeds", "image_embeds": {"image_embeds": b64(rows)}}]}])
