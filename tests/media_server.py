@@ -27,7 +27,7 @@ def png_bytes(size: tuple[int, int] = (16, 12), color: tuple[int, int, int] = (2
 class MediaServer:
     """Start with `with MediaServer() as server:`; `server.url(path)` names a resource."""
 
-    def __init__(self, slow_seconds: float = 3.0) -> None:
+    def __init__(self, slow_seconds: float = 3.0, bind: str = "127.0.0.1", port: int = 0) -> None:
         self.slow_seconds = slow_seconds
         self.hits: Counter[str] = Counter()
         self.images = {"/ok.png": png_bytes(), "/other.png": png_bytes(color=(10, 200, 10))}
@@ -42,7 +42,7 @@ class MediaServer:
                 server.hits[parts.path] += 1
                 server.handle(self, parts.path, parse_qs(parts.query))
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd = ThreadingHTTPServer((bind, port), Handler)
         self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)

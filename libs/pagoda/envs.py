@@ -82,7 +82,9 @@ VARIABLES = {v.name: v for v in [
            "HTTP 5xx); refusals (allow-list, size, 4xx) are never retried."),
     EnvVar("PAGODA_MEDIA_CACHE", "VLLM_MEDIA_CACHE", str, None,
            "A directory: http(s) media are kept there by URL and read back instead of "
-           "fetched again (unset: no cache)."),
+           "fetched again (unset: no cache). URLs are taken as immutable: an image changed "
+           "at the same URL is served from the cache until its file is removed; set it only "
+           "for content-addressed or versioned URLs. Nothing evicts: bound it yourself."),
     EnvVar("PAGODA_MEDIA_LOADING_THREAD_COUNT", "VLLM_MEDIA_LOADING_THREAD_COUNT", int, 8,
            "Threads that fetch and decode one request's media in parallel."),
     EnvVar("PAGODA_MEDIA_MAX_BYTES", None, int, 20 * 1024 * 1024,

@@ -42,7 +42,8 @@ from pagoda.services.common.grpc_channels import configure_from_args as configur
 from pagoda.services.common.redis_url import REDIS_PASSWORD_ENV, REDIS_URL_ENV
 from pagoda.services.gateway.disagg.prefix_pull import add_prefix_pull_args, prefix_pull_flags
 from pagoda.services.gateway.lora.registry import add_lora_args, lora_flags
-from pagoda.services.gateway.routing.router import DEFAULT_POLICY, POLICIES
+from pagoda.services.gateway.routing.router import (DEFAULT_POLICY, POLICIES,
+                                                     parse_medium_weights)
 from pagoda.services.gateway.web.cors_request_id import add_http_args, http_flags
 from pagoda.services.tokenizer.server import (add_media_args, add_template_limit_args,
                                               media_flags, template_limit_flags)
@@ -105,6 +106,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              "the rest keep serving.")
     parser.add_argument("--router", default=DEFAULT_POLICY, choices=POLICIES,
                         help="How the gateway spreads requests over the replicas.")
+    parser.add_argument("--kv-medium-weights", default=None, metavar="JSON",
+                        help="kv_aware routing: what a prompt token held in a replica's KV "
+                             "offloading tiers is worth against one in its KV cache, by "
+                             "medium, e.g. '{\"CPU\": 0.8, \"DISK\": 0.5}' (the gateway's "
+                             "default).")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="A scheduler told to stop (SIGTERM) gives its in-flight requests "
                              "this many seconds to finish; the rest move to other replicas.")
@@ -276,6 +282,8 @@ def build_services(args: argparse.Namespace, redis_url: str,
                        "--scheduler-addrs", ",".join(addr[r[0]] for r in replicas),
                        "--kv-cache-manager-addr", addr["kv-cache-manager"],
                        "--router", args.router,
+                       *(["--kv-medium-weights", args.kv_medium_weights]
+                         if args.kv_medium_weights else []),
                        "--peer-metrics", ",".join(f"{n}={a}" for n, a in peer_metrics.items()),
                        *observe, *names, *gateway_extra),
         f"{_connect_host(args.host)}:{args.port}", http_health=True,
@@ -377,6 +385,8 @@ def _flag_problem(args: argparse.Namespace) -> str | None:
         load_chat_template(args.chat_template)
         StructuredOutputsConfig.parse(args.structured_outputs_config, args.reasoning_parser)
         ReasoningConfig.parse(args.reasoning_config)
+        if args.kv_medium_weights:
+            parse_medium_weights(args.kv_medium_weights)
         ServingOptions(enable_auto_tool_choice=args.enable_auto_tool_choice,
                        tool_call_parser=args.tool_call_parser,
                        reasoning_parser=args.reasoning_parser).check_parsers()

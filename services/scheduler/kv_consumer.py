@@ -13,7 +13,11 @@ yet, and the engine computes the rest of the prompt after the hit as usual.
 Whatever fails (the pull times out or breaks, the checksum, the lease expired, the
 prefill replica restarted: another epoch), the pulled blocks are discarded and the
 request is submitted anyway: the engine computes what it does not find, so the
-client sees no error; the failure is counted by reason and the fallback by kind.
+client sees no error; the failure is counted by reason and the fallback by kind. (A
+prompt whose images came without pixels, the prefill side having encoded them, cannot
+be computed here: its scheduler refuses it, `pagoda.core.media_guard`, and the gateway
+sends it again with the pixels.) Block hashes include the images' identifiers, as the
+engine's and the prefill side's do.
 A worker that answers with fewer blocks written than asked is such a failure too.
 This replica's own KV may be reset while a pull runs (a failed step: EngineCore sets
 the worker's cache up again as zeros and calls its kv_reset_listeners): the blocks
@@ -108,7 +112,8 @@ class KvConsumer:
         hashes = hash_request_tokens(request.prompt_token_ids, self.info.block_size,
                                      self.info.prefix_hash_seed,
                                      request_keys(request.cache_salt, request.lora_key),
-                                     algo=self.info.prefix_caching_hash_algo or DEFAULT_HASH_ALGO)
+                                     algo=self.info.prefix_caching_hash_algo or DEFAULT_HASH_ALGO,
+                                     mm_features=request.mm_features)  # the engine's keys
         if list(params.block_hashes) != hashes[:len(params.block_hashes)]:
             metrics.failures.labels("hash_mismatch").inc()
             metrics.fallbacks.labels("recompute").inc()

@@ -66,7 +66,8 @@ class KvProducer:
         hashes = hash_request_tokens(request.prompt_token_ids, self.info.block_size,
                                      self.info.prefix_hash_seed,
                                      request_keys(request.cache_salt, request.lora_key),
-                                     algo=self.info.prefix_caching_hash_algo or DEFAULT_HASH_ALGO)
+                                     algo=self.info.prefix_caching_hash_algo or DEFAULT_HASH_ALGO,
+                                     mm_features=request.mm_features)  # the engine's keys
         with self._lock:
             self._expected[request.request_id] = (hashes, list(request.prompt_token_ids))
 

@@ -33,12 +33,36 @@ class SchedulerStatsRecorder(EngineStatsRecorder):
         return iteration
 
 
+_MEDIA_INPUT_BYTES: list[Counter] = []  # the process's one counter, made on first use
+
+
+def media_input_bytes() -> Counter:
+    """pagoda_mm_input_bytes_total: the bytes of media encoder input (pixel or embedding
+    tensors) this replica's requests brought. A P/D decode replica's stays at 0 while the
+    prefill's leases cover the images' runs: the prefill side encodes them."""
+    if not _MEDIA_INPUT_BYTES:
+        _MEDIA_INPUT_BYTES.append(Counter(
+            "pagoda_mm_input_bytes", "Bytes of media encoder input (pixel or embedding "
+            "tensors) received with this replica's requests."))
+    return _MEDIA_INPUT_BYTES[0]
+
+
+def count_media_input(request) -> None:
+    """Add the encoder input bytes of `request`'s media items (those sent with data)."""
+    total = sum(t.nbytes for f in request.mm_features if f.data is not None
+                for t in f.data.values())
+    if total:
+        media_input_bytes().inc(total)
+
+
 def build_recorder(config, args: argparse.Namespace, registry: CollectorRegistry = REGISTRY
                    ) -> tuple[SchedulerStatsRecorder, PeriodicLogger | None]:
     """The recorder for this replica's engine core, and the started stats-line thread
     (None when `--log-stats-interval 0` or `--disable-log-stats`)."""
     metrics = EngineMetrics(config.served_model_name[0], config.scheduler.max_model_len,
                             registry=registry)
+    if config.multimodal is not None and registry is REGISTRY:
+        media_input_bytes()  # exported at 0 from start-up
     metrics.log_cache_config(config.cache.block_size, config.cache.num_blocks,
                              config.cache.enable_prefix_caching,
                              config.cache.gpu_memory_utilization)

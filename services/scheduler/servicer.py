@@ -23,6 +23,7 @@ from pagoda.services.common.protocol.scheduler import (MIGRATION_REASON_KEY, has
 from pagoda.services.scheduler.engine_loop import EngineLoop, QueueFull
 from pagoda.services.scheduler import sleep_control
 from pagoda.services.scheduler.lora_adapters import HeldAdapters
+from pagoda.services.scheduler.metrics import count_media_input
 from pagoda.services.scheduler.tracing import REQUEST_SPANS
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             if not core_request.eos_token_ids:
                 core_request.eos_token_ids = list(self.default_eos)
             check_request(core_request, self.engine.core.config, from_wire=True)
+            if core_request.mm_features:
+                count_media_input(core_request)
         except (ValueError, TypeError, AssertionError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         rid = core_request.request_id

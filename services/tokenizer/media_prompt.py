@@ -90,7 +90,12 @@ class MediaPreprocessor:
     def _load(self, item: pb.MediaInput) -> Any:
         if item.WhichOneof("source") == "url":
             return self.connector.load_image(item.url)
-        return load_embeds(item.embeds, self.connector.limits.max_bytes)
+        embeds = load_embeds(item.embeds, self.connector.limits.max_bytes)
+        if item.image_grid_thw:  # the processor checks the rows against the grid
+            return {"image_embeds": embeds,
+                    "image_grid_thw": load_embeds(item.image_grid_thw,
+                                                  self.connector.limits.max_bytes)}
+        return embeds
 
 
 def load_embeds(data: bytes, max_bytes: int) -> Any:

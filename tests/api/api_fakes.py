@@ -116,11 +116,17 @@ class RecordingTokenizer(TokenizerServicer):
 
 
 class Peers:
-    """A real tokenizer servicer and the fake scheduler on in-process gRPC servers."""
+    """A real tokenizer servicer and the fake scheduler on in-process gRPC servers; with
+    `media` (a tokenizer service's MediaPreprocessor) the tokenizer preprocesses images of
+    the model in `model_dir`."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, model_dir: str | None = None, media=None) -> None:
         self.scheduler = FakeScheduler(tokenizer)
         self.tokenizer = RecordingTokenizer(tokenizer)
+        if model_dir is not None:
+            self.tokenizer.model = model_dir
+        if media is not None:
+            self.tokenizer.media = media
         self._servers = []
         self.tokenizer_addr = self._serve(tpb_grpc.add_TokenizerServiceServicer_to_server,
                                           self.tokenizer)

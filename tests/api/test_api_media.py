@@ -12,8 +12,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from api_fakes import FakeScheduler, Gateway, RecordingTokenizer
-from grpc_servers import start_grpc_server
+from api_fakes import Gateway, Peers
 from media_server import MediaServer, png_bytes
 
 # The tiny LLaVA checkpoint builder lives with the engine's multimodal tests.
@@ -22,36 +21,11 @@ from llava_cases import save_tiny_llava  # noqa: E402
 
 from pagoda.multimodal.media import MediaLimits
 from pagoda.multimodal.processing import load_mm_processor
-from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
 from pagoda.services.common.protocol.multimodal import features_from_proto
 from pagoda.services.tokenizer.media_prompt import MediaPreprocessor
 
 LIMITS = dict(timeout=0.5, max_retries=0, cache_dir=None, max_bytes=100_000, max_pixels=5_000)
-
-
-class Peers:
-    """A real tokenizer servicer with `media` attached, and the scripted scheduler."""
-
-    def __init__(self, tokenizer, model_dir: str, media: MediaPreprocessor) -> None:
-        self.scheduler = FakeScheduler(tokenizer)
-        self.tokenizer = RecordingTokenizer(tokenizer)
-        self.tokenizer.model = model_dir
-        self.tokenizer.media = media
-        self._servers = []
-        self.tokenizer_addr = self._serve(tpb_grpc.add_TokenizerServiceServicer_to_server,
-                                          self.tokenizer)
-        self.scheduler_addr = self._serve(spb_grpc.add_SchedulerServiceServicer_to_server,
-                                          self.scheduler)
-
-    def _serve(self, add_fn, servicer) -> str:
-        server, address = start_grpc_server(add_fn, servicer, max_workers=8)
-        self._servers.append(server)
-        return address
-
-    def stop(self) -> None:
-        for server in self._servers:
-            server.stop(None)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,8 @@ def make_scheduler(encoder_budget=10, budget=64, num_blocks=64):
 
 
 def image(offset, length, ident="a" * 64):
-    return MultiModalFeature("image", ident, offset, length)
+    # The scheduler only asks whether an item has its encoder input (media_guard.py).
+    return MultiModalFeature("image", ident, offset, length, data={"pixel_values": b"px"})
 
 
 def prompt_with_images(runs, n=40):

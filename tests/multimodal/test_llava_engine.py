@@ -146,3 +146,28 @@ def test_chat_takes_a_data_url(llm):
         GREEDY, use_tqdm=False)[0]
     assert by_url.outputs[0].token_ids == by_pil.outputs[0].token_ids
     assert by_pil.num_cached_tokens > 0  # PNG round trip: same pixels, same content hash
+
+
+def test_items_without_pixels_are_taken_only_by_a_pd_decode_side(llm):
+    """The request check: an image without its encoder input is refused unless the
+    request says its prompt was prefilled elsewhere (do_remote_prefill); the scheduler
+    then refuses it if it would have to compute the image's run (tests/core/
+    test_media_guard.py)."""
+    from pagoda.kv_transfer.params import KVTransferParams
+    from pagoda.messages import EngineCoreRequest
+    from pagoda.multimodal.inputs import MultiModalFeature
+    from pagoda.request_checks import check_request
+    config = llm.llm_engine.config
+    prompt = [1, 5, 5, 5, 5, 2, 3]  # the check reads the runs, not the token ids
+    item = MultiModalFeature("image", "a" * 64, 1, 4)
+    plain = EngineCoreRequest("x", prompt, SamplingParams(), mm_features=[item])
+    with pytest.raises(ValueError, match=r"mm_features\[0\]: carries no encoder input"):
+        check_request(plain, config)
+    prefill = EngineCoreRequest("x", prompt, SamplingParams(), mm_features=[item],
+                                kv_transfer_params=KVTransferParams(do_remote_decode=True))
+    with pytest.raises(ValueError, match="carries no encoder input"):
+        check_request(prefill, config)
+    decode = EngineCoreRequest("x", prompt, SamplingParams(), mm_features=[item],
+                               kv_transfer_params=KVTransferParams(do_remote_prefill=True))
+    check_request(decode, config)
+

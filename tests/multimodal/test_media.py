@@ -112,7 +112,9 @@ def test_a_slow_server_times_out_within_the_timeout(server):
 
 
 def test_a_transient_5xx_is_retried(server):
-    assert connector(max_retries=1).load_image(server.url("/flaky.png")).size == (16, 12)
+    # A generous deadline: the retry must not lose to a loaded machine's scheduling.
+    assert connector(max_retries=1, timeout=15.0).load_image(
+        server.url("/flaky.png")).size == (16, 12)
     with pytest.raises(media.MediaFetchError, match="HTTP 404"):
         connector(max_retries=3).load_bytes(server.url("/missing"))
     assert server.hits["/missing"] == 1  # a 4xx is not retried
@@ -170,3 +172,34 @@ def test_the_connected_address_is_checked_too(server, monkeypatch):
     monkeypatch.setattr(media, "check_host", lambda url, allowed: None)
     with pytest.raises(media.MediaDomainNotAllowedError, match="connected to a non-public"):
         connector(allowed_media_domains=None).load_bytes(server.url("/ok.png"))
+
+
+def test_a_name_that_rebinds_after_the_check_is_not_followed(monkeypatch):
+    """DNS rebinding: the host resolves to a vetted address for the check and to an inner
+    one afterwards. The GET goes to the vetted address (Host header kept); the inner
+    service never sees a request. Here 127.0.0.2 plays the public address."""
+    import socket
+    with MediaServer(bind="127.0.0.2") as outer, \
+            MediaServer(bind="127.0.0.1", port=outer.port) as inner:
+        checking = []
+        real_getaddrinfo, real_check_host = socket.getaddrinfo, media.check_host
+
+        def check_host(url, allowed):  # the checks' lookups see the vetted address
+            checking.append(url)
+            try:
+                return real_check_host(url, allowed)
+            finally:
+                checking.pop()
+
+        def rebinding(host, *args, **kwargs):  # any other lookup sees the inner one
+            if host != "images.example":
+                return real_getaddrinfo(host, *args, **kwargs)
+            address = "127.0.0.2" if checking else "127.0.0.1"
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, outer.port))]
+
+        monkeypatch.setattr(socket, "getaddrinfo", rebinding)
+        monkeypatch.setattr(media, "check_host", check_host)
+        monkeypatch.setattr(media, "is_public_address", lambda a: a == "127.0.0.2")
+        url = outer.url("/ok.png", host="images.example")
+        assert connector(allowed_media_domains=None).load_image(url).size == (16, 12)
+        assert inner.hits["/ok.png"] == 0 and outer.hits["/ok.png"] == 1

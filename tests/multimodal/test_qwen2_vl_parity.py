@@ -132,3 +132,93 @@ def test_the_default_encoder_budget_fits_the_largest_image(qwen2_vl_dir):
     config = EngineArgs(model=qwen2_vl_dir, max_num_batched_tokens=8).create_engine_config()
     assert config.scheduler.max_num_encoder_input_tokens == 16
     assert config.scheduler.encoder_cache_size == 16
+
+
+def test_image_embeds_with_their_grid_answer_as_the_image(qwen2_vl_dir):
+    """vLLM's Qwen2-VL embedding input, {"image_embeds": merger rows, "image_grid_thw"},
+    here from transformers' own vision tower, gives the image's answer; bare embeddings
+    or rows that do not fit the grid are refused naming image_grid_thw."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+    image = pattern_image(40, 30, 1)
+    pixels = AutoImageProcessor.from_pretrained(qwen2_vl_dir, backend="pil")(
+        images=[image], return_tensors="pt")
+    hf = AutoModelForImageTextToText.from_pretrained(qwen2_vl_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        features = hf.get_image_features(pixels["pixel_values"], pixels["image_grid_thw"])
+    rows = torch.cat(list(getattr(features, "pooler_output", features)))
+    grid = pixels["image_grid_thw"]
+    prompt = f"USER: {IMAGE}What is this? ASSISTANT:"
+    llm = LLM(model=qwen2_vl_dir, **ENGINE)
+    want, got = (
+        pagoda_results(llm, [{"prompt": prompt, "multi_modal_data": {"image": data}}],
+                       MAX_TOKENS)[0][0]
+        for data in (image, {"image_embeds": rows, "image_grid_thw": grid}))
+    assert got[0] == want[0]
+    torch.testing.assert_close(torch.tensor(got[1]), torch.tensor(want[1]), atol=1e-4, rtol=0)
+    for bad in (rows, {"image_embeds": rows[1:], "image_grid_thw": grid}):
+        with pytest.raises(ValueError, match="image_grid_thw"):
+            llm.generate({"prompt": prompt, "multi_modal_data": {"image": bad}}, use_tqdm=False)
+
+
+def test_a_pd_decode_side_never_gets_an_item_without_its_grid(qwen2_vl_dir):
+    """M-RoPE positions come from each image's grid, so a Qwen2-VL decode replica must
+    get the items' data: the gateway keeps it, and the request check refuses a data-less
+    item in the words the gateway resends on (media_guard's)."""
+    from pagoda.core.media_guard import MISSING_ENCODER_INPUT
+    from pagoda.engine.arg_utils import EngineArgs
+    from pagoda.kv_transfer.params import KVTransferParams
+    from pagoda.messages import EngineCoreRequest
+    from pagoda.multimodal.inputs import MultiModalFeature
+    from pagoda.request_checks import check_request
+    from pagoda.sampling_params import SamplingParams
+    from pagoda.services.gateway.disagg.media import decode_side_features
+    grid = torch.tensor([1, 4, 4])
+    item = MultiModalFeature("image", "a" * 64, 1, 4, data={
+        "pixel_values": torch.zeros(16, 8), "image_grid_thw": grid})
+    lease = KVTransferParams(do_remote_decode=True, block_hashes=[b"h"] * 4)
+    assert decode_side_features([item], lease, 4)[0].data is item.data
+    config = EngineArgs(model=qwen2_vl_dir, max_model_len=256).create_engine_config()
+    decode = EngineCoreRequest("x", [1, 5, 5, 5, 5, 2], SamplingParams(),
+                               mm_features=[item.without_data()],
+                               kv_transfer_params=KVTransferParams(do_remote_prefill=True))
+    with pytest.raises(ValueError, match=f"{MISSING_ENCODER_INPUT}.*image_grid_thw"):
+        check_request(decode, config)
+
+
+def test_served_image_embeds_with_their_grid_reach_the_processor_as_offline(qwen2_vl_dir):
+    """The chat part in vLLM's form ({"type": "image_embeds", "image_embeds":
+    {"image_embeds": b64, "image_grid_thw": b64}}) through the gateway's parsing and wire
+    and the tokenizer service's preprocessing gives the offline prompt and items."""
+    import base64
+    import io
+
+    from pagoda.multimodal.chat_parts import extract_media
+    from pagoda.multimodal.processing import load_mm_processor, process_prompt
+    from pagoda.services.common.protocol.tokenizer import media_inputs
+    from pagoda.services.tokenizer.media_prompt import MediaPreprocessor
+
+    def b64(tensor):
+        buf = io.BytesIO()
+        torch.save(tensor, buf)
+        return base64.b64encode(buf.getvalue()).decode()
+
+    grid = torch.tensor([[1, 4, 6]])
+    rows = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))  # text width
+    chat = extract_media([{"role": "user", "content": [
+        {"type": "image_embeds", "image_embeds": {"image_embeds": b64(rows),
+                                                  "image_grid_thw": b64(grid)}},
+        {"type": "text", "text": "What is this?"}]}])
+    processor = load_mm_processor(qwen2_vl_dir)
+    text = f"USER: {IMAGE}What is this? ASSISTANT:"
+    served = MediaPreprocessor(processor, "Qwen2VLForConditionalGeneration", "tiny",
+                               cache_gb=0).process(text, media_inputs(chat.media), None, True)
+    offline = process_prompt(processor, text, {"image": {"image_embeds": rows,
+                                                         "image_grid_thw": grid}})
+    assert served.prompt_token_ids == offline.prompt_token_ids
+    (got,), (want,) = served.mm_features, offline.mm_features
+    assert (got.identifier, got.offset, got.length) == (want.identifier, want.offset, want.length)
+    assert torch.equal(got.data["image_embeds"], rows)
+    assert got.data["image_grid_thw"].tolist() == [1, 4, 6]
+    with pytest.raises(ValueError, match="image_grid_thw"):
+        extract_media([{"role": "user", "content": [
+            {"type": "image_embeds", "image_embeds": {"image_embeds": b64(rows)}}]}])

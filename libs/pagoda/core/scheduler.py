@@ -41,6 +41,7 @@ from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.encoder_budget import EncoderBudget
 from pagoda.core.kv_offload import KVOffloadIndex, KVOffloadStats
+from pagoda.core.media_guard import missing_encoder_input
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.request_queue import SchedulingPolicy, create_request_queue
 from pagoda.core.scheduler_hook import SchedulerHook, hooks_overriding
@@ -284,11 +285,7 @@ class Scheduler:
                 if request.finish_reason is None:
                     skipped.append(request)
                 else:  # the hook ended it (a grammar that failed to compile)
-                    if request.failure is not None:
-                        self._failed[request.request_id] = request.failure
-                    self._free_request(request)
-                    self._pending_outputs.append(EngineCoreOutput(
-                        request.request_id, [], finish_reason=request.finish_reason))
+                    self._end_failed(request, request.failure)
                 continue
             hit_blocks, num_hit = [], 0
             if request.num_computed_tokens == 0:
@@ -296,6 +293,15 @@ class Scheduler:
             tier_slots = self._host_tier_hits(request, len(hit_blocks))
             num_hit += len(tier_slots) * self.block_size
             num_new = request.num_tokens - request.num_computed_tokens - num_hit
+            if request.mm_features:  # every token still to compute, checked at each admission
+                why = missing_encoder_input(request.mm_features,
+                                            request.num_computed_tokens + num_hit, num_new)
+                if why is not None:  # a media item without data in it (media_guard.py)
+                    if tier_slots:
+                        self.kv_offload.unpin(tier_slots)
+                    self.waiting.pop_request()
+                    self._end_failed(request, why)
+                    continue
             if not self.config.enable_chunked_prefill and num_new > budget:
                 if tier_slots:
                     self.kv_offload.unpin(tier_slots)
@@ -322,6 +328,18 @@ class Scheduler:
             budget -= num_new
             num_scheduled[request.request_id] = num_new
         self.waiting.prepend_requests(skipped)
+
+    def _end_failed(self, request: Request, failure: str | None) -> None:
+        """End a waiting request taken off the queue (ABORT unless a hook chose the
+        reason); `failure` is what its caller is told (`take_failed`)."""
+        if request.finish_reason is None:
+            request.finish_reason = FinishReason.ABORT
+        if failure is not None:
+            request.failure = failure
+            self._failed[request.request_id] = failure
+        self._free_request(request)
+        self._pending_outputs.append(EngineCoreOutput(
+            request.request_id, [], finish_reason=request.finish_reason))
 
     def _host_tier_hits(self, request: Request, num_device_hits: int) -> list[int]:
         """Host-tier slots of the blocks that follow the device hits of a request not

@@ -49,7 +49,8 @@ class MediaRef:
     """One media item a chat names, not loaded yet.
 
     `source` is "url" (value: the URL string), "embeds" (value: the base64 string of a
-    `torch.save`d tensor) or "pil" (value: a PIL image; offline only). `where` names the
+    `torch.save`d tensor, or for Qwen2-VL a dict of two: `image_embeds` and
+    `image_grid_thw`) or "pil" (value: a PIL image; offline only). `where` names the
     part for error messages ("messages[0].content[1]")."""
 
     modality: str
@@ -137,9 +138,18 @@ def _part(part: Any, where: str, media: list[MediaRef], allow_pil: bool) -> dict
         if not isinstance(value, str) or not value:
             raise ValueError(f"{where}.image_url.url must be a non-empty string.")
     elif source == "embeds":
-        if not isinstance(value, str) or not value:
+        if isinstance(value, Mapping):  # vLLM's form for Qwen2-VL: the rows and their grid
+            extra = set(value) - {"image_embeds", "image_grid_thw"}
+            if extra or not all(isinstance(value.get(k), str) and value.get(k)
+                                for k in ("image_embeds", "image_grid_thw")):
+                raise ValueError(f"{where}.image_embeds as an object takes 'image_embeds' and "
+                                 "'image_grid_thw', each a base64 string of a tensor saved "
+                                 "with torch.save.")
+            value = dict(value)
+        elif not isinstance(value, str) or not value:
             raise ValueError(f"{where}.image_embeds must be a base64 string of a tensor "
-                             "saved with torch.save.")
+                             "saved with torch.save (or, for Qwen2-VL, an object of "
+                             "'image_embeds' and 'image_grid_thw').")
     elif not allow_pil:
         raise ValueError(f"{where}: image_pil parts are for the offline LLM.chat only; "
                          "send image_url parts to the server.")

@@ -7,10 +7,11 @@ server would GET whatever the client names, inside the operator's network. The r
   those host names (exact, case-insensitive); a listed host may resolve to a private
   address (the operator named it). Without a list, any host whose every resolved
   address is public: loopback, private, link-local (cloud metadata at 169.254.169.254),
-  multicast, reserved and unspecified addresses are refused. After the connection is
-  made, the peer's address is checked again before the body is read (a name that
-  re-resolves elsewhere between the check and the connect is caught there; the GET
-  itself was sent by then, which is why the check before it exists).
+  multicast, reserved and unspecified addresses are refused. The connection then goes to
+  an address that check vetted (the URL's host stays in the Host header and the TLS
+  server name), never to a second lookup: a name that re-resolves to an inner address
+  between the check and the connect (DNS rebinding) cannot steer the GET there. The
+  peer's address is checked again before the body is read.
 * Redirects are followed by hand, at most `MAX_REDIRECTS`, each hop checked by the
   same rules; a redirect to a refused host fails the request.
 * `file://` only for paths (symlinks resolved) under `allowed_local_media_path`.
@@ -38,7 +39,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import unquote, urljoin, urlsplit
+from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
 
 import httpx
 from PIL import Image
@@ -244,8 +245,11 @@ class MediaConnector:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise MediaFetchTimeoutError(self._timed_out(url))
+                target, headers, extensions = pinned_request(
+                    url, check_host(url, self.limits.allowed_media_domains))
                 try:
-                    with client.stream("GET", url, timeout=remaining) as response:
+                    with client.stream("GET", target, headers=headers, extensions=extensions,
+                                       timeout=remaining) as response:
                         check_peer(response, url, self.limits.allowed_media_domains)
                         if response.is_redirect:
                             url = self._next_hop(url, response)
@@ -361,8 +365,10 @@ def decode_image(data: bytes, max_pixels: int) -> Image.Image:
         raise MediaDecodeError(f"the image cannot be decoded ({type(exc).__name__}).") from None
 
 
-def check_host(url: str, allowed: frozenset[str] | None) -> None:
-    """Refuse `url` unless its host is allowed (see the module docstring)."""
+def check_host(url: str, allowed: frozenset[str] | None) -> list[str] | None:
+    """Refuse `url` unless its host is allowed (see the module docstring). Returns the
+    vetted addresses the fetch must connect to; None for an allow-listed host (the
+    operator named it: it is connected to by name)."""
     host = _host(url)
     if not host:
         raise MediaDomainNotAllowedError("the image URL has no host.")
@@ -370,16 +376,36 @@ def check_host(url: str, allowed: frozenset[str] | None) -> None:
         if host not in allowed:
             raise MediaDomainNotAllowedError(
                 f"the image URL's host {host!r} is not in --allowed-media-domains.")
-        return
+        return None
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError):
         raise MediaFetchError(f"the image URL's host {host!r} does not resolve.") from None
-    for info in infos:
-        if not is_public_address(info[4][0]):
+    addresses = [info[4][0] for info in infos]
+    for address in addresses:
+        if not is_public_address(address):
             raise MediaDomainNotAllowedError(
                 f"the image URL's host {host!r} resolves to a non-public address; list it in "
                 "--allowed-media-domains to allow it.")
+    return addresses
+
+
+def pinned_request(url: str, addresses: list[str] | None
+                   ) -> tuple[str, dict[str, str], dict[str, str]]:
+    """(URL to connect to, headers, httpx extensions): the URL with its host replaced by
+    the first vetted address, the original host in `Host` and, for https, as the TLS
+    server name (certificates are still checked against the host, not the address).
+    Unchanged for None (an allow-listed host)."""
+    if not addresses:
+        return url, {}, {}
+    parts = urlsplit(url)
+    address = addresses[0].split("%", 1)[0]
+    netloc = (f"[{address}]" if ":" in address else address) + \
+        (f":{parts.port}" if parts.port else "")
+    target = urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
+    host_header = parts.netloc.rsplit("@", 1)[-1]
+    extensions = {"sni_hostname": parts.hostname} if parts.scheme.lower() == "https" else {}
+    return target, {"Host": host_header}, extensions
 
 
 def check_peer(response: httpx.Response, url: str, allowed: frozenset[str] | None) -> None:

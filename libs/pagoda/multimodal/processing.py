@@ -93,8 +93,12 @@ class MultiModalProcessor:
         return [self.placeholder_token_ids[modality]] * self.num_embeds(data)
 
     def embeds_data(self, embeds: Any) -> dict[str, Any]:
-        """One item's precomputed embeddings (`image_embeds` [rows, hidden])."""
+        """One item's precomputed embeddings (`image_embeds` [rows, hidden]); a family
+        whose runs need more than the rows (Qwen2-VL's grid) overrides it."""
         import torch  # lazy: importing this module costs no torch (flag parsers use it)
+        if isinstance(embeds, Mapping):
+            raise ValueError(f"{self.architecture} takes image_embeds alone; got "
+                             f"{sorted(embeds)} (image_grid_thw is Qwen2-VL's)")
         if not isinstance(embeds, torch.Tensor) or embeds.dim() != 2:
             raise ValueError("image_embeds must be a tensor [num_image_tokens, hidden_size] "
                              "per image (or [num_images, num_image_tokens, hidden_size])")
@@ -126,6 +130,13 @@ def load_mm_processor(model_dir: str, tokenizer: Any = None) -> MultiModalProces
                 tokenizer = load_tokenizer(model_dir)
             return cls(model_dir, hf_config, tokenizer)
     return None
+
+
+# Families whose placeholder runs take positions from the item's data (M-RoPE reads each
+# image's grid): a receiver that computes positions needs the data even when it encodes
+# nothing, so such items never travel without it.
+POSITIONS_FROM_DATA = frozenset({"Qwen2VLForConditionalGeneration",
+                                 "Qwen2_5_VLForConditionalGeneration"})
 
 
 def is_multimodal_architecture(architecture: str) -> bool:
@@ -165,9 +176,13 @@ def normalize_mm_data(mm_data: Mapping[str, Any]) -> dict[str, list[Any]]:
     out: dict[str, list[Any]] = {}
     for modality, value in mm_data.items():
         if isinstance(value, Mapping):
-            if set(value) - {"image_embeds"}:
-                raise ValueError(f"multi_modal_data[{modality!r}] as a dict takes only "
-                                 f"'image_embeds'; got {sorted(value)}")
+            if "image_embeds" not in value or set(value) - {"image_embeds", "image_grid_thw"}:
+                raise ValueError(f"multi_modal_data[{modality!r}] as a dict takes "
+                                 f"'image_embeds' (and, for Qwen2-VL, 'image_grid_thw'); "
+                                 f"got {sorted(value)}")
+            if "image_grid_thw" in value:
+                out[modality] = _embeds_per_grid(value["image_embeds"], value["image_grid_thw"])
+                continue
             value = value["image_embeds"]
         items = list(value) if isinstance(value, (list, tuple)) else [value]
         flat: list[Any] = []
@@ -178,6 +193,30 @@ def normalize_mm_data(mm_data: Mapping[str, Any]) -> dict[str, list[Any]]:
                 flat.append(item)
         out[modality] = flat
     return out
+
+
+def _embeds_per_grid(embeds: Any, grids: Any) -> list[dict[str, Any]]:
+    """vLLM's Qwen2-VL embedding input: `image_embeds` [rows of all images, hidden] (or
+    a list, one tensor per image) with `image_grid_thw` [images, 3] -> one
+    {"image_embeds", "image_grid_thw"} item per image. Each image's rows are
+    proportional to its grid's t*h*w (all share one merge size); the processor checks
+    the exact count."""
+    import torch  # lazy: importing this module costs no torch (flag parsers use it)
+    if not isinstance(grids, torch.Tensor):
+        grids = torch.as_tensor(grids)
+    grids = grids.reshape(-1, 3).long()
+    sizes = [int(g.prod()) for g in grids]
+    if isinstance(embeds, (list, tuple)):
+        parts = list(embeds)
+    elif isinstance(embeds, torch.Tensor) and embeds.dim() == 2 and sum(sizes) > 0 \
+            and all(embeds.shape[0] * n % sum(sizes) == 0 for n in sizes):
+        parts = list(embeds.split([embeds.shape[0] * n // sum(sizes) for n in sizes]))
+    else:
+        raise ValueError("image_embeds must be a tensor [rows of all images, hidden_size] "
+                         "(or a list of one per image) whose rows split by image_grid_thw")
+    if len(parts) != len(grids):
+        raise ValueError(f"{len(parts)} image_embeds tensors for {len(grids)} image_grid_thw rows")
+    return [{"image_embeds": e, "image_grid_thw": g} for e, g in zip(parts, grids)]
 
 
 def check_mm_limits(items: Mapping[str, Sequence[Any]], limits: Mapping[str, int] | None) -> None:
@@ -302,6 +341,10 @@ def _item_data(processor: MultiModalProcessor, modality: str, item: Any,
     import torch  # lazy: importing this module costs no torch (flag parsers use it)
     if isinstance(item, torch.Tensor):
         return processor.embeds_data(item), content_identifier(modality, item, kwargs)
+    if isinstance(item, Mapping):  # embeddings with the metadata their run needs
+        data = processor.embeds_data(item)
+        extra = {k: v.tolist() for k, v in data.items() if k != "image_embeds"}
+        return data, content_identifier(modality, data["image_embeds"], {**kwargs, **extra})
     if not (hasattr(item, "tobytes") and hasattr(item, "mode")):
         raise ValueError(f"multi_modal_data[{modality!r}] items must be PIL images or "
                          f"embedding tensors; got {type(item).__name__}")

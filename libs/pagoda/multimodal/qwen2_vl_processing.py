@@ -32,5 +32,22 @@ class Qwen2VLProcessor(MultiModalProcessor):
         return int(data["image_grid_thw"].prod()) // self.merge_size ** 2
 
     def embeds_data(self, embeds: Any) -> dict[str, Any]:
-        raise ValueError(f"{self.architecture} takes images as pixels only: image_embeds "
-                         "need their image_grid_thw, which Pagoda does not accept yet")
+        """vLLM's form: {"image_embeds": [rows, text hidden], "image_grid_thw": [3]}, the
+        merger's output rows of one image; its grid places the run and its M-RoPE
+        positions, so bare embeddings are refused."""
+        import torch  # lazy: importing this module costs no torch (flag parsers use it)
+        if not isinstance(embeds, Mapping) or "image_grid_thw" not in embeds:
+            raise ValueError(f"{self.architecture} takes image_embeds with their "
+                             "image_grid_thw: multi_modal_data={'image': {'image_embeds': "
+                             "tensor, 'image_grid_thw': tensor}}")
+        rows, grid = embeds["image_embeds"], torch.as_tensor(embeds["image_grid_thw"]).long()
+        if not isinstance(rows, torch.Tensor) or rows.dim() != 2 or grid.numel() != 3:
+            raise ValueError("image_embeds must be [rows, hidden_size] with an "
+                             "image_grid_thw of 3 values per image")
+        grid = grid.reshape(3)
+        expected = int(grid.prod()) // self.merge_size ** 2
+        if rows.shape[0] != expected or rows.shape[1] != self.text_hidden_size:
+            raise ValueError(f"image_embeds of shape {tuple(rows.shape)} do not fit "
+                             f"image_grid_thw {grid.tolist()}: {self.architecture} expects "
+                             f"[{expected}, {self.text_hidden_size}]")
+        return {"image_embeds": rows, "image_grid_thw": grid}

@@ -74,16 +74,27 @@ def media_inputs(refs: Sequence[Any]) -> list[pb.MediaInput]:
         if ref.source == "url":
             out.append(pb.MediaInput(modality=ref.modality, url=ref.value))
             continue
-        max_bytes = envs.get("PAGODA_MEDIA_MAX_BYTES")
-        if len(ref.value) * 3 // 4 > max_bytes + 3:
-            raise ValueError(f"{ref.where}.image_embeds is larger than the limit of "
-                             f"{max_bytes} bytes.")
-        try:
-            data = base64.b64decode(ref.value, validate=True)
-        except (binascii.Error, ValueError):
-            raise ValueError(f"{ref.where}.image_embeds is not valid base64.") from None
-        out.append(pb.MediaInput(modality=ref.modality, embeds=data))
+        if isinstance(ref.value, Mapping):  # Qwen2-VL's rows with their grid
+            out.append(pb.MediaInput(
+                modality=ref.modality,
+                embeds=_embeds_bytes(ref.value["image_embeds"], f"{ref.where}.image_embeds"),
+                image_grid_thw=_embeds_bytes(ref.value["image_grid_thw"],
+                                             f"{ref.where}.image_embeds.image_grid_thw")))
+            continue
+        out.append(pb.MediaInput(modality=ref.modality,
+                                 embeds=_embeds_bytes(ref.value, f"{ref.where}.image_embeds")))
     return out
+
+
+def _embeds_bytes(text: str, where: str) -> bytes:
+    """A base64 tensor of an image_embeds part, decoded; ValueError naming `where`."""
+    max_bytes = envs.get("PAGODA_MEDIA_MAX_BYTES")
+    if len(text) * 3 // 4 > max_bytes + 3:
+        raise ValueError(f"{where} is larger than the limit of {max_bytes} bytes.")
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{where} is not valid base64.") from None
 
 
 def _add_message(item: pb.ChatMessage, m: Mapping[str, Any], where: str) -> None:

@@ -10,4 +10,4 @@ HANDSHAKE_FIELDS = ("kv_dtype", "block_size", "num_layers", "num_kv_heads", "hea
 # pagoda_gateway_disagg_handshake_mismatches_total{field}
 HANDSHAKE_MISMATCH_FIELDS = ("model", "kv_connector", "device_type", *HANDSHAKE_FIELDS)
 # pagoda_gateway_disagg_fallbacks_total{kind}
-DISAGG_FALLBACK_KINDS = ("no_prefill_replica", "prefill_failed")
+DISAGG_FALLBACK_KINDS = ("no_prefill_replica", "prefill_failed", "media_recompute")

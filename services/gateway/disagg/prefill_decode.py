@@ -1,9 +1,11 @@
 """Prefill/decode disaggregation at the gateway: one choice, two replicas, one stream.
 
     choice ─► prefill replica (kv_producer): prompt, max_tokens 1, do_remote_decode
+              (its images with their pixels: it encodes them)
            ◄─ first token (streamed to the client at once) + complete{kv_transfer_params}
            ─► decode replica: prompt + [first token] as output, do_remote_prefill
-              (it pulls the blocks it lacks worker to worker, then decodes)
+              (it pulls the blocks it lacks worker to worker, then decodes; its images
+              come without pixels where the lease covers their runs: disagg/media.py)
            ◄─ the remaining tokens
 
 `DisaggregatedReplica` wraps the decode replica the router chose and looks like it to
@@ -45,12 +47,14 @@ from dataclasses import replace
 import grpc
 
 import pagoda.tracing as tracing
+from pagoda.core.media_guard import MISSING_ENCODER_INPUT
 from pagoda.kv_transfer.config import DIST_CONNECTOR
 from pagoda.kv_transfer.params import KVTransferParams
 from pagoda.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2 as kpb
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc as kpb_grpc
 from pagoda.services.gateway.disagg.labels import HANDSHAKE_FIELDS
+from pagoda.services.gateway.disagg.media import decode_side_features
 from pagoda.services.gateway.errors import APIError
 from pagoda.services.gateway.observability.metrics import gateway_metrics
 from pagoda.services.gateway.routing import context as router_context
@@ -306,20 +310,47 @@ class DisaggregatedReplica:
             decode = replace(request, output_token_ids=list(generated), kv_transfer_params=None)
             if generated and params is not None:
                 decode.kv_transfer_params = replace(params, do_remote_prefill=True)
+                # The prefill side encoded the images: no pixels where the lease covers them.
+                decode.mm_features = decode_side_features(
+                    request.mm_features, params, self.decode.info.block_size)
                 if request.sampling_params.prompt_logprobs is not None:  # scored already
                     decode.sampling_params = replace(request.sampling_params,
                                                      prompt_logprobs=None)
             cached = params.num_cached_tokens if params is not None else None
             decode_span = _phase_span("pagoda.disagg.decode", request.request_id,
                                       blocks=len(params.remote_block_ids) if params else 0)
-            async for out in self.decode.generate(decode):
-                if cached is not None:
-                    out.num_cached_tokens = cached
-                yield out
+            received = False
+            try:
+                async for out in self.decode.generate(decode):
+                    received = True
+                    if cached is not None:
+                        out.num_cached_tokens = cached
+                    yield out
+            except grpc.RpcError as exc:
+                if received or all(f.data is not None for f in decode.mm_features) \
+                        or not refused_for_missing_media(exc):
+                    raise
+                # Its import fell short of an image's run (a failed pull): compute the
+                # prompt there as a colocated replica would, with the pixels.
+                logger.warning("decode replica %s lacked an image's KV (%s); sending the "
+                               "request again with its pixels", self.decode.address,
+                               exc.details())
+                _count_fallback("media_recompute")
+                again = replace(decode, mm_features=request.mm_features,
+                                kv_transfer_params=None)
+                async for out in self.decode.generate(again):
+                    yield out
         finally:
             _end_span(decode_span, instance=self.decode.instance_id)
             if params is not None:
                 disagg.release_soon(params)
+
+
+def refused_for_missing_media(exc: grpc.RpcError) -> bool:
+    """Whether a decode replica refused a request for an image it got without pixels
+    and would have had to encode (`pagoda.core.media_guard`)."""
+    return exc.code() == grpc.StatusCode.INVALID_ARGUMENT and \
+        MISSING_ENCODER_INPUT in (exc.details() or "")
 
 
 def _phase_span(name: str, request_id: str, **attributes):

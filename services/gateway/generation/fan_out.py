@@ -23,7 +23,6 @@ from pagoda.lora.request import LoRARequest
 from pagoda.messages import EngineCoreRequest
 from pagoda.services.gateway.disagg.prefill_decode import disaggregation_of
 from pagoda.services.gateway.errors import APIError
-from pagoda.services.gateway.multimodal.chat_media import PD_REFUSAL
 from pagoda.services.gateway.generation.choices import ChoiceDelta, merge_choices, stream_choice
 from pagoda.services.gateway.generation.migration import DEFAULT_MIGRATION_LIMIT, Migration
 from pagoda.services.gateway.openai.completion_bodies import Usage
@@ -125,8 +124,6 @@ class Generation:
                     sampling_params=choice_params, eos_token_ids=eos, arrival_time=now,
                     cache_salt=body.cache_salt, priority=body.priority,
                     lora_request=lora_request, mm_features=prompt.mm_features))
-        if any(p.mm_features for p in prompts) and disaggregation_of(peers).is_enabled():
-            raise APIError(PD_REFUSAL, param="messages")
 
     @property
     def num_choices(self) -> int:

@@ -20,10 +20,6 @@ from pagoda.services.common.protocol.multimodal import features_from_proto
 from pagoda.services.common.protocol.tokenizer import media_inputs
 from pagoda.services.gateway.errors import APIError
 
-PD_REFUSAL = ("Image inputs are not supported with prefill/decode disaggregation yet: the "
-              "decode replica would need the prefill side's encoder output. Serve "
-              "multimodal models without --prefill-replicas/--decode-replicas.")
-
 
 def split_media(messages: Sequence[Mapping[str, Any]],
                 limit_mm_per_prompt: Mapping[str, int] | None

@@ -84,8 +84,9 @@ class GatewayMetrics:
         self.disagg_fallbacks = Counter(
             "pagoda_gateway_disagg_fallbacks",
             "Disaggregated choices whose decode replica computed the prompt itself, by why: "
-            "no_prefill_replica, prefill_failed (the replicas' own transfer failures are "
-            "pagoda_kv_transfer_fallbacks_total).", ["kind"], registry=registry)
+            "no_prefill_replica, prefill_failed, media_recompute (the decode replica "
+            "lacked an image's KV and got its pixels after all; the replicas' own transfer "
+            "failures are pagoda_kv_transfer_fallbacks_total).", ["kind"], registry=registry)
         self.disagg_handshake_mismatches = Counter(
             "pagoda_gateway_disagg_handshake_mismatches",
             "Prefill/decode replica pairs that cannot exchange KV blocks (counted once per "

@@ -61,3 +61,13 @@ def test_each_service_accepts_the_flags_it_is_given():
         command = argv[argv.index("pagoda.services.cli.main") + 1:]
         args = parser.parse_args(command)
         assert args.grpc_keepalive_time == 0, name
+
+
+def test_kv_medium_weights_reach_the_gateway_and_a_bad_value_is_refused_before_start():
+    from pagoda.services.cli.serve import _flag_problem
+    weights = '{"CPU": 0.7}'
+    gateway = services("--kv-medium-weights", weights)["gateway"]
+    assert build_parser().parse_args(gateway[gateway.index("pagoda.services.cli.main") + 1:]
+                                     ).kv_medium_weights["CPU"] == 0.7
+    assert "--kv-medium-weights" not in services()["gateway"]
+    assert "kv-medium-weights" in _flag_problem(serve_args("--kv-medium-weights", '{"CPU": 2}'))

@@ -50,7 +50,7 @@ def test_prefill_decode_fallbacks_and_handshake_mismatches_are_exported_at_zero(
     registry = CollectorRegistry()
     GatewayMetrics(registry)
     text = generate_latest(registry).decode()
-    for kind in ("no_prefill_replica", "prefill_failed"):
+    for kind in ("no_prefill_replica", "prefill_failed", "media_recompute"):
         assert f'pagoda_gateway_disagg_fallbacks_total{{kind="{kind}"}} 0.0' in text
     for field in ("model", "kv_connector", "block_size", "prefix_hash_seed"):
         assert f'pagoda_gateway_disagg_handshake_mismatches_total{{field="{field}"}} 0.0' in text

@@ -31,12 +31,10 @@ import torch
 from torch import nn
 
 from pagoda.config import ModelArchConfig
-from pagoda.distributed.parallel_state import SINGLE, ParallelContext
+from pagoda.distributed.parallel_state import ParallelContext
 from pagoda.model.arch_spec import ModelArchitecture, family_settings
 from pagoda.model.architectures.llama import LlamaForCausalLM
-from pagoda.model.attention_metadata import AttentionMetadata
-from pagoda.model.decoder_layer import KVCache
-from pagoda.model.intermediate_tensors import IntermediateTensors
+from pagoda.model.multimodal_lm import MultiModalLM, single_device_only
 from pagoda.model.vision_tower import VisionEncoderLayer, VisionTowerSettings, activation
 
 _TEXT_MODEL_TYPES = ("llama",)
@@ -162,7 +160,7 @@ def pixel_shuffle(x: torch.Tensor, s: int) -> torch.Tensor:
     return x.reshape(n, seq // (s * s), d * s * s)
 
 
-class Idefics3ForConditionalGeneration(LlamaForCausalLM):
+class Idefics3ForConditionalGeneration(MultiModalLM, LlamaForCausalLM):
     """Llama text model + Idefics3 vision transformer + connector.
 
     Invariant: `embed_multimodal` returns, per item, frames x image_seq_len rows in the
@@ -170,14 +168,10 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
     item's run (`pagoda.multimodal.idefics3_processing`). Single device only.
     """
 
-    supports_multimodal = True
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype,
                  parallel: ParallelContext | None = None) -> None:
-        parallel = parallel or SINGLE
-        if parallel.world_size > 1:
-            raise ValueError(f"{arch.architecture} is not supported with tensor or pipeline "
-                             "parallelism (single device only)")
+        parallel = single_device_only(arch, parallel)
         s = family_settings(arch, Idefics3Settings)
         arch = dataclasses.replace(arch, tie_word_embeddings=s.tie_word_embeddings)
         super().__init__(arch, dtype, parallel)
@@ -186,16 +180,6 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
         self.connector = Idefics3Connector(s.vision.hidden_size, arch.hidden_size,
                                            s.scale_factor, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], attn_metadata: AttentionMetadata,
-                intermediate: IntermediateTensors | None = None,
-                inputs_embeds: torch.Tensor | None = None
-                ) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate,
-                          inputs_embeds=inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed(input_ids)
 
     def embed_multimodal(self, items: list[Mapping[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Each item's rows [frames * image_seq_len, hidden] from `pixel_values`

@@ -27,12 +27,10 @@ import torch
 from torch import nn
 
 from pagoda.config import ModelArchConfig
-from pagoda.distributed.parallel_state import SINGLE, ParallelContext
+from pagoda.distributed.parallel_state import ParallelContext
 from pagoda.model.arch_spec import ModelArchitecture, family_settings
 from pagoda.model.architectures.llama import LlamaForCausalLM
-from pagoda.model.attention_metadata import AttentionMetadata
-from pagoda.model.decoder_layer import KVCache
-from pagoda.model.intermediate_tensors import IntermediateTensors
+from pagoda.model.multimodal_lm import MultiModalLM, single_device_only
 from pagoda.model.vision_tower import VisionTower, VisionTowerSettings, activation
 
 # The text models LLaVA checkpoints pair with that Pagoda verifies (Vicuna/Llama).
@@ -90,7 +88,7 @@ class LlavaProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(LlamaForCausalLM):
+class LlavaForConditionalGeneration(MultiModalLM, LlamaForCausalLM):
     """Llama text model + vision tower + projector.
 
     Invariant: `embed_multimodal` returns, per item, exactly as many rows as the item's
@@ -100,14 +98,10 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     split, and the worker group's wire does not carry the image tensors).
     """
 
-    supports_multimodal = True
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype,
                  parallel: ParallelContext | None = None) -> None:
-        parallel = parallel or SINGLE
-        if parallel.world_size > 1:
-            raise ValueError(f"{arch.architecture} is not supported with tensor or pipeline "
-                             "parallelism (single device only)")
+        parallel = single_device_only(arch, parallel)
         super().__init__(arch, dtype, parallel)
         s = family_settings(arch, LlavaSettings)
         self.settings = s
@@ -116,16 +110,6 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             s.vision.hidden_size * len(s.feature_layers), arch.hidden_size,
             s.projector_hidden_act, s.projector_bias, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], attn_metadata: AttentionMetadata,
-                intermediate: IntermediateTensors | None = None,
-                inputs_embeds: torch.Tensor | None = None
-                ) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate,
-                          inputs_embeds=inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed(input_ids)
 
     def embed_multimodal(self, items: list[Mapping[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Each item's encoder output [rows, hidden]: `image_embeds` as given, or the

@@ -26,9 +26,10 @@ import torch
 from torch import nn
 
 from pagoda.config import ModelArchConfig
-from pagoda.distributed.parallel_state import SINGLE, ParallelContext
+from pagoda.distributed.parallel_state import ParallelContext
 from pagoda.model.arch_spec import ModelArchitecture, family_settings
 from pagoda.model.architectures.qwen2 import Qwen2ForCausalLM, qwen2_arch_config
+from pagoda.model.multimodal_lm import MultiModalLM, single_device_only
 from pagoda.model.qwen2_vision import Qwen2VisionSettings, Qwen2VisionTransformer
 from pagoda.model.rotary import RotaryEmbedding
 
@@ -75,18 +76,14 @@ class MRotaryEmbedding(RotaryEmbedding):
         return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
-class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
+class Qwen2VLForConditionalGeneration(MultiModalLM, Qwen2ForCausalLM):
     """Qwen2 text model + vision transformer; single device only (TP/PP refused)."""
 
-    supports_multimodal = True
     uses_mrope = True
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype,
                  parallel: ParallelContext | None = None) -> None:
-        parallel = parallel or SINGLE
-        if parallel.world_size > 1:
-            raise ValueError(f"{arch.architecture} is not supported with tensor or pipeline "
-                             "parallelism (single device only)")
+        parallel = single_device_only(arch, parallel)
         self.settings = family_settings(arch, Qwen2VLSettings)
         super().__init__(arch, dtype, parallel)
         self.visual = Qwen2VisionTransformer(self.settings.vision, dtype)
@@ -94,19 +91,21 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
     def make_rotary_embeddings(self):
         return MRotaryEmbedding(self.arch, self.settings.mrope_section), None
 
-    def forward(self, input_ids, positions, kv_caches, attn_metadata, intermediate=None,
-                inputs_embeds=None):
-        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate,
-                          inputs_embeds=inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed(input_ids)
-
     def embed_multimodal(self, items: list[Mapping[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each item's rows: `image_embeds` as given (vLLM's embedding input), or the
+        vision transformer over the `pixel_values` items, run as one batch."""
         device = self.model.embed_tokens.weight.device
-        pixels = torch.cat([d["pixel_values"] for d in items]).to(device, self.dtype)
-        grids = [tuple(int(v) for v in d["image_grid_thw"]) for d in items]
-        return self.visual(pixels, grids)
+        out: list[torch.Tensor | None] = [None] * len(items)
+        encode = [i for i, d in enumerate(items) if "image_embeds" not in d]
+        for i, d in enumerate(items):
+            if "image_embeds" in d:
+                out[i] = d["image_embeds"].to(device, self.dtype)
+        if encode:
+            pixels = torch.cat([items[i]["pixel_values"] for i in encode]).to(device, self.dtype)
+            grids = [tuple(int(v) for v in items[i]["image_grid_thw"]) for i in encode]
+            for i, rows in zip(encode, self.visual(pixels, grids)):
+                out[i] = rows
+        return out
 
     def mrope_positions(self, prompt_token_ids: Sequence[int], features) -> tuple[torch.Tensor,
                                                                                    int]:
