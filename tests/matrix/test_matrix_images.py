@@ -16,8 +16,10 @@ same image with the same long preface and different questions (the second reuses
 first's blocks, whose hashes carry the image's hash, and its image run is all cached);
 the greedy request's image comes back in the two-image request (an encoder-cache or
 processor-cache hit, at another offset); a seeded request (sampling with a seed gives
-the reference's tokens on every non-speculative path). No P/D row: P/D with images was
-not on main when these rows were written.
+the reference's tokens on every non-speculative path); a request with the greedy
+request's text and another image (no block from the image on may be shared).
+- P/D (1 prefill + 1 decode replica, PagodaConnector): the prefill side encodes, the
+  decode side pulls the image prompts' blocks (keyed by the images) and decodes.
 `make test-matrix` runs these rows (PAGODA_MATRIX=full).
 """
 
@@ -33,6 +35,7 @@ from llava_cases import pattern_image, save_tiny_llava
 from request_set import GREEDY, SHARED, TOP_LOGPROBS, MatrixRequest
 from rows import check_row
 from served import send_all, top_k
+from test_matrix import run_pd
 from test_matrix_families import metric, preempting_row, record
 
 pytestmark = [pytest.mark.matrix, pytest.mark.matrix_full, pytest.mark.slow]
@@ -68,6 +71,10 @@ IMAGE_REQUESTS: tuple[MatrixRequest, ...] = (
                   messages=_user(WIDE, SHARED + "Who keeps the lighthouse?")),
     MatrixRequest("prefix-second", "prefix", {**GREEDY, "max_tokens": 12, "ignore_eos": True},
                   messages=_user(WIDE, SHARED + "When is the market held?")),
+    # The greedy request's text with another image: its blocks from the image on may
+    # not be the greedy request's (placeholder tokens are equal, the hashes must differ).
+    MatrixRequest("other-image", "prefix", {**GREEDY, "max_tokens": 16, "ignore_eos": True},
+                  messages=_user(STRIPES, "What is in the picture?")),
     # Two images, the first the greedy request's (already encoded, at another offset).
     MatrixRequest("two-images", "long", {**GREEDY, "max_tokens": 16, "ignore_eos": True},
                   messages=_user(RED, (50, 37, 4), "Which picture is brighter?")),
@@ -76,11 +83,14 @@ IMAGE_REQUESTS: tuple[MatrixRequest, ...] = (
 
 def reference_answers(model: str) -> tuple[dict[str, Answer], object]:
     """Every image request's answer from offline `LLM.chat` (float32, 16-token blocks),
-    one at a time, in order (the prefix pair as served); and the tokenizer's decode."""
+    one at a time, without prefix caching (a wrong cache hit on the served side, e.g.
+    blocks of another image, cannot be matched by the same hit here); and the
+    tokenizer's decode."""
     from pagoda import LLM  # lazy: loads the engine
     from reference import sampling_params  # lazy: as above
 
-    llm = LLM(model, dtype="float32", max_model_len=MAX_MODEL_LEN, block_size=16)
+    llm = LLM(model, dtype="float32", max_model_len=MAX_MODEL_LEN, block_size=16,
+              enable_prefix_caching=False)
     tokenizer = llm.get_tokenizer()
     answers = {}
     for request in IMAGE_REQUESTS:
@@ -131,3 +141,11 @@ def test_image_preempting(llava):
     """Preempted image requests recompute their image runs: the reference's answers."""
     record(preempting_row("LLaVA (images)", *llava, blocks=IMAGE_POOL_BLOCKS,
                           requests=IMAGE_REQUESTS, flags=IMAGE_FLAGS))
+
+
+def test_image_pd(llava):
+    """1 prefill + 1 decode replica: the image prompts' blocks move (the row checks that
+    blocks moved) and the decode side answers as the offline engine."""
+    model, want, decode = llava
+    record(*run_pd(model, want, decode, "LLaVA (images): P/D, PagodaConnector",
+                   *IMAGE_FLAGS, requests=IMAGE_REQUESTS))
