@@ -10,9 +10,9 @@ import sys
 import pytest
 
 # The harnesses the matrix reuses live beside their own tests (P/D: tests/disaggregation,
-# adapters: tests/lora, replica processes: tests/e2e); their folders are on sys.path only while pytest imports their
+# adapters: tests/lora, replica processes: tests/e2e, tiny LLaVA: tests/multimodal); their folders are on sys.path only while pytest imports their
 # conftests, so the matrix adds them itself.
-for folder in ("disaggregation", "lora", "e2e"):
+for folder in ("disaggregation", "lora", "e2e", "multimodal"):
     path = str(pathlib.Path(__file__).parents[1] / folder)
     if path not in sys.path:
         sys.path.append(path)

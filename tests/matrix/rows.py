@@ -30,13 +30,15 @@ class Row:
 
 def check_row(path: str, want: dict[str, Answer], got: dict[str, Answer], tol: float,
               decode=None, again: dict[str, Answer] | None = None,
-              not_applicable: tuple[str, ...] = (), notes: str = "") -> Row:
+              not_applicable: tuple[str, ...] = (), notes: str = "",
+              requests=REQUESTS) -> Row:
     """The row of `path`: `got` against `want` (token ids exactly, logprobs within `tol`).
     `again`: a second answer for the seeded requests, which are then checked against it
-    instead of `want` (see the module docstring); `not_applicable`: columns not checked."""
+    instead of `want` (see the module docstring); `not_applicable`: columns not checked;
+    `requests`: the request set the answers are for (the text set by default)."""
     row = Row(path, notes=notes)
     status: dict[str, list[bool]] = {c: [] for c in COLUMNS}
-    for request in REQUESTS:
+    for request in requests:
         if request.column in not_applicable or request.name not in got:
             continue
         expected = want[request.name]

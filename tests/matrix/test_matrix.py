@@ -52,15 +52,16 @@ def test_colocated(plain_tiny_cluster, matrix_reference):
 
 
 # ------------------------------------------------------------------ the full matrix
-def run_pd(model, want, decode, name, *extra):
+def run_pd(model, want, decode, name, *extra, requests=REQUESTS):
     with served(model, *extra, pd=True) as serve:
         before = metric(serve, "pagoda_kv_transfer_blocks_total")
-        got = send_all(serve.url, REQUESTS)
+        got = send_all(serve.url, requests)
         moved = wait_until(lambda: metric(serve, "pagoda_kv_transfer_blocks_total") - before,
                            10)
     assert moved > 0, f"{name}: no KV block was transferred"
     return [check_row(name, want, got, FP32_LOGPROB_TOL, decode,
-                      notes=f"{moved:.0f} KV blocks moved prefill -> decode")]
+                      notes=f"{moved:.0f} KV blocks moved prefill -> decode",
+                      requests=requests)]
 
 
 def run_replicas(model, want, decode, k=3):

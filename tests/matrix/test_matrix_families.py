@@ -175,22 +175,25 @@ def test_deepseek_preempting(deepseek):
     record(preempting_row("DeepSeek-V3 (MLA)", *deepseek))
 
 
-def preempting_row(family: str, model, want, decode, blocks: int = SMALL_POOL_BLOCKS):
-    """The request set sent at once (up to 4 rounds, until one preempts) to a pool of
-    `blocks` blocks: one row, failed if any round's answers differ."""
+def preempting_row(family: str, model, want, decode, blocks: int = SMALL_POOL_BLOCKS,
+                   requests=REQUESTS, flags: tuple[str, ...] = ()):
+    """The request set (`requests`) sent at once (up to 4 rounds, until one preempts) to
+    a pool of `blocks` blocks, served with `flags` besides: one row, failed if any
+    round's answers differ."""
     with served(model, "--max-num-batched-tokens", "64", "--num-gpu-blocks-override",
-                str(blocks)) as serve:
+                str(blocks), *flags) as serve:
         before = metric(serve, "vllm:num_preemptions_total")
         rounds = []
         for _ in range(4):  # until one round overlaps enough to preempt
-            rounds.append(send_all(serve.url, REQUESTS, concurrent=True))
+            rounds.append(send_all(serve.url, requests, concurrent=True))
             if wait_until(lambda: metric(serve, "vllm:num_preemptions_total") > before, 2):
                 break
         preempted = metric(serve, "vllm:num_preemptions_total") - before
     assert preempted > 0, f"the small KV pool preempted nothing in {len(rounds)} rounds"
     rows = [check_row(f"{family}: KV pool of {blocks} blocks, preempting", want,
                       got, FP32_LOGPROB_TOL, decode,
-                      notes=f"{preempted:.0f} preemptions in {len(rounds)} round(s)")
+                      notes=f"{preempted:.0f} preemptions in {len(rounds)} round(s)",
+                      requests=requests)
             for got in rounds]
     row = rows[-1]  # one row: a round's failure shows in it
     row.failures = [line for r in rows for line in r.failures]
