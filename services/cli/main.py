@@ -19,15 +19,16 @@ from pagoda.services.cli import services
 from pagoda.services.cli.arg_parser import PagodaArgumentParser
 import pagoda
 
-COMMAND_MODULES = [
-    "pagoda.services.cli.serve",      # pagoda serve
-    "pagoda.services.cli.services",   # pagoda gateway | tokenizer | scheduler | gpu-worker | kv-cache-manager
-    "pagoda.services.cli.chat",       # pagoda chat
-    "pagoda.services.cli.complete",   # pagoda complete
-    "pagoda.services.cli.run_batch",  # pagoda run-batch
-    "pagoda.services.cli.collect_env",  # pagoda collect-env
-    "pagoda.services.cli.download",   # pagoda download
-]
+COMMAND_MODULES = {  # command -> the module whose add_parser adds it
+    "serve": "pagoda.services.cli.serve",
+    "chat": "pagoda.services.cli.chat",
+    "complete": "pagoda.services.cli.complete",
+    "run-batch": "pagoda.services.cli.run_batch",
+    "collect-env": "pagoda.services.cli.collect_env",
+    "download": "pagoda.services.cli.download",
+}
+# pagoda gateway | tokenizer | scheduler | gpu-worker | kv-cache-manager | epp
+SERVICES_MODULE = "pagoda.services.cli.services"
 BENCH_MODULES = [
     "pagoda.bench.throughput",  # pagoda bench throughput
     "pagoda.bench.latency",     # pagoda bench latency
@@ -40,15 +41,19 @@ BENCH_MODULES = [
 
 
 def build_parser(service: str | None = None) -> argparse.ArgumentParser:
-    """Every command's parser; with `service` (one of `services.SERVICES`), a parser
-    holding only that service's command, so that a service process imports its own
-    module and not every other's (a tokenizer or scheduler then never imports torch or
-    fastapi: seconds of CPU per process at a cluster's start)."""
+    """Every command's parser; with `service` (a service of `services.SERVICES` or a
+    command of `COMMAND_MODULES`), a parser holding only that command, so that a process
+    imports its own module and not every other's: a tokenizer or scheduler then never
+    imports torch or fastapi, and `pagoda serve` does not import the gpu-worker's torch
+    before it spawns the services (seconds of CPU per process at a cluster's start, on
+    the start-up's critical path for `pagoda serve`)."""
     parser = PagodaArgumentParser(prog="pagoda", description="Pagoda LLM inference engine.")
     parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    if service is not None:
+    if service in services.SERVICES:
         services.add_parser(commands, only=service)
+    elif service in COMMAND_MODULES:
+        importlib.import_module(COMMAND_MODULES[service]).add_parser(commands)
     else:
         _add_every_command(commands)
     for command in _leaf_commands(parser):
@@ -58,7 +63,7 @@ def build_parser(service: str | None = None) -> argparse.ArgumentParser:
 
 
 def _add_every_command(commands) -> None:
-    for name in COMMAND_MODULES:
+    for name in (*COMMAND_MODULES.values(), SERVICES_MODULE):
         importlib.import_module(name).add_parser(commands)
     bench = commands.add_parser("bench", help="Benchmarks (offline engine, served cluster).")
     bench_commands = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
@@ -67,9 +72,10 @@ def _add_every_command(commands) -> None:
 
 
 def _service_command(argv: list[str]) -> str | None:
-    """The service `argv` runs (`pagoda tokenizer --port ...`), else None."""
+    """The service or command `argv` runs (`pagoda tokenizer --port ...`, `pagoda serve`)
+    when one module alone adds it, else None (`pagoda bench ...`, `pagoda --help`)."""
     first = next((a for a in argv if not a.startswith("-")), None)
-    return first if first in services.SERVICES else None
+    return first if first in services.SERVICES or first in COMMAND_MODULES else None
 
 
 def _leaf_commands(parser: argparse.ArgumentParser) -> list[PagodaArgumentParser]:

@@ -93,10 +93,13 @@ def test_serve_gives_the_worker_the_cores_and_the_small_services_one_thread():
     assert "--batch-invariant" in services["gpu-worker"].argv  # reaches the worker's engine
 
 
-@pytest.mark.parametrize("service", ["gateway", "tokenizer", "scheduler", "kv-cache-manager"])
+@pytest.mark.parametrize("service", ["gateway", "tokenizer", "scheduler", "kv-cache-manager",
+                                     "serve"])
 def test_a_service_process_parses_its_flags_without_torch(service):
     """Each service of a cluster is its own process: building its parser must not import
-    every other service's module (torch alone is seconds of CPU per process at start)."""
+    every other service's module (torch alone is seconds of CPU per process at start).
+    `pagoda serve` neither: its imports come before it spawns any service, so they are on
+    the critical path of the cluster's start-up."""
     code = ("import sys; from pagoda.services.cli.main import build_parser, _service_command; "
             f"p = build_parser(_service_command(['{service}', '--port', '1'])); "
             f"p.parse_args(['{service}', '--port', '1']); "
