@@ -37,9 +37,9 @@ FAILED = "pagoda_kv_offload_failed_onloads_total"
 MOVED = "pagoda_kv_transfer_blocks_total"
 
 
-def tier_flags(disk_dir, disk_records: int = 128) -> list[str]:
+def tier_flags(disk_dir, disk_records: int = 128, host_slots: int = HOST_SLOTS) -> list[str]:
     return ["--num-gpu-blocks-override", str(POOL_BLOCKS), "--kv-offloading-backend", "native",
-            "--kv-offloading-size", repr(HOST_SLOTS * BLOCK_BYTES / GIB),
+            "--kv-offloading-size", repr(host_slots * BLOCK_BYTES / GIB),
             "--kv-offloading-disk-path", str(disk_dir),
             "--kv-offloading-disk-size",
             repr(disk_records * (BLOCK_BYTES + RECORD_OVERHEAD) / GIB),

@@ -222,7 +222,7 @@ TINY_BLOCK_BYTES_16 = 3 * 2 * 16 * 2 * 16 * 4
 TIER_POOL_BLOCKS = 32
 
 
-def run_tier(model, want, decode, tmp_path, tier: str, pd: bool = False):
+def run_tier(model, want, decode, tmp_path, tier: str, pd: bool = False, extra=()):
     """The request set twice on a 32-block pool with a KV tier: the second round's
     prefixes (the shared one, the long prompt's blocks) were evicted by the first round
     and come back from host memory ("cpu") or from disk below a 2-block host tier
@@ -230,7 +230,8 @@ def run_tier(model, want, decode, tmp_path, tier: str, pd: bool = False):
     onload failed its checks, or if an answer differs. `pd`: on a prefill/decode pair,
     each replica with that pool and tier: the prefill replica onloads the revisited
     prefixes, the decode replica pulls every prompt's blocks and evicts them into its
-    own tier (the row also fails if no block was transferred)."""
+    own tier (the row also fails if no block was transferred); `extra`: more flags (the
+    connector)."""
     from pagoda.core.kv_disk_index import RECORD_OVERHEAD  # lazy: the engine library
     from pagoda.core.kv_offload import GIB  # lazy: as above
 
@@ -244,7 +245,7 @@ def run_tier(model, want, decode, tmp_path, tier: str, pd: bool = False):
                   repr(256 * (TINY_BLOCK_BYTES_16 + RECORD_OVERHEAD) / GIB)]
     hits_name = "pagoda_kv_offload_hits_total"
     moved_name = "pagoda_kv_transfer_blocks_total"
-    with served(model, *flags, pd=pd) as serve:
+    with served(model, *flags, *extra, pd=pd) as serve:
         moved = metric(serve, moved_name)
         first = send_all(serve.url, REQUESTS)
         before = metric(serve, hits_name, tier=tier)
@@ -261,7 +262,9 @@ def run_tier(model, want, decode, tmp_path, tier: str, pd: bool = False):
     name = f"prefix from {'host' if tier == 'cpu' else 'disk'} tier"
     notes = f"{hits:.0f} blocks onloaded from the {tier} tier in round 2"
     if pd:
-        name = f"P/D, PagodaConnector, {name} on both replicas"
+        connector = "PagodaDistConnector" if "PagodaDistConnector" in extra \
+            else "PagodaConnector"
+        name = f"P/D, {connector}, {name} on both replicas"
         notes += f"; {moved:.0f} KV blocks moved prefill -> decode"
     if records is not None:
         notes += f"; {records} records on disk"
@@ -290,6 +293,8 @@ PATHS = {
     "host-tier": lambda m, w, d, t: run_tier(m, w, d, t, "cpu"),
     "disk-tier": lambda m, w, d, t: run_tier(m, w, d, t, "disk"),
     "pd-host-tier": lambda m, w, d, t: run_tier(m, w, d, t, "cpu", pd=True),
+    "pd-dist-host-tier": lambda m, w, d, t: run_tier(m, w, d, t, "cpu", pd=True,
+                                                     extra=DIST_PD),
 }
 
 
