@@ -222,12 +222,16 @@ TINY_BLOCK_BYTES_16 = 3 * 2 * 16 * 2 * 16 * 4
 TIER_POOL_BLOCKS = 32
 
 
-def run_tier(model, want, decode, tmp_path, tier: str):
+def run_tier(model, want, decode, tmp_path, tier: str, pd: bool = False, extra=()):
     """The request set twice on a 32-block pool with a KV tier: the second round's
     prefixes (the shared one, the long prompt's blocks) were evicted by the first round
     and come back from host memory ("cpu") or from disk below a 2-block host tier
     ("disk"); the row fails if that tier onloaded fewer than a prefix's blocks, if any
-    onload failed its checks, or if an answer differs."""
+    onload failed its checks, or if an answer differs. `pd`: on a prefill/decode pair,
+    each replica with that pool and tier: the prefill replica onloads the revisited
+    prefixes, the decode replica pulls every prompt's blocks and evicts them into its
+    own tier (the row also fails if no block was transferred); `extra`: more flags (the
+    connector)."""
     from pagoda.core.kv_disk_index import RECORD_OVERHEAD  # lazy: the engine library
     from pagoda.core.kv_offload import GIB  # lazy: as above
 
@@ -240,19 +244,28 @@ def run_tier(model, want, decode, tmp_path, tier: str):
                   "--kv-offloading-disk-size",
                   repr(256 * (TINY_BLOCK_BYTES_16 + RECORD_OVERHEAD) / GIB)]
     hits_name = "pagoda_kv_offload_hits_total"
-    with served(model, *flags) as serve:
+    moved_name = "pagoda_kv_transfer_blocks_total"
+    with served(model, *flags, *extra, pd=pd) as serve:
+        moved = metric(serve, moved_name)
         first = send_all(serve.url, REQUESTS)
         before = metric(serve, hits_name, tier=tier)
         again = send_all(serve.url, REQUESTS)
         hits = wait_until(lambda: metric(serve, hits_name, tier=tier) - before, 10)
         failed = metric(serve, "pagoda_kv_offload_failed_onloads_total")
-        records = len(list((tmp_path / "kv-disk").glob("rank0/epoch-*/*"))) if tier == "disk" \
-            else None
+        moved = wait_until(lambda: metric(serve, moved_name) - moved, 10)
+        records = len(list((tmp_path / "kv-disk").glob("rank0*/epoch-*/*"))) \
+            if tier == "disk" else None
     # The shared prefix alone is 5 blocks: a round that onloaded fewer used no tier.
     assert hits >= 5, f"{tier} tier: {hits:.0f} blocks onloaded in the second round"
     assert failed == 0, f"{tier} tier: {failed:.0f} onloads failed their checks"
+    assert not pd or moved > 0, "P/D with a tier: no KV block was transferred"
     name = f"prefix from {'host' if tier == 'cpu' else 'disk'} tier"
     notes = f"{hits:.0f} blocks onloaded from the {tier} tier in round 2"
+    if pd:
+        connector = "PagodaDistConnector" if "PagodaDistConnector" in extra \
+            else "PagodaConnector"
+        name = f"P/D, {connector}, {name} on both replicas"
+        notes += f"; {moved:.0f} KV blocks moved prefill -> decode"
     if records is not None:
         notes += f"; {records} records on disk"
     row = check_row(name, want, again, FP32_LOGPROB_TOL, decode, notes=notes)
@@ -279,6 +292,9 @@ PATHS = {
     "lora": lambda m, w, d, t: run_lora(m, w, d, t),
     "host-tier": lambda m, w, d, t: run_tier(m, w, d, t, "cpu"),
     "disk-tier": lambda m, w, d, t: run_tier(m, w, d, t, "disk"),
+    "pd-host-tier": lambda m, w, d, t: run_tier(m, w, d, t, "cpu", pd=True),
+    "pd-dist-host-tier": lambda m, w, d, t: run_tier(m, w, d, t, "cpu", pd=True,
+                                                     extra=DIST_PD),
 }
 
 

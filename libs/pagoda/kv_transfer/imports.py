@@ -10,6 +10,12 @@ while the pull runs; `commit_import` registers the filled blocks under their has
 request takes) or, after a failed pull, returns them unhashed; `release_import`
 drops the plan's references once the request holds its own. Ask, then act: a plan
 that cannot get its blocks takes none. Not thread-safe: the engine thread owns it.
+
+With a host KV tier (--kv-offloading-size) a cached block the plan takes is evicted
+without being offloaded: plans are made between steps, when the pool has no offload
+sink, and must stay so. The tier's copies run with the next step, but the pull writes
+into the block at once, so an offload planned here could copy pulled bytes into the
+tier under the evicted block's hash (tests/kv_transfer/test_import_evictions_and_tiers.py).
 """
 
 from __future__ import annotations
