@@ -11,6 +11,11 @@ Refused at start-up with the reason, never run wrong:
   lives in the cache dtype).
 Prefix caching is turned off with a logged reason: a prefix-cache hit would skip the
 Mamba layers' pass over the prefix, whose state is not cached per block.
+KV transfers (P/D roles, the prefix pull) are refused by the worker's KV geometry
+(`pagoda.kv_transfer.block_shares.runner_geometry`): a producer or consumer replica
+fails at start-up, a colocated one serves without transfers. Preemption and migration
+carry the state by recompute: the request starts at token 0 and its whole context
+(prompt + generated tokens) rebuilds the state in a zeroed slot.
 """
 
 from __future__ import annotations

@@ -8,8 +8,12 @@ its state is rebuilt from the tokens).
 
 Invariant: a request is given a slot only when it starts at token 0 (the slot is
 zeroed then); one arriving with computed tokens whose state this worker does not hold
-(a prefix-cache hit, a migrated request's KV) is refused with an error, never run on
-a state that skipped those tokens.
+(a prefix-cache hit, pulled or transferred KV blocks) is refused with an error, never
+run on a state that skipped those tokens. A migrated request (the gateway re-sends it
+with its generated tokens as `output_token_ids`) is not such a request: prefix caching
+and KV transfers are off for hybrid models, so it starts at token 0 and its whole
+context (prompt + generated tokens) rebuilds the state, as after a preemption
+(tests/model/architectures/test_granitemoehybrid_migration.py).
 """
 
 from __future__ import annotations
