@@ -12,9 +12,12 @@ token ids, logprobs within 1e-4):
   state: vLLM's hybrid bug #39273). Seeded requests under speculation are checked as in
   test_matrix: the same tokens twice on that path (rejection sampling draws differently).
 
+- Granite-4.0-H prefix caching: the set sent twice; the second round's hits end at
+  block boundaries whose Mamba state the first round saved (state checkpoints);
 - Granite-4.0-H migration: replica 1's gpu-worker SIGKILLed, or its scheduler drained
   out of time, mid-stream; the other replica rebuilds each request's Mamba state from
-  its whole context (prompt + the tokens streamed so far) and continues it.
+  its whole context (prompt + the tokens streamed so far), from the state checkpoint
+  of the prompt it served before, and continues it.
 
 P/D and the prefix pull are not hybrid rows: moving KV blocks without the Mamba state
 is refused by name (test_granitemoehybrid.py), as are TP and PP for the family.
@@ -107,11 +110,11 @@ def _tiny_granite_hybrid(out: pathlib.Path, tokenizer) -> str:
     return str(out)
 
 
-def _with_reference(model: str):
+def _with_reference(model: str, **engine):
     """(model dir, its offline fp32 answers, decode)."""
     from reference import reference_answers, reference_llm  # lazy: loads the engine
 
-    llm = reference_llm(model)
+    llm = reference_llm(model, **engine)
     tokenizer = llm.get_tokenizer()
     answers = reference_answers(llm, REQUESTS)
     del llm
@@ -126,8 +129,11 @@ def deepseek(tmp_path_factory, smollm2_tokenizer):
 
 @pytest.fixture(scope="module")
 def granite_hybrid(tmp_path_factory, smollm2_tokenizer):
+    # No prefix cache for the reference: a served hit restoring a wrong state must not
+    # meet a reference that restored the same one.
     return _with_reference(_tiny_granite_hybrid(
-        tmp_path_factory.mktemp("tiny_granite_hybrid"), smollm2_tokenizer))
+        tmp_path_factory.mktemp("tiny_granite_hybrid"), smollm2_tokenizer),
+        enable_prefix_caching=False)
 
 
 def metric(serve, name: str) -> float:
@@ -298,3 +304,21 @@ def test_hybrid_migration(granite_hybrid, how):
                      FP32_LOGPROB_TOL, decode,
                      notes=f"{moved:.0f} requests migrated ({by_reason}); state rebuilt "
                            "from prompt + streamed tokens"))
+
+
+def test_hybrid_prefix_cache(granite_hybrid):
+    """The request set twice on one replica: round 2 starts from prefix hits, each
+    ending at a block whose Mamba state round 1 saved, and answers as the reference
+    (computed without a prefix cache)."""
+    model, want, decode = granite_hybrid
+    with served(model) as serve:
+        first = send_all(serve.url, REQUESTS)
+        before = metric(serve, "vllm:prefix_cache_hits_total")
+        again = send_all(serve.url, REQUESTS)
+        hits = metric(serve, "vllm:prefix_cache_hits_total") - before
+    assert hits > 0, "round 2 found no prefix hit"
+    record(check_row("Granite-4.0-H (Mamba2 hybrid): prefix cache, round 1", want, first,
+                     FP32_LOGPROB_TOL, decode),
+           check_row("Granite-4.0-H (Mamba2 hybrid): prefix cache on state checkpoints, "
+                     "round 2", want, again, FP32_LOGPROB_TOL, decode,
+                     notes=f"{hits:.0f} prompt tokens from hits (state restored)"))
