@@ -63,3 +63,28 @@ def test_a_save_whose_block_is_no_longer_cached_is_dropped():
     assert not index.has(b"gone")
     index.start_step()
     assert index.reserve(b"next") is not None
+
+
+def test_the_worker_refuses_a_checkpoint_slot_it_does_not_have():
+    """The gpu-worker's plan check (a scheduler and a worker started with another
+    max_num_seqs would disagree on the slots): refused by request, before anything ran."""
+    import pytest
+
+    from pagoda.messages import CachedRequestData, NewRequestData, SchedulerOutput
+    from pagoda.sampling_params import SamplingParams
+    from pagoda.worker.plan_checks import PlanLedger, PlanRejected
+
+    ledger = PlanLedger(8, 4, 100, 64, num_state_checkpoints=2)
+
+    def plan(restore=None, saves=None, computed=4):
+        new = NewRequestData("r", list(range(9)), [], SamplingParams(), [0, 1, 2], computed,
+                             state_restore=restore)
+        out = SchedulerOutput([new], CachedRequestData(), {"r": 9 - computed}, 9 - computed)
+        out.state_saves = saves or {}
+        return out
+
+    ledger.check(plan(restore=1, saves={"r": (4, 0)}))
+    for bad in (plan(restore=2), plan(restore=0, computed=0), plan(saves={"r": (4, 2)}),
+                plan(saves={"r": (6, 0)}), plan(saves={"other": (1, 0)})):
+        with pytest.raises(PlanRejected, match="state checkpoint"):
+            ledger.check(bad)
