@@ -90,6 +90,8 @@ class Mamba2Mixer(nn.Module):
         for i, slot in enumerate(slots):
             a, b = qsl[i], qsl[i + 1]
             if wanted[i]:
+                if saves[i] is not None:  # never planned: saves fall within a prefill
+                    raise RuntimeError("a state checkpoint save in a draft-verifying step")
                 out[a:b] = self._checkpointed(xbc[a:b], dt[a:b], state, slot, wanted[i])
                 continue
             if saves[i] is not None:  # the state after the first `n` tokens, kept at `at`
