@@ -276,8 +276,8 @@ def test_hybrid_migration(granite_hybrid, how):
     gpu-worker SIGKILLed, or its scheduler told to stop with a drain too short to finish
     anything (0.05 s), which ends the streams with drain_timeout. The gateway continues
     each request on replica 0, which computes its whole context (prompt + the tokens
-    streamed so far) into a zeroed state slot: the reference's tokens, greedy and
-    seeded. --kv-prefix-pull is on: a hybrid replica offers no KV layout, so nothing is
+    streamed so far) into a zeroed state slot, or from the state checkpoint its earlier
+    run of the prompt saved: the reference's tokens, greedy and seeded. --kv-prefix-pull is on: a hybrid replica offers no KV layout, so nothing is
     pulled (the blocks would come without the state)."""
     model, want, decode = granite_hybrid
     k = 3
@@ -303,7 +303,7 @@ def test_hybrid_migration(granite_hybrid, how):
            check_row(f"Granite-4.0-H (Mamba2 hybrid): {what}", want, migrated,
                      FP32_LOGPROB_TOL, decode,
                      notes=f"{moved:.0f} requests migrated ({by_reason}); state rebuilt "
-                           "from prompt + streamed tokens"))
+                           "from prompt + streamed tokens, or from replica 0's checkpoint"))
 
 
 def test_hybrid_prefix_cache(granite_hybrid):
