@@ -11,7 +11,9 @@ Refused at start-up with the reason, never run wrong:
   lives in the cache dtype).
 Prefix caching keeps recurrent-state checkpoints at block boundaries
 (`pagoda.core.state_checkpoints`): a hit goes only as far as a block whose state was
-saved, so no hit skips the Mamba layers' pass over the prefix.
+saved, so no hit skips the Mamba layers' pass over the prefix. Its cost: `max_num_seqs`
+checkpoint slots beside the running requests' in every Mamba layer's pool (as much
+state memory again), taken from the KV budget; --no-enable-prefix-caching gives it back.
 KV transfers (P/D roles, the prefix pull) are refused by the worker's KV geometry
 (`pagoda.kv_transfer.block_shares.runner_geometry`): a producer or consumer replica
 fails at start-up, a colocated one serves without transfers. Preemption and migration
