@@ -277,8 +277,9 @@ def test_hybrid_migration(granite_hybrid, how):
     anything (0.05 s), which ends the streams with drain_timeout. The gateway continues
     each request on replica 0, which computes its whole context (prompt + the tokens
     streamed so far) into a zeroed state slot, or from the state checkpoint its earlier
-    run of the prompt saved: the reference's tokens, greedy and seeded. --kv-prefix-pull is on: a hybrid replica offers no KV layout, so nothing is
-    pulled (the blocks would come without the state)."""
+    run of the prompt saved: the reference's tokens, greedy and seeded. --kv-prefix-pull
+    is on: a hybrid replica offers no KV layout, so nothing is pulled (the blocks would
+    come without the state)."""
     model, want, decode = granite_hybrid
     k = 3
     victim, sig = (("gpu-worker", signal.SIGKILL) if how == "kill"
