@@ -49,6 +49,9 @@ class AttentionMetadata:
     # ... and, when some requests verify drafts, per request how many of its last tokens
     # (its drafts + 1) to keep the state after (`pagoda.model.mamba2`); 0: none.
     state_checkpoints: list[int] | None = None
+    # ... and, with prefix caching (`pagoda.core.state_checkpoints`), per request None or
+    # (tokens of its step after which to save the state, pool index to save it at).
+    state_saves: list[tuple[int, int] | None] | None = None
 
     @property
     def num_reqs(self) -> int:

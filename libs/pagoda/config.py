@@ -205,6 +205,10 @@ class CacheConfig:
     # evicts are written under this directory, at most this many GiB. None / 0: off.
     kv_offloading_disk_path: str | None = None
     kv_offloading_disk_size: float = 0.0
+    # A hybrid model with prefix caching: slots for recurrent-state checkpoints at block
+    # boundaries (pagoda.core.state_checkpoints), beside the running requests' slots in
+    # every Mamba layer's state pool. 0: none (no hybrid model, or no prefix caching).
+    num_state_checkpoints: int = 0
 
 
 @dataclass

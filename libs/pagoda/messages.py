@@ -183,6 +183,9 @@ class NewRequestData:
     # The prompt's media items with their encoder inputs (`data`), sent once; the
     # worker encodes each when its placeholder run is first scheduled.
     mm_features: list[MultiModalFeature] = field(default_factory=list)
+    # A hybrid model's prefix hit (pagoda.core.state_checkpoints): the checkpoint slot
+    # holding the recurrent state after its `num_computed_tokens`; None: a zero state.
+    state_restore: int | None = None
 
 
 @dataclass
@@ -273,6 +276,9 @@ class SchedulerOutput:
     # tier evicted them). Disk onloads are `kv_onloads` with medium "disk".
     kv_spills: list[KVSpill] = field(default_factory=list)
     kv_disk_drops: list[bytes] = field(default_factory=list)
+    # A hybrid model's state checkpoints (pagoda.core.state_checkpoints): req_id ->
+    # (tokens of its step after which to save the recurrent state, checkpoint slot).
+    state_saves: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> "SchedulerOutput":

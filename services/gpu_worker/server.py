@@ -45,7 +45,8 @@ def main(args: argparse.Namespace) -> int:
     logger.info("loaded %s (%s on %s)", config.model, config.dtype, config.device)
     startup_clock.mark("model load")
     ledger = PlanLedger(0, config.cache.block_size, config.arch.vocab_size,
-                        config.scheduler.max_model_len)  # sized by InitializeKvCache
+                        config.scheduler.max_model_len,  # sized by InitializeKvCache
+                        config.cache.num_state_checkpoints)
     step_thread = StepThread()  # served by this (main) thread: see step_thread.py
     servicer = WorkerServicer(executor, config.model, config.dtype, config.device, ledger,
                               config.lora, step_thread)

@@ -89,6 +89,24 @@ def refuse_kv_transfer_without_kv_cache(args: argparse.Namespace, config) -> Non
     args.kv_cache_manager_addr = ""
 
 
+def refuse_kv_transfer_for_hybrid(role: KVTransferConfig, config) -> None:
+    """SystemExit for a kv_producer or kv_consumer replica of a hybrid model (Mamba2
+    layers, `config.arch.mamba`): P/D hands over KV blocks, and a hybrid model's
+    recurrent state is not in them, so the decode side would start from a state that
+    skipped the prompt. Said before the prefix-cache requirement, which the family
+    turns off itself and would otherwise be blamed. A colocated (kv_both) replica
+    serves without transfers (`fetch_worker_layout`); its migrated requests recompute
+    their context (pagoda.worker.recurrent_state)."""
+    arch = config.arch
+    if arch.mamba is None or role.kv_role not in ("kv_producer", "kv_consumer"):
+        return
+    raise SystemExit(f"error: {arch.architecture} is a hybrid model with Mamba2 layers: "
+                     f"prefill/decode disaggregation (kv_role {role.kv_role}, "
+                     "--prefill-replicas/--decode-replicas) is not supported, since the "
+                     "layers' recurrent state does not travel with the KV blocks; serve it "
+                     "with colocated replicas (--data-parallel-size)")
+
+
 def worker_epoch(worker_addr: str) -> str | None:
     """The gpu-worker's KV epoch now (it renews it whenever its KV cache is set up
     again); None when it does not answer."""

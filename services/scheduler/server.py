@@ -31,6 +31,7 @@ from pagoda.services.scheduler.kv_events_config import parse_kv_events_config
 from pagoda.services.scheduler.kv_publisher import KvEventPublisher
 from pagoda.services.scheduler.kv_role import (add_lease_service, build_hooks, describe_role,
                                                fetch_worker_layout,
+                                               refuse_kv_transfer_for_hybrid,
                                                refuse_kv_transfer_without_kv_cache)
 from pagoda.services.scheduler.metrics import KvPublisherMetrics, build_recorder
 from pagoda.services.scheduler.servicer import SchedulerServicer
@@ -100,6 +101,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     refuse_kv_transfer_without_kv_cache(args, config)  # before waiting for the worker
+    refuse_kv_transfer_for_hybrid(role, config)  # before the prefix-cache requirement
     require_prefix_caching(role, config.cache.enable_prefix_caching)  # before any connection
     executor = GrpcWorkerExecutor(args.worker_addr,
                                   step_timeout=args.execute_model_timeout or None)

@@ -70,8 +70,6 @@ def run_replicas(model, want, decode, k=3):
     prefix is pulled from replica 0); then every request streamed at once to replica 1,
     whose gpu-worker is SIGKILLed once a stream has `k` tokens (the gateway migrates
     them to replica 0, which continues each from its tokens so far)."""
-    from test_chaos import migrations, replica_processes  # lazy: e2e harness, this path only
-
     with served(model, "--data-parallel-size", "2", "--router", "session", "--kv-prefix-pull",
                 "--kv-prefix-pull-min-blocks", "2", "--kv-lease-timeout", "60") as serve:
         keys = session_keys(serve)
@@ -81,28 +79,39 @@ def run_replicas(model, want, decode, k=3):
         before = metric(serve, name, result="leased")
         pulled = send_all(serve.url, REQUESTS, headers={"X-Session-Id": keys[1]})
         leased = metric(serve, name, result="leased") - before
-
-        victim = replica_processes(serve, 1)["gpu-worker"]
-        api = client(serve.url, headers={"X-Session-Id": keys[1]})
-        migrated_before = sum(migrations(serve).values())
-        killed = []
-
-        def on_token(n):
-            if n >= k and not killed:
-                killed.append(time.monotonic())
-                os.kill(victim, signal.SIGKILL)
-
-        with ThreadPoolExecutor(len(REQUESTS)) as pool:
-            migrated = dict(pool.map(
-                lambda r: (r.name, send_streamed(api, r, on_token=on_token)), REQUESTS))
-        moved = sum(migrations(serve).values()) - migrated_before
+        migrated, moved = migrate_off_replica_1(serve, keys[1], k)
     assert leased > 0, "prefix pull: no request leased replica 0's prefix"
-    assert killed and moved > 0, f"migration: nothing migrated ({moved})"
     return [check_row("prefix pulled from replica", want, pulled, FP32_LOGPROB_TOL, decode,
                       notes=f"{leased:.0f} requests pulled their prefix from replica 0"),
             check_row(f"gpu-worker SIGKILLed after {k} tokens", want, migrated,
                       FP32_LOGPROB_TOL, decode,
                       notes=f"{moved:.0f} requests migrated to the other replica")]
+
+
+def migrate_off_replica_1(serve, key: str, k: int, victim: str = "gpu-worker",
+                          sig: int = signal.SIGKILL):
+    """Every request streamed at once to replica 1 (session `key`), whose `victim`
+    process gets `sig` once a stream has `k` tokens (a SIGKILLed gpu-worker; SIGTERM to
+    the scheduler: a drain, which moves what it cannot finish within --drain-timeout):
+    (the answers, requests migrated). Asserts that something migrated."""
+    from test_chaos import migrations, replica_processes  # lazy: e2e harness, this path only
+
+    pid = replica_processes(serve, 1)[victim]
+    api = client(serve.url, headers={"X-Session-Id": key})
+    migrated_before = sum(migrations(serve).values())
+    struck = []
+
+    def on_token(n):
+        if n >= k and not struck:
+            struck.append(time.monotonic())
+            os.kill(pid, sig)
+
+    with ThreadPoolExecutor(len(REQUESTS)) as pool:
+        migrated = dict(pool.map(
+            lambda r: (r.name, send_streamed(api, r, on_token=on_token)), REQUESTS))
+    moved = sum(migrations(serve).values()) - migrated_before
+    assert struck and moved > 0, f"migration: nothing migrated ({moved})"
+    return migrated, moved
 
 
 PREEMPT_ROUNDS = 4

@@ -12,8 +12,15 @@ token ids, logprobs within 1e-4):
   state: vLLM's hybrid bug #39273). Seeded requests under speculation are checked as in
   test_matrix: the same tokens twice on that path (rejection sampling draws differently).
 
-P/D, the prefix pull and migration are not hybrid rows: moving the Mamba state is
-refused by name (test_granitemoehybrid.py), as are TP and PP for the family.
+- Granite-4.0-H prefix caching: the set sent twice; the second round's hits end at
+  block boundaries whose Mamba state the first round saved (state checkpoints);
+- Granite-4.0-H migration: replica 1's gpu-worker SIGKILLed, or its scheduler drained
+  out of time, mid-stream; the other replica rebuilds each request's Mamba state from
+  its whole context (prompt + the tokens streamed so far), from the state checkpoint
+  of the prompt it served before, and continues it.
+
+P/D and the prefix pull are not hybrid rows: moving KV blocks without the Mamba state
+is refused by name (test_granitemoehybrid.py), as are TP and PP for the family.
 `make test-matrix` runs these rows (PAGODA_MATRIX=full).
 """
 
@@ -21,16 +28,19 @@ from __future__ import annotations
 
 import json
 import pathlib
+import signal
+import time
 
 import pytest
 import torch
-from clusters import DIST_PD, NGRAM, SMALL_POOL_BLOCKS, served, spec_flags
+from clusters import DIST_PD, NGRAM, SMALL_POOL_BLOCKS, served, session_keys, spec_flags
 from compare import FP32_LOGPROB_TOL
 from request_set import REQUESTS
 from rows import ROWS, check_row
 from served import send_all
 from serve_cluster import wait_until
-from test_matrix import run_pd, run_replicas
+from test_matrix import metric as labelled_metric
+from test_matrix import migrate_off_replica_1, run_pd, run_replicas
 
 pytestmark = [pytest.mark.matrix, pytest.mark.matrix_full, pytest.mark.slow]
 
@@ -100,11 +110,11 @@ def _tiny_granite_hybrid(out: pathlib.Path, tokenizer) -> str:
     return str(out)
 
 
-def _with_reference(model: str):
+def _with_reference(model: str, **engine):
     """(model dir, its offline fp32 answers, decode)."""
     from reference import reference_answers, reference_llm  # lazy: loads the engine
 
-    llm = reference_llm(model)
+    llm = reference_llm(model, **engine)
     tokenizer = llm.get_tokenizer()
     answers = reference_answers(llm, REQUESTS)
     del llm
@@ -119,8 +129,11 @@ def deepseek(tmp_path_factory, smollm2_tokenizer):
 
 @pytest.fixture(scope="module")
 def granite_hybrid(tmp_path_factory, smollm2_tokenizer):
+    # No prefix cache for the reference: a served hit restoring a wrong state must not
+    # meet a reference that restored the same one.
     return _with_reference(_tiny_granite_hybrid(
-        tmp_path_factory.mktemp("tiny_granite_hybrid"), smollm2_tokenizer))
+        tmp_path_factory.mktemp("tiny_granite_hybrid"), smollm2_tokenizer),
+        enable_prefix_caching=False)
 
 
 def metric(serve, name: str) -> float:
@@ -254,3 +267,59 @@ def test_hybrid_speculation(granite_hybrid, tiny_llama_dir, method):
                      decode, again=again,
                      notes=f"{accepted:.0f}/{drafted:.0f} draft tokens accepted; seeded: "
                            "same tokens twice on this path"))
+
+
+@pytest.mark.parametrize("how", ["kill", "drain"])
+def test_hybrid_migration(granite_hybrid, how):
+    """Replica 0 serves the request set first (its Mamba state slots are left non-zero);
+    then every request streams to replica 1, which goes away after 3 tokens: its
+    gpu-worker SIGKILLed, or its scheduler told to stop with a drain too short to finish
+    anything (0.05 s), which ends the streams with drain_timeout. The gateway continues
+    each request on replica 0, which computes its whole context (prompt + the tokens
+    streamed so far) into a zeroed state slot, or from the state checkpoint its earlier
+    run of the prompt saved: the reference's tokens, greedy and seeded. --kv-prefix-pull
+    is on: a hybrid replica offers no KV layout, so nothing is pulled (the blocks would
+    come without the state)."""
+    model, want, decode = granite_hybrid
+    k = 3
+    victim, sig = (("gpu-worker", signal.SIGKILL) if how == "kill"
+                   else ("scheduler", signal.SIGTERM))
+    with served(model, "--data-parallel-size", "2", "--router", "session", "--kv-prefix-pull",
+                "--kv-prefix-pull-min-blocks", "2", "--drain-timeout", "0.05") as serve:
+        keys = session_keys(serve)
+        warm = send_all(serve.url, REQUESTS, headers={"X-Session-Id": keys[0]})
+        time.sleep(2)  # as in run_replicas: an index that had blocks would know them now
+        migrated, moved = migrate_off_replica_1(serve, keys[1], k, victim, sig)
+        pulls = labelled_metric(serve, "pagoda_gateway_kv_prefix_pulls_total",
+                                result="leased")
+        by_reason = {dict(labels)["reason"]: v for (n, labels), v in serve.scrape().items()
+                     if n == "pagoda_gateway_migrations_total" and v}
+    assert pulls == 0, f"{pulls} prefix pulls leased for a hybrid model"
+    if how == "drain":
+        assert by_reason.get("drain_timeout", 0) > 0, by_reason
+    what = (f"gpu-worker SIGKILLed after {k} tokens" if how == "kill"
+            else f"scheduler drained out of time (0.05 s) after {k} tokens")
+    record(check_row("Granite-4.0-H (Mamba2 hybrid): replica 0, before the migration", want,
+                     warm, FP32_LOGPROB_TOL, decode),
+           check_row(f"Granite-4.0-H (Mamba2 hybrid): {what}", want, migrated,
+                     FP32_LOGPROB_TOL, decode,
+                     notes=f"{moved:.0f} requests migrated ({by_reason}); state rebuilt "
+                           "from prompt + streamed tokens, or from replica 0's checkpoint"))
+
+
+def test_hybrid_prefix_cache(granite_hybrid):
+    """The request set twice on one replica: round 2 starts from prefix hits, each
+    ending at a block whose Mamba state round 1 saved, and answers as the reference
+    (computed without a prefix cache)."""
+    model, want, decode = granite_hybrid
+    with served(model) as serve:
+        first = send_all(serve.url, REQUESTS)
+        before = metric(serve, "vllm:prefix_cache_hits_total")
+        again = send_all(serve.url, REQUESTS)
+        hits = metric(serve, "vllm:prefix_cache_hits_total") - before
+    assert hits > 0, "round 2 found no prefix hit"
+    record(check_row("Granite-4.0-H (Mamba2 hybrid): prefix cache, round 1", want, first,
+                     FP32_LOGPROB_TOL, decode),
+           check_row("Granite-4.0-H (Mamba2 hybrid): prefix cache on state checkpoints, "
+                     "round 2", want, again, FP32_LOGPROB_TOL, decode,
+                     notes=f"{hits:.0f} prompt tokens from hits (state restored)"))

@@ -53,6 +53,9 @@ class BlockPool:
         self.offload_sink = None
         # Blocks cached since `start_step`: their KV is written by the step being planned.
         self._fresh: set[int] = set()
+        # Called with each hash the pool forgets (a hybrid model's state checkpoints,
+        # core/state_checkpoints.py, live no longer than their block's hash).
+        self.on_evict = None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -72,6 +75,9 @@ class BlockPool:
         if block is None or block.token_ids != tuple(token_ids):
             return None
         return block
+
+    def is_cached(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._cached
 
     def cached_hashes(self) -> list[BlockHash]:
         """Every hash the pool can serve right now (for an index resync)."""
@@ -206,5 +212,7 @@ class BlockPool:
 
     def _evict(self, block: KVCacheBlock) -> None:
         del self._cached[block.block_hash]
+        if self.on_evict is not None:
+            self.on_evict(block.block_hash)
         block.block_hash = None
         block.token_ids = None

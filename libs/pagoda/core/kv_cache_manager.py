@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pagoda.core.block_pool import BlockPool, KVCacheBlock
 from pagoda.core.kv_events import KVEvent
 from pagoda.core.request import Request
+from pagoda.core.state_checkpoints import StateCheckpoints
 
 # The block id sent to the worker for a position whose block was released because it
 # fell out of the sliding window. Attention never reads such positions.
@@ -49,12 +50,19 @@ class KVCacheManager:
     wholly before the sliding window of r's next token (see the module doc)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
-                 max_model_len: int, sliding_window: int | None = None) -> None:
+                 max_model_len: int, sliding_window: int | None = None,
+                 num_state_checkpoints: int = 0) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
         self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, block_size, enable_caching)
+        # A hybrid model's state checkpoints (core/state_checkpoints.py): a hit ends at
+        # the last block whose state was saved. None for every other model.
+        self.state_checkpoints: StateCheckpoints | None = None
+        if num_state_checkpoints and enable_caching:
+            self.state_checkpoints = StateCheckpoints(num_state_checkpoints)
+            self.pool.on_evict = self.state_checkpoints.forget
         self.req_blocks: dict[str, list[KVCacheBlock | None]] = {}
         # Number of leading blocks of each request already registered in the cache map.
         self._num_cached_blocks: dict[str, int] = {}
@@ -86,6 +94,14 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        request.state_restore = None
+        if self.state_checkpoints is not None:  # a hybrid model: end at a saved state
+            while hits:
+                slot = self.state_checkpoints.lookup(request.block_hashes[len(hits) - 1])
+                if slot is not None:
+                    request.state_restore = slot
+                    break
+                hits.pop()
         num_hit_tokens = len(hits) * bs
         self.prefix_stats.requests += 1
         self.prefix_stats.queries += request.num_tokens

@@ -81,6 +81,12 @@ class Request:
         self.mm_features = list(core_request.mm_features)
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()
+        # A hybrid model with prefix caching (core/state_checkpoints.py): the block
+        # boundary whose recurrent state the request's prefill saves (the last one before
+        # the last token it arrived with: what the same context's hit ends at), and the
+        # checkpoint slot its admission restores (None: it starts from a zero state).
+        self.state_save_at = ((len(self.all_token_ids) - 1) // block_size) * block_size
+        self.state_restore: int | None = None
 
     # ------------------------------------------------------------------ sizes
     @property

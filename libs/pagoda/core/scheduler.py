@@ -113,7 +113,8 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size,
                                                cache_config.enable_prefix_caching,
                                                scheduler_config.max_model_len,
-                                               cache_config.sliding_window)
+                                               cache_config.sliding_window,
+                                               cache_config.num_state_checkpoints)
         # The host KV tier's index (--kv-offloading-size; kv_offload.py), None: off. It
         # takes no hit under a sliding window (released blocks would break the chain).
         self.kv_offload = kv_offload if cache_config.sliding_window is None else None
@@ -186,6 +187,9 @@ class Scheduler:
         cached = CachedRequestData()
         preempted: set[str] = set()
         pool = self.kv_cache_manager.pool
+        checkpoints = self.kv_cache_manager.state_checkpoints
+        if checkpoints is not None:
+            checkpoints.start_step()
         if self.kv_offload is not None:  # blocks evicted while planning go to the tier
             pool.start_step()
             pool.offload_sink = self.kv_offload.offload
@@ -204,6 +208,8 @@ class Scheduler:
              output.kv_disk_drops) = self.kv_offload.take_ops()
         self._finished_req_ids = set()
         requests = self.requests
+        if checkpoints is not None:
+            output.state_saves = self._plan_state_saves(num_scheduled, checkpoints)
         if self.async_scheduling:
             self._planned[id(output)] = {r: requests[r] for r in num_scheduled}
             for request_id, num in num_scheduled.items():
@@ -354,6 +360,26 @@ class Scheduler:
         return self.kv_offload.lookup(request.block_hashes, request.all_token_ids,
                                       num_device_hits, max_hit_blocks, self.block_size)
 
+    def _plan_state_saves(self, num_scheduled: dict[str, int], checkpoints
+                          ) -> dict[str, tuple[int, int]]:
+        """The requests whose step crosses their `state_save_at` boundary save their
+        recurrent state there, unless that block's state is saved already (before the
+        step's computed tokens are advanced)."""
+        saves = {}
+        bs = self.block_size
+        for request_id, num in num_scheduled.items():
+            request = self.requests[request_id]
+            at, computed = request.state_save_at, request.num_computed_tokens
+            if not at or not computed < at <= computed + num:
+                continue
+            block_hash = request.block_hashes[at // bs - 1]
+            if checkpoints.has(block_hash):
+                continue
+            slot = checkpoints.reserve(block_hash)
+            if slot is not None:
+                saves[request_id] = (at - computed, slot)
+        return saves
+
     def _start_running(self, request: Request, num_hit: int) -> NewRequestData:
         """The request was admitted with `num_hit` tokens found in the prefix cache;
         what the worker is sent of it."""
@@ -368,7 +394,8 @@ class Scheduler:
             request.request_id, request.prompt_token_ids, list(request.output_token_ids),
             request.sampling_params, self.kv_cache_manager.get_block_ids(request.request_id),
             request.num_computed_tokens, request.pooling_params, lora_request=request.lora_request,
-            mm_features=request.mm_features)
+            mm_features=request.mm_features,
+            state_restore=request.state_restore if num_hit else None)
 
     def _limit(self, request: Request, num_hit: int, num_new: int) -> int:
         """A waiting request's tokens after the features' limits (the encoder budget);
@@ -440,6 +467,9 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         now = time.time()
+        checkpoints = self.kv_cache_manager.state_checkpoints
+        if checkpoints is not None:  # the step ran: the states it saved are there
+            checkpoints.commit(self.kv_cache_manager.pool.is_cached)
         self.encoder_cache_queries += runner_output.num_encoder_cache_queries
         self.encoder_cache_hits += runner_output.num_encoder_cache_hits
         self._finish_pooled(runner_output.pooler_output, outputs)

@@ -349,6 +349,8 @@ class EngineArgs:
             prefix_hash_seed=self.prefix_cache_hash_seed,
             prefix_caching_hash_algo=check_hash_algo(self.prefix_caching_hash_algo),
             sliding_window=arch.kv_cache_sliding_window)
+        if arch.mamba is not None and cache.enable_prefix_caching:
+            cache.num_state_checkpoints = self.max_num_seqs  # one per running request
         if self.kv_cache_memory_bytes:
             cache.kv_cache_memory_bytes = self.kv_cache_memory_bytes
         cache.kv_offloading_size, cache.kv_offloading_backend = _kv_offloading(

@@ -9,8 +9,16 @@ Refused at start-up with the reason, never run wrong:
 - tensor / pipeline parallelism: the Mamba2 mixer is not sharded and unverified;
 - LoRA (the Mamba projections take no adapters) and the fp8 KV cache (the conv state
   lives in the cache dtype).
-Prefix caching is turned off with a logged reason: a prefix-cache hit would skip the
-Mamba layers' pass over the prefix, whose state is not cached per block.
+Prefix caching keeps recurrent-state checkpoints at block boundaries
+(`pagoda.core.state_checkpoints`): a hit goes only as far as a block whose state was
+saved, so no hit skips the Mamba layers' pass over the prefix. Its cost: `max_num_seqs`
+checkpoint slots beside the running requests' in every Mamba layer's pool (as much
+state memory again), taken from the KV budget; --no-enable-prefix-caching gives it back.
+KV transfers (P/D roles, the prefix pull) are refused by the worker's KV geometry
+(`pagoda.kv_transfer.block_shares.runner_geometry`): a producer or consumer replica
+fails at start-up, a colocated one serves without transfers. Preemption and migration
+carry the state by recompute: the request starts at token 0 and its whole context
+(prompt + generated tokens) rebuilds the state in a zeroed slot.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ def check_hybrid_model(arch, *, tensor_parallel_size: int,
                        pipeline_parallel_size: int, enable_lora: bool, kv_cache_dtype: str,
                        enable_prefix_caching: bool, async_scheduling: bool = False) -> bool:
     """ValueError naming the feature a hybrid `arch` cannot run with; returns whether
-    prefix caching stays on (always False for a hybrid model, logged; unchanged else)."""
+    prefix caching stays on (unchanged: a hybrid model's runs on state checkpoints)."""
     if arch.mamba is None:
         return enable_prefix_caching
     name = arch.architecture
@@ -45,10 +53,9 @@ def check_hybrid_model(arch, *, tensor_parallel_size: int,
         raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is not supported for {name}: its "
                          "Mamba2 conv state is kept in the cache dtype; use auto")
     if enable_prefix_caching:
-        logger.warning("Prefix caching is disabled for %s: its Mamba2 layers' state is not "
-                       "cached per block, so a prefix-cache hit would skip their pass over the "
-                       "prefix", name)
-    return False
+        logger.info("Prefix caching for %s keeps its Mamba2 layers' state at block "
+                    "boundaries: a hit ends at the last block with a saved state", name)
+    return enable_prefix_caching
 
 
 def check_draft_model(draft_arch) -> None:

@@ -164,8 +164,8 @@ def runner_geometry(runner) -> tuple[BlockShape, int] | None:
         raise NotImplementedError(
             f"{arch.architecture} is a hybrid model with Mamba2 layers whose recurrent state "
             "lives outside the KV blocks: moving its KV blocks (P/D disaggregation, the prefix "
-            "pull, migration) is not supported; serve it without a KV transfer (a single "
-            "prefill+decode worker)")
+            "pull) is not supported; serve it without a KV transfer (a single prefill+decode "
+            "worker; a migrated request recomputes its whole context on the new replica)")
     if not runner.kv_caches:
         return None
     if arch.kv_latent_dim is not None:

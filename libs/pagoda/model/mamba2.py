@@ -14,6 +14,10 @@ request's computed tokens (the model runner zeroes it when the request starts at
 token 0), so every token of a sequence passes through each Mamba layer exactly once
 and in order. Tensor parallelism is not implemented (the family refuses TP > 1).
 
+Prefix caching (`pagoda.core.state_checkpoints`): `md.state_saves[i]` = (n, at) splits
+request i's tokens after the first n (a chunk boundary like any other) and copies its
+state there into pool index `at`, a checkpoint slot a later prefix hit is restored from.
+
 Speculative decoding: a request verifying d drafts feeds its last known token and the
 d drafts; `md.state_checkpoints[i]` (d + 1) asks for the state after each of those
 tokens, computed one token at a time with the decode recurrence (as plain decoding
@@ -82,11 +86,23 @@ class Mamba2Mixer(nn.Module):
                           device=hidden.device)
         self.checkpoints.clear()
         wanted = md.state_checkpoints or [0] * len(slots)
+        saves = md.state_saves or [None] * len(slots)
         for i, slot in enumerate(slots):
             a, b = qsl[i], qsl[i + 1]
             if wanted[i]:
+                if saves[i] is not None:  # never planned: saves fall within a prefill
+                    raise RuntimeError("a state checkpoint save in a draft-verifying step")
                 out[a:b] = self._checkpointed(xbc[a:b], dt[a:b], state, slot, wanted[i])
                 continue
+            if saves[i] is not None:  # the state after the first `n` tokens, kept at `at`
+                n, at = saves[i]
+                x = self._conv(xbc[a:a + n], conv_states, slot)
+                out[a:a + n] = self._scan(x, dt[a:a + n], ssm_states, slot)
+                conv_states[at].copy_(conv_states[slot])
+                ssm_states[at].copy_(ssm_states[slot])
+                a += n
+                if a == b:
+                    continue
             x = self._conv(xbc[a:b], conv_states, slot)
             out[a:b] = self._scan(x, dt[a:b], ssm_states, slot)
         return self.out_proj(self.norm(out, gate))

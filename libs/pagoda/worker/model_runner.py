@@ -142,7 +142,8 @@ class ModelRunner:
         else:
             budget = self.config.cache.kv_cache_memory_bytes
         # A hybrid model's Mamba state pools come first: one slot per running request.
-        budget -= recurrent_state_bytes(self.config.arch, self.config.scheduler.max_num_seqs,
+        # (and, with prefix caching, as many checkpoint slots: core/state_checkpoints.py).
+        budget -= recurrent_state_bytes(self.config.arch, self._num_state_slots(),
                                         self.kv_cache_dtype)
         return max(budget // per_block, 1)
 
@@ -183,6 +184,11 @@ class ModelRunner:
                             device=self.device)
         return IntermediateTensors(zeros, zeros.clone())
 
+    def _num_state_slots(self) -> int:
+        """Slots of each Mamba layer's state pool: the running requests', then the
+        prefix cache's state checkpoints."""
+        return self.config.scheduler.max_num_seqs + self.config.cache.num_state_checkpoints
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         if self.is_encoder:
             return  # attention reads only the step's own keys and values
@@ -190,7 +196,7 @@ class ModelRunner:
         max_num_seqs = self.config.scheduler.max_num_seqs
         self.kv_caches = allocate_kv_caches(self.config.arch, num_blocks, self.block_size,
                                             self.kv_cache_dtype, self.device, self.parallel,
-                                            num_state_slots=max_num_seqs)
+                                            num_state_slots=self._num_state_slots())
         if self.config.arch.mamba is not None:
             self.state_slots = RecurrentStateSlots(max_num_seqs)
             start = self.model.model.start_layer
@@ -244,9 +250,16 @@ class ModelRunner:
                                     self.block_size, self.device, self.config.batch_invariant)
         self._prepare_lora(inputs)
         if self.state_slots is not None:
+            restores = {d.req_id: d.state_restore for d in scheduler_output.scheduled_new_reqs
+                        if d.state_restore is not None}
             inputs.attn_metadata.state_slots = self.state_slots.assign(
                 inputs.req_ids, [self.states[r].num_computed_tokens for r in inputs.req_ids],
-                self.kv_caches, self._recurrent_caches)
+                self.kv_caches, self._recurrent_caches, restores)
+            if scheduler_output.state_saves:  # checkpoint c: pool index max_num_seqs + c
+                saves, base = scheduler_output.state_saves, self.state_slots.num_slots
+                inputs.attn_metadata.state_saves = [
+                    (saves[r][0], base + saves[r][1]) if r in saves else None
+                    for r in inputs.req_ids]
             if inputs.num_drafts is not None:
                 inputs.attn_metadata.state_checkpoints = [d + 1 if d else 0
                                                           for d in inputs.num_drafts]

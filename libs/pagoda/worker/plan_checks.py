@@ -46,11 +46,13 @@ class PlanLedger:
     """What the worker holds, request by request, as far as a plan can change it."""
 
     def __init__(self, num_blocks: int, block_size: int, vocab_size: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, num_state_checkpoints: int = 0) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        # A hybrid model's state checkpoint slots (pagoda.core.state_checkpoints).
+        self.num_state_checkpoints = num_state_checkpoints
         self.held: dict[str, _Held] = {}
 
     def check(self, plan: SchedulerOutput) -> None:
@@ -82,6 +84,7 @@ class PlanLedger:
                     or (op.block_index + 1) * self.block_size > data.num_computed_tokens:
                 raise PlanRejected("a host-tier onload that is not a computed block of a new "
                                    "request", op.req_id if data is not None else None)
+        self._check_state_checkpoints(plan)
         for data in plan.scheduled_new_reqs:
             if data.req_id in held:
                 raise PlanRejected("a new request with the id of one the worker holds",
@@ -123,6 +126,20 @@ class PlanLedger:
             self.num_blocks = num_blocks
 
     # ---------------------------------------------------------------- parts
+    def _check_state_checkpoints(self, plan: SchedulerOutput) -> None:
+        """A restore names a checkpoint slot of a request starting past token 0; a
+        save, one of a request of the step, within its tokens of the step."""
+        slots = range(self.num_state_checkpoints)
+        for data in plan.scheduled_new_reqs:
+            if data.state_restore is not None and (data.state_restore not in slots
+                                                   or data.num_computed_tokens == 0):
+                raise PlanRejected(f"a state checkpoint restore from slot {data.state_restore} "
+                                   f"(the worker has {len(slots)})", data.req_id)
+        for req_id, (num_tokens, slot) in plan.state_saves.items():
+            if slot not in slots or not 0 < num_tokens <= plan.num_scheduled_tokens.get(req_id, 0):
+                raise PlanRejected(f"a state checkpoint save of {num_tokens} tokens into slot "
+                                   f"{slot} (the worker has {len(slots)})", req_id)
+
     def _check_new(self, data: NewRequestData, num_scheduled: int) -> None:
         rid = data.req_id
         tokens = [*data.prompt_token_ids, *data.output_token_ids]

@@ -7,9 +7,15 @@ back when it finishes or is preempted (a preempted request recomputes from token
 its state is rebuilt from the tokens).
 
 Invariant: a request is given a slot only when it starts at token 0 (the slot is
-zeroed then); one arriving with computed tokens whose state this worker does not hold
-(a prefix-cache hit, a migrated request's KV) is refused with an error, never run on
-a state that skipped those tokens.
+zeroed then) or at a prefix-cache hit whose state a checkpoint holds
+(`pagoda.core.state_checkpoints`: the slot is copied from the checkpoint, which the
+pools keep after the `num_slots` running requests' slots); one arriving with computed
+tokens and no checkpoint (pulled or transferred KV blocks) is refused with an error,
+never run on a state that skipped those tokens. A migrated request (the gateway re-sends it
+with its generated tokens as `output_token_ids`) is not such a request: prefix caching
+and KV transfers are off for hybrid models, so it starts at token 0 and its whole
+context (prompt + generated tokens) rebuilds the state, as after a preemption
+(tests/model/architectures/test_granitemoehybrid_migration.py).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 
 class RecurrentStateSlots:
     def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
         self.free = list(range(num_slots - 1, -1, -1))
         self.slots: dict[str, int] = {}
 
@@ -29,13 +36,27 @@ class RecurrentStateSlots:
 
     def assign(self, req_ids: list[str], num_computed: list[int],
                caches: list[tuple[torch.Tensor, torch.Tensor]],
-               recurrent_layers: list[int]) -> list[int]:
+               recurrent_layers: list[int], restores: dict[str, int] | None = None
+               ) -> list[int]:
         """The slot of each request of the step (in order), new ones zeroed in every
-        recurrent layer's pool (`recurrent_layers`: their indices in `caches`)."""
+        recurrent layer's pool (`recurrent_layers`: their indices in `caches`), or
+        copied from checkpoint `restores[req_id]` (a prefix hit; checkpoint c is pool
+        index num_slots + c)."""
         slots = []
+        restores = restores or {}
         for req_id, computed in zip(req_ids, num_computed, strict=True):
             slot = self.slots.get(req_id)
-            if slot is None:
+            if slot is None and computed != 0 and req_id in restores:
+                if not self.free:
+                    raise RuntimeError("no free Mamba state slot: more running requests than "
+                                       "max_num_seqs")
+                slot = self.slots[req_id] = self.free.pop()
+                source = self.num_slots + restores[req_id]
+                for i in recurrent_layers:
+                    conv, ssm = caches[i]
+                    conv[slot].copy_(conv[source])
+                    ssm[slot].copy_(ssm[source])
+            elif slot is None:
                 if computed != 0:
                     raise RuntimeError(
                         f"request {req_id!r} starts at token {computed} but its Mamba state "

@@ -53,6 +53,7 @@ def scheduler_output_to_proto(out: SchedulerOutput) -> pb.SchedulerOutput:
             output_token_ids=new.output_token_ids,
             block_ids=new.block_ids,
             num_computed_tokens=new.num_computed_tokens,
+            state_restore=0 if new.state_restore is None else new.state_restore + 1,
         )
         if new.lora_request is not None:
             lora_request_to_proto(new.lora_request, added.lora_request)
@@ -75,6 +76,8 @@ def scheduler_output_to_proto(out: SchedulerOutput) -> pb.SchedulerOutput:
         msg.kv_spills.add(slot=spill.slot, block_hash=spill.block_hash,
                           from_device=spill.block_id >= 0, block_id=max(spill.block_id, 0))
     msg.kv_disk_drops.extend(out.kv_disk_drops)
+    for req_id, (num_tokens, slot) in out.state_saves.items():
+        msg.state_saves.add(req_id=req_id, num_tokens=num_tokens, slot=slot)
     cached = out.scheduled_cached_reqs
     msg.scheduled_cached_reqs.req_ids.extend(cached.req_ids)
     msg.scheduled_cached_reqs.num_computed_tokens.extend(cached.num_computed_tokens)
@@ -104,6 +107,7 @@ def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
             lora_request=(lora_request_from_proto(m.lora_request)
                           if m.HasField("lora_request") else None),
             mm_features=features_from_proto(m.mm_features, len(m.prompt_token_ids)),
+            state_restore=m.state_restore - 1 if m.state_restore else None,
         )
         for m in msg.scheduled_new_reqs
     ]
@@ -131,6 +135,7 @@ def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
         kv_spills=[KVSpill(m.slot, m.block_hash, m.block_id if m.from_device else -1)
                    for m in msg.kv_spills],
         kv_disk_drops=list(msg.kv_disk_drops),
+        state_saves={m.req_id: (m.num_tokens, m.slot) for m in msg.state_saves},
     )
 
 

@@ -1,8 +1,9 @@
 """GraniteMoeHybrid (Granite-4.0-H) against transformers: Mamba2 layers between
 attention layers, their recurrent state carried across prefill chunks (the token budget
 of 16 splits every prompt; mamba_chunk_size 8 splits each chunk's scan) and decode
-steps, rebuilt after preemption, rewound past rejected drafts under n-gram and
-draft-model speculation; and what the family refuses at start-up."""
+steps, rebuilt after preemption, restored from state checkpoints on prefix-cache hits,
+rewound past rejected drafts under n-gram and draft-model speculation; and what the
+family refuses at start-up."""
 
 from __future__ import annotations
 
@@ -48,8 +49,9 @@ def test_granite_hybrid_greedy_and_logprobs_match_transformers(tmp_path, smollm2
     llm = assert_matches_transformers(path, random_prompts([7, 30, 45]), 16)
     model = llm.llm_engine.core.executor.runner.model
     assert sum(isinstance(m, Mamba2Mixer) for m in model.modules()) == 3
-    # Prefix caching is off for the family: no hit may skip the Mamba layers' prefix.
-    assert llm.llm_engine.config.cache.enable_prefix_caching is False
+    # The second pass started from prefix hits (every request: assert_matches_transformers)
+    # restored from state checkpoints at block boundaries.
+    assert llm.llm_engine.config.cache.enable_prefix_caching is True
 
 
 def test_preemption_rebuilds_the_mamba_state(tmp_path, smollm2_tokenizer):
@@ -80,13 +82,19 @@ def test_mamba_layers_hold_no_kv_blocks(tmp_path, smollm2_tokenizer):
     assert caches[1][0].shape == (10, 4, 2, 16)
 
 
-def test_prefix_caching_is_turned_off_with_a_logged_reason(tmp_path, smollm2_tokenizer, caplog):
+def test_prefix_caching_keeps_state_checkpoints(tmp_path, smollm2_tokenizer, caplog):
+    """Prefix caching stays on, with one state checkpoint slot per running request
+    (pagoda.core.state_checkpoints); without it, none."""
     path = save_tiny_checkpoint(tmp_path, granite_hybrid_config(), smollm2_tokenizer)
-    with caplog.at_level(logging.WARNING):
-        config = EngineArgs(model=path, dtype="float32",
+    with caplog.at_level(logging.INFO):
+        config = EngineArgs(model=path, dtype="float32", max_num_seqs=6,
                             enable_prefix_caching=True).create_engine_config()
-    assert config.cache.enable_prefix_caching is False
-    assert "Prefix caching is disabled for GraniteMoeHybridForCausalLM" in caplog.text
+    assert config.cache.enable_prefix_caching is True
+    assert config.cache.num_state_checkpoints == 6
+    assert "keeps its Mamba2 layers' state at block boundaries" in caplog.text
+    off = EngineArgs(model=path, dtype="float32",
+                     enable_prefix_caching=False).create_engine_config()
+    assert off.cache.num_state_checkpoints == 0
 
 
 def repetitive_prompts() -> list[list[int]]:
@@ -169,8 +177,9 @@ def test_moving_kv_blocks_is_refused_by_name(tmp_path, smollm2_tokenizer):
 
 
 def test_a_request_without_its_state_is_refused():
-    """A request that arrives with computed tokens (a migrated or prefix-cached one)
-    has no Mamba state here: refused by name, never run from a zero state."""
+    """A request that arrives with computed tokens and no state checkpoint (pulled or
+    transferred KV blocks) has no Mamba state here: refused by name, never run from a
+    zero state; one with a checkpoint gets a copy of it."""
     from pagoda.worker.recurrent_state import RecurrentStateSlots
 
     slots = RecurrentStateSlots(2)
@@ -181,6 +190,11 @@ def test_a_request_without_its_state_is_refused():
         slots.assign(["b"], [5], caches, [0])
     slots.release("a")
     assert slots.assign(["c"], [0], caches, [0]) == [0]
+    pools = [(torch.zeros(3, 3, 3), torch.zeros(3, 1, 1, 1))]  # 2 slots + 1 checkpoint
+    pools[0][0][2].fill_(7.0)
+    pools[0][1][2].fill_(5.0)
+    assert slots.assign(["d"], [8], pools, [0], {"d": 0}) == [1]
+    assert pools[0][0][1].sum() == 63 and pools[0][1][1].sum() == 5
 
 
 def test_sleep_and_wake_up_restore_the_kv_blocks_and_state_pools(tmp_path, smollm2_tokenizer):
