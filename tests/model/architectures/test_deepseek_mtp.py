@@ -37,7 +37,7 @@ def add_mtp_layer(path: str, near_bigram: bool = False) -> None:
     or layer 2's) plus enorm, hnorm, eh_proj, shared_head and embed_tokens.
 
     near_bigram: the target's attention and MLP outputs are scaled down (o_proj and
-    down_proj by 0.05), so its next token depends mostly on the current token; the MTP
+    down_proj by 0.01), so its next token depends mostly on the current token; the MTP
     layer reads the embedding of the token after its position (eh_proj = [I | 0.05 R]),
     has its blocks scaled down likewise and the target's final norm and head, so it
     predicts mostly what the target will: drafts are accepted often, not always. Its
@@ -65,7 +65,7 @@ def add_mtp_layer(path: str, near_bigram: bool = False) -> None:
         for name in list(tensors) + list(mtp):
             table = tensors if name in tensors else mtp
             if name.endswith(("o_proj.weight", "down_proj.weight")):
-                table[name] = 0.05 * table[name]
+                table[name] = 0.01 * table[name]
         mtp[f"model.layers.{N}.enorm.weight"] = torch.ones(hidden)
         mtp[f"model.layers.{N}.hnorm.weight"] = torch.ones(hidden)
         mtp[f"model.layers.{N}.eh_proj.weight"] = torch.cat(
@@ -181,11 +181,26 @@ def recorded_proposals(monkeypatch) -> list[tuple[list[int], list[int]]]:
     return seen
 
 
-@pytest.mark.parametrize("kind,k", [("random", 1), ("random", 3), ("near_bigram", 3)])
+_PLAIN: dict[str, list[list[int]]] = {}
+
+
+def plain_outputs(path: str) -> list[list[int]]:
+    """Greedy tokens without speculation (once per checkpoint)."""
+    if path not in _PLAIN:
+        _PLAIN[path] = generate(path)[1]
+    return _PLAIN[path]
+
+
+# make test runs the near-bigram row (drafts accepted and rejected, the MTP layer reused
+# for drafts 2 and 3); the random rows (every draft rejected) are extended.
+@pytest.mark.parametrize("kind,k", [
+    pytest.param("random", 1, marks=pytest.mark.extended),
+    pytest.param("random", 3, marks=pytest.mark.extended),
+    ("near_bigram", 3)])
 def test_mtp_greedy_equals_plain_and_drafts_equal_the_reference(mtp_checkpoints, monkeypatch,
                                                                  kind, k):
     path = mtp_checkpoints[kind]
-    _, plain = generate(path)
+    plain = plain_outputs(path)
     proposals = recorded_proposals(monkeypatch)
     # No prefix caching: an MTP entry cached at a block's last position was computed with
     # the token after it, which another request may not share (only acceptance drops).
@@ -211,7 +226,7 @@ def test_mtp_with_prefix_caching_and_chunked_prefill(mtp_checkpoints):
     """Prefix-cache hits and 8-token prefill chunks (the token after a chunk is the next
     prompt token): the same greedy tokens."""
     path = mtp_checkpoints["near_bigram"]
-    _, plain = generate(path)
+    plain = plain_outputs(path)
     llm, spec = generate(path, {"method": "deepseek_mtp"}, max_num_batched_tokens=8)
     assert spec == plain
     again = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
