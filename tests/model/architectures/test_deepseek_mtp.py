@@ -222,15 +222,22 @@ def test_mtp_greedy_equals_plain_and_drafts_equal_the_reference(mtp_checkpoints,
         assert stats.accepted_per_pos[1] > 0  # a second draft (the MTP layer reused) accepted
 
 
-def test_mtp_with_prefix_caching_and_chunked_prefill(mtp_checkpoints):
-    """Prefix-cache hits and 8-token prefill chunks (the token after a chunk is the next
-    prompt token): the same greedy tokens."""
-    path = mtp_checkpoints["near_bigram"]
+def test_mtp_with_chunked_prefill_and_prefix_caching(mtp_checkpoints, monkeypatch):
+    """8-token prefill chunks (the token after a chunk's last row is the next prompt
+    token): the same greedy tokens, and drafts equal the reference; then the same
+    prompts again from prefix-cache hits: the same greedy tokens. (The random checkpoint:
+    its drafts depend on every MTP cache entry, the near-bigram one's hardly.)"""
+    path = mtp_checkpoints["random"]
     plain = plain_outputs(path)
+    proposals = recorded_proposals(monkeypatch)
     llm, spec = generate(path, {"method": "deepseek_mtp"}, max_num_batched_tokens=8)
     assert spec == plain
+    assert llm.llm_engine.core.get_stats().spec_decoding.num_spec_tokens == 1  # the default
+    reference = ReferenceMTP(path)
+    for tokens, drafts in proposals:
+        assert drafts == reference.drafts(tokens, 1), tokens
     again = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                          SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
                          use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in again] == plain
-    assert llm.llm_engine.core.get_stats().spec_decoding.num_spec_tokens == 1  # the default
+    assert llm.llm_engine.core.get_stats().prefix_cache_hits > 0
