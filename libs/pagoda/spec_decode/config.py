@@ -164,10 +164,11 @@ def refuse_mtp(config: SpeculativeConfig | None, architecture: str, model_path: 
 
 
 def refuse_mtp_with_kv_transfer(config: SpeculativeConfig | None, kv_role: str | None) -> None:
-    """ValueError for MTP drafts on a P/D replica: the blocks handed over carry no MTP
-    layer cache (unverified; a draft model's cache is not moved either)."""
-    if config is not None and config.uses_mtp and kv_role in ("kv_producer", "kv_consumer",
-                                                               "kv_both"):
+    """ValueError for MTP drafts on a prefill or decode replica of P/D: the blocks handed
+    over carry no MTP layer cache (unverified; a draft model's cache is not moved either).
+    A colocated replica (kv_both, the default) is served; blocks it pulls from a peer's
+    prefix only lower acceptance."""
+    if config is not None and config.uses_mtp and kv_role in ("kv_producer", "kv_consumer"):
         raise ValueError(f"--speculative-config: method 'mtp' is not supported with KV "
                          f"transfer (--kv-transfer-config kv_role {kv_role}): the blocks "
                          "moved between replicas do not carry the MTP layer's cache")

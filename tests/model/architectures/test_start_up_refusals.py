@@ -104,6 +104,7 @@ def test_mtp_config_on_deepseek_v3(tmp_path, smollm2_tokenizer):
     assert (spec.method, spec.num_speculative_tokens, spec.vocab_size) == ("mtp", 2, VOCAB_SIZE)
     assert config.arch.family_settings.mtp_drafts
     refuse_mtp_with_kv_transfer(spec, None)
+    refuse_mtp_with_kv_transfer(spec, "kv_both")  # colocated: served (the matrix row)
     with pytest.raises(ValueError, match="not supported with KV transfer .*kv_consumer"):
         refuse_mtp_with_kv_transfer(spec, "kv_consumer")
 
