@@ -180,10 +180,10 @@ def test_deepseek_preempting(deepseek):
 def _tiny_deepseek_v3_mtp(out: pathlib.Path, tokenizer) -> str:
     """The tiny DeepSeek-V3 made near-bigram (attention and MLP outputs scaled by 0.02:
     its next token depends mostly on the current one; an untied random LM head) plus one
-    MTP layer that predicts mostly what it will: layer 2's block (scaled likewise), unit enorm/hnorm, eh_proj
-    reading mostly the embedding of the token after its position ([I | 0.05 R]), the
-    model's final norm; no embed_tokens or shared_head.head (the model's embedding and
-    LM head are used). So drafts are accepted in part and the rest rejected."""
+    MTP layer that predicts mostly what it will: layer 2's block (scaled likewise), unit
+    enorm/hnorm, eh_proj reading mostly the embedding of the token after its position
+    ([I | 0.05 R]), the model's final norm; no embed_tokens or shared_head.head (the
+    model's embedding and LM head are used). So drafts are accepted in part and the rest rejected."""
     from safetensors.torch import load_file, save_file  # lazy: this fixture only
 
     _tiny_deepseek_v3(out, tokenizer)

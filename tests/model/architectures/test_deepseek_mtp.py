@@ -123,7 +123,8 @@ class ReferenceMTP:
         positions = torch.arange(n)
         e = self.embed[torch.tensor(next_tokens)]
         e[positions == 0] = 0
-        x = torch.cat([self.rms(e, self.enorm), self.rms(previous, self.hnorm)], -1) @ self.eh_proj.T
+        x = torch.cat([self.rms(e, self.enorm), self.rms(previous, self.hnorm)], -1)
+        x = x @ self.eh_proj.T
         mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
         cos_sin = self.rotary(x[None], positions[None])
         out = self.block(x[None], attention_mask=mask, position_ids=positions[None],

@@ -130,7 +130,8 @@ def test_every_mtp_tensor_is_consumed_or_named(tmp_path, smollm2_tokenizer, capl
     with caplog.at_level("INFO"):
         model = load_model(path, arch, torch.float32)
     layer4 = sum(name.startswith("model.layers.4.") for name in mtp)
-    assert f"Ignoring {layer4} tensors of the checkpoint's MTP layers after the first" in caplog.text
+    assert (f"Ignoring {layer4} tensors of the checkpoint's MTP layers after the first"
+            in caplog.text)
     assert "has no model.layers.3.embed_tokens.weight: it uses model.embed_tokens" in caplog.text
     assert torch.equal(model.mtp_layer.shared_head.head.weight, tensors["lm_head.weight"])
     bad = {**tensors, **mtp, "model.layers.3.extra.weight": torch.zeros(4)}
