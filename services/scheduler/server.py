@@ -20,6 +20,7 @@ from pagoda.services.common.grpc_server import (NOT_SERVING, SERVING,
                                                 add_server_args, bind, metrics_host)
 from pagoda.services.common.logs import setup_logging
 from pagoda.engine.async_steps import refuse_async_kv_transfer
+from pagoda.spec_decode.config import refuse_mtp_with_kv_transfer
 from pagoda.services.common.kv_transfer_args import (add_kv_transfer_args, kv_transfer_config,
                                                    require_prefix_caching)
 from pagoda.services.common.metrics_server import maybe_start_metrics
@@ -98,6 +99,7 @@ def main(args: argparse.Namespace) -> int:
     role = kv_transfer_config(args)
     try:  # before waiting for the worker: the operator's to fix
         refuse_async_kv_transfer(config.scheduler.async_scheduling, role.kv_role)
+        refuse_mtp_with_kv_transfer(config.scheduler.speculative_config, role.kv_role)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     refuse_kv_transfer_without_kv_cache(args, config)  # before waiting for the worker

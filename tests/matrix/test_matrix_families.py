@@ -6,7 +6,9 @@ request set exactly as the offline float32 engine does on the same weights (the 
 token ids, logprobs within 1e-4):
 - DeepSeek-V3: plain, 16-token prefill chunks, TP=2, a KV pool small enough to preempt,
   P/D (the latent blocks moved prefill -> decode, both connectors), the prefix pulled
-  from another replica and a request migrated off a killed gpu-worker;
+  from another replica and a request migrated off a killed gpu-worker; MTP speculation
+  on a near-bigram variant with an MTP layer (drafts from the checkpoint's own head,
+  accepted in part);
 - Granite-4.0-H: plain, 16-token prefill chunks, a preempting pool (the state is
   rebuilt), n-gram and draft-model speculation (rejected drafts rewound out of the
   state: vLLM's hybrid bug #39273). Seeded requests under speculation are checked as in
@@ -186,6 +188,62 @@ def test_deepseek_preempting(deepseek):
     """A pool of SMALL_POOL_BLOCKS latent blocks under the whole set at once: requests
     are preempted and recomputed, and still give the reference's answers."""
     record(preempting_row("DeepSeek-V3 (MLA)", *deepseek))
+
+
+def _tiny_deepseek_v3_mtp(out: pathlib.Path, tokenizer) -> str:
+    """The tiny DeepSeek-V3 made near-bigram (attention and MLP outputs scaled by 0.02:
+    its next token depends mostly on the current one; an untied random LM head) plus one
+    MTP layer that predicts mostly what it will: layer 2's block (scaled likewise), unit
+    enorm/hnorm, eh_proj reading mostly the embedding of the token after its position
+    ([I | 0.05 R]), the model's final norm; no embed_tokens or shared_head.head (the
+    model's embedding and LM head are used). So drafts are accepted in part and the rest rejected."""
+    from safetensors.torch import load_file, save_file  # lazy: this fixture only
+
+    _tiny_deepseek_v3(out, tokenizer)
+    config = json.loads((out / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    config["tie_word_embeddings"] = False  # tied, a bigram model repeats its last token
+    (out / "config.json").write_text(json.dumps(config))
+    tensors = load_file(out / "model.safetensors")
+    n, hidden = config["num_hidden_layers"], config["hidden_size"]
+    for name in tensors:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = 0.02 * tensors[name]
+    g = torch.Generator().manual_seed(3)
+    tensors["lm_head.weight"] = 0.2 * torch.randn(config["vocab_size"], hidden, generator=g)
+    mtp = {name.replace(f"model.layers.{n - 1}.", f"model.layers.{n}."): t.clone()
+           for name, t in tensors.items() if name.startswith(f"model.layers.{n - 1}.")}
+    mtp[f"model.layers.{n}.enorm.weight"] = torch.ones(hidden)
+    mtp[f"model.layers.{n}.hnorm.weight"] = torch.ones(hidden)
+    mtp[f"model.layers.{n}.eh_proj.weight"] = torch.cat(
+        [torch.eye(hidden), 0.05 * torch.randn(hidden, hidden, generator=g)], dim=1)
+    mtp[f"model.layers.{n}.shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
+    save_file({**tensors, **mtp}, out / "model.safetensors", metadata={"format": "pt"})
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def deepseek_mtp(tmp_path_factory, smollm2_tokenizer):
+    return _with_reference(_tiny_deepseek_v3_mtp(
+        tmp_path_factory.mktemp("tiny_deepseek_v3_mtp"), smollm2_tokenizer))
+
+
+def test_deepseek_mtp_speculation(deepseek_mtp):
+    """MTP drafts (k=2, the one MTP layer reused) verified by the DeepSeek-V3 target:
+    greedy requests give the reference's tokens (offline, without speculation); seeded
+    ones the same tokens twice; drafts accepted in part."""
+    model, want, decode = deepseek_mtp
+    with served(model, *spec_flags({"method": "mtp", "num_speculative_tokens": 2})) as serve:
+        got = send_all(serve.url, REQUESTS)
+        again = send_all(serve.url, [r for r in REQUESTS if r.seeded])
+        drafted = metric(serve, "vllm:spec_decode_num_draft_tokens_total")
+        accepted = metric(serve, "vllm:spec_decode_num_accepted_tokens_total")
+    assert drafted > 0, "mtp: nothing was drafted"
+    assert 0 < accepted < drafted, f"mtp: {accepted}/{drafted} accepted (no partial rewind)"
+    record(check_row("DeepSeek-V3 (MLA): MTP speculation", want, got, FP32_LOGPROB_TOL, decode,
+                     again=again,
+                     notes=f"{accepted:.0f}/{drafted:.0f} draft tokens accepted; seeded: "
+                           "same tokens twice on this path"))
 
 
 def preempting_row(family: str, model, want, decode, blocks: int = SMALL_POOL_BLOCKS,

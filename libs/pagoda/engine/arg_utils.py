@@ -22,7 +22,7 @@ from pagoda.lora.config import LoRAConfig
 from pagoda.reasoning.budget import ReasoningConfig
 from pagoda.simulated_device import FLAG_HELP as SIMULATED_DEVICE_HELP
 from pagoda.simulated_device import SimulatedDeviceConfig
-from pagoda.spec_decode.config import SpeculativeConfig, refuse_mtp
+from pagoda.spec_decode.config import SpeculativeConfig, num_mtp_layers, refuse_mtp
 
 # Why --trust-remote-code is refused rather than ignored: a user who passes it expects
 # the model's own Python code to run, and Pagoda never runs it.
@@ -369,6 +369,11 @@ class EngineArgs:
             async_scheduling=self.async_scheduling)
         refuse_async_scheduling_combinations(scheduler, self.pipeline_parallel_size,
                                              pooling.runner)
+        if scheduler.speculative_config is not None and scheduler.speculative_config.uses_mtp:
+            # lazy: as above
+            from pagoda.model.registry import MODEL_REGISTRY
+
+            arch = MODEL_REGISTRY.resolve(arch.architecture).enable_mtp(arch)
         refuse_multimodal_combinations(self, arch, pooling.runner)
         scheduler.max_num_encoder_input_tokens, scheduler.encoder_cache_size = encoder_budget(
             self, arch, max_batched, model_path)
@@ -432,12 +437,15 @@ class EngineArgs:
                                  device, dtype, batch_invariant, self.enable_lora)
 
     def _speculative_config(self, runner: str, arch, model_path: str):
-        refuse_mtp(self.speculative_config, arch.architecture, model_path)
         config = SpeculativeConfig.parse(self.speculative_config)
+        if config is not None and config.uses_mtp:
+            config = self._mtp_config(config, arch, model_path)
         if config is not None and runner != "generate":
             raise ValueError("--speculative-config applies to generation, not --runner pooling")
         if config is not None and self.pipeline_parallel_size > 1:
             raise ValueError("--speculative-config is not supported with pipeline parallelism")
+        if config is not None and config.uses_mtp:
+            return config
         if config is None or not config.uses_draft_model:
             return config
         # lazy: torch and the model code load where an engine is built, not in the CLI, which
@@ -458,6 +466,25 @@ class EngineArgs:
                              f"vocabulary of {draft.vocab_size} tokens, the target "
                              f"{arch.vocab_size}: a draft model must share the tokenizer")
         return dataclasses.replace(config, model=path, vocab_size=arch.vocab_size)
+
+    def _mtp_config(self, config: SpeculativeConfig, arch, model_path: str) -> SpeculativeConfig:
+        """`{"method": "mtp"}` checked against the checkpoint and the engine's features;
+        num_speculative_tokens defaults to the checkpoint's MTP layers (vLLM's n_predict)."""
+        # lazy: the model registry imports the architectures (torch) where an engine is built
+        from pagoda.model.registry import MODEL_REGISTRY
+
+        if not config.num_speculative_tokens:
+            config = dataclasses.replace(config,
+                                         num_speculative_tokens=max(num_mtp_layers(model_path), 1))
+        refuse_mtp(config, arch.architecture, model_path,
+                   MODEL_REGISTRY.resolve(arch.architecture).enable_mtp is not None,
+                   **{"tensor parallelism (--tensor-parallel-size > 1)":
+                      self.tensor_parallel_size > 1,
+                      "pipeline parallelism (--pipeline-parallel-size > 1)":
+                      self.pipeline_parallel_size > 1,
+                      "--enable-expert-parallel": self.enable_expert_parallel,
+                      "--enable-lora": self.enable_lora})
+        return dataclasses.replace(config, vocab_size=arch.vocab_size)
 
     def _reasoning_config(self, model_path: str, vocab_size: int):
         """--reasoning-config with its markers as token ids (strings tokenized with the

@@ -93,7 +93,8 @@ class ModelArchitecture:
     (LLaVA's `text_config`): the common fields are parsed from it, the family settings
     from the whole config.json. `refuse_quantization`, when set, is why no quantization method (a quantized
     checkpoint, or `--quantization`) can run this architecture: refused when the engine
-    config is built, before any method-specific rule.
+    config is built, before any method-specific rule. `enable_mtp`, when set, turns a
+    config into one whose model also holds its MTP draft layer (DeepSeek-V3).
     Invariant: `hf_name` is the registry key; several entries may share a `model_cls`.
     """
 
@@ -104,6 +105,9 @@ class ModelArchitecture:
     gguf_layouts: Mapping[str, GGUFLayout] = field(default_factory=dict)
     refuse_quantization: str | None = None
     text_config_key: str | None = None
+    # The config that also builds the checkpoint's multi-token-prediction layer as a
+    # draft head (`{"method": "mtp"}`); None: the architecture has no MTP drafts.
+    enable_mtp: Callable[["ModelArchConfig"], "ModelArchConfig"] | None = None
 
     @property
     def family(self) -> str:

@@ -35,10 +35,10 @@ class DraftTokens(SchedulerHook):
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        self.proposer = make_proposer(config)  # None with a draft model: the worker's
+        self.proposer = make_proposer(config)  # None with a draft model or MTP: the worker's
         self.stats = SpecDecodingStats.for_config(config)
-        # A draft model writes KV for its proposals after each request's tokens.
-        self.num_lookahead_tokens = config.num_speculative_tokens if config.uses_draft_model else 0
+        # A draft model (or MTP layer) writes KV for its proposals after each request's tokens.
+        self.num_lookahead_tokens = config.num_speculative_tokens if config.drafts_on_worker else 0
 
     def extra_tokens(self, request: Request, num_new: int, budget: int) -> int:
         """Drafts ride only with a decode's one token, as many as the budget leaves;
@@ -74,7 +74,7 @@ class DraftTokens(SchedulerHook):
     def after_step(self, request: Request, runner_output: ModelRunnerOutput,
                    num_running: int) -> None:
         """Drafts for the request's next step: the n-gram proposer's, or the draft
-        model's from the worker. None while the batch is too large for speculation to
+        model's (MTP layer's) from the worker. None while the batch is too large for speculation to
         pay, or for requests it cannot serve (`may_speculate`)."""
         limit = self.config.disable_by_batch_size
         if (limit is not None and num_running >= limit) or not may_speculate(request):

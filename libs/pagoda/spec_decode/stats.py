@@ -13,9 +13,9 @@ if TYPE_CHECKING:
 
 
 def make_proposer(config: SpeculativeConfig | None) -> NgramProposer | None:
-    """The scheduler's proposer; None without speculation or with a draft model (its
-    drafts come from the worker: spec_decode.draft_model)."""
-    if config is None or config.uses_draft_model:
+    """The scheduler's proposer; None without speculation or with a draft model or MTP
+    (their drafts come from the worker: spec_decode.draft_model, spec_decode.mtp)."""
+    if config is None or config.drafts_on_worker:
         return None
     return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                          config.prompt_lookup_max)

@@ -32,6 +32,7 @@ from pagoda.sample.rejection_sampler import verify_drafts
 from pagoda.sample.sampler import Sampler, advance_generator
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.draft_model import DraftModelRunner
+from pagoda.spec_decode.mtp import MTPProposer
 from pagoda.worker import cpu_allocator
 from pagoda.worker.cuda_graphs import DecodeCUDAGraphs, cuda_graph_sizes
 from pagoda.worker.encoder_cache import EncoderCache
@@ -74,7 +75,9 @@ class ModelRunner:
         self.pooler = None  # the model's Pooler under --runner pooling
         self.cuda_graphs = None  # DecodeCUDAGraphs on CUDA unless enforce_eager
         self.lora_manager = None  # pagoda.lora.manager.LoRAModelManager under --enable-lora
-        self.drafter = None  # spec_decode.draft_model.DraftModelRunner with a draft model
+        # spec_decode.draft_model.DraftModelRunner with a draft model, spec_decode.mtp's
+        # MTPProposer with MTP drafts
+        self.drafter = None
         # A hybrid model's Mamba state slots per request (`recurrent_state`); None otherwise.
         self.state_slots: RecurrentStateSlots | None = None
         self._recurrent_caches: list[int] = []  # their layers' indices in kv_caches
@@ -110,6 +113,8 @@ class ModelRunner:
         spec = self.config.scheduler.speculative_config
         if spec is not None and spec.uses_draft_model:
             self.drafter = DraftModelRunner(self.config, self.dtype, self.device)
+        elif spec is not None and spec.uses_mtp:
+            self.drafter = MTPProposer(self.model, self.config, self.device)
         if getattr(self.model, "supports_multimodal", False):
             self.mm_inputs = MultiModalStepInputs(
                 self.model, EncoderCache(self.config.scheduler.encoder_cache_size))
@@ -213,7 +218,10 @@ class ModelRunner:
         if (self.device.type == "cuda" and not self.config.enforce_eager
                 and self.parallel.world_size == 1 and self.config.runner == "generate"
                 and self.lora_manager is None  # graphs would freeze one step's adapters
-                and self.state_slots is None):  # Mamba slots change per step; eager
+                and self.state_slots is None  # Mamba slots change per step; eager
+                # MTP reads the forward's pre-norm hidden state, which a graph replay
+                # would not set (unverified on a device: eager)
+                and not isinstance(self.drafter, MTPProposer)):
             self._capture_cuda_graphs()
 
     def _capture_cuda_graphs(self) -> None:
@@ -283,12 +291,12 @@ class ModelRunner:
         return output
 
     def _draft(self, inputs: ModelInputs, sampled: list[list[int]]) -> dict[str, list[int]]:
-        """The draft model's KV for this step's tokens, then its proposals for the
-        requests that sampled and may be speculated on (spec_decode.draft_model)."""
-        self.drafter.observe(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        """The drafter's KV for this step's tokens, then its proposals for the requests
+        that sampled and may be speculated on (spec_decode.draft_model, spec_decode.mtp)."""
+        is_mtp = isinstance(self.drafter, MTPProposer)
+        if not is_mtp:
+            self.drafter.observe(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         limit = self.drafter.disable_by_batch_size
-        if limit is not None and len(self.states) >= limit:
-            return {}
         constrained = set(self._grammar[0]) if self._grammar is not None else set()
         wanted = []
         for req_id, tokens in zip(inputs.req_ids, sampled):
@@ -297,6 +305,10 @@ class ModelRunner:
             # As the scheduler's may_speculate: no grammar, no seeded random stream.
             if tokens and req_id not in constrained and (params.seed is None or params.is_greedy):
                 wanted.append((req_id, state.token_ids, state.block_ids))
+        if limit is not None and len(self.states) >= limit:
+            wanted = []
+        if is_mtp:  # its pass over the step runs even when nothing is wanted: its cache
+            return self.drafter.propose(inputs, sampled, self.states, {r for r, _, _ in wanted})
         return self.drafter.propose(wanted) if wanted else {}
 
     def _forward(self, inputs: ModelInputs, inputs_embeds: torch.Tensor | None = None

@@ -28,9 +28,15 @@ the layers. All three give transformers' greedy tokens
 layer-level logits at TP=2/4: `tests/distributed/test_deepseek_tensor_parallel.py`).
 
 Refused at load, by name: fp8/other quantized checkpoints (DeepSeek-V3's own fp8 block
-format included: serve a bf16 conversion) and `--quantization`. MTP layers
-(`num_nextn_predict_layers`, stored as `model.layers.<num_hidden_layers + i>.*`) are
-not read; the loader logs that it ignores them.
+format included: serve a bf16 conversion) and `--quantization`.
+
+MTP layers (`num_nextn_predict_layers`, stored as `model.layers.<num_hidden_layers + i>.*`):
+without MTP speculation they are not read, and the loader logs that it ignores them.
+Under `{"method": "mtp"}` (`with_mtp_drafts`) the model also builds the first one
+(`pagoda.model.deepseek_mtp`) at index num_hidden_layers of `model.layers`, keeps the
+decoder's pre-norm hidden state for it, and reads its tensors; later MTP layers are
+named as ignored (vLLM runs only the first, reused for every draft). An MTP layer
+without `embed_tokens` or `shared_head.head` takes the model's (logged).
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from pagoda.model.arch_spec import ModelArchitecture, family_settings
 from pagoda.model.architectures.llama import LlamaForCausalLM
 from pagoda.model.decoder_layer import DecoderLayer, GatedMLP
 from pagoda.model.deepseek_moe import DeepseekMoE, DeepseekRouting
+from pagoda.model.deepseek_mtp import DeepseekMTPLayer
 from pagoda.model.mla_attention import MLADims, MultiHeadLatentAttention
 from pagoda.model.moe import expert_held_elsewhere
 from pagoda.model.rotary import RotaryEmbedding
@@ -74,6 +81,11 @@ class DeepseekSettings:
     n_shared_experts: int = 0
     routing: DeepseekRouting | None = None  # None: no MoE layer
     num_nextn_predict_layers: int = 0
+    # The MTP layer's MLP is MoE (vLLM's rule for layer num_hidden_layers: past
+    # first_k_dense_replace, every moe_layer_freq-th).
+    mtp_layer_moe: bool = False
+    # Build the first MTP layer as a draft head (`with_mtp_drafts`); off: ignore MTP tensors.
+    mtp_drafts: bool = False
 
     @classmethod
     def from_hf_config(cls, hf_config: dict, arch: ModelArchConfig) -> DeepseekSettings:
@@ -88,6 +100,9 @@ class DeepseekSettings:
                 topk_group=hf_config.get("topk_group") or 1,
                 norm_topk_prob=arch.moe.norm_topk_prob,
                 routed_scaling_factor=float(hf_config.get("routed_scaling_factor", 1.0)))
+        n = arch.num_hidden_layers
+        mtp_layer_moe = (routing is not None and n >= (hf_config.get("first_k_dense_replace") or 0)
+                         and n % (hf_config.get("moe_layer_freq") or 1) == 0)
         return cls(q_lora_rank=hf_config.get("q_lora_rank"),
                    kv_lora_rank=hf_config["kv_lora_rank"],
                    qk_nope_head_dim=hf_config["qk_nope_head_dim"],
@@ -96,7 +111,8 @@ class DeepseekSettings:
                    rope_interleave=bool(hf_config.get("rope_interleave", True)) if v3 else True,
                    n_shared_experts=hf_config.get("n_shared_experts") or 0,
                    routing=routing,
-                   num_nextn_predict_layers=hf_config.get("num_nextn_predict_layers") or 0)
+                   num_nextn_predict_layers=hf_config.get("num_nextn_predict_layers") or 0,
+                   mtp_layer_moe=mtp_layer_moe)
 
     @property
     def dims(self) -> MLADims:
@@ -119,8 +135,9 @@ def softmax_scale(settings: DeepseekSettings, rope_scaling: dict | None) -> floa
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     """DeepSeek-V2/V3 on Llama's stack: MLA attention, dense or DeepSeek MoE MLPs.
 
-    Invariant: the checkpoint's MTP layers are never read (`needs_checkpoint_tensor`,
-    `load_weights` drop them and log it); every other tensor is consumed.
+    Invariant: every checkpoint tensor is consumed, except the MTP layers' when MTP drafts
+    are off and the MTP layers after the first when they are on (`needs_checkpoint_tensor`
+    and `load_weights` drop those and log how many).
     """
 
     # q_proj stays unfused (MLA has no k/v projections to stack it with).
@@ -133,6 +150,27 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
             raise ValueError(f"{method} quantization of {arch.architecture} is not supported "
                              f"({NOT_QUANTIZABLE}): serve it without --quantization")
         super().__init__(arch, dtype, parallel)
+        if self.settings.mtp_drafts:
+            self.model.layers.append(self.make_mtp_layer())
+            self.model.keep_pre_norm_hidden = True
+
+    @property
+    def mtp_layer(self) -> DeepseekMTPLayer:
+        """The MTP draft layer (built only under `mtp_drafts`)."""
+        return self.model.layers[self.arch.num_hidden_layers]
+
+    def make_mtp_layer(self) -> DeepseekMTPLayer:
+        arch, settings = self.arch, self.settings
+        index = arch.num_hidden_layers
+        if settings.mtp_layer_moe:
+            mlp = DeepseekMoE(settings.routing, arch.hidden_size, arch.moe.intermediate_size,
+                              settings.n_shared_experts, self.dtype, self.parallel,
+                              arch.hidden_act)
+        else:
+            mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, self.dtype, self.parallel,
+                           arch.hidden_act)
+        return DeepseekMTPLayer(self.make_attention(index), mlp, arch, self.dtype,
+                                self.parallel)
 
     def make_rotary_embeddings(self) -> tuple[RotaryEmbedding, None]:
         arch = self.arch
@@ -159,31 +197,56 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     def is_mtp_tensor(self, name: str) -> bool:
         """A tensor of the multi-token-prediction layers stored after the decoder's."""
-        match = _LAYER_INDEX.match(name)
-        return match is not None and int(match.group(1)) >= self.arch.num_hidden_layers
+        return _mtp_index(name, self.arch.num_hidden_layers) is not None
+
+    def is_read_mtp_tensor(self, name: str) -> bool:
+        """A tensor of the MTP layer this model runs as a draft head (the first one)."""
+        return self.settings.mtp_drafts and _mtp_index(name, self.arch.num_hidden_layers) == 0
 
     def held_elsewhere(self, name: str) -> bool:
         return super().held_elsewhere(name) or expert_held_elsewhere(self, name)
 
     def needs_checkpoint_tensor(self, name: str) -> bool:
-        return not self.is_mtp_tensor(name) and super().needs_checkpoint_tensor(name)
+        if self.is_mtp_tensor(name):
+            return self.is_read_mtp_tensor(name) and not expert_held_elsewhere(self, name)
+        return super().needs_checkpoint_tensor(name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(self._without_mtp(weights))
+        super().load_weights(self._mtp_filtered(weights))
 
-    def _without_mtp(self, weights: Iterable[tuple[str, torch.Tensor]]
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
-        ignored = 0
+    def _mtp_filtered(self, weights: Iterable[tuple[str, torch.Tensor]]
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors less the MTP ones this model does not run (counted
+        and logged); the run MTP layer's missing embedding or head taken from the model's."""
+        n = self.arch.num_hidden_layers
+        ignored, seen, shared = 0, set(), {}
         for name, tensor in weights:
-            if self.is_mtp_tensor(name):
+            if self.is_mtp_tensor(name) and not self.is_read_mtp_tensor(name):
                 ignored += 1
                 continue
+            seen.add(name)
+            if self.settings.mtp_drafts and name in ("model.embed_tokens.weight", "lm_head.weight"):
+                shared[name] = tensor
             yield name, tensor
-        if ignored:
+        if ignored and self.settings.mtp_drafts:
+            logger.info("Ignoring %d tensors of the checkpoint's MTP layers after the first "
+                        "(model.layers.%d.* on): MTP drafts run the first MTP layer for every "
+                        "draft position, as vLLM does", ignored, n + 1)
+        elif ignored:
             logger.info("Ignoring %d tensors of the checkpoint's %d MTP layer(s) "
-                        "(model.layers.%d.* on; num_nextn_predict_layers): MTP speculative "
-                        "decoding is not supported, use {\"method\": \"ngram\"}", ignored,
-                        self.settings.num_nextn_predict_layers, self.arch.num_hidden_layers)
+                        "(model.layers.%d.* on; num_nextn_predict_layers): they run only as "
+                        "drafts, under --speculative-config '{\"method\": \"mtp\"}'", ignored,
+                        self.settings.num_nextn_predict_layers, n)
+        if not self.settings.mtp_drafts:
+            return
+        head = shared.get("lm_head.weight", shared.get("model.embed_tokens.weight"))
+        for own, fallback, what in (
+                (f"model.layers.{n}.embed_tokens.weight",
+                 shared.get("model.embed_tokens.weight"), "model.embed_tokens"),
+                (f"model.layers.{n}.shared_head.head.weight", head, "the model's LM head")):
+            if own not in seen and fallback is not None:
+                logger.info("The checkpoint's MTP layer has no %s: it uses %s", own, what)
+                yield own, fallback
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
@@ -191,6 +254,25 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
 
 
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _mtp_index(name: str, num_hidden_layers: int) -> int | None:
+    """i for a tensor of MTP layer i (`model.layers.<num_hidden_layers + i>.*`), else None."""
+    match = _LAYER_INDEX.match(name)
+    if match is None or int(match.group(1)) < num_hidden_layers:
+        return None
+    return int(match.group(1)) - num_hidden_layers
+
+
+def with_mtp_drafts(arch: ModelArchConfig) -> ModelArchConfig:
+    """`arch` whose model also builds its first MTP layer as a draft head; ValueError
+    when the checkpoint has none."""
+    settings = family_settings(arch, DeepseekSettings)
+    if settings.num_nextn_predict_layers < 1:
+        raise ValueError(f"{arch.architecture} has no MTP heads (config.json has no "
+                         "num_nextn_predict_layers)")
+    return dataclasses.replace(arch, family_settings=dataclasses.replace(settings,
+                                                                         mtp_drafts=True))
 
 
 def deepseek_arch_config(hf_config: dict, arch: ModelArchConfig) -> ModelArchConfig:
@@ -226,5 +308,5 @@ ARCHITECTURES = (
                       refuse_quantization=NOT_QUANTIZABLE),
     ModelArchitecture("DeepseekV3ForCausalLM", DeepseekV3ForCausalLM,
                       update_arch_config=deepseek_arch_config, settings=DeepseekSettings,
-                      refuse_quantization=NOT_QUANTIZABLE),
+                      refuse_quantization=NOT_QUANTIZABLE, enable_mtp=with_mtp_drafts),
 )

@@ -41,6 +41,9 @@ class LlamaModel(nn.Module):
     """
 
     norm_cls: type[RMSNorm] = RMSNorm  # of the final norm
+    # Set by a model whose draft heads read the last hidden state before the final norm
+    # (DeepSeek's MTP layer): each forward then leaves it in `pre_norm_hidden`.
+    keep_pre_norm_hidden: bool = False
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, parallel: ParallelContext,
                  make_layer: Callable[[int], nn.Module], rotary_emb: RotaryEmbedding,
@@ -92,7 +95,9 @@ class LlamaModel(nn.Module):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, md)
         if self.norm is None:
             return IntermediateTensors(hidden, residual)
-        hidden, _ = fused_add_norm(self.norm, hidden, residual)
+        hidden, pre_norm = fused_add_norm(self.norm, hidden, residual)
+        if self.keep_pre_norm_hidden:
+            self.pre_norm_hidden = pre_norm
         return hidden
 
 
