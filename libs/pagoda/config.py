@@ -205,6 +205,11 @@ class CacheConfig:
     # evicts are written under this directory, at most this many GiB. None / 0: off.
     kv_offloading_disk_path: str | None = None
     kv_offloading_disk_size: float = 0.0
+    # How a prefix hit in those tiers is onloaded (--kv-offloading-onload): "async"
+    # (default): the worker copies in the background while the request waits out of the
+    # batch (WAITING_FOR_REMOTE_KVS), so the other requests keep stepping; "sync": the
+    # copies run inside the step that admits it, before the forward (stalls the batch).
+    kv_offloading_onload: str = "async"
 
 
 @dataclass

@@ -81,6 +81,12 @@ class ModelRunnerOutput:
     # needed) and how many found the item's encoder output already computed.
     num_encoder_cache_queries: int = 0
     num_encoder_cache_hits: int = 0
+    # Asynchronous onloads (`SchedulerOutput.kv_async_onloads`, vLLM's KVConnectorOutput
+    # names): the requests whose copies every rank finished since the last report, and
+    # the device blocks among theirs that any rank could not fill (hash, checksum or
+    # read failure): the scheduler recomputes from the first of those.
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
 
     @classmethod
     def empty(cls) -> "ModelRunnerOutput":
@@ -273,6 +279,12 @@ class SchedulerOutput:
     # tier evicted them). Disk onloads are `kv_onloads` with medium "disk".
     kv_spills: list[KVSpill] = field(default_factory=list)
     kv_disk_drops: list[bytes] = field(default_factory=list)
+    # Asynchronous onloads (the default, `CacheConfig.kv_onload_async`): copies the
+    # worker starts after this step's offloads, in the background, into blocks of
+    # requests that are not in the batch (they wait, WAITING_FOR_REMOTE_KVS, until the
+    # worker reports them in `ModelRunnerOutput.finished_recving`). Their host slots and
+    # disk records are neither overwritten nor dropped until then (`kv_offload.py`).
+    kv_async_onloads: list[KVOnload] = field(default_factory=list)
 
     @classmethod
     def empty(cls) -> "SchedulerOutput":

@@ -20,6 +20,10 @@ With a disk tier below (`disk_kv_tier.py`, --kv-offloading-disk-path) the plan a
 spills slots to disk and onloads blocks from it (`KVOnload.medium == "disk"`); a step
 runs spills, disk drops, offloads, then onloads, and a disk onload that fails its
 checks is recomputed the same way.
+
+Asynchronous onloads (`plan.kv_async_onloads`) are started after the step's offloads
+and run on a background thread (`kv_onload_async.py`), by the same verified copies
+(`onload_blocks`); the step's forward does not wait for them.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from pagoda.messages import KVOnload, KVSpill, SchedulerOutput
 from pagoda.model.kv_cache import kv_cache_bytes_per_block, kv_cache_torch_dtype
 from pagoda.kv_transfer.block_shares import LAYOUT
 from pagoda.worker.disk_kv_tier import DiskKVTier, layout_identity
+from pagoda.worker.kv_onload_async import AsyncOnloader
 
 logger = logging.getLogger(__name__)
 GIB = 1024 ** 3
@@ -78,7 +83,8 @@ def make_disk_tier(config: EngineConfig, kv_caches, parallel) -> DiskKVTier | No
 
 def has_tier_ops(plan: SchedulerOutput) -> bool:
     """Whether the plan carries any copy for the KV tiers."""
-    return bool(plan.kv_offloads or plan.kv_onloads or plan.kv_spills or plan.kv_disk_drops)
+    return bool(plan.kv_offloads or plan.kv_onloads or plan.kv_spills or plan.kv_disk_drops
+                or plan.kv_async_onloads)
 
 
 @dataclass
@@ -92,6 +98,7 @@ class HostTierStats:
     failed_onloads: int = 0  # hash or checksum mismatch: recomputed instead
     onload_seconds: float = 0.0
     offload_seconds: float = 0.0
+    async_onload_seconds: float = 0.0  # the background thread's time (not the steps')
 
 
 class HostKVTier:
@@ -111,6 +118,7 @@ class HostKVTier:
         self.stats = HostTierStats()
         self.disk = disk
         self.block_bytes = sum(t[0].numel() * t.element_size() for pair in self.tensors for t in pair)
+        self.onloader = AsyncOnloader(self)
 
     @staticmethod
     def _layout(kv_caches) -> tuple:
@@ -199,8 +207,24 @@ class HostKVTier:
             self.disk.stats.read_seconds += time.perf_counter() - start
         return failed
 
-    def onload(self, kv_caches, ops: list[KVOnload]) -> list[KVOnload]:
-        """Verified slots -> device blocks; the ops that failed (not copied)."""
+    def onload_blocks(self, kv_caches, ops: list[KVOnload]) -> set[int]:
+        """The asynchronous path (the loader thread, on its stream): verified slots and
+        records -> device blocks, with no device-wide synchronize; the device block ids
+        that failed (not copied)."""
+        failed = self.onload(kv_caches, [op for op in ops if op.medium != "disk"], sync=False)
+        failed += self.onload_disk(kv_caches, [op for op in ops if op.medium == "disk"])
+        return {op.block_id for op in failed}
+
+    def add_async_seconds(self, seconds: float) -> None:
+        self.stats.async_onload_seconds += seconds
+
+    def poll(self, agree=None, wait_s: float = 0.0) -> tuple[set[str], set[int]]:
+        """The asynchronous onloads every rank finished (`AsyncOnloader.poll`)."""
+        return self.onloader.poll(agree, wait_s)
+
+    def onload(self, kv_caches, ops: list[KVOnload], sync: bool = True) -> list[KVOnload]:
+        """Verified slots -> device blocks; the ops that failed (not copied). `sync`:
+        wait for the copies on the whole device (the step path)."""
         if not ops:
             return []
         start = time.perf_counter()
@@ -219,7 +243,7 @@ class HostKVTier:
                 for dev, host in zip(dev_pair, host_pair):
                     _copy_blocks(dev, [op.block_id for op in good], host,
                                  [op.slot for op in good])
-            if device.type == "cuda":
+            if device.type == "cuda" and sync:
                 torch.cuda.synchronize(device)
         self.stats.onloaded_blocks += len(good)
         self.stats.onloaded_bytes += len(good) * self.block_bytes
@@ -246,6 +270,8 @@ class HostKVTier:
         failed = self.onload(kv_caches, [op for op in plan.kv_onloads if op.medium != "disk"])
         failed += self.onload_disk(kv_caches, [op for op in plan.kv_onloads
                                                if op.medium == "disk"])
+        if plan.kv_async_onloads:  # after the offloads: a slot this step wrote is ready
+            self.onloader.submit(kv_caches, plan.kv_async_onloads)
         if agree is not None and plan.kv_onloads:
             bad = {(op.req_id, op.block_index) for op in failed}
             flags = agree([int((op.req_id, op.block_index) in bad) for op in plan.kv_onloads])
