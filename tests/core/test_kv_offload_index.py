@@ -187,8 +187,11 @@ def test_slots_and_records_an_async_onload_reads_are_held_across_steps():
     offloads, onloads, _, _ = index.take_ops()
     assert onloads == [] and index.take_async_onloads() == [
         KVOnload("r", 0, -1, 7, H[0], "disk"), KVOnload("r", 1, 1, 8, H[1])]
-    for step in range(3):  # later steps, the copies still running
-        index.offload(10 + step, H[3 + step], TOKENS[3 + step])  # only slot 0 is free to take
+    for step in range(2):  # later steps, the copies still running
+        # Two new blocks: the second finds the held H[1] least recently used, and
+        # must take slot 0 again rather than it.
+        index.offload(10 + step, H[3 + 2 * step], TOKENS[3 + 2 * step])
+        index.offload(11 + step, H[4 + 2 * step], TOKENS[4 + 2 * step])
         index.offload(20, H[1], TOKENS[1])  # the held one, evicted from the device again
         offloads, _, spills, drops = index.take_ops()
         assert [o.slot for o in offloads] == [0]
