@@ -112,7 +112,7 @@ def test_a_revisit_waits_out_of_the_batch_while_others_decode(tiny_llama_dir, re
     assert s.cached["revisit"] == 10 * BLOCK  # 45 prompt tokens: 10 blocks loaded, 5 computed
     assert tier.stats.onloaded_blocks == 10 and tier.stats.failed_onloads == 0
     assert scheduler.onloading == {} and scheduler.kv_offload.num_loading == 0
-    assert len(scheduler.onload_wait_seconds) == 1
+    assert scheduler.num_onload_waits == 1
 
 
 def test_an_abort_while_loading_frees_the_blocks_only_when_the_copies_end(tiny_llama_dir,
@@ -211,6 +211,20 @@ def test_a_pp_group_agrees_on_async_onloads_that_failed_on_the_first_stage(tiny_
         for record in (tmp_path / "rank0").glob("epoch-*/*"):
             record.unlink()
         assert _run(llm, revisits) == want[4:]
-        assert len(llm.llm_engine.core.scheduler.onload_wait_seconds) == 4  # the async path
+        assert llm.llm_engine.core.scheduler.num_onload_waits == 4  # the async path
     finally:
         llm.llm_engine.core.shutdown()
+
+
+def test_the_onload_wait_histogram_observes_each_wait_once():
+    from prometheus_client import CollectorRegistry
+
+    from pagoda.metrics.kv_offload_metrics import KVOffloadMetrics
+    registry = CollectorRegistry()
+    metrics = KVOffloadMetrics(["model_name"], ("m",), registry)
+    metrics.record_waits(((1, 0.004), (2, 0.3)))
+    metrics.record_waits(((1, 0.004), (2, 0.3), (3, 0.02)))  # the next step's snapshot
+    name = "pagoda_kv_offload_onload_wait_seconds"
+    assert registry.get_sample_value(f"{name}_count", {"model_name": "m"}) == 3
+    assert registry.get_sample_value(f"{name}_sum", {"model_name": "m"}) == pytest.approx(0.324)
+    assert registry.get_sample_value(f"{name}_bucket", {"model_name": "m", "le": "0.005"}) == 1

@@ -43,6 +43,7 @@ in `pagoda.engine.async_steps`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -86,6 +87,9 @@ class SchedulerStats:
     # Cumulative host KV tier counters under --kv-offloading-size (None: off).
     kv_offload: KVOffloadStats | None = None
     kv_offload_disk: KVOffloadStats | None = None  # the disk tier below it (None: off)
+    # The latest waits for asynchronous onloads: (sequence number, seconds), the
+    # numbers counting every wait since start, so a reader records each wait once.
+    kv_onload_waits: tuple[tuple[int, float], ...] = ()
     # Cumulative encoder cache lookups of media items and their hits (multi-modal models).
     encoder_cache_queries: int = 0
     encoder_cache_hits: int = 0
@@ -133,7 +137,10 @@ class Scheduler:
         # Requests whose asynchronous onloads are in flight (WAITING_FOR_REMOTE_KVS, or
         # FINISHED when aborted meanwhile: their blocks wait for the report).
         self.onloading: dict[str, Request] = {}
-        self.onload_wait_seconds: list[float] = []  # since `take_onload_waits`
+        # (sequence number, seconds) of the latest waits for onloads, for the wait
+        # histogram (`SchedulerStats.kv_onload_waits`); `num_onload_waits` in all.
+        self.onload_waits: collections.deque[tuple[int, float]] = collections.deque(maxlen=64)
+        self.num_onload_waits = 0
         self.requests: dict[str, Request] = {}
         self.policy = SchedulingPolicy(scheduler_config.policy)
         self.waiting = create_request_queue(self.policy)
@@ -422,7 +429,8 @@ class Scheduler:
             if request.status == RequestStatus.FINISHED:  # aborted while it loaded
                 manager.free(request)
                 continue
-            self.onload_wait_seconds.append(time.monotonic() - started)
+            self.num_onload_waits += 1
+            self.onload_waits.append((self.num_onload_waits, time.monotonic() - started))
             request.status = RequestStatus.WAITING
             if request.onload_void or first + loaded == 0:
                 # Nothing usable (or the device cache was set up again): start afresh.
@@ -468,11 +476,6 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             request.num_computed_tokens = 0
             self.waiting.prepend_request(request)
-
-    def take_onload_waits(self) -> list[float]:
-        """Seconds each request admitted since the last call waited for its onloads."""
-        waits, self.onload_wait_seconds = self.onload_wait_seconds, []
-        return waits
 
     def _host_tier_hits(self, request: Request, num_device_hits: int) -> list[int]:
         """Host-tier slots of the blocks that follow the device hits of a request not
@@ -678,6 +681,7 @@ class Scheduler:
             snapshot.kv_offload = dataclasses.replace(self.kv_offload.stats)
             if self.kv_offload.disk_stats is not None:
                 snapshot.kv_offload_disk = dataclasses.replace(self.kv_offload.disk_stats)
+            snapshot.kv_onload_waits = tuple(self.onload_waits)
         for hook in self.hooks:
             hook.add_stats(snapshot, self.running, self.waiting)
         return snapshot
