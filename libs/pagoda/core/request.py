@@ -66,6 +66,8 @@ class Request:
         # was set up again meanwhile, so what they copy is not used.
         self.onload: tuple[int, int, float] | None = None
         self.onload_void = False
+        # Back in the queue holding the blocks its onload filled (until admitted).
+        self.holds_onloaded_blocks = False
         self.finish_reason: FinishReason | None = None
         # Why a scheduler hook ended the request (a grammar that failed to compile): the
         # engine reports it as the request's error, not as a plain abort.

@@ -363,7 +363,10 @@ class Scheduler:
             if new_blocks is None:
                 if tier_slots:
                     self.kv_offload.unpin(tier_slots)
+                if not self.running:  # nothing will free blocks: the queue must
+                    self._release_onloaded_blocks(request)
                 break
+            request.holds_onloaded_blocks = False
             if tier_slots:
                 self.kv_offload.plan_onloads(request.request_id, len(hit_blocks), tier_slots,
                                              [b.block_id for b in new_blocks[:len(tier_slots)]])
@@ -440,9 +443,22 @@ class Scheduler:
             else:
                 manager.cache_loaded_blocks(request, first + loaded)
                 request.num_computed_tokens = (first + loaded) * bs
+                request.holds_onloaded_blocks = True
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = request.num_computed_tokens
             self.waiting.prepend_request(request)
+
+    def _release_onloaded_blocks(self, head: Request) -> None:
+        """Nothing runs and `head` does not fit: queued requests that hold the blocks
+        their onloads filled (behind it, by priority or a preemption) give them back,
+        still cached, so `head` can go; they find them again on the device (or in the
+        tiers) when admitted. Without this the queue could wait on itself forever."""
+        manager = self.kv_cache_manager
+        for request in list(self.waiting):
+            if request is not head and request.holds_onloaded_blocks:
+                request.holds_onloaded_blocks = False
+                manager.free(request)
+                request.num_computed_tokens = 0
 
     def _forget_bad_tier_blocks(self, request: Request, start: int, end: int,
                                 invalid_block_ids: set[int]) -> None:
@@ -457,9 +473,15 @@ class Scheduler:
     def void_onloads(self) -> None:
         """The worker's KV cache was set up again (a failed step): whatever the onloads
         in flight copy lands in a cache no longer used, and the device hits they
-        continue are gone. Each such request starts afresh when reported."""
+        continue are gone. Each such request starts afresh when reported; a queued one
+        holding blocks its onload filled starts afresh now."""
         for request in self.onloading.values():
             request.onload_void = True
+        for request in list(self.waiting):
+            if request.holds_onloaded_blocks:
+                request.holds_onloaded_blocks = False
+                self.kv_cache_manager.free(request)
+                request.num_computed_tokens = 0
 
     def abandon_onloads(self, plan: SchedulerOutput) -> None:
         """`plan` was refused before any of it ran: its asynchronous onloads never
