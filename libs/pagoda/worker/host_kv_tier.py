@@ -108,8 +108,26 @@ class HostKVTier:
                  disk: DiskKVTier | None = None) -> None:
         pin = kv_caches[0][0].device.type == "cuda"
         self.num_slots = num_slots
-        self.tensors = [tuple(torch.empty((num_slots, *t.shape[1:]), dtype=t.dtype,
-                                          pin_memory=pin) for t in pair) for pair in kv_caches]
+        # Slot-major: one row of bytes per slot (`rows`), each layer's tensors views into
+        # it in layer order, so a slot's CRC-32 is one call over one contiguous row (the
+        # same value as chained over the pieces in order: the disk record's) and the
+        # loader thread (asynchronous onloads) makes few calls that hold the GIL.
+        sizes = [t[0].numel() * t.element_size() for pair in kv_caches for t in pair]
+        self.rows = torch.empty((num_slots, sum(sizes)), dtype=torch.uint8, pin_memory=pin)
+        self.tensors, offset = [], 0
+        for pair in kv_caches:
+            views = []
+            for t in pair:
+                n = t[0].numel() * t.element_size()
+                if n == 0:  # a latent cache's empty value tensor
+                    views.append(torch.empty((num_slots, *t.shape[1:]), dtype=t.dtype,
+                                             pin_memory=pin))
+                else:
+                    views.append(self.rows[:, offset:offset + n].view(t.dtype)
+                                 .view(num_slots, *t.shape[1:]))
+                offset += n
+            self.tensors.append(tuple(views))
+        self._rows_np = self.rows.numpy()
         # The layout identity the slots were written under: onloads into another cache
         # shape (a reconfigured worker) are refused.
         self.layout = self._layout(kv_caches)
@@ -128,12 +146,7 @@ class HostKVTier:
         return 0 <= slot < self.num_slots and self._hash[slot] == block_hash
 
     def _checksum(self, slot: int) -> int:
-        crc = 0
-        for pair in self.tensors:
-            for t in pair:
-                if t.shape[-1]:
-                    crc = zlib.crc32(t[slot].view(torch.uint8).numpy(), crc)
-        return crc
+        return zlib.crc32(self._rows_np[slot])
 
     # ------------------------------------------------------------------ copies
     def offload(self, kv_caches, ops) -> None:
@@ -186,7 +199,7 @@ class HostKVTier:
         if not ops:
             return []
         start = time.perf_counter()
-        failed = []
+        failed, good, payloads = [], [], []
         same_layout = self._layout(kv_caches) == self.layout
         for op in ops:
             payload = self.disk.read(op.block_hash, self.block_bytes) \
@@ -194,14 +207,24 @@ class HostKVTier:
             if payload is None:
                 failed.append(op)
                 continue
+            good.append(op)
+            payloads.append(payload)
+        if good and self.block_bytes:
+            # The verified records side by side in rows like the slots', then one
+            # indexed copy per tensor (not one per tensor and block).
+            staging = torch.empty((len(good), self.block_bytes), dtype=torch.uint8)
+            for i, payload in enumerate(payloads):
+                staging[i].copy_(torch.frombuffer(payload, dtype=torch.uint8))
+            device = kv_caches[0][0].device
+            dst = torch.tensor([op.block_id for op in good], dtype=torch.long, device=device)
             offset = 0
-            raw = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else None
             for dev_pair, host_pair in zip(kv_caches, self.tensors):
                 for dev, host in zip(dev_pair, host_pair):
                     n = host[0].numel() * host.element_size()
                     if n:
-                        block = raw[offset:offset + n].view(host.dtype).view(host.shape[1:])
-                        dev[op.block_id].copy_(block, non_blocking=False)
+                        src = staging[:, offset:offset + n].view(host.dtype).view(
+                            len(good), *host.shape[1:])
+                        dev.index_copy_(0, dst, src.to(device))
                     offset += n
         if self.disk is not None:  # the blocks and failures are counted in disk.stats
             self.disk.stats.read_seconds += time.perf_counter() - start
@@ -242,7 +265,7 @@ class HostKVTier:
             for dev_pair, host_pair in zip(kv_caches, self.tensors):
                 for dev, host in zip(dev_pair, host_pair):
                     _copy_blocks(dev, [op.block_id for op in good], host,
-                                 [op.slot for op in good])
+                                 [op.slot for op in good], batched=not sync)
             if device.type == "cuda" and sync:
                 torch.cuda.synchronize(device)
         self.stats.onloaded_blocks += len(good)
@@ -294,12 +317,14 @@ class HostKVTier:
 
 
 def _copy_blocks(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor,
-                 src_ids: list[int]) -> None:
+                 src_ids: list[int], batched: bool = False) -> None:
     """dst[dst_ids[i]] = src[src_ids[i]]. Between host and device: one gather, one
     asynchronous copy and one scatter per tensor (the caller synchronizes). Host to
     host: one slice copy per block, which on a busy CPU is an order of magnitude
-    faster than torch's multithreaded index ops for blocks of a few KiB (measured)."""
-    if dst.device.type == "cpu" and src.device.type == "cpu":
+    faster than torch's multithreaded index ops for blocks of a few KiB (measured),
+    unless `batched` (the loader thread: few calls, so it seldom holds the GIL the
+    step's thread needs)."""
+    if dst.device.type == "cpu" and src.device.type == "cpu" and not batched:
         for d, s in zip(dst_ids, src_ids):
             dst[d].copy_(src[s])
         return
