@@ -394,6 +394,13 @@ class Scheduler:
         (nothing changed, the tier's pins dropped) when the pool has no room."""
         bs = self.block_size
         num_device = len(hit_blocks) * bs
+        # Only when the whole request would fit now, as the synchronous path admits it:
+        # blocks held through a long onload must not push running requests out.
+        needed = (-(-request.num_tokens // bs) - len(hit_blocks)
+                  + sum(1 for b in hit_blocks if b.ref_cnt == 0))
+        if self.kv_cache_manager.pool.num_free_blocks < needed:
+            self.kv_offload.unpin(tier_slots)
+            return False
         new_blocks = self.kv_cache_manager.allocate_slots(
             request, len(tier_slots) * bs, hit_blocks, num_device, delay_cache_blocks=True)
         if new_blocks is None:
