@@ -92,3 +92,18 @@ def test_a_queue_never_waits_on_blocks_an_onload_filled():
     assert "x" not in s.requests, "the queue waited on itself"
     _run(s)
     assert "w" not in s.requests and s.kv_cache_manager.pool.num_free_blocks == 12
+
+
+def test_an_onload_starts_only_when_the_whole_request_fits():
+    """The synchronous path admits a request only when all its blocks fit; the
+    asynchronous one must not hold blocks through an onload that could never be
+    followed by the rest (and would push running requests out meanwhile)."""
+    s = _evicted_prefix(12)
+    _add(s, "r", list(range(700, 724)), max_tokens=3)  # 24 tokens: 6 blocks, then 7
+    _step(s)
+    _add(s, "w", PREFIX + list(range(40, 52)))  # 28 tokens: 7 blocks, 4 in the tier
+    plan = _step(s)
+    assert plan.kv_async_onloads == [] and s.requests["w"].status == RequestStatus.WAITING
+    assert s.kv_offload.num_loading == 0 and "w" not in s.kv_cache_manager.req_blocks
+    _run(s)
+    assert s.num_onload_waits == 1 and "w" not in s.requests
