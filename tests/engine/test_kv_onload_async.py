@@ -228,3 +228,24 @@ def test_the_onload_wait_histogram_observes_each_wait_once():
     assert registry.get_sample_value(f"{name}_count", {"model_name": "m"}) == 3
     assert registry.get_sample_value(f"{name}_sum", {"model_name": "m"}) == pytest.approx(0.324)
     assert registry.get_sample_value(f"{name}_bucket", {"model_name": "m", "le": "0.005"}) == 1
+
+
+def test_a_worker_that_forgets_its_requests_still_reports_the_onloads(tiny_llama_dir,
+                                                                     reference):
+    """The gpu-worker forgets every request after a failed step (`runner.reset()`): the
+    onloads in flight end, are reported as failed, and the waiting request recomputes
+    (it would otherwise wait for a report that never comes)."""
+    want, _ = reference
+    first, revisits = _prompts()
+    llm = _llm(tiny_llama_dir)
+    runner = llm.llm_engine.core.executor.runner
+    assert _run(llm, first) == want[:4]
+    opened = _gate(runner.host_tier)
+    s = _Stream(llm)
+    s.add("revisit", revisits[0], GREEDY)
+    s.step()
+    assert "revisit" in s.core.scheduler.onloading
+    threading.Timer(0.2, opened.set).start()
+    runner.reset()  # waits for the copies
+    s.run_until(lambda: s.finished)
+    assert s.tokens["revisit"] == want[4] and s.cached["revisit"] == 0

@@ -124,11 +124,13 @@ class AsyncOnloader:
             job.void = True
 
     def drain(self) -> None:
-        """Wait for every job in flight and forget them (nobody waits for the report:
-        a restarted scheduler); afterwards nothing writes the device cache."""
+        """Wait for every job in flight and make it report failure (the worker forgets
+        its requests: a failed step, a restarted scheduler); afterwards nothing writes
+        the device cache. The jobs are still reported, so a scheduler that waits for
+        them recomputes, and one that never knew them ignores the report."""
         for job in self._jobs:
             job.done.wait()
-        self._jobs = []
+            job.void = True
 
     def close(self) -> None:
         if self._thread is not None:

@@ -230,7 +230,7 @@ class ModelRunner:
         """Forget every request (a restarted scheduler knows none of them)."""
         self.states.clear()
         self.generators.clear()
-        if self.host_tier is not None:  # nobody will wait for them: let them end first
+        if self.host_tier is not None:  # their copies end first, reported as failed
             self.host_tier.onloader.drain()
         if self.mm_inputs is not None:
             self.mm_inputs.cache.clear()
