@@ -209,6 +209,11 @@ class CacheConfig:
     # boundaries (pagoda.core.state_checkpoints), beside the running requests' slots in
     # every Mamba layer's state pool. 0: none (no hybrid model, or no prefix caching).
     num_state_checkpoints: int = 0
+    # How a prefix hit in those tiers is onloaded (--kv-offloading-onload): "async"
+    # (default): the worker copies in the background while the request waits out of the
+    # batch (WAITING_FOR_REMOTE_KVS), so the other requests keep stepping; "sync": the
+    # copies run inside the step that admits it, before the forward (stalls the batch).
+    kv_offloading_onload: str = "async"
 
 
 @dataclass

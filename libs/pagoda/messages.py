@@ -81,6 +81,12 @@ class ModelRunnerOutput:
     # needed) and how many found the item's encoder output already computed.
     num_encoder_cache_queries: int = 0
     num_encoder_cache_hits: int = 0
+    # Asynchronous onloads (`SchedulerOutput.kv_async_onloads`, vLLM's KVConnectorOutput
+    # names): the requests whose copies every rank finished since the last report, and
+    # the device blocks among theirs that any rank could not fill (hash, checksum or
+    # read failure): the scheduler recomputes from the first of those.
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
 
     @classmethod
     def empty(cls) -> "ModelRunnerOutput":
@@ -279,6 +285,12 @@ class SchedulerOutput:
     # A hybrid model's state checkpoints (pagoda.core.state_checkpoints): req_id ->
     # (tokens of its step after which to save the recurrent state, checkpoint slot).
     state_saves: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Asynchronous onloads (the default, `CacheConfig.kv_onload_async`): copies the
+    # worker starts after this step's offloads, in the background, into blocks of
+    # requests that are not in the batch (they wait, WAITING_FOR_REMOTE_KVS, until the
+    # worker reports them in `ModelRunnerOutput.finished_recving`). Their host slots and
+    # disk records are neither overwritten nor dropped until then (`kv_offload.py`).
+    kv_async_onloads: list[KVOnload] = field(default_factory=list)
 
     @classmethod
     def empty(cls) -> "SchedulerOutput":

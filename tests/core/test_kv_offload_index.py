@@ -168,3 +168,39 @@ def test_a_record_onloads_whatever_its_hash_length(tmp_path, hash_len):
     assert tier.onload_disk(caches, [KVOnload("r", 0, -1, 3, block_hash, "disk")]) == []
     assert torch.equal(caches[0][0][3], caches[0][0][1])
     assert torch.equal(caches[0][1][3], caches[0][1][1])
+
+
+def test_slots_and_records_an_async_onload_reads_are_held_across_steps():
+    """Asynchronous onloads: the step's pin rule, kept until `finish_onloads`. The held
+    host slot is neither reused by a later step's offload nor copied into again, the held
+    disk record neither dropped nor rewritten; once finished, both may be."""
+    index = _disk_index(num_slots=2, num_records=1)
+    index.offload(0, H[0], TOKENS[0])
+    index.offload(1, H[1], TOKENS[1])
+    index.take_ops()
+    index.offload(2, H[2], TOKENS[2])  # H[0] -> disk (the one record), slot 0 -> H[2]
+    index.take_ops()
+    flat = [t for tokens in TOKENS for t in tokens]
+    hits = index.lookup(H, flat, 0, 2, 4)
+    assert hits == [(-1, H[0]), (1, H[1])]
+    index.plan_onloads("r", 0, hits, [7, 8], asynchronous=True)
+    offloads, onloads, _, _ = index.take_ops()
+    assert onloads == [] and index.take_async_onloads() == [
+        KVOnload("r", 0, -1, 7, H[0], "disk"), KVOnload("r", 1, 1, 8, H[1])]
+    for step in range(2):  # later steps, the copies still running
+        # Two new blocks: the second finds the held H[1] least recently used, and
+        # must take slot 0 again rather than it.
+        index.offload(10 + step, H[3 + 2 * step], TOKENS[3 + 2 * step])
+        index.offload(11 + step, H[4 + 2 * step], TOKENS[4 + 2 * step])
+        index.offload(20, H[1], TOKENS[1])  # the held one, evicted from the device again
+        offloads, _, spills, drops = index.take_ops()
+        assert [o.slot for o in offloads] == [0]
+        assert H[0] not in drops and all(s.block_hash != H[0] for s in spills)
+        assert H[0] in index.disk and H[1] in index
+    index.finish_onloads("r")
+    assert index.num_loading == 0
+    index.offload(30, H[1], TOKENS[1])  # no longer held: copied again (a bad copy heals)
+    index.offload(31, H[8], TOKENS[8])  # takes a slot; its spill drops the old record
+    offloads, _, spills, drops = index.take_ops()
+    assert [(o.block_id, o.slot) for o in offloads][0] == (30, 1)
+    assert H[0] in drops and H[0] not in index.disk

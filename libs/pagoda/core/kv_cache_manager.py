@@ -111,10 +111,15 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None,
                        num_new_computed_tokens: int = 0,
-                       num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
+                       num_lookahead_tokens: int = 0,
+                       delay_cache_blocks: bool = False) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones, plus
         `num_lookahead_tokens` slots after those (a draft model writes its proposals'
         KV there), first releasing the blocks that fell out of the sliding window.
+
+        `delay_cache_blocks` (vLLM's name): the new blocks' KV arrives later (an
+        asynchronous onload), so they are not offered to other requests now;
+        `cache_loaded_blocks` registers them once their KV is there.
 
         Returns the newly allocated blocks, or None (and changes nothing) when the
         pool cannot supply them.
@@ -165,10 +170,24 @@ class KVCacheManager:
         # offered to later requests now (hashes cover only known tokens). Blocks
         # released for the window were full, hence cached, before their release.
         num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
+        if delay_cache_blocks:
+            num_full = num_cached
         self.pool.cache_full_blocks(blocks, request.block_hashes, request.all_token_ids,
                                     num_cached, num_full)
         self._num_cached_blocks[request.request_id] = max(num_cached, num_full)
         return new_blocks
+
+    def cache_loaded_blocks(self, request: Request, num_blocks: int) -> None:
+        """The first `num_blocks` blocks of `request` now hold their KV (an asynchronous
+        onload finished): offer the full ones not offered yet to other requests."""
+        blocks = self.req_blocks.get(request.request_id)
+        if blocks is None:
+            return
+        num_cached = self._num_cached_blocks.get(request.request_id, 0)
+        num_full = min(num_blocks, len(blocks), request.num_tokens // self.block_size)
+        self.pool.cache_full_blocks(blocks, request.block_hashes, request.all_token_ids,
+                                    num_cached, num_full)
+        self._num_cached_blocks[request.request_id] = max(num_cached, num_full)
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first so that the least useful KV (the

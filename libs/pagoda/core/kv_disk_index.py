@@ -14,6 +14,8 @@ before this step's offload reuses it.
 
 Invariants:
   * a hash onloaded this step is pinned: no drop of this step deletes its record;
+    one an asynchronous onload reads is held until it is done: no drop deletes it and
+    no spill rewrites it meanwhile;
   * a dropped hash is forgotten here before its drop is planned, so no later lookup
     of this step finds it;
   * the index may be wrong about the worker (a restart dropped the records, a write
@@ -25,7 +27,7 @@ Not thread-safe: the scheduler's thread owns it.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from pagoda.core.block_hash import BlockHash
 
@@ -49,6 +51,7 @@ class KVDiskIndex:
         self.num_records = num_records
         self._entries: OrderedDict[BlockHash, tuple[int, ...]] = OrderedDict()
         self._pinned: set[BlockHash] = set()
+        self._held: Counter[BlockHash] = Counter()  # read by asynchronous onloads in flight
         # (host slot, hash, device block or -1), this step
         self.spills: list[tuple[int, BlockHash, int]] = []
         self.drops: list[BlockHash] = []
@@ -70,11 +73,13 @@ class KVDiskIndex:
             self.drops.remove(block_hash)
         if block_hash in self._entries:  # written again all the same: heals a bad record
             self._entries.move_to_end(block_hash)
-            self.spills.append((slot, block_hash, block_id))
+            if block_hash not in self._held:  # not while an onload in flight reads it
+                self.spills.append((slot, block_hash, block_id))
             return 0
         dropped = 0
         while len(self._entries) >= self.num_records:
-            victim = next((h for h in self._entries if h not in self._pinned), None)
+            victim = next((h for h in self._entries
+                           if h not in self._pinned and h not in self._held), None)
             if victim is None:
                 return dropped
             del self._entries[victim]
@@ -97,10 +102,27 @@ class KVDiskIndex:
     def unpin(self, block_hash: BlockHash) -> None:
         self._pinned.discard(block_hash)
 
+    def hold(self, block_hash: BlockHash) -> None:
+        """An asynchronous onload reads the record: kept as it is until `release`."""
+        self._held[block_hash] += 1
+
+    def release(self, block_hash: BlockHash) -> None:
+        self._held[block_hash] -= 1
+        if self._held[block_hash] <= 0:
+            del self._held[block_hash]
+
     def touch(self, block_hash: BlockHash) -> None:
         """An onload read it: most recently used."""
         if block_hash in self._entries:
             self._entries.move_to_end(block_hash)
+
+    def forget(self, block_hash: BlockHash) -> None:
+        """Its record failed its checks on the worker: dropped, unless read meanwhile."""
+        if (block_hash in self._entries and block_hash not in self._held
+                and block_hash not in self._pinned):
+            del self._entries[block_hash]
+            self.touched[block_hash] = None
+            self.drops.append(block_hash)
 
     def hashes(self) -> list[BlockHash]:
         return list(self._entries)
@@ -114,7 +136,7 @@ class KVDiskIndex:
 
     def clear(self) -> None:
         """Forget every record (reset_prefix_cache); their files are deleted."""
-        self.drops.extend(h for h in self._entries if h not in self._pinned)
+        kept = self._pinned | self._held.keys()
+        self.drops.extend(h for h in self._entries if h not in kept)
         self.touched.update(dict.fromkeys(self._entries))
-        self._entries = OrderedDict((h, t) for h, t in self._entries.items()
-                                    if h in self._pinned)
+        self._entries = OrderedDict((h, t) for h, t in self._entries.items() if h in kept)

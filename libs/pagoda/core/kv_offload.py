@@ -9,13 +9,20 @@ which travel in the plan (`SchedulerOutput.kv_offloads` / `kv_onloads`). The wor
 runs them in the same step, before the forward: offloads first (their device blocks
 are reused by this step), then onloads. So an onloaded block holds its KV before any
 token of the step reads it, exactly as a block computed this step does, and the
-scheduler may count it as cached at once (the asynchronous onload that overlaps
-steps is not built).
+scheduler may count it as cached at once (`--kv-offloading-onload sync`).
+
+Asynchronous onloads (the default): the copies of a request's hits travel in
+`kv_async_onloads`; the worker starts them after the step's offloads and runs them in
+the background over several steps while the request waits out of the batch, until the
+worker reports them done (`finish_onloads`). Until then its slots are *held*: the
+same rule as a step's pins, kept across steps (no offload reuses or rewrites a held
+slot, no disk drop deletes or spill rewrites a held record).
 
 Invariants:
   * only a block whose KV was written in an earlier step is offloaded (one that was
     cached this step and evicted again before its step ran holds no KV yet);
   * a slot planned for an onload this step is not reused by an offload of this step;
+    one an asynchronous onload reads is neither reused nor rewritten until it is done;
   * the index may be wrong about the worker (a worker restart, a refused step): the
     worker checks each onload's hash and checksum and recomputes on a mismatch, so a
     stale entry costs time, never a wrong answer.
@@ -34,7 +41,7 @@ Not thread-safe: the scheduler's thread owns it.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from pagoda.core.block_hash import BlockHash
@@ -77,8 +84,12 @@ class KVOffloadIndex:
         self._slot_hash: dict[int, BlockHash] = {}
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._pinned: set[int] = set()  # slots read by this step's onloads
+        # Slots read by asynchronous onloads in flight (across steps), per request.
+        self._held: Counter[int] = Counter()
+        self._loading: dict[str, list[tuple[int, BlockHash]]] = {}
         self._offloads: list[KVOffload] = []
         self._onloads: list[KVOnload] = []
+        self._async_onloads: list[KVOnload] = []
         self._written: dict[int, int] = {}  # slot -> device block this step copies in
         self.stats = KVOffloadStats(block_bytes=block_bytes)
         self.disk = disk
@@ -100,9 +111,11 @@ class KVOffloadIndex:
         (a copy planned for this step), evicting the least recently used entry if full."""
         entry = self._entries.get(block_hash)
         if entry is not None:
+            self._entries.move_to_end(block_hash)
+            if entry[0] in self._held:  # an onload in flight reads it: never rewritten
+                return
             # The tier has it already (onloaded earlier): copy it again into its slot
             # all the same, so a slot whose copy went bad (the worker recomputed it) heals.
-            self._entries.move_to_end(block_hash)
             self._offloads.append(KVOffload(block_id, entry[0], block_hash))
             self._written[entry[0]] = block_id
             self.stats.stored += 1
@@ -121,7 +134,7 @@ class KVOffloadIndex:
         if self._free_slots:
             return self._free_slots.pop()
         for block_hash, (slot, token_ids) in self._entries.items():  # LRU first
-            if slot not in self._pinned:
+            if slot not in self._pinned and slot not in self._held:
                 del self._entries[block_hash]
                 del self._slot_hash[slot]
                 self.events.touched[block_hash] = None
@@ -170,18 +183,47 @@ class KVOffloadIndex:
                 self._pinned.discard(slot)
 
     def plan_onloads(self, req_id: str, first_index: int, hits: list[tuple[int, BlockHash]],
-                     block_ids: list[int]) -> None:
-        """Request `req_id` takes `hits` as its blocks `first_index..`, into `block_ids`."""
+                     block_ids: list[int], asynchronous: bool = False) -> None:
+        """Request `req_id` takes `hits` as its blocks `first_index..`, into `block_ids`.
+        `asynchronous`: the copies run in the background; the slots and records stay
+        held until `finish_onloads(req_id)`."""
+        ops = self._async_onloads if asynchronous else self._onloads
+        if asynchronous:
+            self._loading[req_id] = list(hits)
         for i, ((slot, block_hash), block_id) in enumerate(zip(hits, block_ids)):
             if slot < 0:
                 self.disk.touch(block_hash)
-                self._onloads.append(KVOnload(req_id, first_index + i, -1, block_id,
-                                              block_hash, "disk"))
+                if asynchronous:
+                    self.disk.hold(block_hash)
+                ops.append(KVOnload(req_id, first_index + i, -1, block_id, block_hash, "disk"))
                 self.disk_stats.hits += 1
                 continue
             self._entries.move_to_end(block_hash)
-            self._onloads.append(KVOnload(req_id, first_index + i, slot, block_id, block_hash))
+            if asynchronous:
+                self._held[slot] += 1
+            ops.append(KVOnload(req_id, first_index + i, slot, block_id, block_hash))
             self.stats.hits += 1
+
+    def finish_onloads(self, req_id: str) -> None:
+        """The worker finished (or gave up) the asynchronous onloads of `req_id`: its
+        slots and records may be reused."""
+        for slot, block_hash in self._loading.pop(req_id, []):
+            if slot < 0:
+                self.disk.release(block_hash)
+                continue
+            self._held[slot] -= 1
+            if self._held[slot] <= 0:
+                del self._held[slot]
+
+    @property
+    def num_loading(self) -> int:
+        """Requests whose asynchronous onloads are in flight."""
+        return len(self._loading)
+
+    def take_async_onloads(self) -> list[KVOnload]:
+        """This step's asynchronous onloads, for the plan (they start after its offloads)."""
+        ops, self._async_onloads = self._async_onloads, []
+        return ops
 
     # ------------------------------------------------------------------ step
     def take_ops(self) -> tuple[list[KVOffload], list[KVOnload], list[KVSpill], list[bytes]]:
@@ -193,6 +235,15 @@ class KVOffloadIndex:
         self._pinned.clear()
         self._written.clear()
         return ops
+
+    def forget(self, block_hash: BlockHash) -> None:
+        """An onload of `block_hash` failed its checks on the worker: forget it (host
+        and disk), unless an onload in flight still reads it (that one will fail too)."""
+        entry = self._entries.get(block_hash)
+        if entry is not None and entry[0] not in self._held and entry[0] not in self._pinned:
+            self.drop(block_hash)
+        if self.disk is not None:
+            self.disk.forget(block_hash)
 
     def drop(self, block_hash: BlockHash) -> None:
         """Forget one entry (its copy is known to be bad)."""

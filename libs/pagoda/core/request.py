@@ -17,6 +17,10 @@ class RequestStatus(enum.Enum):
     # Queued, but its structured-output grammar is still compiling (vLLM's WAITING_FOR_FSM).
     WAITING_FOR_GRAMMAR = enum.auto()
     RUNNING = enum.auto()
+    # Out of the queue, its tier hits onloading in the background (vLLM's name): it
+    # holds its blocks, is in no batch, and goes back to the queue's head when the
+    # worker reports the copies done (`Scheduler._finish_onloads`).
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED = enum.auto()
 
@@ -57,6 +61,13 @@ class Request:
         # still run alone before it is trusted again (core/step_quarantine.py).
         self.num_failed_steps = 0
         self.num_isolated_steps = 0
+        # WAITING_FOR_REMOTE_KVS: (index of its first tier block, tier blocks, start
+        # time.monotonic()) of its onloads in flight; `onload_void`: the worker's cache
+        # was set up again meanwhile, so what they copy is not used.
+        self.onload: tuple[int, int, float] | None = None
+        self.onload_void = False
+        # Back in the queue holding the blocks its onload filled (until admitted).
+        self.holds_onloaded_blocks = False
         self.finish_reason: FinishReason | None = None
         # Why a scheduler hook ended the request (a grammar that failed to compile): the
         # engine reports it as the request's error, not as a plain abort.

@@ -17,8 +17,19 @@ extra_tokens, on_preempted, on_planned, on_sampled, on_token, after_step, add_st
 The grammar gate of structured outputs is `pagoda.structured_output.scheduler_hook`;
 draft tokens of speculative decoding, `pagoda.spec_decode.scheduler_hook`; the
 max_loras rule and adapter counts, `pagoda.lora.scheduler_hook`. A new feature (a
-multimodal encoder budget, a KV tier's wait for an async onload) is one more hook in
-`feature_hooks`, at the same points.
+multimodal encoder budget) is one more hook in `feature_hooks`, at the same points.
+
+Asynchronous onload (host/disk KV tiers, `--kv-offloading-onload async`, the default):
+a waiting request whose prefix continues in a lower tier is given device blocks for
+those hits (not offered to other requests: `delay_cache_blocks`), the copies go to the
+worker in `kv_async_onloads`, and it leaves the queue (WAITING_FOR_REMOTE_KVS) without
+taking budget, so the batch is not stalled. When the worker reports it in
+`finished_recving` it goes back to the queue's head with its loaded blocks computed
+(and offered as cached), from the first block any rank failed to fill
+(`invalid_block_ids`) on recomputed, as vLLM's scheduler does with `load_kv_async`.
+Invariants: its blocks are never freed while the copies may still write them (an abort
+ends the request at once but frees its blocks only on the report), and the tier slots
+and records it reads stay held (`kv_offload.py`).
 
 Pooling requests (`--runner pooling`) are prefills only: a pooling engine runs without
 chunked prefill, so each is admitted with its whole remaining prompt, and it finishes
@@ -32,6 +43,7 @@ in `pagoda.engine.async_steps`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -75,6 +87,9 @@ class SchedulerStats:
     # Cumulative host KV tier counters under --kv-offloading-size (None: off).
     kv_offload: KVOffloadStats | None = None
     kv_offload_disk: KVOffloadStats | None = None  # the disk tier below it (None: off)
+    # The latest waits for asynchronous onloads: (sequence number, seconds), the
+    # numbers counting every wait since start, so a reader records each wait once.
+    kv_onload_waits: tuple[tuple[int, float], ...] = ()
     # Cumulative encoder cache lookups of media items and their hits (multi-modal models).
     encoder_cache_queries: int = 0
     encoder_cache_hits: int = 0
@@ -118,6 +133,15 @@ class Scheduler:
         # The host KV tier's index (--kv-offloading-size; kv_offload.py), None: off. It
         # takes no hit under a sliding window (released blocks would break the chain).
         self.kv_offload = kv_offload if cache_config.sliding_window is None else None
+        self.onload_async = (self.kv_offload is not None
+                             and cache_config.kv_offloading_onload == "async")
+        # Requests whose asynchronous onloads are in flight (WAITING_FOR_REMOTE_KVS, or
+        # FINISHED when aborted meanwhile: their blocks wait for the report).
+        self.onloading: dict[str, Request] = {}
+        # (sequence number, seconds) of the latest waits for onloads, for the wait
+        # histogram (`SchedulerStats.kv_onload_waits`); `num_onload_waits` in all.
+        self.onload_waits: collections.deque[tuple[int, float]] = collections.deque(maxlen=64)
+        self.num_onload_waits = 0
         self.requests: dict[str, Request] = {}
         self.policy = SchedulingPolicy(scheduler_config.policy)
         self.waiting = create_request_queue(self.policy)
@@ -162,6 +186,14 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # Copies may still be writing its blocks: they are freed on the report.
+                request.finish_reason = reason
+                request.status = RequestStatus.FINISHED
+                del self.requests[request_id]
+                self._pending_outputs.append(EngineCoreOutput(
+                    request_id, [], finish_reason=reason, num_cached_tokens=0))
+                continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
@@ -172,7 +204,14 @@ class Scheduler:
                 request_id, [], finish_reason=reason, num_cached_tokens=max(request.num_cached_tokens, 0)))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.onloading)
+
+    def needs_worker(self, plan: SchedulerOutput) -> bool:
+        """Whether `plan` must go to the worker though it may schedule no token: it
+        carries tier copies, or onloads in flight wait for the worker's report."""
+        return bool(plan.total_num_scheduled_tokens or self.onloading or plan.kv_offloads
+                    or plan.kv_onloads or plan.kv_spills or plan.kv_disk_drops
+                    or plan.kv_async_onloads)
 
     def wait_for_grammars(self, timeout: float) -> None:
         """Nothing ran this step: block (at most `timeout` s, per hook) until a request a
@@ -206,6 +245,7 @@ class Scheduler:
         if self.kv_offload is not None:
             (output.kv_offloads, output.kv_onloads, output.kv_spills,
              output.kv_disk_drops) = self.kv_offload.take_ops()
+            output.kv_async_onloads = self.kv_offload.take_async_onloads()
         self._finished_req_ids = set()
         requests = self.requests
         if checkpoints is not None:
@@ -308,6 +348,10 @@ class Scheduler:
                     self.waiting.pop_request()
                     self._end_failed(request, why)
                     continue
+            if tier_slots and self.onload_async:
+                if not self._start_onload(request, hit_blocks, tier_slots):
+                    break  # no room for its blocks now
+                continue
             if not self.config.enable_chunked_prefill and num_new > budget:
                 if tier_slots:
                     self.kv_offload.unpin(tier_slots)
@@ -325,7 +369,10 @@ class Scheduler:
             if new_blocks is None:
                 if tier_slots:
                     self.kv_offload.unpin(tier_slots)
+                if not self.running:  # nothing will free blocks: the queue must
+                    self._release_onloaded_blocks(request)
                 break
+            request.holds_onloaded_blocks = False
             if tier_slots:
                 self.kv_offload.plan_onloads(request.request_id, len(hit_blocks), tier_slots,
                                              [b.block_id for b in new_blocks[:len(tier_slots)]])
@@ -346,6 +393,124 @@ class Scheduler:
         self._free_request(request)
         self._pending_outputs.append(EngineCoreOutput(
             request.request_id, [], finish_reason=request.finish_reason))
+
+    def _start_onload(self, request: Request, hit_blocks, tier_slots) -> bool:
+        """Give the request blocks for its device and tier hits, plan the tier blocks'
+        asynchronous onloads and take it out of the queue until they are done; False
+        (nothing changed, the tier's pins dropped) when the pool has no room."""
+        bs = self.block_size
+        num_device = len(hit_blocks) * bs
+        # Only when the whole request would fit now, as the synchronous path admits it:
+        # blocks held through a long onload must not push running requests out.
+        needed = (-(-request.num_tokens // bs) - len(hit_blocks)
+                  + sum(1 for b in hit_blocks if b.ref_cnt == 0))
+        if self.kv_cache_manager.pool.num_free_blocks < needed:
+            self.kv_offload.unpin(tier_slots)
+            return False
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request, len(tier_slots) * bs, hit_blocks, num_device, delay_cache_blocks=True)
+        if new_blocks is None:
+            self.kv_offload.unpin(tier_slots)
+            return False
+        self.kv_offload.plan_onloads(request.request_id, len(hit_blocks), tier_slots,
+                                     [b.block_id for b in new_blocks[:len(tier_slots)]],
+                                     asynchronous=True)
+        self.waiting.pop_request()
+        request.num_computed_tokens = num_device
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.onload = (len(hit_blocks), len(tier_slots), time.monotonic())
+        self.onloading[request.request_id] = request
+        return True
+
+    def _finish_onloads(self, finished: set[str], invalid_block_ids: set[int]) -> None:
+        """The worker (every rank) finished the onloads of `finished`: each goes back to
+        the queue's head with its blocks up to the first invalid one computed; an
+        aborted one frees its blocks now."""
+        manager, bs = self.kv_cache_manager, self.block_size
+        for request_id in finished:
+            request = self.onloading.pop(request_id, None)
+            if request is None:
+                continue
+            self.kv_offload.finish_onloads(request_id)
+            first, count, started = request.onload
+            request.onload = None
+            blocks = manager.req_blocks.get(request_id, [])
+            loaded = 0
+            if not request.onload_void:
+                while loaded < count and blocks[first + loaded].block_id not in invalid_block_ids:
+                    loaded += 1
+            if loaded < count:  # never hit that entry again: it would fail the same way
+                self._forget_bad_tier_blocks(request, first + loaded, first + count,
+                                             invalid_block_ids)
+            if request.status == RequestStatus.FINISHED:  # aborted while it loaded
+                manager.free(request)
+                continue
+            self.num_onload_waits += 1
+            self.onload_waits.append((self.num_onload_waits, time.monotonic() - started))
+            request.status = RequestStatus.WAITING
+            if request.onload_void or first + loaded == 0:
+                # Nothing usable (or the device cache was set up again): start afresh.
+                request.onload_void = False
+                manager.free(request)
+                request.num_computed_tokens = 0
+            else:
+                manager.cache_loaded_blocks(request, first + loaded)
+                request.num_computed_tokens = (first + loaded) * bs
+                request.holds_onloaded_blocks = True
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = request.num_computed_tokens
+            self.waiting.prepend_request(request)
+
+    def _release_onloaded_blocks(self, head: Request) -> None:
+        """Nothing runs and `head` does not fit: queued requests that hold the blocks
+        their onloads filled (behind it, by priority or a preemption) give them back,
+        still cached, so `head` can go; they find them again on the device (or in the
+        tiers) when admitted. Without this the queue could wait on itself forever."""
+        manager = self.kv_cache_manager
+        for request in list(self.waiting):
+            if request is not head and request.holds_onloaded_blocks:
+                request.holds_onloaded_blocks = False
+                manager.free(request)
+                request.num_computed_tokens = 0
+
+    def _forget_bad_tier_blocks(self, request: Request, start: int, end: int,
+                                invalid_block_ids: set[int]) -> None:
+        """Blocks `start..end-1` of `request` failed to onload (or were not tried after
+        one that did): drop the tier entries of those that failed, unless another
+        onload in flight still reads them, so the retry recomputes instead."""
+        blocks = self.kv_cache_manager.req_blocks.get(request.request_id, [])
+        for i in range(start, min(end, len(blocks))):
+            if blocks[i].block_id in invalid_block_ids:
+                self.kv_offload.forget(request.block_hashes[i])
+
+    def void_onloads(self) -> None:
+        """The worker's KV cache was set up again (a failed step): whatever the onloads
+        in flight copy lands in a cache no longer used, and the device hits they
+        continue are gone. Each such request starts afresh when reported; a queued one
+        holding blocks its onload filled starts afresh now."""
+        for request in self.onloading.values():
+            request.onload_void = True
+        for request in list(self.waiting):
+            if request.holds_onloaded_blocks:
+                request.holds_onloaded_blocks = False
+                self.kv_cache_manager.free(request)
+                request.num_computed_tokens = 0
+
+    def abandon_onloads(self, plan: SchedulerOutput) -> None:
+        """`plan` was refused before any of it ran: its asynchronous onloads never
+        started and will never be reported. Their requests start afresh."""
+        for request_id in dict.fromkeys(op.req_id for op in plan.kv_async_onloads):
+            request = self.onloading.pop(request_id, None)
+            if request is None:
+                continue
+            self.kv_offload.finish_onloads(request_id)
+            request.onload = None
+            self.kv_cache_manager.free(request)
+            if request.status == RequestStatus.FINISHED:
+                continue
+            request.status = RequestStatus.WAITING
+            request.num_computed_tokens = 0
+            self.waiting.prepend_request(request)
 
     def _host_tier_hits(self, request: Request, num_device_hits: int) -> list[int]:
         """Host-tier slots of the blocks that follow the device hits of a request not
@@ -465,6 +630,8 @@ class Scheduler:
     # ------------------------------------------------------------------ update
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        if runner_output.finished_recving:
+            self._finish_onloads(runner_output.finished_recving, runner_output.invalid_block_ids)
         outputs, self._pending_outputs = self._pending_outputs, []
         now = time.time()
         checkpoints = self.kv_cache_manager.state_checkpoints
@@ -573,6 +740,7 @@ class Scheduler:
             snapshot.kv_offload = dataclasses.replace(self.kv_offload.stats)
             if self.kv_offload.disk_stats is not None:
                 snapshot.kv_offload_disk = dataclasses.replace(self.kv_offload.disk_stats)
+            snapshot.kv_onload_waits = tuple(self.onload_waits)
         for hook in self.hooks:
             hook.add_stats(snapshot, self.running, self.waiting)
         return snapshot

@@ -52,6 +52,7 @@ def recover(scheduler, plan: SchedulerOutput) -> list[str]:
             scheduler._preempt(request)
     scheduler.finish_requests(culprits, FinishReason.ABORT)
     scheduler.kv_cache_manager.pool.forget_contents()
+    scheduler.void_onloads()  # the cache they copy into is set up again
     return culprits
 
 

@@ -27,6 +27,7 @@ from pagoda.messages import FinishReason, SchedulerOutput
 def reject_step(scheduler, plan: SchedulerOutput, request_id: str) -> None:
     """Undo `plan` (refused by the worker because of `request_id`) in `scheduler`."""
     unwritten = _unwritten_blocks(scheduler, plan)
+    scheduler.abandon_onloads(plan)  # the copies it would have started never did
     forget = scheduler._finished_req_ids
     forget |= plan.finished_req_ids | plan.preempted_req_ids
     for req_id in plan.num_scheduled_tokens:

@@ -65,6 +65,9 @@ class EngineArgs:
     # this many GiB. Both or neither, and only with kv_offloading_size.
     kv_offloading_disk_path: str | None = None
     kv_offloading_disk_size: float | None = None
+    # How a tier hit is onloaded: "async" (the default: in the background, the request
+    # waits out of the batch) or "sync" (inside the step that admits it).
+    kv_offloading_onload: str = "async"
     seed: int = 0
     served_model_name: list[str] | str | None = None
     tensor_parallel_size: int = 1
@@ -182,6 +185,12 @@ class EngineArgs:
                                  "--kv-offloading-disk-size (default: off).")
         parser.add_argument("--kv-offloading-disk-size", type=float, default=None,
                             metavar="GiB", help="GiB the disk KV tier may hold.")
+        parser.add_argument("--kv-offloading-onload", default=d.kv_offloading_onload,
+                            choices=["async", "sync"],
+                            help="How a prefix found in the host or disk tier is copied back: "
+                                 "async (default): in the background while the request waits "
+                                 "out of the batch, so running requests keep decoding; sync: "
+                                 "inside the step that admits it, before its forward.")
         parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
         parser.add_argument("--seed", type=int, default=d.seed)
         parser.add_argument("--logits-processors", nargs="+", default=None, metavar="FQCN",
@@ -357,6 +366,10 @@ class EngineArgs:
             self.kv_offloading_size, self.kv_offloading_backend)
         cache.kv_offloading_disk_path, cache.kv_offloading_disk_size = _kv_offloading_disk(
             self.kv_offloading_disk_path, self.kv_offloading_disk_size, cache.kv_offloading_size)
+        if self.kv_offloading_onload not in ("async", "sync"):
+            raise ValueError(f"kv_offloading_onload must be 'async' or 'sync', got "
+                             f"{self.kv_offloading_onload!r}")
+        cache.kv_offloading_onload = self.kv_offloading_onload
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
             max_model_len=max_model_len, enable_chunked_prefill=chunked,

@@ -94,7 +94,7 @@ class EngineCore:
             return self.scheduler.take_pending_outputs()
         scheduler_output = self._schedule()
         self.last_scheduler_output = scheduler_output
-        if scheduler_output.total_num_scheduled_tokens:
+        if self.scheduler.needs_worker(scheduler_output):  # tokens, or tier copies to run
             try:
                 runner_output = self.executor.execute_model(scheduler_output)
             except StepRejected as exc:  # one request's fault: it fails, the rest go on

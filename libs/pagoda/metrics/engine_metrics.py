@@ -195,6 +195,8 @@ class EngineMetrics:
             self._kv_offload.record(s.kv_offload, "cpu")
         if s.kv_offload_disk is not None:
             self._kv_offload.record(s.kv_offload_disk, "disk")
+        if s.kv_onload_waits:
+            self._kv_offload.record_waits(s.kv_onload_waits)
 
     def _record_iteration(self, it: IterationStats) -> None:
         if it.num_preempted_reqs:

@@ -9,6 +9,9 @@ bytes are the blocks the host tier spilled to it):
     pagoda_kv_offload_hits_total       blocks onloaded from it instead of recomputed
     pagoda_kv_offload_bytes_total      bytes copied, direction="offload" | "onload"
     pagoda_kv_offload_evictions_total  blocks the tier dropped to make room (LRU)
+    pagoda_kv_offload_onload_wait_seconds  a histogram: how long each request whose
+                                       prefix was in a tier waited out of the batch for
+                                       its asynchronous onload (no vLLM equivalent)
 
 The onload latency and the failed onloads (hash or checksum: recomputed) are the
 worker's (`pagoda_kv_offload_onload_seconds{tier}`,
@@ -17,11 +20,13 @@ worker's (`pagoda_kv_offload_onload_seconds{tier}`,
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from pagoda.core.kv_offload import KVOffloadStats
 
 TIERS = ("cpu", "disk")
+ONLOAD_WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                       5.0, 10.0)
 
 
 class KVOffloadMetrics:
@@ -38,6 +43,11 @@ class KVOffloadMetrics:
                             "KV blocks evicted from the offload tier (LRU).")
         moved = counter("pagoda_kv_offload_bytes", "Bytes copied to or from the offload tier.",
                         ("direction",))
+        self.onload_wait = Histogram(
+            "pagoda_kv_offload_onload_wait_seconds",
+            "Seconds a request waited out of the batch for its asynchronous KV onload.",
+            names, buckets=ONLOAD_WAIT_BUCKETS, registry=registry).labels(*values)
+        self._last_wait = 0
         self._tiers = {}
         for tier in TIERS:
             labels = (*values, tier)
@@ -47,6 +57,13 @@ class KVOffloadMetrics:
 
     def record(self, s: KVOffloadStats, tier: str = "cpu") -> None:
         self._tiers[tier].record(s)
+
+    def record_waits(self, waits: tuple[tuple[int, float], ...]) -> None:
+        """Observe each wait not seen yet (`SchedulerStats.kv_onload_waits`)."""
+        for seq, seconds in waits:
+            if seq > self._last_wait:
+                self.onload_wait.observe(seconds)
+                self._last_wait = seq
 
 
 class _TierCounters:

@@ -29,7 +29,8 @@ not re-indexing is what lets writes skip fsync (a record lost to a crash is neve
 Writes go to a temporary file renamed into place, so a reader never sees half a record.
 A write that fails (a full disk, a read-only directory, the fault point
 "kv_disk.write") is logged and counted; its block is simply not on disk, and a later
-onload of it fails and recomputes. Runs on the step thread.
+onload of it fails and recomputes. Runs on the step thread; asynchronous onloads
+read records on the loader thread (`kv_onload_async.py`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import logging
 import os
 import shutil
 import struct
+import threading
 import uuid
 import zlib
 from collections import OrderedDict
@@ -116,6 +118,9 @@ class DiskKVTier:
         self.path = rank_dir / f"epoch-{self.epoch.hex()}"
         self.path.mkdir()
         self._records: OrderedDict[bytes, None] = OrderedDict()  # LRU first
+        # The step thread writes and drops, the loader thread (asynchronous onloads,
+        # kv_onload_async.py) reads: the bookkeeping of `_records` is shared.
+        self._records_lock = threading.Lock()
         self.stats = DiskTierStats()
 
     def _file(self, block_hash: bytes) -> Path:
@@ -149,8 +154,9 @@ class DiskKVTier:
             except OSError:
                 pass
             return False
-        self._records[block_hash] = None
-        self._records.move_to_end(block_hash)
+        with self._records_lock:
+            self._records[block_hash] = None
+            self._records.move_to_end(block_hash)
         self.stats.written_blocks += 1
         self.stats.written_bytes += length
         return True
@@ -161,7 +167,11 @@ class DiskKVTier:
         scheduler's index in step nothing is left to trim, it only bounds the disk when
         the index forgot records (a scheduler restarted, reset_prefix_cache)."""
         while len(self._records) > self.num_records:
-            self.drop(next(iter(self._records)))
+            with self._records_lock:
+                victim = next(iter(self._records), None)
+            if victim is None:
+                return
+            self.drop(victim)
 
     # ------------------------------------------------------------------ read
     def read(self, block_hash: bytes, length: int) -> memoryview | None:
@@ -174,7 +184,8 @@ class DiskKVTier:
                 del data[f.readinto(data):]
         except OSError:
             self.stats.failed_reads += 1
-            self._records.pop(block_hash, None)
+            with self._records_lock:
+                self._records.pop(block_hash, None)
             return None
         view = memoryview(data)
         ok = len(data) >= _HEADER.size
@@ -192,8 +203,9 @@ class DiskKVTier:
                            "foreign); recomputing its block")
             self._forget(block_hash, target)
             return None
-        if block_hash in self._records:
-            self._records.move_to_end(block_hash)
+        with self._records_lock:
+            if block_hash in self._records:
+                self._records.move_to_end(block_hash)
         self.stats.read_blocks += 1
         self.stats.read_bytes += length
         return view[start:]
@@ -205,7 +217,8 @@ class DiskKVTier:
         self.stats.dropped_blocks += 1
 
     def _forget(self, block_hash: bytes, target: Path) -> None:
-        self._records.pop(block_hash, None)
+        with self._records_lock:
+            self._records.pop(block_hash, None)
         try:
             target.unlink(missing_ok=True)
         except OSError:

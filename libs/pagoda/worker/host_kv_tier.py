@@ -20,6 +20,10 @@ With a disk tier below (`disk_kv_tier.py`, --kv-offloading-disk-path) the plan a
 spills slots to disk and onloads blocks from it (`KVOnload.medium == "disk"`); a step
 runs spills, disk drops, offloads, then onloads, and a disk onload that fails its
 checks is recomputed the same way.
+
+Asynchronous onloads (`plan.kv_async_onloads`) are started after the step's offloads
+and run on a background thread (`kv_onload_async.py`), by the same verified copies
+(`onload_blocks`); the step's forward does not wait for them.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from pagoda.messages import KVOnload, KVSpill, SchedulerOutput
 from pagoda.model.kv_cache import kv_cache_bytes_per_block, kv_cache_torch_dtype
 from pagoda.kv_transfer.block_shares import LAYOUT
 from pagoda.worker.disk_kv_tier import DiskKVTier, layout_identity
+from pagoda.worker.kv_onload_async import AsyncOnloader
 
 logger = logging.getLogger(__name__)
 GIB = 1024 ** 3
@@ -78,7 +83,8 @@ def make_disk_tier(config: EngineConfig, kv_caches, parallel) -> DiskKVTier | No
 
 def has_tier_ops(plan: SchedulerOutput) -> bool:
     """Whether the plan carries any copy for the KV tiers."""
-    return bool(plan.kv_offloads or plan.kv_onloads or plan.kv_spills or plan.kv_disk_drops)
+    return bool(plan.kv_offloads or plan.kv_onloads or plan.kv_spills or plan.kv_disk_drops
+                or plan.kv_async_onloads)
 
 
 @dataclass
@@ -92,6 +98,7 @@ class HostTierStats:
     failed_onloads: int = 0  # hash or checksum mismatch: recomputed instead
     onload_seconds: float = 0.0
     offload_seconds: float = 0.0
+    async_onload_seconds: float = 0.0  # the background thread's time (not the steps')
 
 
 class HostKVTier:
@@ -101,8 +108,26 @@ class HostKVTier:
                  disk: DiskKVTier | None = None) -> None:
         pin = kv_caches[0][0].device.type == "cuda"
         self.num_slots = num_slots
-        self.tensors = [tuple(torch.empty((num_slots, *t.shape[1:]), dtype=t.dtype,
-                                          pin_memory=pin) for t in pair) for pair in kv_caches]
+        # Slot-major: one row of bytes per slot (`rows`), each layer's tensors views into
+        # it in layer order, so a slot's CRC-32 is one call over one contiguous row (the
+        # same value as chained over the pieces in order: the disk record's) and the
+        # loader thread (asynchronous onloads) makes few calls that hold the GIL.
+        sizes = [t[0].numel() * t.element_size() for pair in kv_caches for t in pair]
+        self.rows = torch.empty((num_slots, sum(sizes)), dtype=torch.uint8, pin_memory=pin)
+        self.tensors, offset = [], 0
+        for pair in kv_caches:
+            views = []
+            for t in pair:
+                n = t[0].numel() * t.element_size()
+                if n == 0:  # a latent cache's empty value tensor
+                    views.append(torch.empty((num_slots, *t.shape[1:]), dtype=t.dtype,
+                                             pin_memory=pin))
+                else:
+                    views.append(self.rows[:, offset:offset + n].view(t.dtype)
+                                 .view(num_slots, *t.shape[1:]))
+                offset += n
+            self.tensors.append(tuple(views))
+        self._rows_np = self.rows.numpy()
         # The layout identity the slots were written under: onloads into another cache
         # shape (a reconfigured worker) are refused.
         self.layout = self._layout(kv_caches)
@@ -111,6 +136,7 @@ class HostKVTier:
         self.stats = HostTierStats()
         self.disk = disk
         self.block_bytes = sum(t[0].numel() * t.element_size() for pair in self.tensors for t in pair)
+        self.onloader = AsyncOnloader(self)
 
     @staticmethod
     def _layout(kv_caches) -> tuple:
@@ -120,12 +146,7 @@ class HostKVTier:
         return 0 <= slot < self.num_slots and self._hash[slot] == block_hash
 
     def _checksum(self, slot: int) -> int:
-        crc = 0
-        for pair in self.tensors:
-            for t in pair:
-                if t.shape[-1]:
-                    crc = zlib.crc32(t[slot].view(torch.uint8).numpy(), crc)
-        return crc
+        return zlib.crc32(self._rows_np[slot])
 
     # ------------------------------------------------------------------ copies
     def offload(self, kv_caches, ops) -> None:
@@ -178,7 +199,7 @@ class HostKVTier:
         if not ops:
             return []
         start = time.perf_counter()
-        failed = []
+        failed, good, payloads = [], [], []
         same_layout = self._layout(kv_caches) == self.layout
         for op in ops:
             payload = self.disk.read(op.block_hash, self.block_bytes) \
@@ -186,21 +207,46 @@ class HostKVTier:
             if payload is None:
                 failed.append(op)
                 continue
+            good.append(op)
+            payloads.append(payload)
+        if good and self.block_bytes:
+            # The verified records side by side in rows like the slots', then one
+            # indexed copy per tensor (not one per tensor and block).
+            staging = torch.empty((len(good), self.block_bytes), dtype=torch.uint8)
+            for i, payload in enumerate(payloads):
+                staging[i].copy_(torch.frombuffer(payload, dtype=torch.uint8))
+            dst = [op.block_id for op in good]
             offset = 0
-            raw = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else None
             for dev_pair, host_pair in zip(kv_caches, self.tensors):
                 for dev, host in zip(dev_pair, host_pair):
                     n = host[0].numel() * host.element_size()
                     if n:
-                        block = raw[offset:offset + n].view(host.dtype).view(host.shape[1:])
-                        dev[op.block_id].copy_(block, non_blocking=False)
+                        src = staging[:, offset:offset + n].view(host.dtype).view(
+                            len(good), *host.shape[1:])
+                        _scatter_blocks(dev, dst, src)
                     offset += n
         if self.disk is not None:  # the blocks and failures are counted in disk.stats
             self.disk.stats.read_seconds += time.perf_counter() - start
         return failed
 
-    def onload(self, kv_caches, ops: list[KVOnload]) -> list[KVOnload]:
-        """Verified slots -> device blocks; the ops that failed (not copied)."""
+    def onload_blocks(self, kv_caches, ops: list[KVOnload]) -> set[int]:
+        """The asynchronous path (the loader thread, on its stream): verified slots and
+        records -> device blocks, with no device-wide synchronize; the device block ids
+        that failed (not copied)."""
+        failed = self.onload(kv_caches, [op for op in ops if op.medium != "disk"], sync=False)
+        failed += self.onload_disk(kv_caches, [op for op in ops if op.medium == "disk"])
+        return {op.block_id for op in failed}
+
+    def add_async_seconds(self, seconds: float) -> None:
+        self.stats.async_onload_seconds += seconds
+
+    def poll(self, agree=None, wait_s: float = 0.0) -> tuple[set[str], set[int]]:
+        """The asynchronous onloads every rank finished (`AsyncOnloader.poll`)."""
+        return self.onloader.poll(agree, wait_s)
+
+    def onload(self, kv_caches, ops: list[KVOnload], sync: bool = True) -> list[KVOnload]:
+        """Verified slots -> device blocks; the ops that failed (not copied). `sync`:
+        wait for the copies on the whole device (the step path)."""
         if not ops:
             return []
         start = time.perf_counter()
@@ -219,7 +265,7 @@ class HostKVTier:
                 for dev, host in zip(dev_pair, host_pair):
                     _copy_blocks(dev, [op.block_id for op in good], host,
                                  [op.slot for op in good])
-            if device.type == "cuda":
+            if device.type == "cuda" and sync:
                 torch.cuda.synchronize(device)
         self.stats.onloaded_blocks += len(good)
         self.stats.onloaded_bytes += len(good) * self.block_bytes
@@ -246,6 +292,8 @@ class HostKVTier:
         failed = self.onload(kv_caches, [op for op in plan.kv_onloads if op.medium != "disk"])
         failed += self.onload_disk(kv_caches, [op for op in plan.kv_onloads
                                                if op.medium == "disk"])
+        if plan.kv_async_onloads:  # after the offloads: a slot this step wrote is ready
+            self.onloader.submit(kv_caches, plan.kv_async_onloads)
         if agree is not None and plan.kv_onloads:
             bad = {(op.req_id, op.block_index) for op in failed}
             flags = agree([int((op.req_id, op.block_index) in bad) for op in plan.kv_onloads])
@@ -271,12 +319,29 @@ def _copy_blocks(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor,
                  src_ids: list[int]) -> None:
     """dst[dst_ids[i]] = src[src_ids[i]]. Between host and device: one gather, one
     asynchronous copy and one scatter per tensor (the caller synchronizes). Host to
-    host: one slice copy per block, which on a busy CPU is an order of magnitude
-    faster than torch's multithreaded index ops for blocks of a few KiB (measured)."""
+    host: one numpy fancy-index copy per tensor (single-threaded, the GIL released):
+    on a busy CPU torch's multithreaded index ops were 5-25x slower than one slice copy
+    per block, and the numpy copy as fast as those or faster with 60x fewer calls
+    (64 blocks x 60 tensors of 12 KiB: 31-46 ms against 56-66 ms, load average 9),
+    which matters on the loader thread of asynchronous onloads (each call it makes may
+    hold the GIL the step's thread needs)."""
     if dst.device.type == "cpu" and src.device.type == "cpu":
-        for d, s in zip(dst_ids, src_ids):
-            dst[d].copy_(src[s])
+        _numpy_bytes(dst)[dst_ids] = _numpy_bytes(src)[src_ids]
         return
     src_index = torch.tensor(src_ids, dtype=torch.long, device=src.device)
     dst_index = torch.tensor(dst_ids, dtype=torch.long, device=dst.device)
     dst.index_copy_(0, dst_index, src.index_select(0, src_index).to(dst.device, non_blocking=True))
+
+
+def _numpy_bytes(t: torch.Tensor):
+    """A numpy view of `t`'s bytes, blocks along the first axis (bf16 has no numpy dtype)."""
+    return t.detach().view(torch.uint8).numpy()
+
+
+def _scatter_blocks(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor) -> None:
+    """dst[dst_ids[i]] = src[i] (src on the host)."""
+    if dst.device.type == "cpu":
+        _numpy_bytes(dst)[dst_ids] = _numpy_bytes(src)
+        return
+    index = torch.tensor(dst_ids, dtype=torch.long, device=dst.device)
+    dst.index_copy_(0, index, src.to(dst.device))

@@ -38,11 +38,14 @@ from pagoda.worker.cuda_graphs import DecodeCUDAGraphs, cuda_graph_sizes
 from pagoda.worker.encoder_cache import EncoderCache
 from pagoda.worker.host_kv_tier import (HostKVTier, has_tier_ops, host_tier_slots,
                                        make_disk_tier)
+from pagoda.worker.kv_onload_async import with_reports
 from pagoda.worker.mm_inputs import MultiModalStepInputs
 from pagoda.worker.pooling import pool_requests, token_type_ids
 from pagoda.worker.recurrent_state import RecurrentStateSlots, rewind_to_accepted_drafts
 
 logger = logging.getLogger(__name__)
+# How long a step that runs no token waits for an asynchronous onload to finish.
+ONLOAD_IDLE_WAIT_S = 0.02
 
 
 class ModelRunner:
@@ -208,6 +211,8 @@ class ModelRunner:
             self._recurrent_caches = [i - start for i in self.config.arch.mamba.layers
                                       if 0 <= i - start < len(self.kv_caches)]
         num_slots = host_tier_slots(self.config)[0]
+        if self.host_tier is not None:  # set up again: onloads in flight copy into the old
+            self.host_tier.onloader.void()
         if num_slots > 0 and self.host_tier is None:  # kept when the cache is set up again
             self.host_tier = HostKVTier(self.kv_caches, num_slots,
                                         make_disk_tier(self.config, self.kv_caches,
@@ -239,14 +244,30 @@ class ModelRunner:
         """Forget every request (a restarted scheduler knows none of them)."""
         self.states.clear()
         self.generators.clear()
+        if self.host_tier is not None:  # their copies end first, reported as failed
+            self.host_tier.onloader.drain()
         if self.mm_inputs is not None:
             self.mm_inputs.cache.clear()
         if self.state_slots is not None:
             self.state_slots = RecurrentStateSlots(self.config.scheduler.max_num_seqs)
 
     # ------------------------------------------------------------------ step
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        output = self._execute_step(scheduler_output)
+        return self._report_onloads(scheduler_output, output)
+
+    def _report_onloads(self, scheduler_output: SchedulerOutput, output):
+        """After the step: the asynchronous onloads every rank finished meanwhile (a
+        step with no token first waits a little for one, so that a scheduler with
+        only onloads to wait for does not spin). Every rank calls it at this point."""
+        if self.host_tier is None or not self.host_tier.onloader.pending:
+            return output
+        wait_s = ONLOAD_IDLE_WAIT_S if scheduler_output.total_num_scheduled_tokens == 0 else 0.0
+        finished, invalid = self.host_tier.poll(self._agree_on_onloads, wait_s)
+        return with_reports(output, finished, invalid) if output is not None else None
+
+    @torch.inference_mode()
+    def _execute_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.host_tier is not None and has_tier_ops(scheduler_output):
             # Before anything of the step: a failed onload turns into recompute here.
             scheduler_output = self.host_tier.apply(self.kv_caches, scheduler_output,

@@ -86,8 +86,10 @@ class ParallelModelRunner(ModelRunner):
                                                     self.block_size, self._agree_on_onloads)
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput.empty() if self.parallel.is_last_stage else None
-        return self._execute_pipelined(scheduler_output)
+            output = ModelRunnerOutput.empty() if self.parallel.is_last_stage else None
+        else:
+            output = self._execute_pipelined(scheduler_output)
+        return self._report_onloads(scheduler_output, output)
 
     def _agree_on_onloads(self, flags: list[int]) -> list[int]:
         """Every rank's onload failure flags OR-ed (MAX) over the whole group (the world

@@ -85,6 +85,12 @@ class PlanLedger:
                 raise PlanRejected("a host-tier onload that is not a computed block of a new "
                                    "request", op.req_id if data is not None else None)
         self._check_state_checkpoints(plan)
+        # Asynchronous onloads: into device blocks of the cache, of requests in no batch.
+        self._check_blocks([op.block_id for op in plan.kv_async_onloads], None)
+        for op in plan.kv_async_onloads:
+            if op.medium not in ("cpu", "disk") or op.req_id in scheduled or op.req_id in held:
+                raise PlanRejected("an asynchronous onload for a request in the batch or of "
+                                   "an unknown medium", op.req_id if op.req_id in held else None)
         for data in plan.scheduled_new_reqs:
             if data.req_id in held:
                 raise PlanRejected("a new request with the id of one the worker holds",

@@ -78,6 +78,10 @@ def scheduler_output_to_proto(out: SchedulerOutput) -> pb.SchedulerOutput:
     msg.kv_disk_drops.extend(out.kv_disk_drops)
     for req_id, (num_tokens, slot) in out.state_saves.items():
         msg.state_saves.add(req_id=req_id, num_tokens=num_tokens, slot=slot)
+    for op in out.kv_async_onloads:
+        msg.kv_async_onloads.add(req_id=op.req_id, block_index=op.block_index, slot=op.slot,
+                                 block_id=op.block_id, block_hash=op.block_hash,
+                                 medium=op.medium)
     cached = out.scheduled_cached_reqs
     msg.scheduled_cached_reqs.req_ids.extend(cached.req_ids)
     msg.scheduled_cached_reqs.num_computed_tokens.extend(cached.num_computed_tokens)
@@ -136,6 +140,8 @@ def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
                    for m in msg.kv_spills],
         kv_disk_drops=list(msg.kv_disk_drops),
         state_saves={m.req_id: (m.num_tokens, m.slot) for m in msg.state_saves},
+        kv_async_onloads=[KVOnload(m.req_id, m.block_index, m.slot, m.block_id, m.block_hash,
+                                   m.medium or "cpu") for m in msg.kv_async_onloads],
     )
 
 
@@ -159,7 +165,9 @@ def grammar_bitmask_from_bytes(data: bytes, num_rows: int) -> np.ndarray | None:
 def model_runner_output_to_proto(out: ModelRunnerOutput) -> pb.ModelRunnerOutput:
     msg = pb.ModelRunnerOutput(req_ids=out.req_ids,
                                num_encoder_cache_queries=out.num_encoder_cache_queries,
-                               num_encoder_cache_hits=out.num_encoder_cache_hits)
+                               num_encoder_cache_hits=out.num_encoder_cache_hits,
+                               finished_recving=sorted(out.finished_recving),
+                               invalid_block_ids=sorted(out.invalid_block_ids))
     for tokens in out.sampled_token_ids:
         msg.sampled_token_ids.add(token_ids=tokens)
     for req_id, lists in out.logprobs.items():
@@ -183,4 +191,6 @@ def model_runner_output_from_proto(msg: pb.ModelRunnerOutput) -> ModelRunnerOutp
         draft_token_ids={k: list(v.token_ids) for k, v in msg.draft_token_ids.items()},
         num_encoder_cache_queries=msg.num_encoder_cache_queries,
         num_encoder_cache_hits=msg.num_encoder_cache_hits,
+        finished_recving=set(msg.finished_recving),
+        invalid_block_ids=set(msg.invalid_block_ids),
     )

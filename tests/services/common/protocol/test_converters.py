@@ -241,3 +241,16 @@ def test_host_tier_copies_cross_the_wire():
     assert back.kv_offloads == plan.kv_offloads and back.kv_onloads == plan.kv_onloads
     # A spill from device block 0 stays one (proto3's 0 default is not "from the slot").
     assert back.kv_spills == plan.kv_spills and back.kv_disk_drops == plan.kv_disk_drops
+
+
+def test_async_onloads_and_their_reports_cross_the_wire():
+    plan = SchedulerOutput([], CachedRequestData(), {}, 0,
+                           kv_async_onloads=[KVOnload("r", 0, 7, 9, b"\x02" * 32),
+                                             KVOnload("r", 1, -1, 4, b"\x03" * 32, "disk")])
+    wire = worker_pb2.SchedulerOutput.FromString(
+        scheduler_output_to_proto(plan).SerializeToString())
+    assert scheduler_output_from_proto(wire).kv_async_onloads == plan.kv_async_onloads
+    out = ModelRunnerOutput([], [], finished_recving={"r", "s"}, invalid_block_ids={4, 0})
+    back = model_runner_output_from_proto(worker_pb2.ModelRunnerOutput.FromString(
+        model_runner_output_to_proto(out).SerializeToString()))
+    assert back.finished_recving == {"r", "s"} and back.invalid_block_ids == {0, 4}
