@@ -147,23 +147,27 @@ class MuxConnection:
         # else: its admission is under way and releases it when it returns
 
     async def _read(self) -> None:
+        loop = asyncio.get_running_loop()
         async for message in self._incoming:
             for request in message.requests:
-                task = asyncio.get_running_loop().create_task(self._admit(request))
+                rid = request.request_id
+                if rid in self.requests:  # the servicer would say so too, but ours is in the way
+                    self._refuse(rid, grpc.StatusCode.ALREADY_EXISTS,
+                                 f"request id {rid!r} is in use")
+                    continue
+                # On the stream before its admission runs: an abort in the same message
+                # (or the stream ending) finds it.
+                entry = self.requests[rid] = MuxRequest(rid, self)
+                task = loop.create_task(self._admit(request, entry))
                 self._admissions.add(task)
                 task.add_done_callback(self._admissions.discard)
             for rid in message.abort_request_ids:
-                request = self.requests.get(rid)
-                if request is not None:
-                    self._end(request)
+                entry = self.requests.get(rid)
+                if entry is not None:
+                    self._end(entry)
 
-    async def _admit(self, message: pb.GenerateRequest) -> None:
-        rid = message.request_id
-        if rid in self.requests:  # the servicer would say so too, but ours is in the way
-            self._refuse(rid, grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is in use")
-            return
-        request = MuxRequest(rid, self)
-        self.requests[rid] = request
+    async def _admit(self, message: pb.GenerateRequest, request: MuxRequest) -> None:
+        rid = request.request_id
         try:
             refusal = await self.servicer.accept(message, request, traced=False)
         except Exception as exc:  # noqa: BLE001 - one request's failure, never the stream's

@@ -146,6 +146,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
 
     async def GenerateStream(self, request_iterator, context: grpc.aio.ServicerContext):
         """Many requests over one stream (generate_mux.py)."""
+        # At once: the gateway writes nothing before it knows this replica has the RPC.
+        await context.send_initial_metadata(())
         connection = MuxConnection(self, request_iterator)
         async for batch in connection.run():
             yield batch
