@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import AsyncIterator
 
 import grpc
 
+from pagoda import envs
 from pagoda.messages import EngineCoreOutput, EngineCoreRequest
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as pb
 from pagoda.services.common import grpc_channels
@@ -45,7 +45,7 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 def generate_stream_enabled() -> bool:
     """Whether requests go over `GenerateStream`: yes unless PAGODA_GENERATE_STREAM=0
     (per-request `Generate` calls, for comparing the two)."""
-    return os.environ.get("PAGODA_GENERATE_STREAM", "1") != "0"
+    return envs.get("PAGODA_GENERATE_STREAM")
 
 
 class StreamUnsupported(Exception):
