@@ -17,7 +17,9 @@ Invariants:
   * a request's failure (bad input, a refusal, the worker failing it) is an `error`
     item for that request only: the stream and the other requests go on;
   * each request's items are what its `Generate` stream would carry
-    (`outputs_to_items` = `outputs_to_responses`), its error the status it would end with.
+    (`outputs_to_items` = `outputs_to_responses`; a decode step's plain tokens go in the
+    batch's token columns instead: the same chunk without a message per request), its
+    error the status it would end with.
 """
 
 from __future__ import annotations
@@ -88,9 +90,9 @@ class MuxConnection:
             while True:
                 await self.ready.wait()
                 self.ready.clear()
-                items = self._collect(sent)
-                if items:
-                    yield pb.GenerateStreamBatch(items=items)
+                batch = self._collect(sent)
+                if batch is not None:
+                    yield batch
                 for request in sent:  # the last output (naming a lease) went out
                     self.servicer.release(request.request_id, finished=True, delivered=True)
                 sent.clear()
@@ -110,30 +112,47 @@ class MuxConnection:
             for request in list(self.requests.values()):
                 self._end(request)
 
-    def _collect(self, sent: list[MuxRequest]) -> list[pb.GenerateStreamItem]:
-        """Every dirty request's items (and the refusals) for the next batch; requests
-        whose end goes out are taken off the stream (`sent`: finished ones)."""
+    def _collect(self, sent: list[MuxRequest]) -> pb.GenerateStreamBatch | None:
+        """Every dirty request's output (and the refusals) as the next batch, None when
+        there is nothing to send; requests whose end goes out are taken off the stream
+        (`sent`: the finished ones)."""
         items, self.refused = self.refused, []
         dirty, self.dirty = self.dirty, []
         requests = self.requests
+        rids: list[str] = []
+        counts: list[int] = []
+        tokens: list[int] = []
+        cached: list[int] = []
         for request in dirty:
             request.dirty = False
             if request.closed:
                 continue
             rid = request.request_id
             if request.error is not None:
-                items.append(_error_item(rid, *self.servicer.error_status(request.error)))
+                items.append(_error_item(rid, *error_status(request.error)))
                 self._end(request, finished=not request.error[2])
                 continue
             batch, request.pending = request.pending, []
             if not batch:
                 continue
+            last = batch[-1]
+            if (len(batch) == 1 and last.new_token_ids and last.finish_reason is None
+                    and last.new_logprobs is None and last.new_prompt_logprobs is None):
+                # A decode step's tokens, nothing else (every request, every step): columns.
+                rids.append(rid)
+                counts.append(len(last.new_token_ids))
+                tokens.extend(last.new_token_ids)
+                cached.append(last.num_cached_tokens)
+                continue
             outputs_to_items(rid, batch, items)
-            if batch[-1].finished:
+            if last.finished:
                 del requests[rid]
                 request.closed = True
                 sent.append(request)
-        return items
+        if not (items or rids):
+            return None
+        return pb.GenerateStreamBatch(items=items, token_request_ids=rids, token_counts=counts,
+                                      token_ids=tokens, num_cached_tokens=cached)
 
     def _end(self, request: MuxRequest, finished: bool = False) -> None:
         """Take `request` off the stream; the engine aborts it unless it `finished` there."""

@@ -60,7 +60,7 @@ class _Receiver:
     __slots__ = ("items", "ready", "error", "seen", "last")
 
     def __init__(self, now: float) -> None:
-        self.items: list[pb.GenerateStreamItem] = []
+        self.items: list[pb.GenerateStreamItem | EngineCoreOutput] = []
         self.ready = asyncio.Event()
         self.error: BaseException | None = None  # the stream's failure (after `items`)
         self.seen = False  # an item arrived since the last silence check
@@ -131,6 +131,8 @@ class _Connection:
         receivers = self.receivers
         try:
             while (batch := await self.call.read()) is not grpc.aio.EOF:
+                if batch.token_request_ids:
+                    self._deliver_columns(batch)
                 for item in batch.items:
                     receiver = receivers.get(item.request_id)
                     if receiver is None:
@@ -150,6 +152,22 @@ class _Connection:
             logger.exception("generate stream read failed")
             self._fail(rpc_error(grpc.StatusCode.UNAVAILABLE,
                                  f"the generate stream failed: {exc!r}"))
+
+    def _deliver_columns(self, batch: pb.GenerateStreamBatch) -> None:
+        """The batch's token columns, each request's as the output its chunk would be."""
+        receivers = self.receivers
+        tokens = list(batch.token_ids)
+        start = 0
+        for rid, count, cached in zip(batch.token_request_ids, batch.token_counts,
+                                      batch.num_cached_tokens):
+            end = start + count
+            receiver = receivers.get(rid)
+            if receiver is not None:
+                receiver.items.append(EngineCoreOutput(rid, tokens[start:end],
+                                                       num_cached_tokens=cached))
+                receiver.seen = True
+                receiver.ready.set()
+            start = end
 
     async def _watch(self) -> None:
         """Fail requests the replica stays silent on (see the module's invariants)."""
@@ -234,6 +252,9 @@ class GenerateMux:
                     receiver.ready.clear()
                 items, receiver.items = receiver.items, []
                 for item in items:
+                    if type(item) is EngineCoreOutput:  # from the token columns
+                        yield item
+                        continue
                     if item.HasField("error"):
                         finished = True
                         raise _item_error(item.error)

@@ -23,7 +23,8 @@ from pagoda.services.gateway.routing.peers import ReplicaLost, ReplicaRefused, S
 
 class MuxReplica(spb_grpc.SchedulerServiceServicer):
     """`GenerateStream` by script: every 5 ms one batch with one token (its index) for
-    each live request, then its `complete` after `max_tokens`. A request id starting
+    each live request (in the token columns; the last one as an item), then its
+    `complete` after `max_tokens`. A request id starting
     with "bad" gets an INVALID_ARGUMENT error item; `kill_after` batches the stream ends
     UNAVAILABLE (a replica that died). Records the streams opened and the aborts read."""
 
@@ -55,7 +56,15 @@ class MuxReplica(spb_grpc.SchedulerServiceServicer):
                 for rid in message.abort_request_ids:
                     self.aborts.append(rid)
                     live.pop(rid, None)
+            columns = spb.GenerateStreamBatch()
             for rid, state in list(live.items()):
+                if state[0] + 1 < state[1]:  # a plain token: in the columns, as a replica does
+                    columns.token_request_ids.append(rid)
+                    columns.token_counts.append(1)
+                    columns.token_ids.append(state[0])
+                    columns.num_cached_tokens.append(0)
+                    state[0] += 1
+                    continue
                 items.append(spb.GenerateStreamItem(request_id=rid, chunk=spb.GenerateChunk(
                     token_ids=[state[0]])))
                 state[0] += 1
@@ -63,10 +72,11 @@ class MuxReplica(spb_grpc.SchedulerServiceServicer):
                     items.append(spb.GenerateStreamItem(request_id=rid, complete=spb.GenerateComplete(
                         finish_reason=cpb.FINISH_REASON_LENGTH)))
                     del live[rid]
-            if items:
+            if items or columns.token_request_ids:
                 if self.kill_after is not None and sent >= self.kill_after:
                     context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
-                batch = spb.GenerateStreamBatch(items=items)
+                batch = columns
+                batch.items.extend(items)
                 self.batches.append(batch)
                 sent += 1
                 yield batch
@@ -140,7 +150,8 @@ def test_requests_share_one_stream_and_each_gets_its_own_outputs(serve):
     results = run(address, body)
     assert results == [list(range(3 + i)) for i in range(4)] + [[0, 1]]
     assert replica.streams == 1
-    assert max(len({i.request_id for i in b.items}) for b in replica.batches) == 4
+    assert max(len({i.request_id for i in b.items} | set(b.token_request_ids))
+               for b in replica.batches) == 4
 
 
 def test_closing_one_request_aborts_it_alone(serve):

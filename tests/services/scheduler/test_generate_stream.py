@@ -53,6 +53,11 @@ class StreamClient:
         batches = []
         for batch in itertools.chain(read, self.call):
             batches.append(batch)
+            start = 0
+            for rid, count in zip(batch.token_request_ids, batch.token_counts):
+                tokens.setdefault(rid, []).extend(batch.token_ids[start:start + count])
+                start += count
+            assert start == len(batch.token_ids)
             for item in batch.items:
                 if item.HasField("chunk"):
                     tokens.setdefault(item.request_id, []).extend(item.chunk.token_ids)
@@ -61,6 +66,14 @@ class StreamClient:
             if expected <= set(ends):
                 return tokens, ends, batches
         raise AssertionError(f"the stream ended; ends: {sorted(ends)}")
+
+
+def spy_aborts(scheduler) -> list[str]:
+    """The ids the servicer aborts in the engine from now on."""
+    aborted: list[str] = []
+    abort = scheduler.engine.abort
+    scheduler.engine.abort = lambda ids: (aborted.extend(ids), abort(ids))
+    return aborted
 
 
 def _wait_idle(scheduler) -> bool:
@@ -85,23 +98,29 @@ def test_one_stream_gives_every_request_the_offline_tokens_in_shared_batches(
         assert item.HasField("complete"), item
         assert response_to_output(rid, item).finish_reason is not None
     # A step's outputs of every request travel together, not one message per request.
-    assert max(len({i.request_id for i in b.items}) for b in batches) == len(PROMPTS)
+    assert max(len({i.request_id for i in b.items} | set(b.token_request_ids))
+               for b in batches) == len(PROMPTS)
+    # A request is in a batch's items or in its token columns, never both.
+    assert all(not ({i.request_id for i in b.items} & set(b.token_request_ids))
+               for b in batches)
     client.call.cancel()
 
 
 def test_aborting_one_request_frees_it_and_leaves_the_others_running(scheduler):
+    aborted = spy_aborts(scheduler)
     client = StreamClient(scheduler.stub)
     long = EngineCoreRequest("long", PROMPTS[2], SamplingParams(max_tokens=200, ignore_eos=True))
     others = requests(max_tokens=30)[:2]
     client.send([long, *others])
     first = next(iter(client.call))  # running
-    assert first.items
+    assert first.items or first.token_request_ids
     client.send(aborts=["long"])
     tokens, ends, _ = client.collect({r.request_id for r in others}, read=[first])
     assert all(len(tokens[r.request_id]) == 30 for r in others)
     assert "long" not in ends  # an aborted request gets no end: its caller left
     assert len(tokens.get("long", [])) < 200
-    assert _wait_idle(scheduler)  # its blocks went back: the abort reached the engine
+    assert aborted == ["long"]  # it alone was aborted in the engine ...
+    assert _wait_idle(scheduler)  # ... and its blocks went back
     client.call.cancel()
 
 
@@ -131,6 +150,7 @@ def test_a_bad_request_fails_alone_and_the_stream_serves_on(scheduler):
 
 
 def test_the_stream_ending_aborts_every_request_on_it(scheduler):
+    aborted = spy_aborts(scheduler)
     client = StreamClient(scheduler.stub)
     client.send([EngineCoreRequest(f"gone{i}", p, SamplingParams(max_tokens=200,
                                                                    ignore_eos=True))
@@ -139,4 +159,5 @@ def test_the_stream_ending_aborts_every_request_on_it(scheduler):
     assert scheduler.engine.stats.num_running + scheduler.engine.stats.num_waiting > 0
     client.call.cancel()  # the gateway went away
     assert _wait_idle(scheduler)
+    assert sorted(aborted) == [f"gone{i}" for i in range(len(PROMPTS))]
     assert scheduler.servicer.num_in_flight == 0
