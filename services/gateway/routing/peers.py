@@ -30,6 +30,9 @@ from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
+from opentelemetry import trace
+
+import pagoda.tracing as tracing
 from pagoda.messages import EngineCoreOutput, EngineCoreRequest
 from pagoda.services.common.protocol.scheduler import (MIGRATION_REASON_KEY, request_to_proto,
                                                        response_to_output)
@@ -182,9 +185,10 @@ class SchedulerReplica(Peer):
         """The request's outputs; closing the iterator early aborts the request in the
         scheduler. Raises ReplicaRefused for a retryable failure before the first
         output, ReplicaLost for a migratable one after it. Over the replica's one
-        `GenerateStream` (generate_mux.py) unless it lacks it: then a `Generate` call."""
+        `GenerateStream` (generate_mux.py) unless it lacks it or the request is traced:
+        then a `Generate` call."""
         stream = (self._call_outputs(request) if not self.mux_enabled
-                  or self.mux.supported is False else self.mux.outputs(request))
+                  or self.mux.supported is False or _traced() else self.mux.outputs(request))
         received = False
         try:
             while True:
@@ -217,6 +221,15 @@ class SchedulerReplica(Peer):
                 yield response_to_output(request.request_id, message)
         finally:
             call.cancel()
+
+
+def _traced() -> bool:
+    """Whether the request being served is sampled for tracing: it then takes its own
+    `Generate` call, whose span the scheduler's spans of it (queue, prefill, decode,
+    its steps) hang under; the shared stream has no span per request."""
+    if not tracing.is_enabled():
+        return False
+    return trace.get_current_span().get_span_context().trace_flags.sampled
 
 
 class TokenizerPeer(Peer):
