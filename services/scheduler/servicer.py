@@ -60,8 +60,6 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     (`check_request`, the replica's trust boundary) before the engine sees it: a bad
     one is refused INVALID_ARGUMENT and the replica serves on."""
 
-    error_status = staticmethod(error_status)
-
     def __init__(self, engine: EngineLoop, model_info: pb.GetModelInfoResponse,
                  default_eos_token_ids: list[int]) -> None:
         self.engine = engine

@@ -69,8 +69,9 @@ class MuxReplica(spb_grpc.SchedulerServiceServicer):
                     token_ids=[state[0]])))
                 state[0] += 1
                 if state[0] == state[1]:
-                    items.append(spb.GenerateStreamItem(request_id=rid, complete=spb.GenerateComplete(
-                        finish_reason=cpb.FINISH_REASON_LENGTH)))
+                    items.append(spb.GenerateStreamItem(
+                        request_id=rid,
+                        complete=spb.GenerateComplete(finish_reason=cpb.FINISH_REASON_LENGTH)))
                     del live[rid]
             if items or columns.token_request_ids:
                 if self.kill_after is not None and sent >= self.kill_after:
