@@ -232,7 +232,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     async def GetLoad(self, request: pb.GetLoadRequest, context) -> pb.GetLoadResponse:
         s = self.engine.stats
         return pb.GetLoadResponse(
-            num_running=s.num_running, num_waiting=s.num_waiting,
+            num_running=s.num_running, num_waiting=max(s.num_waiting, self.engine.num_waiting),
             kv_cache_usage=s.kv_cache_usage, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
             serving=self.engine.failure is None and not self.draining, draining=self.draining,
