@@ -15,8 +15,10 @@ as the scheduler service wires them (engine_loop.py `EngineLoop._step`):
   parsing the worker's reply (`model_runner_output_from_proto`);
 - update: `Scheduler.update_from_output`;
 - outputs: the engine loop's stats and metrics (`get_stats`, the recorder's `on_step`)
-  and the servicer's stream path (`_dispatch` and, per request, `outputs_to_responses`
-  and the message's serialisation);
+  and the servicer's stream path: `--stream mux` (default) every request on one
+  `GenerateStream` (deliver, `_collect`, one batch serialised per step); `--stream
+  generate` one `Generate` stream per request (`outputs_to_responses` and a message
+  serialised per request);
 - worker (not the scheduler's CPU, shown apart): the gpu-worker's side of the call
   (parse, `PlanLedger` check and record, the simulated step, the reply's proto).
 `sched_total` is the sum of the first four: the scheduler's CPU per step, during which
@@ -109,7 +111,34 @@ class _WireExecutor:
         self.device.shutdown()
 
 
-def _build(model: str, batch: int, prompt_len: int, steps: int, timer: _Timer):
+def _mux_outputs(batch: int):
+    """The servicer's `GenerateStream` path for one connection holding every request
+    (generate_mux.py): each output delivered to its request, then the step's one batch
+    collected and serialised."""
+    from pagoda.services.scheduler.generate_mux import MuxConnection, MuxRequest
+
+    class _Servicer:
+        def release(self, *args, **kwargs) -> None:
+            pass
+
+    connection = MuxConnection(_Servicer(), None)
+    streams = {f"r{i}": MuxRequest(f"r{i}", connection) for i in range(batch)}
+    connection.requests.update(streams)
+
+    def on_outputs(outputs) -> None:
+        for out in outputs:
+            stream = streams.get(out.request_id)
+            if stream is not None:
+                stream.deliver(out)
+        connection.ready.clear()
+        sent: list = []
+        connection._collect(sent).SerializeToString()
+
+    return on_outputs
+
+
+def _build(model: str, batch: int, prompt_len: int, steps: int, timer: _Timer,
+           stream: str = "generate"):
     """An engine loop wired as the scheduler service wires it, with `batch` requests
     prefilled."""
     from prometheus_client import CollectorRegistry
@@ -140,6 +169,8 @@ def _build(model: str, batch: int, prompt_len: int, steps: int, timer: _Timer):
             for response in outputs_to_responses(streams.pop(rid)):
                 response.SerializeToString()
 
+    if stream == "mux":
+        on_outputs = _mux_outputs(batch)
     loop = EngineLoop(core, on_outputs, lambda events: None, lambda exc: None, recorder)
     sched = core.scheduler
     sched.schedule = timer.wrap("schedule", sched.schedule)
@@ -180,6 +211,10 @@ def main() -> int:
     parser.add_argument("--batch", default="64,128,256")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--stream", choices=("generate", "mux"), default="mux",
+                        help="the servicer's stream path measured under `outputs`: one "
+                             "Generate stream per request, or every request on one "
+                             "GenerateStream (the gateway's default)")
     parser.add_argument("--profile", type=int, nargs="?", const=30, default=0,
                         help="print the top N functions by own time (default 30)")
     args = parser.parse_args()
@@ -188,9 +223,10 @@ def main() -> int:
     logging.disable(logging.INFO)  # the stats line and cache sizes are not measured
     for batch in (int(b) for b in args.batch.split(",")):
         timer = _Timer()
-        loop = _build(args.model, batch, args.prompt_len, args.steps, timer)
+        loop = _build(args.model, batch, args.prompt_len, args.steps, timer, args.stream)
         _measure(loop, 20, timer)  # warm-up
-        result = {"batch": batch, "steps": args.steps, **_measure(loop, args.steps, timer)}
+        result = {"batch": batch, "stream": args.stream, "steps": args.steps,
+                  **_measure(loop, args.steps, timer)}
         print(json.dumps(result), flush=True)
         if args.profile:
             profiler = cProfile.Profile()

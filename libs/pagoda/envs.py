@@ -66,6 +66,10 @@ VARIABLES = {v.name: v for v in [
            "0: bf16 linear layers on the CPU keep their plain weights (F.linear) instead of "
            "oneDNN-prepacked ones (same results; the prepacked product skips a per-call "
            "re-layout of the weight)."),
+    EnvVar("PAGODA_GENERATE_STREAM", None, _bool, True,
+           "0: the gateway sends each request to its scheduler replica as its own Generate "
+           "call instead of over one multiplexed GenerateStream per replica (for comparing "
+           "the two; a replica without GenerateStream gets Generate calls either way)."),
     EnvVar("PAGODA_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING", _bool,
            False, "1: the gateway serves POST /v1/load_lora_adapter and "
            "/v1/unload_lora_adapter (--allow-runtime-lora-updating)."),

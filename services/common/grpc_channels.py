@@ -47,6 +47,7 @@ DEFAULT_DEADLINE_S = 60.0
 # steps (the scheduler gives each its own, --execute-model-timeout): no default deadline.
 LONG_CALLS = [
     {"service": "pagoda.scheduler.v1.SchedulerService", "method": "Generate"},
+    {"service": "pagoda.scheduler.v1.SchedulerService", "method": "GenerateStream"},
     {"service": "pagoda.tokenizer.v1.TokenizerService", "method": "DecodeStream"},
     {"service": "pagoda.worker.v1.WorkerService"},
     {"service": "grpc.health.v1.Health", "method": "Watch"},

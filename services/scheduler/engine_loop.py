@@ -91,6 +91,15 @@ class EngineLoop:
             self._adds.append(_Add(request, on_accept))
             self._cv.notify()
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting as admission counts them (what QueueFull compares with the
+        limit): the scheduler's queue as of the last step plus the adds applied or posted
+        since. GetLoad reports it, so a burst of adds the loop has not stepped yet (many
+        requests arriving in one GenerateStream message) is never reported as idle."""
+        with self._cv:
+            return self._num_waiting + len(self._adds)
+
     def abort(self, request_ids: list[str]) -> None:
         with self._cv:
             self._aborts.extend(request_ids)

@@ -1,4 +1,5 @@
-"""The scheduler's RPCs (grpc.aio): one `Generate` stream per request.
+"""The scheduler's RPCs (grpc.aio): one `Generate` stream per request, or many requests
+over one `GenerateStream` (generate_mux.py).
 
 Outputs arrive from the engine thread once per step (`dispatch`, scheduled onto
 the event loop with one `call_soon_threadsafe` for all requests). Each stream
@@ -21,15 +22,13 @@ from pagoda.request_checks import check_lora, check_request
 from pagoda.services.common.protocol.scheduler import (MIGRATION_REASON_KEY, hash_blocks,
                                                        outputs_to_responses, request_from_proto)
 from pagoda.services.scheduler.engine_loop import EngineLoop, QueueFull
+from pagoda.services.scheduler.generate_mux import INVALID, MuxConnection, error_status
 from pagoda.services.scheduler import sleep_control
 from pagoda.services.scheduler.lora_adapters import HeldAdapters
 from pagoda.services.scheduler.metrics import count_media_input
 from pagoda.services.scheduler.tracing import REQUEST_SPANS
 
 logger = logging.getLogger(__name__)
-# A stream's error `reason` for a request that failed through its own fault (not a
-# migration reason: nothing to move).
-INVALID = "invalid_request"
 
 
 class _RequestStream:
@@ -45,12 +44,21 @@ class _RequestStream:
         self.ready = asyncio.Event()
         self.error: tuple[str, str | None, bool] | None = None
 
+    def deliver(self, output: EngineCoreOutput) -> None:
+        self.pending.append(output)
+        self.ready.set()
+
+    def fail(self, error: tuple[str, str | None, bool]) -> None:
+        self.error = error
+        self.ready.set()
+
 
 class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     """Invariant: a request is in `_streams` from its acceptance until its handler
-    exits; a handler that exits before the request finished aborts it. Every request
-    is checked once (`check_request`, the replica's trust boundary) before the engine
-    sees it: a bad one is refused INVALID_ARGUMENT and the replica serves on."""
+    exits (or, on a `GenerateStream`, until its end is sent or it is aborted); one that
+    leaves before it finished is aborted. Every request is checked once
+    (`check_request`, the replica's trust boundary) before the engine sees it: a bad
+    one is refused INVALID_ARGUMENT and the replica serves on."""
 
     def __init__(self, engine: EngineLoop, model_info: pb.GetModelInfoResponse,
                  default_eos_token_ids: list[int]) -> None:
@@ -93,73 +101,37 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     def _end_one(self, request_id: str, reason: str, invalid: bool) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.error = ((reason, INVALID, False) if invalid else
-                            ("The model replica could not run this request.", None, False))
-            stream.ready.set()
+            stream.fail((reason, INVALID, False) if invalid else
+                        ("The model replica could not run this request.", None, False))
 
     def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
+        streams = self._streams
         for out in outputs:
-            stream = self._streams.get(out.request_id)
+            stream = streams.get(out.request_id)
             if stream is not None:  # None: the handler already left (aborted)
-                stream.pending.append(out)
-                stream.ready.set()
+                stream.deliver(out)
 
     def _end_all(self, message: str, reason: str, engine_alive: bool) -> None:
-        for stream in self._streams.values():
-            stream.error = (message, reason, engine_alive)
-            stream.ready.set()
+        for stream in list(self._streams.values()):
+            stream.fail((message, reason, engine_alive))
 
     # ------------------------------------------------------------ RPCs
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        if self.engine.failure is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "The replica failed.")
-        if self.draining:  # refused before acceptance: the gateway retries elsewhere
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "replica is draining")
-        if self.engine.core.sleep.is_sleeping:  # the engine refuses it too (a race)
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, _sleeping_message())
-        try:  # trusted because it came from inside? No: checked like outside input
-            core_request = request_from_proto(request)
-            if not core_request.eos_token_ids:
-                core_request.eos_token_ids = list(self.default_eos)
-            check_request(core_request, self.engine.core.config, from_wire=True)
-            if core_request.mm_features:
-                count_media_input(core_request)
-        except (ValueError, TypeError, AssertionError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        rid = core_request.request_id
-        if rid in self._streams:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is in use")
         stream = _RequestStream()
-        self._streams[rid] = stream
-        if core_request.lora_request is not None:
-            self.held_adapters.touch(core_request.lora_request.lora_name)
-        REQUEST_SPANS.register_current(rid)  # its steps and phases join the caller's trace
+        refusal = await self.accept(request, stream)
+        if refusal is not None:
+            await context.abort(*refusal)
+        rid = request.request_id
         finished = delivered = False
         try:
-            if self.kv_transfer is not None:
-                await self.kv_transfer.before_submit(core_request)
-            error = await self._submit(core_request)
-            if error is not None:
-                finished = True  # rejected: nothing to abort
-                if isinstance(error, sleep_control.EngineSleeping):
-                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                        f"{sleep_control.SLEEPING_MESSAGE}: {error}")
-                code = (grpc.StatusCode.INVALID_ARGUMENT if isinstance(error, ValueError)
-                        else grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(error, QueueFull)
-                        else grpc.StatusCode.UNAVAILABLE)
-                await context.abort(code, str(error))
             while not finished:
                 await stream.ready.wait()
                 stream.ready.clear()
                 if stream.error is not None:
-                    message, reason, engine_alive = stream.error
-                    finished = not engine_alive  # a live engine frees its blocks (finally)
-                    if reason is None:  # this request's own failure: nowhere to move it
-                        await context.abort(grpc.StatusCode.INTERNAL, message)
-                    if reason is INVALID:  # ... caused by the request itself
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, message,
-                                        trailing_metadata=((MIGRATION_REASON_KEY, reason),))
+                    finished = not stream.error[2]  # a live engine frees its blocks (finally)
+                    code, message, reason = error_status(stream.error)
+                    await context.abort(code, message, trailing_metadata=(
+                        ((MIGRATION_REASON_KEY, reason),) if reason else ()))
                 batch, stream.pending = stream.pending, []
                 if not batch:
                     continue
@@ -168,12 +140,73 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                     yield response
                 delivered = finished  # the last output (naming a lease) went out
         finally:
-            self._streams.pop(rid, None)
-            REQUEST_SPANS.unregister(rid)
+            self.release(rid, finished, delivered)
+
+    async def GenerateStream(self, request_iterator, context: grpc.aio.ServicerContext):
+        """Many requests over one stream (generate_mux.py)."""
+        # At once: the gateway writes nothing before it knows this replica has the RPC.
+        await context.send_initial_metadata(())
+        connection = MuxConnection(self, request_iterator)
+        async for batch in connection.run():
+            yield batch
+
+    async def accept(self, request: pb.GenerateRequest, stream, traced: bool = True
+                     ) -> tuple[grpc.StatusCode, str] | None:
+        """Check `request` and submit it to the engine, `stream` registered under its id
+        from the check on. None once the engine accepted it (the caller then owns the
+        registration: `release` it); else the status that refuses it, with nothing left
+        registered or held."""
+        if self.engine.failure is not None:
+            return grpc.StatusCode.UNAVAILABLE, "The replica failed."
+        if self.draining:  # refused before acceptance: the gateway retries elsewhere
+            return grpc.StatusCode.UNAVAILABLE, "replica is draining"
+        if self.engine.core.sleep.is_sleeping:  # the engine refuses it too (a race)
+            return grpc.StatusCode.FAILED_PRECONDITION, _sleeping_message()
+        try:  # trusted because it came from inside? No: checked like outside input
+            core_request = request_from_proto(request)
+            if not core_request.eos_token_ids:
+                core_request.eos_token_ids = list(self.default_eos)
+            check_request(core_request, self.engine.core.config, from_wire=True)
+            if core_request.mm_features:
+                count_media_input(core_request)
+        except (ValueError, TypeError, AssertionError) as exc:
+            return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        rid = core_request.request_id
+        if rid in self._streams:
+            return grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is in use"
+        self._streams[rid] = stream
+        if core_request.lora_request is not None:
+            self.held_adapters.touch(core_request.lora_request.lora_name)
+        if traced:  # its steps and phases join the caller's trace (the call's span)
+            REQUEST_SPANS.register_current(rid)
+        accepted = False
+        try:
             if self.kv_transfer is not None:
-                self.kv_transfer.after_stream(rid, delivered)
-            if not finished:  # cancelled by the client (disconnect, stop string)
-                self.engine.abort([rid])
+                await self.kv_transfer.before_submit(core_request)
+            error = await self._submit(core_request)
+            if error is None:
+                accepted = True
+                return None
+            if isinstance(error, sleep_control.EngineSleeping):
+                return (grpc.StatusCode.FAILED_PRECONDITION,
+                        f"{sleep_control.SLEEPING_MESSAGE}: {error}")
+            code = (grpc.StatusCode.INVALID_ARGUMENT if isinstance(error, ValueError)
+                    else grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(error, QueueFull)
+                    else grpc.StatusCode.UNAVAILABLE)
+            return code, str(error)
+        finally:
+            if not accepted:  # refused (nothing to abort), or cancelled while submitting
+                self.release(rid, finished=not _cancelling(), delivered=False)
+
+    def release(self, rid: str, finished: bool, delivered: bool) -> None:
+        """The end of an accepted request's stream: forget it; abort it in the engine
+        unless it `finished` there (cancelled by the client: disconnect, stop string)."""
+        self._streams.pop(rid, None)
+        REQUEST_SPANS.unregister(rid)
+        if self.kv_transfer is not None:
+            self.kv_transfer.after_stream(rid, delivered)
+        if not finished:
+            self.engine.abort([rid])
 
     async def _submit(self, core_request) -> Exception | None:
         accepted = self._loop.create_future()
@@ -199,7 +232,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     async def GetLoad(self, request: pb.GetLoadRequest, context) -> pb.GetLoadResponse:
         s = self.engine.stats
         return pb.GetLoadResponse(
-            num_running=s.num_running, num_waiting=s.num_waiting,
+            num_running=s.num_running, num_waiting=max(s.num_waiting, self.engine.num_waiting),
             kv_cache_usage=s.kv_cache_usage, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
             serving=self.engine.failure is None and not self.draining, draining=self.draining,
@@ -284,6 +317,12 @@ _SLEEP_MODE_OFF = "Sleep mode is not enabled: start the replica with --enable-sl
 
 def _sleeping_message() -> str:
     return f"{sleep_control.SLEEPING_MESSAGE}: call /wake_up first"
+
+
+def _cancelling() -> bool:
+    """Whether the current task is being cancelled (its caller went away)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _resolve(future: asyncio.Future, error: Exception | None) -> None:

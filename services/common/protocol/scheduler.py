@@ -95,12 +95,30 @@ def request_from_proto(msg: pb.GenerateRequest) -> EngineCoreRequest:
 def outputs_to_responses(outputs: Sequence[EngineCoreOutput]) -> list[pb.GenerateResponse]:
     """Coalesce one request's outputs (oldest first) into at most one chunk, plus
     a `complete` if the last one finished."""
+    return _coalesce(outputs, pb.GenerateResponse)
+
+
+def outputs_to_items(request_id: str, outputs: Sequence[EngineCoreOutput],
+                     into: list[pb.GenerateStreamItem]) -> None:
+    """`outputs_to_responses` as `GenerateStream` items of `request_id`, appended to `into`."""
+    last = outputs[-1]
+    if (len(outputs) == 1 and last.new_token_ids and last.new_logprobs is None
+            and last.new_prompt_logprobs is None and last.finish_reason is None):
+        into.append(pb.GenerateStreamItem(request_id=request_id, chunk=pb.GenerateChunk(
+            token_ids=last.new_token_ids, num_cached_tokens=last.num_cached_tokens)))
+        return
+    into.extend(_coalesce(outputs, lambda **kw: pb.GenerateStreamItem(request_id=request_id,
+                                                                       **kw)))
+
+
+def _coalesce(outputs: Sequence[EngineCoreOutput], wrap) -> list:
+    """At most one `wrap(chunk=...)` and one `wrap(complete=...)` for the outputs."""
     last = outputs[-1]
     if (len(outputs) == 1 and last.new_token_ids and last.new_logprobs is None
             and last.new_prompt_logprobs is None and last.finish_reason is None):
         # A decode step's tokens, nothing else (every stream, every step): the chunk
         # the general path below builds, without its accumulation.
-        return [pb.GenerateResponse(chunk=pb.GenerateChunk(
+        return [wrap(chunk=pb.GenerateChunk(
             token_ids=last.new_token_ids, num_cached_tokens=last.num_cached_tokens))]
     token_ids: list[int] = []
     logprobs: LogprobsLists | None = None
@@ -121,7 +139,7 @@ def outputs_to_responses(outputs: Sequence[EngineCoreOutput]) -> list[pb.Generat
             logprobs_to_proto(logprobs, chunk.logprobs)
         if prompt_logprobs is not None:
             logprobs_to_proto(prompt_logprobs, chunk.prompt_logprobs)
-        responses.append(pb.GenerateResponse(chunk=chunk))
+        responses.append(wrap(chunk=chunk))
     if last.finished:
         complete = pb.GenerateComplete(
             finish_reason=finish_reason_to_proto(last.finish_reason),
@@ -133,12 +151,13 @@ def outputs_to_responses(outputs: Sequence[EngineCoreOutput]) -> list[pb.Generat
             pooled_data_to_proto(last.pooling_output, complete.pooling_output)
         if last.kv_transfer_params is not None:
             kv_params_to_proto(last.kv_transfer_params, complete.kv_transfer_params)
-        responses.append(pb.GenerateResponse(complete=complete))
+        responses.append(wrap(complete=complete))
     return responses
 
 
 def response_to_output(request_id: str, msg: pb.GenerateResponse) -> EngineCoreOutput:
-    """One stream message -> one EngineCoreOutput (a `complete` has no tokens)."""
+    """One stream message -> one EngineCoreOutput (a `complete` has no tokens); `msg`
+    may also be a `GenerateStreamItem` with a chunk or a complete (same field names)."""
     if msg.HasField("chunk"):
         c = msg.chunk
         return EngineCoreOutput(

@@ -30,6 +30,9 @@ from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
+from opentelemetry import trace
+
+import pagoda.tracing as tracing
 from pagoda.messages import EngineCoreOutput, EngineCoreRequest
 from pagoda.services.common.protocol.scheduler import (MIGRATION_REASON_KEY, request_to_proto,
                                                        response_to_output)
@@ -38,6 +41,8 @@ from pagoda.services.common.grpc_channels import CLIENT_OPTIONS, STREAM_READER_O
 from pagoda.services.gateway.errors import APIError, from_grpc_error
 from pagoda.services.gateway.generation.decode_mux import DecodeMux
 from pagoda.services.gateway.routing.block_hash_check import check_block_hashes
+from pagoda.services.gateway.routing.generate_mux import (GenerateMux, StreamUnsupported,
+                                                          generate_stream_enabled)
 from pagoda.services.gateway.routing.discovery import Discovery, parse_scheduler_addrs
 from pagoda.services.gateway.routing.prefix_index import PrefixIndexClient
 from pagoda.services.gateway.routing.router import DEFAULT_POLICY, Router
@@ -132,6 +137,8 @@ class SchedulerReplica(Peer):
         self.removed = False  # left discovery: no new requests, close when idle
         self.num_in_flight = 0
         self.num_pending_tokens = 0
+        self.mux = GenerateMux(self.stub, address)
+        self.mux_enabled = generate_stream_enabled()
 
     @property
     def instance_id(self) -> str:
@@ -161,6 +168,7 @@ class SchedulerReplica(Peer):
         if self.info is None or not was_serving:  # new, or back (maybe restarted)
             self.info = await self.stub.GetModelInfo(spb.GetModelInfoRequest(), timeout=5.0)
             self.hashes_agree = None
+            self.mux.reset()
         try:
             self.load = await self.stub.GetLoad(spb.GetLoadRequest(), timeout=2.0)
         except grpc.RpcError:
@@ -171,19 +179,29 @@ class SchedulerReplica(Peer):
             # handshake and hash check must run again.
             self.info = await self.stub.GetModelInfo(spb.GetModelInfoRequest(), timeout=5.0)
             self.hashes_agree = None
+            self.mux.reset()
 
     async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
-        """The request's outputs; closing the iterator early cancels the call, which
-        aborts the request in the scheduler. Raises ReplicaRefused for a retryable
-        failure before the first output, ReplicaLost for a migratable one after it."""
-        call = self.stub.Generate(request_to_proto(request))
+        """The request's outputs; closing the iterator early aborts the request in the
+        scheduler. Raises ReplicaRefused for a retryable failure before the first
+        output, ReplicaLost for a migratable one after it. Over the replica's one
+        `GenerateStream` (generate_mux.py) unless it lacks it or the request is traced:
+        then a `Generate` call."""
+        stream = (self._call_outputs(request) if not self.mux_enabled
+                  or self.mux.supported is False or _traced() else self.mux.outputs(request))
         received = False
         try:
-            while (message := await grpc_channels.read_within(
-                    call, grpc_channels.GENERATE_READ_TIMEOUT_S, "the scheduler")
-                   ) is not grpc.aio.EOF:
+            while True:
+                try:
+                    out = await stream.__anext__()
+                except StopAsyncIteration:
+                    return
+                except StreamUnsupported:  # an older replica: before any output
+                    await stream.aclose()
+                    stream = self._call_outputs(request)
+                    continue
                 received = True
-                yield response_to_output(request.request_id, message)
+                yield out
         except grpc.RpcError as exc:
             if not received and exc.code() in RETRYABLE:
                 raise ReplicaRefused(exc, self.address) from None
@@ -191,7 +209,27 @@ class SchedulerReplica(Peer):
                 raise ReplicaLost.from_rpc_error(exc, self.address) from None
             raise
         finally:
+            await stream.aclose()
+
+    async def _call_outputs(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
+        """The outputs of one `Generate` call (cancelled when the iterator closes)."""
+        call = self.stub.Generate(request_to_proto(request))
+        try:
+            while (message := await grpc_channels.read_within(
+                    call, grpc_channels.GENERATE_READ_TIMEOUT_S, "the scheduler")
+                   ) is not grpc.aio.EOF:
+                yield response_to_output(request.request_id, message)
+        finally:
             call.cancel()
+
+
+def _traced() -> bool:
+    """Whether the request being served is sampled for tracing: it then takes its own
+    `Generate` call, whose span the scheduler's spans of it (queue, prefill, decode,
+    its steps) hang under; the shared stream has no span per request."""
+    if not tracing.is_enabled():
+        return False
+    return trace.get_current_span().get_span_context().trace_flags.sampled
 
 
 class TokenizerPeer(Peer):
@@ -331,6 +369,7 @@ class Peers:
             if replica.removed and replica.num_in_flight == 0:
                 logger.info("scheduler replica %s left; closing its channel", replica.address)
                 self.schedulers.remove(replica)
+                replica.mux.close()
                 await replica.channel.close()
 
     async def _check_hashes(self) -> None:
@@ -368,5 +407,7 @@ class Peers:
         self.discovery.close()
         await self.tokenizer.mux.close()
         await self.router.close()
+        for replica in self.schedulers:
+            replica.mux.close()
         for peer in [self.tokenizer, *self.schedulers]:
             await peer.channel.close()
