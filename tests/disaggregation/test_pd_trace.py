@@ -43,7 +43,12 @@ def test_prefill_transfer_and_decode_are_one_trace(pd, collector):
         wanted = {"pagoda.disagg.prefill", "pagoda.disagg.decode", "kv_transfer.pull", PULL}
         ids = {s.span_id for _, s in found} | {parent_id}
         whole = all(s.parent_span_id in ids for _, s in found)  # every parent exported
-        return found if wanted <= names and whole else None
+        # The prefill worker's PullBlocks server span ends after the decode worker's client
+        # span has its answer, so it may be exported a batch later: wait for both (a
+        # clean-clone CI run read the trace between the two exports).
+        pull_kinds = {s.kind for svc, s in found if s.name == PULL and svc == "pagoda-gpu-worker"}
+        both_pulls = pull_kinds >= {SERVER, CLIENT}
+        return found if wanted <= names and whole and both_pulls else None
 
     found = wait_until(spans, 20)
     assert found, sorted({(svc, s.name) for svc, s in collector.trace(trace_id)})
