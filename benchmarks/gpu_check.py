@@ -13,6 +13,9 @@
    random weights: pagoda with CUDA graphs, pagoda eager, HF generate at the same
    batch, and the HBM roofline (weights + KV bytes per step over measured copy
    bandwidth).
+4. served: `pagoda serve` (every service, private Redis) on the GPU with the 1B model,
+   closed-loop streaming clients at concurrency 1/64/256, beside the offline figure,
+   the roofline and `--simulated-device` at the offline step time (gpu_check_served.py).
 
 Prints the tables last; exit status 0 only if every check passed (2: no GPU).
 Needs torch, triton, transformers; runs from a plain checkout (no install, no
@@ -57,8 +60,8 @@ def bootstrap_imports() -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", default="kernels,greedy,throughput",
-                   help="comma-separated subset of kernels,greedy,throughput")
+    p.add_argument("--sections", default="kernels,greedy,throughput,served",
+                   help="comma-separated subset of kernels,greedy,throughput,served")
     p.add_argument("--models", default="1b,8b", help="throughput models: 1b, 8b (8b only if time allows)")
     p.add_argument("--batch-sizes", default="1,16,64,256")
     p.add_argument("--prompt-len", type=int, default=128, help="context before timed decode steps")
@@ -66,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="wall-clock budget; later sections are skipped to stay inside it")
     p.add_argument("--no-hf", action="store_true", help="skip HF generate timings")
+    p.add_argument("--served-model", default="1b", help="the served section's model (1b, 8b)")
+    p.add_argument("--served-concurrency", default="1,64,256")
+    p.add_argument("--served-log", default=None, help="append the served clusters' logs here")
     p.add_argument("--json", default=None, help="also write all results to this file")
     p.add_argument("--allow-cpu", action="store_true",
                    help="smoke-run on CPU (tiny shapes, Triton interpreter); numbers are meaningless")
@@ -78,6 +84,7 @@ class Report:
     def __init__(self, json_path: str | None = None) -> None:
         self.checks: list[dict] = []
         self.throughput: list[dict] = []
+        self.served: list[dict] = []
         self.notes: list[str] = []
         self.environment: dict = {}
         self.json_path = json_path
@@ -118,6 +125,9 @@ class Report:
                          r.get("roofline"), r.get("pct_roofline"), r.get("speedup_vs_hf")]
                 print("".join(f"{c:>15.1f}" if isinstance(c, float) else f"{str(c or '-'):>15}"
                               for c in cells))
+        from gpu_check_served import print_served  # benchmarks/ is on sys.path (main)
+
+        print_served(self.served)
         for note in self.notes:
             print("note:", note)
         print("RESULT:", "FAIL" if self.failed else "PASS", flush=True)
@@ -128,7 +138,7 @@ class Report:
         if self.json_path:
             with open(self.json_path, "w", encoding="utf-8") as f:
                 json.dump(dict(environment=self.environment, checks=self.checks,
-                               throughput=self.throughput, notes=self.notes, failed=self.failed),
+                               throughput=self.throughput, served=self.served, notes=self.notes, failed=self.failed),
                           f, indent=1, default=str)
 
 
@@ -187,6 +197,13 @@ def main(argv=None) -> int:
         check_sections.check_greedy(report, device, small=on_cpu)
     if "throughput" in sections:
         check_sections.check_throughput(report, device, args, deadline, small=on_cpu)
+    if "served" in sections:
+        from gpu_check_served import check_served
+
+        served_model = "tiny" if on_cpu else args.served_model
+        offline = {r["batch"]: (r.get("graphs") or r.get("eager"), r.get("roofline"))
+                   for r in report.throughput if r["model"] == served_model}
+        check_served(report, device, args, deadline, small=on_cpu, offline=offline)
     signal.alarm(0)
     faulthandler.cancel_dump_traceback_later()
     report.finish()
