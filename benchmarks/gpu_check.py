@@ -57,8 +57,8 @@ def bootstrap_imports() -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", default="kernels,greedy,throughput",
-                   help="comma-separated subset of kernels,greedy,throughput")
+    p.add_argument("--sections", default="kernels,paths,greedy,throughput",
+                   help="comma-separated subset of kernels,paths,greedy,throughput")
     p.add_argument("--models", default="1b,8b", help="throughput models: 1b, 8b (8b only if time allows)")
     p.add_argument("--batch-sizes", default="1,16,64,256")
     p.add_argument("--prompt-len", type=int, default=128, help="context before timed decode steps")
@@ -183,6 +183,10 @@ def main(argv=None) -> int:
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}
     if "kernels" in sections:
         check_sections.check_kernels(report, device, small=on_cpu)
+    if "paths" in sections:  # quantized GEMMs, MoE, LoRA, fp8 KV, xgrammar, KV pair, host tier
+        from gpu_check_paths import check_paths
+
+        check_paths(report, device, small=on_cpu)
     if "greedy" in sections:
         check_sections.check_greedy(report, device, small=on_cpu)
     if "throughput" in sections:
