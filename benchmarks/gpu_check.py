@@ -6,6 +6,8 @@
 
 1. kernels: every Triton kernel against its torch reference (`pagoda.kernels.reference`)
    on random inputs, relative error max|a-e|/max|e| under a per-dtype threshold;
+   paths: quantized GEMMs, fused MoE, LoRA, fp8 KV cache, xgrammar mask, the KV
+   connector's pair group, the host KV tier (`gpu_check_paths.py`);
 2. greedy: a small random-weight Llama, pagoda (Triton kernels, chunked prefill mixed
    with decodes, CUDA graphs) against HF transformers `generate`, token for token in
    fp32; bf16 agreement reported; then `pagoda.LLM` end to end when it imports;
