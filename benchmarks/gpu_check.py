@@ -6,6 +6,8 @@
 
 1. kernels: every Triton kernel against its torch reference (`pagoda.kernels.reference`)
    on random inputs, relative error max|a-e|/max|e| under a per-dtype threshold;
+   paths: quantized GEMMs, fused MoE, LoRA, fp8 KV cache, xgrammar mask, the KV
+   connector's pair group, the host KV tier (`gpu_check_paths.py`);
 2. greedy: a small random-weight Llama, pagoda (Triton kernels, chunked prefill mixed
    with decodes, CUDA graphs) against HF transformers `generate`, token for token in
    fp32; bf16 agreement reported; then `pagoda.LLM` end to end when it imports;
@@ -60,8 +62,8 @@ def bootstrap_imports() -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", default="kernels,greedy,throughput,served",
-                   help="comma-separated subset of kernels,greedy,throughput,served")
+    p.add_argument("--sections", default="kernels,paths,greedy,throughput,served",
+                   help="comma-separated subset of kernels,paths,greedy,throughput,served")
     p.add_argument("--models", default="1b,8b", help="throughput models: 1b, 8b (8b only if time allows)")
     p.add_argument("--batch-sizes", default="1,16,64,256")
     p.add_argument("--prompt-len", type=int, default=128, help="context before timed decode steps")
@@ -193,6 +195,10 @@ def main(argv=None) -> int:
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}
     if "kernels" in sections:
         check_sections.check_kernels(report, device, small=on_cpu)
+    if "paths" in sections:  # quantized GEMMs, MoE, LoRA, fp8 KV, xgrammar, KV pair, host tier
+        from gpu_check_paths import check_paths
+
+        check_paths(report, device, small=on_cpu)
     if "greedy" in sections:
         check_sections.check_greedy(report, device, small=on_cpu)
     if "throughput" in sections:
