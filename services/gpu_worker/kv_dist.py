@@ -5,6 +5,7 @@ worker), gloo on CPU. gRPC carries only the control messages:
     decode worker                                 prefill worker (holds the blocks)
       OpenDistGroup(group_id, epoch)  ──────────►  store on its host, joins as rank 0
       joins as rank 1 through the store ◄───────   (answers the store's port)
+      one-byte warm-up recv (tag 0)  ◄─────────   one-byte warm-up send (tag 0)
       recv(tensor, tag) posted, then
       SendBlocks(group_id, ids, tag)  ──────────►  exports the blocks, send(tensor, tag)
       ◄═════════ one tensor of whole blocks (pair group: NCCL / gloo) ═════════
@@ -81,8 +82,8 @@ class DistTransport:
         blocks until the caller joins too, so it cannot run in the RPC)."""
         timeout = datetime.timedelta(seconds=request.timeout_s or 30.0)
         store = create_master_store(self.bind_host, 2, timeout.total_seconds())
-        joined = self._joining.submit(pair_group, store, request.group_id, 0,
-                                      self.device_type, timeout)
+        joined = self._joining.submit(_join_warm, store, request.group_id, 0,
+                                      self.device, timeout)
         with self._lock:
             if len(self._served) >= MAX_PAIRS:
                 oldest = next(iter(self._served))
@@ -128,7 +129,7 @@ class DistTransport:
         host = source_address.rpartition(":")[0].strip("[]")
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore(host, reply.store_port, 2, is_master=False, timeout=timeout)
-        pair = _Pair(pair_group(store, group_id, 1, self.device_type, timeout), group_id)
+        pair = _Pair(_join_warm(store, group_id, 1, self.device, timeout), group_id)
         with self._lock:
             if len(self._pairs) >= MAX_PAIRS:
                 self._retire(self._pairs.pop(next(iter(self._pairs))).group)
@@ -169,6 +170,24 @@ class DistTransport:
         """Keep a failed or evicted group alive (see the module doc), boundedly."""
         self._retired.append(group)
         del self._retired[:-MAX_RETIRED]
+
+
+def _join_warm(store, group_id: str, rank: int, device: torch.device,
+               timeout: datetime.timedelta):
+    """Join the pair as `rank`, then exchange one byte (tag 0; transfers use tags from 1)
+    so both ranks' point-to-point communicator exists before any transfer.
+
+    Why: NCCL creates a pair's communicator lazily, inside the first send or recv, and
+    the receiving rank blocks there until the other rank's first operation. The pulling
+    side posts its recv before it asks for the send (SendBlocks), so without this
+    exchange the first pull on every new NCCL pair waited out its whole timeout and
+    recomputed. Rank 0 runs this on the joining thread, rank 1 in `pair`, so the two
+    halves meet. Gloo does not need it; it costs one byte there."""
+    group = pair_group(store, group_id, rank, device.type, timeout)
+    probe = torch.zeros(1, dtype=torch.uint8, device=device)
+    work = group.send([probe], 1, 0) if rank == 0 else group.recv([probe], 0, 0)
+    work.wait(timeout)
+    return group
 
 
 def _wire(blocks: torch.Tensor, device_type: str) -> torch.Tensor:

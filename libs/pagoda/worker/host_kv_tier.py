@@ -155,11 +155,13 @@ class HostKVTier:
             return
         start = time.perf_counter()
         device = kv_caches[0][0].device
-        for dev_pair, host_pair in zip(kv_caches, self.tensors):
-            for dev, host in zip(dev_pair, host_pair):
-                _copy_blocks(host, [op.slot for op in ops], dev, [op.block_id for op in ops])
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        slots, block_ids = [op.slot for op in ops], [op.block_id for op in ops]
+        if device.type == "cpu":
+            for dev_pair, host_pair in zip(kv_caches, self.tensors):
+                for dev, host in zip(dev_pair, host_pair):
+                    _copy_blocks(host, slots, dev, block_ids)
+        else:
+            _offload_from_device(self.tensors, kv_caches, slots, block_ids, device)
         for op in ops:  # a later op on the same slot wins, as in the scheduler's index
             self._hash[op.slot] = op.block_hash
             self._crc[op.slot] = self._checksum(op.slot)
@@ -317,8 +319,10 @@ class HostKVTier:
 
 def _copy_blocks(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor,
                  src_ids: list[int]) -> None:
-    """dst[dst_ids[i]] = src[src_ids[i]]. Between host and device: one gather, one
-    asynchronous copy and one scatter per tensor (the caller synchronizes). Host to
+    """dst[dst_ids[i]] = src[src_ids[i]]. Host to device: one host gather, one copy
+    (from pageable memory: staged before it returns, so the temporary may go) and one
+    device scatter per tensor, on the current stream (the caller synchronizes). Device
+    to host goes through `_offload_from_device`, never here. Host to
     host: one numpy fancy-index copy per tensor (single-threaded, the GIL released):
     on a busy CPU torch's multithreaded index ops were 5-25x slower than one slice copy
     per block, and the numpy copy as fast as those or faster with 60x fewer calls
@@ -328,9 +332,27 @@ def _copy_blocks(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor,
     if dst.device.type == "cpu" and src.device.type == "cpu":
         _numpy_bytes(dst)[dst_ids] = _numpy_bytes(src)[src_ids]
         return
+    assert src.device.type == "cpu", "device-to-host copies go through _offload_from_device"
     src_index = torch.tensor(src_ids, dtype=torch.long, device=src.device)
     dst_index = torch.tensor(dst_ids, dtype=torch.long, device=dst.device)
     dst.index_copy_(0, dst_index, src.index_select(0, src_index).to(dst.device, non_blocking=True))
+
+
+def _offload_from_device(host_tensors, kv_caches, slots: list[int], block_ids: list[int],
+                         device: torch.device) -> None:
+    """host[slots[i]] = dev[block_ids[i]] for every (device, host) tensor pair: each
+    tensor's blocks gathered on the device and copied to pinned staging asynchronously,
+    ONE synchronize, then the host scatters. Invariant: no host read of a staged tensor
+    before the synchronize. A non-blocking device-to-host copy's result is filled later,
+    and scattering it at once (as this code did until the first GPU run) stored stale
+    bytes under a checksum computed from them: a silent wrong answer on onload."""
+    index = torch.tensor(block_ids, dtype=torch.long, device=device)
+    staged = [(host, dev.index_select(0, index).to("cpu", non_blocking=True))
+              for dev_pair, host_pair in zip(kv_caches, host_tensors)
+              for dev, host in zip(dev_pair, host_pair)]
+    torch.cuda.synchronize(device)
+    for host, part in staged:
+        _numpy_bytes(host)[slots] = _numpy_bytes(part)
 
 
 def _numpy_bytes(t: torch.Tensor):
