@@ -9,6 +9,7 @@ device pool. With the tier the revisits onload their prefix; without it they rec
 from __future__ import annotations
 
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -62,7 +63,21 @@ def reference(tiny_llama_dir):
     return want
 
 
-def test_revisits_onload_from_the_host_tier_with_the_same_output(tiny_llama_dir, reference):
+@pytest.fixture(params=["serial", "threads"])
+def checksums(request, monkeypatch):
+    """Slot checksums on this thread (hosts of under 4 cores, CI's) or on a pool (GPU
+    hosts): both must verify the same slots."""
+    import pagoda.worker.host_kv_tier as tier_module
+
+    pool = ThreadPoolExecutor(2) if request.param == "threads" else None
+    monkeypatch.setattr(tier_module, "_POOL", [pool])
+    yield request.param
+    if pool is not None:
+        pool.shutdown()
+
+
+def test_revisits_onload_from_the_host_tier_with_the_same_output(tiny_llama_dir, reference,
+                                                                 checksums):
     first, revisits = _prompts()
     llm = _llm(tiny_llama_dir, 24, tier_blocks=64)
     index, tier = _tier(llm)
@@ -77,7 +92,7 @@ def test_revisits_onload_from_the_host_tier_with_the_same_output(tiny_llama_dir,
     assert llm.llm_engine.core.scheduler.requests == {}
 
 
-def test_a_corrupted_block_is_recomputed(tiny_llama_dir, reference):
+def test_a_corrupted_block_is_recomputed(tiny_llama_dir, reference, checksums):
     first, revisits = _prompts()
     llm = _llm(tiny_llama_dir, 24, tier_blocks=64)
     index, tier = _tier(llm)
