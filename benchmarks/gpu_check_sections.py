@@ -252,12 +252,17 @@ def check_greedy(report, device: torch.device, small: bool) -> None:
     _check_llm_end_to_end(report, hf, prompts, expected, max_tokens, device)
 
 
-def _write_word_tokenizer(path: str, vocab_size: int) -> None:
-    """A word-level tokenizer "t0 t1 ..." so an HF directory loads with no download."""
+def _write_word_tokenizer(path: str, vocab_size: int, words: tuple[str, ...] = ()) -> None:
+    """A word-level tokenizer "t0 t1 ..." so an HF directory loads with no download;
+    `words` take the ids from 3 on (after unk/pad, bos, eos) in place of their "tN"."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    for i, word in enumerate(words, start=3):
+        del vocab[f"t{i}"]
+        vocab[word] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t0", bos_token="t1",
                             eos_token="t2").save_pretrained(path)

@@ -41,7 +41,11 @@ def _write_model(folder: Path, spec_name: str, device, small: bool) -> None:
     hf = h.build_hf_model(spec, torch.bfloat16, device)
     hf.config.eos_token_id = 2  # the tokenizer's eos; clients send ignore_eos
     hf.save_pretrained(folder)
-    _write_word_tokenizer(str(folder), spec["vocab_size"])
+    # The clients' prompts are "Request N: hello hello ...". With "hello" a word of its
+    # own, a tied-embedding random model's greedy answer repeats it (text in every
+    # chunk); were it unk (= pad, a special token), the answer would be textless and
+    # the stream would carry no chunk until the last, leaving ITL unmeasured.
+    _write_word_tokenizer(str(folder), spec["vocab_size"], words=("hello", "Request"))
     del hf
     if device.type == "cuda":
         torch.cuda.empty_cache()
