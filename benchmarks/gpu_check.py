@@ -71,6 +71,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="wall-clock budget; later sections are skipped to stay inside it")
     p.add_argument("--no-hf", action="store_true", help="skip HF generate timings")
+    p.add_argument("--no-eager", action="store_true", help="skip the eager (no graphs) timings")
+    p.add_argument("--paths-cases", default="",
+                   help="comma-separated cases of the paths section (default: all)")
+    p.add_argument("--served-flags", action="append", default=None,
+                   help="extra `pagoda serve` flags for one served variant, e.g. "
+                        "'--api-server-count 4'; repeat for several variants (default: one, none)")
     p.add_argument("--served-model", default="1b", help="the served section's model (1b, 8b)")
     p.add_argument("--served-concurrency", default="1,64,256")
     p.add_argument("--served-log", default=None, help="append the served clusters' logs here")
@@ -198,7 +204,8 @@ def main(argv=None) -> int:
     if "paths" in sections:  # quantized GEMMs, MoE, LoRA, fp8 KV, xgrammar, KV pair, host tier
         from gpu_check_paths import check_paths
 
-        check_paths(report, device, small=on_cpu)
+        only = {c.strip() for c in args.paths_cases.split(",") if c.strip()} or None
+        check_paths(report, device, on_cpu, only)
     if "greedy" in sections:
         check_sections.check_greedy(report, device, small=on_cpu)
     if "throughput" in sections:

@@ -44,8 +44,12 @@ MOE_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 PAIR_TIMEOUT_S = 30.0  # the two-process exchange, from the children's start
 
 
-def check_paths(report, device: torch.device, small: bool) -> None:
+def check_paths(report, device: torch.device, small: bool, only: set[str] | None = None) -> None:
+    """`only`: the case names to run (quant_matmul, fused_moe, lora, fp8_kv, xgrammar,
+    kv_dist, host_kv_tier); None runs them all."""
     for case in (_quant_matmul, _fused_moe, _lora, _fp8_kv, _xgrammar, _kv_dist, _host_kv_tier):
+        if only and case.__name__.lstrip("_") not in only:
+            continue
         try:
             case(report, device, small)
         except Exception as exc:  # noqa: BLE001 - every failure is reported, then the next case

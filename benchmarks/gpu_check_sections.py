@@ -351,7 +351,8 @@ def _throughput_model(report, device, args, name, bandwidth, deadline, small) ->
                       block_size=block, max_blocks=max_blocks, device=device)
         if graphs is not None:
             row["graphs"] = h.time_decode(ours, kv, graphs, **timing)
-        if name != "8b" or deadline - time.monotonic() > 90:
+        eager_wanted = graphs is None or not args.no_eager  # one figure at least
+        if eager_wanted and (name != "8b" or deadline - time.monotonic() > 90):
             row["eager"] = h.time_decode(ours, kv, None, **timing)
         if hf is not None and deadline - time.monotonic() > 45:
             row["hf"] = h.time_hf_decode(hf, batch, prompt_len, steps, device)

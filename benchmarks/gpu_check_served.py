@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 import shutil
 import tempfile
 import time
@@ -79,63 +80,78 @@ def _save_log(child, log_path: Path | None, title: str) -> None:
 
 def check_served(report, device, args, deadline: float, small: bool, offline: dict) -> None:
     """`offline`: batch -> (offline decode tok/s, roofline tok/s) from the throughput
-    section, for the served model; missing entries leave those columns empty."""
+    section, for the served model; missing entries leave those columns empty. One
+    cluster per `--served-flags` variant (default: one with no extra flags)."""
     spec_name = "tiny" if small else args.served_model
     concurrencies = [1, 4] if small else [int(c) for c in args.served_concurrency.split(",")]
     log_path = Path(args.served_log) if args.served_log else None
     folder = Path(tempfile.mkdtemp(prefix="pagoda-served-"))
-    rows: list[dict] = []
     try:
         try:
             _write_model(folder, spec_name, device, small)
         except Exception as exc:  # noqa: BLE001
             report.error("served", "write_model", exc)
             return
-        flags = [str(folder), "--served-model-name", "served", "--dtype", "bfloat16",
-                 "--device", device.type, "--max-model-len", "1024",
-                 "--max-num-seqs", str(max(concurrencies))]
-        if small:
-            flags += ["--num-gpu-blocks-override", "256"]
-        started = time.monotonic()
-        try:
-            child = _serve(flags)
-        except Exception as exc:  # noqa: BLE001
-            report.error("served", f"{spec_name}/start", exc)
-            return
-        report.check("served", f"{spec_name}/start_s", time.monotonic() - started, "-", None,
-                     "pagoda serve to its URL (weights, cache, graphs)")
-        try:
-            for c in concurrencies:
-                if time.monotonic() + WINDOW_S + WARMUP_S + 10 > deadline:
-                    report.skip("served", f"{spec_name}/c{c}", "time budget spent")
-                    continue
-                try:
-                    got = _window(child.url, c)
-                except Exception as exc:  # noqa: BLE001
-                    report.error("served", f"{spec_name}/c{c}", exc)
-                    continue
-                ok = got["errors"] == 0 and got["tok_s"] > 0
-                report.check("served", f"{spec_name}/c{c}_tok_s", got["tok_s"], "-",
-                             None if ok else False,
-                             f"{got['requests']} requests done, itl p50 {got['itl_p50_ms']} ms, "
-                             f"{got['errors']} errors {got['error_sample']}")
-                rows.append(dict(batch=c, served=got["tok_s"], itl_p50_ms=got["itl_p50_ms"]))
-        finally:
-            child.stop()
-            _save_log(child, log_path, f"serve {spec_name}")
-        _simulated_curve(report, rows, offline, deadline, folder, log_path, small)
+        for extra in args.served_flags or [""]:
+            rows = _variant(report, device, deadline, small, folder, spec_name, concurrencies,
+                            shlex.split(extra), log_path)
+            _simulated_curve(report, rows, offline, deadline, folder, log_path, shlex.split(extra))
+            for row in rows:
+                off = offline.get(row["batch"], (None, None))
+                row["offline"], row["roofline"] = off
+                if off[0]:
+                    row["served_vs_offline"] = row["served"] / off[0]
+                row["flags"] = extra
+                report.served.append(row)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-        for row in rows:
-            off = offline.get(row["batch"], (None, None))
-            row["offline"], row["roofline"] = off
-            if off[0]:
-                row["served_vs_offline"] = row["served"] / off[0]
-            report.served.append(row)
 
 
-def _simulated_curve(report, rows, offline, deadline, folder, log_path, small) -> None:
-    """The control plane alone at the offline loop's step time, per concurrency."""
+def _variant(report, device, deadline, small, folder, spec_name, concurrencies, extra,
+             log_path) -> list[dict]:
+    """One served cluster with `extra` flags: a row per concurrency."""
+    label = f"{spec_name}{'[' + ' '.join(extra) + ']' if extra else ''}"
+    flags = [str(folder), "--served-model-name", "served", "--dtype", "bfloat16",
+             "--device", device.type, "--max-model-len", "1024",
+             "--max-num-seqs", str(max(concurrencies)), *extra]
+    if small:
+        flags += ["--num-gpu-blocks-override", "256"]
+    rows: list[dict] = []
+    if time.monotonic() + 60 > deadline:
+        report.skip("served", label, "time budget spent")
+        return rows
+    started = time.monotonic()
+    try:
+        child = _serve(flags)
+    except Exception as exc:  # noqa: BLE001
+        report.error("served", f"{label}/start", exc)
+        return rows
+    report.check("served", f"{label}/start_s", time.monotonic() - started, "-", None,
+                 "pagoda serve to its URL (weights, cache, graphs)")
+    try:
+        for c in concurrencies:
+            if time.monotonic() + WINDOW_S + WARMUP_S + 10 > deadline:
+                report.skip("served", f"{label}/c{c}", "time budget spent")
+                continue
+            try:
+                got = _window(child.url, c)
+            except Exception as exc:  # noqa: BLE001
+                report.error("served", f"{label}/c{c}", exc)
+                continue
+            ok = got["errors"] == 0 and got["tok_s"] > 0
+            report.check("served", f"{label}/c{c}_tok_s", got["tok_s"], "-", None if ok else False,
+                         f"{got['requests']} requests done, itl p50 {got['itl_p50_ms']} ms, "
+                         f"{got['errors']} errors {got['error_sample']}")
+            rows.append(dict(batch=c, served=got["tok_s"], itl_p50_ms=got["itl_p50_ms"]))
+    finally:
+        child.stop()
+        _save_log(child, log_path, f"serve {label}")
+    return rows
+
+
+def _simulated_curve(report, rows, offline, deadline, folder, log_path, extra) -> None:
+    """The control plane alone at the offline loop's step time, per concurrency, with
+    the variant's `extra` flags."""
     for row in rows:
         batch = row["batch"]
         offline_tok_s = offline.get(batch, (None, None))[0]
@@ -147,20 +163,21 @@ def _simulated_curve(report, rows, offline, deadline, folder, log_path, small) -
         step_ms = 1000.0 * batch / offline_tok_s
         flags = [str(folder), "--served-model-name", "served", "--max-model-len", "1024",
                  "--max-num-seqs", str(batch),
-                 "--simulated-device", json.dumps({"base_ms": round(step_ms, 3)})]
+                 "--simulated-device", json.dumps({"base_ms": round(step_ms, 3)}), *extra]
+        label = f"simulated{'[' + ' '.join(extra) + ']' if extra else ''}/c{batch}"
         try:
             child = _serve(flags)
             try:
                 got = _window(child.url, batch)
             finally:
                 child.stop()
-                _save_log(child, log_path, f"simulated c{batch}")
+                _save_log(child, log_path, label)
             row["simulated"] = got["tok_s"]
-            report.check("served", f"simulated/c{batch}_tok_s", got["tok_s"], "-", None,
+            report.check("served", f"{label}_tok_s", got["tok_s"], "-", None,
                          f"step {step_ms:.2f} ms (offline), ideal {batch / step_ms * 1000:.0f} tok/s, "
-                         f"{got['errors']} errors")
+                         f"itl p50 {got['itl_p50_ms']} ms, {got['errors']} errors")
         except Exception as exc:  # noqa: BLE001
-            report.error("served", f"simulated/c{batch}", exc)
+            report.error("served", label, exc)
 
 
 def print_served(rows: list[dict]) -> None:
@@ -169,8 +186,9 @@ def print_served(rows: list[dict]) -> None:
     print("\nServed (pagoda serve, closed-loop streaming clients) vs offline decode, roofline and "
           "the simulated device at the offline step time (tokens/s)")
     head = ["batch", "served", "offline", "served/off", "roofline", "simulated", "itl p50 ms"]
-    print("".join(f"{x:>13}" for x in head))
+    print("".join(f"{x:>13}" for x in head) + "  flags")
     for r in rows:
         cells = [r["batch"], r.get("served"), r.get("offline"), r.get("served_vs_offline"),
                  r.get("roofline"), r.get("simulated"), r.get("itl_p50_ms")]
-        print("".join(f"{c:>13.2f}" if isinstance(c, float) else f"{str(c or '-'):>13}" for c in cells))
+        print("".join(f"{c:>13.2f}" if isinstance(c, float) else f"{str(c or '-'):>13}" for c in cells)
+              + f"  {r.get('flags') or '-'}")
