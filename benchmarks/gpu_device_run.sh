@@ -7,7 +7,8 @@
 #   bash benchmarks/gpu_device_run.sh [gpu_check.py flags...]
 #
 # The generated gRPC modules (services/_proto, git-ignored) must travel with the tree:
-# the machine has no grpcio-tools.
+# the machine has no grpcio-tools. `benchmarks/fetch_gpu_wheels.sh` fills .whl/ here;
+# with the device tool: carry ["services/_proto", ".whl"].
 set -u
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
