@@ -90,13 +90,15 @@ def main(args: argparse.Namespace) -> int:
     startup_clock.mark("imports")
     grpc_channels.configure_from_args(args)  # before the worker channel is made
     tracing.init_tracing("scheduler", args.otlp_traces_endpoint)
+    role = kv_transfer_config(args)
+    if args.async_scheduling is None and role.kv_role in ("kv_producer", "kv_consumer"):
+        args.async_scheduling = False  # the default is on only where it is supported
     config = EngineArgs.from_cli_args(args).create_engine_config()
     startup_clock.mark("engine config")
     try:  # before loading anything: a bad value is the operator's to fix
         args.kv_events = parse_kv_events_config(args.kv_events_config)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    role = kv_transfer_config(args)
     try:  # before waiting for the worker: the operator's to fix
         refuse_async_kv_transfer(config.scheduler.async_scheduling, role.kv_role)
         refuse_mtp_with_kv_transfer(config.scheduler.speculative_config, role.kv_role)

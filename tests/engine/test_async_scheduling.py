@@ -103,3 +103,29 @@ def test_async_scheduling_structured_outputs_exact(tiny_llama_dir):
     expected, _ = run(tiny_llama_dir, params, False, max_model_len=512)
     got, _ = run(tiny_llama_dir, params, True, max_model_len=512)
     assert got == expected
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (dict(device="cuda"), True),  # vLLM >= 0.14's default
+    (dict(device="cpu"), False),  # the step is the same cores' time: nothing to overlap
+    (dict(device="cuda", async_scheduling=False), False),  # --no-async-scheduling
+    (dict(device="cuda", speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                             "prompt_lookup_max": 3}), False),
+    (dict(device="cuda", kv_offloading_size=0.01), False),
+    (dict(device="cuda", runner="pooling"), False),
+])
+def test_the_default_is_on_for_cuda_where_supported_and_never_refuses(tiny_llama_dir, extra,
+                                                                       expected):
+    """No device is needed to build the config: only the resolution is checked here
+    (the GPU runs of benchmarks/gpu_check.py serve with the default)."""
+    config = EngineArgs(model=str(tiny_llama_dir), dtype="float32", **extra).create_engine_config()
+    assert config.scheduler.async_scheduling is expected
+
+
+def test_the_cli_flag_has_a_no_form():
+    import argparse
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert parser.parse_args([]).async_scheduling is None
+    assert parser.parse_args(["--async-scheduling"]).async_scheduling is True
+    assert parser.parse_args(["--no-async-scheduling"]).async_scheduling is False

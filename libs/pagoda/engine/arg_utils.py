@@ -114,7 +114,9 @@ class EngineArgs:
     # --simulated-device JSON (benchmarks only; pagoda.simulated_device). None: the model.
     simulated_device: dict | str | None = None
     # vLLM's --async-scheduling: plan step N+1 while step N runs (pagoda.engine.async_steps).
-    async_scheduling: bool = False
+    # None: on where vLLM (>= 0.14) turns it on by default and Pagoda supports it (a CUDA
+    # device, `async_scheduling_by_default`); True refuses what it cannot keep exact.
+    async_scheduling: bool | None = None
     # vLLM's multi-modal settings (pagoda.engine.multimodal_args); used by models that
     # take images, ignored by text-only ones.
     limit_mm_per_prompt: dict | str | None = None
@@ -156,7 +158,8 @@ class EngineArgs:
                                  "lower `priority` value first (ties by arrival), and the "
                                  "highest value is preempted first.")
         parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
-        parser.add_argument("--async-scheduling", action="store_true",
+        parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                            default=None,
                             help="vLLM's async scheduling: the scheduler plans step N+1 while "
                                  "step N runs on the worker (each running request is assumed "
                                  "to get one more token; a request that finished at step N "
@@ -164,7 +167,11 @@ class EngineArgs:
                                  "the worker does not sit idle between steps. Greedy and "
                                  "seeded outputs are unchanged. Refused with speculative "
                                  "decoding, pipeline parallelism, pooling models and P/D KV "
-                                 "transfer (kv_producer/kv_consumer). Default: off.")
+                                 "transfer (kv_producer/kv_consumer). Default (as vLLM "
+                                 ">= 0.14): on for a CUDA device where none of those applies, "
+                                 "off on the CPU (where the worker's step is its own CPU "
+                                 "time, so there is nothing to overlap); "
+                                 "--no-async-scheduling turns it off.")
         parser.add_argument("--enable-sleep-mode", action="store_true",
                             help="vLLM's sleep mode: the engine may give back the memory of "
                                  "its weights and KV cache while idle (LLM.sleep/wake_up; "
@@ -335,6 +342,9 @@ class EngineArgs:
         arch.max_model_len = max_model_len  # longrope picks its factors by it
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+        if self.async_scheduling is None:
+            self.async_scheduling = async_scheduling_by_default(
+                self, device, arch, pooling.runner)
         max_batched = self.max_num_batched_tokens or 2048
         # A pooling request runs its whole prompt in one step (an encoder attends over all
         # of it; mean pooling reads all of it): no chunked prefill for pooling models.
@@ -634,6 +644,22 @@ def _kv_offloading_disk(path: str | None, size: float | None,
         raise ValueError("kv_offloading_disk_path needs kv_offloading_size > 0: the disk "
                          "tier keeps the blocks the host tier evicts")
     return str(path), float(size)
+
+
+def async_scheduling_by_default(args: "EngineArgs", device: str, arch, runner: str) -> bool:
+    """vLLM's default (>= 0.14): async scheduling on, except where it is not supported.
+    Here: on for a CUDA device unless a feature it is refused with is set (speculative
+    decoding, pipeline parallelism, pooling, the host KV tier, a hybrid Mamba2 or a
+    multi-modal model), so the default never refuses a command line. Off on the CPU:
+    the worker's step there is the same cores' time, with no device to keep busy.
+    P/D roles turn it off in the scheduler service (`services/scheduler/server.py`)."""
+    # lazy: the multi-modal registry imports model code
+    from pagoda.multimodal.processing import is_multimodal_architecture
+
+    return (device == "cuda" and not args.simulated_device
+            and args.speculative_config is None and args.pipeline_parallel_size == 1
+            and runner == "generate" and not args.kv_offloading_size
+            and arch.mamba is None and not is_multimodal_architecture(arch.architecture))
 
 
 def _refuse_offloading_combinations(cache: CacheConfig, arch, async_scheduling: bool) -> None:
