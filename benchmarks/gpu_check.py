@@ -79,6 +79,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "'--api-server-count 4'; repeat for several variants (default: one, none)")
     p.add_argument("--served-model", default="1b", help="the served section's model (1b, 8b)")
     p.add_argument("--served-concurrency", default="1,64,256")
+    p.add_argument("--served-offline", default="",
+                   help="BATCH:TOK_S,... offline decode figures for the served table when the "
+                        "throughput section does not run (e.g. from an earlier run on the same "
+                        "kind of device); the roofline column stays empty then")
     p.add_argument("--served-log", default=None, help="append the served clusters' logs here")
     p.add_argument("--json", default=None, help="also write all results to this file")
     p.add_argument("--allow-cpu", action="store_true",
@@ -214,8 +218,10 @@ def main(argv=None) -> int:
         from gpu_check_served import check_served
 
         served_model = "tiny" if on_cpu else args.served_model
-        offline = {r["batch"]: (r.get("graphs") or r.get("eager"), r.get("roofline"))
-                   for r in report.throughput if r["model"] == served_model}
+        offline = {int(b): (float(t), None) for b, t in
+                   (pair.split(":") for pair in args.served_offline.split(",") if pair)}
+        offline.update({r["batch"]: (r.get("graphs") or r.get("eager"), r.get("roofline"))
+                        for r in report.throughput if r["model"] == served_model})
         check_served(report, device, args, deadline, small=on_cpu, offline=offline)
     signal.alarm(0)
     faulthandler.cancel_dump_traceback_later()
