@@ -236,9 +236,9 @@ class KvLeaseServicer(pb_grpc.KvLeaseServiceServicer):
                                 f"{producer.info.block_size}")
         rid, min_blocks = request.request_id, request.min_blocks
         if request.from_tier:  # onload what the tiers hold first (kv_tier_lease.py)
-            params = await lease_from_tier(producer, rid, hashes, tokens, min_blocks,
-                                           request.cache_salt)
-            reply = pb.LeasePrefixResponse()
+            params, num_tier = await lease_from_tier(producer, rid, hashes, tokens,
+                                                     min_blocks, request.cache_salt)
+            reply = pb.LeasePrefixResponse(num_tier_blocks=num_tier)
             if params is not None:
                 kv_params_to_proto(params, reply.kv_transfer_params)
             return reply

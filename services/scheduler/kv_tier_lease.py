@@ -91,10 +91,11 @@ def request_hashes(request: EngineCoreRequest, info) -> list[bytes]:
 
 
 async def lease_from_tier(producer, request_id: str, hashes: list[bytes], tokens: list[int],
-                          min_blocks: int, cache_salt: str) -> KVTransferParams | None:
+                          min_blocks: int, cache_salt: str
+                          ) -> tuple[KVTransferParams | None, int]:
     """The lease of the leading run this replica holds on its device and in its tiers,
-    onloading the tier part first; None when it holds fewer than `min_blocks` or the
-    onload failed. Cancelled (the caller's deadline): the onload is aborted and a lease
+    onloading the tier part first, and how many of its blocks came from the tiers;
+    (None, 0) when it holds fewer than `min_blocks` or the onload failed. Cancelled (the caller's deadline): the onload is aborted and a lease
     made meanwhile released."""
     bs = producer.info.block_size
     metrics = kv_transfer_metrics()
@@ -107,12 +108,12 @@ async def lease_from_tier(producer, request_id: str, hashes: list[bytes], tokens
 
     kind, value = await producer.on_engine(plan)
     if kind == "device":
-        return value
+        return value, 0
     device, tier = value
     num_blocks = device + tier
     if num_blocks < max(1, min_blocks):
         metrics.tier_leases.labels("too_few_blocks").inc()
-        return None
+        return None, 0
     request = onload_request(request_id, tokens, num_blocks, bs, cache_salt)
     if request_hashes(request, producer.info)[:num_blocks] != hashes[:num_blocks]:
         # Another salt (or a prompt hashed with keys this request lacks): never onload
@@ -120,7 +121,7 @@ async def lease_from_tier(producer, request_id: str, hashes: list[bytes], tokens
         logger.warning("prefix lease %s: the tier onload's block hashes differ from the "
                        "caller's; not leasing", request_id)
         metrics.tier_leases.labels("failed").inc()
-        return None
+        return None, 0
     loop = asyncio.get_running_loop()
     done: asyncio.Future = loop.create_future()
 
@@ -140,7 +141,7 @@ async def lease_from_tier(producer, request_id: str, hashes: list[bytes], tokens
             logger.info("prefix lease %s: the tier onload was refused (%s)", request_id, error)
             producer.engine.call_soon(lambda: producer.drop_waiter(rid, waiter))
             metrics.tier_leases.labels("failed").inc()
-            return None
+            return None, 0
         params = await done
     except asyncio.CancelledError:
         producer.engine.abort([rid])
@@ -148,4 +149,4 @@ async def lease_from_tier(producer, request_id: str, hashes: list[bytes], tokens
         metrics.tier_leases.labels("failed").inc()
         raise
     metrics.tier_leases.labels("leased" if params is not None else "failed").inc()
-    return params
+    return params, (tier if params is not None else 0)

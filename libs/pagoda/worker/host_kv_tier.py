@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+import pagoda.fault_injection as fault_injection
 from pagoda.config import EngineConfig
 from pagoda.core.kv_disk_index import num_disk_records
 from pagoda.messages import KVOnload, KVSpill, SchedulerOutput
@@ -254,7 +255,8 @@ class HostKVTier:
         good, failed = [], []
         for op in ops:
             ok = same_layout and self.holds(op.slot, op.block_hash) \
-                and self._checksum(op.slot) == self._crc[op.slot]
+                and self._checksum(op.slot) == self._crc[op.slot] \
+                and fault_injection.check("kv_onload.block") != "fail"
             (good if ok else failed).append(op)
         if failed:
             logger.warning("KV host tier: %d of %d onloaded blocks failed their hash or "

@@ -8,6 +8,11 @@ blocks another replica holds instead of computing them.
        blocks it lacks worker to worker (kv_consumer.py), releases the lease, and
        computes only the rest of the prompt (a prefix-cache hit, as after a P/D prefill)
 
+A source may hold part of the run only in its host/disk KV tier (evicted from its
+device): the index counts those blocks below its device blocks (`--kv-medium-weights`),
+and the source onloads them to its device before leasing (LeasePrefix's from_tier,
+services/scheduler/kv_tier_lease.py), so the pull itself is the device pull below.
+
 The same pull as prefill/decode disaggregation, started from a cache hit elsewhere
 instead of a prefill: a colocated replica (kv_both) and a decode replica computing a
 prompt itself (its P/D prefill fell through) both pull this way; the source is any
@@ -20,7 +25,8 @@ holding `--kv-prefix-pull-min-blocks` more than R (evicted since the index said 
 -> R gets the request without params; a pull that fails or stalls -> R computes the
 prompt (counted there: pagoda_kv_transfer_failures_total{reason},
 pagoda_kv_transfer_fallbacks_total{kind="recompute"}). The gateway counts its side in
-pagoda_gateway_kv_prefix_pulls_total{result}. The lease is released by R after its
+pagoda_gateway_kv_prefix_pulls_total{result}, and the leases that came (partly) from a
+source's tier, or were expected to, also in pagoda_gateway_kv_prefix_tier_pulls_total. The lease is released by R after its
 pull and by the gateway when the choice ends (twice is harmless), so a dead R strands
 nothing; S's reaper covers a dead gateway.
 
@@ -68,10 +74,12 @@ DEFAULT_MIN_BLOCKS = 4
 # How long a request waits for the source's lease before its replica computes the
 # prompt itself; the lease is taken on the source's engine thread, between its steps.
 LEASE_TIMEOUT_S = 1.0
-# ... when the source onloads part of the prefix from its host/disk tier first: the
-# onload runs in the background between the source's steps (64 host blocks: 31-46 ms
-# of copies on a busy 2-core CPU; a disk record a read more), then one token of it is
-# computed; past this the replica computes the prompt (and the source aborts the onload).
+# ... when the source may onload part of the prefix from its host/disk tier first
+# (every lease but a LoRA or multimodal request's): the onload runs in the background
+# between the source's steps (64 host blocks: 31-46 ms of copies on a busy 2-core CPU; a
+# disk record a read more), then one token is computed; past this the replica computes
+# the prompt (and the source aborts the onload). A lease the device holds answers as
+# fast as before: only a stuck source costs the longer wait.
 TIER_LEASE_TIMEOUT_S = 3.0
 RELEASE_TIMEOUT_S = 5.0
 CONSUMER_ROLES = ("kv_consumer", "kv_both")
@@ -233,10 +241,13 @@ class PrefixPull:
                     request: EngineCoreRequest) -> KVTransferParams | None:
         """The source's lease on the leading blocks (do_remote_prefill set), or None."""
         n, source = choice.num_blocks, choice.source
-        # A multimodal prompt's blocks hash its media too: a tier onload of its tokens
-        # alone would not match (the source refuses it), so it asks for the device run.
-        from_tier = choice.from_tier and not request.mm_features
-        count = _count_tier if from_tier else _count
+        # Asked of the source's tiers whenever the request allows it, not only when the
+        # index says so: the index may still count as device blocks what the source has
+        # evicted since (a recent route), which its tier then serves. A LoRA request
+        # (its onload would run the adapter there) and a multimodal one (its blocks
+        # hash its media too) ask for the device run only.
+        from_tier = request.lora_request is None and not request.mm_features
+        count = _count_tier if choice.from_tier else _count
         try:
             reply = await self._stub(source).LeasePrefix(kpb.LeasePrefixRequest(
                 request_id=f"{request.request_id}.prefix", block_hashes=block_hashes[:n],
@@ -254,7 +265,7 @@ class PrefixPull:
             return None
         params = kv_params_from_proto(reply.kv_transfer_params)
         params.do_remote_prefill = True
-        count("leased")
+        (_count_tier if reply.num_tier_blocks else _count)("leased")
         return params
 
     def release_soon(self, choice: PullChoice, params: KVTransferParams) -> None:

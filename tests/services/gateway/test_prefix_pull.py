@@ -195,8 +195,11 @@ def test_the_routed_request_carries_the_lease_once_then_it_is_released():
     assert stub.released == ["L"] and pulls("leased") == before + 1
 
 
-def test_a_lease_from_a_source_s_tier_says_so_with_the_salt_and_a_longer_wait():
-    answer = kpb.LeasePrefixResponse()
+def test_a_lease_asks_the_source_s_tiers_with_the_salt_and_a_longer_wait():
+    """Every lease asks the source's tiers too (the index may count as device blocks
+    what it has evicted since); it counts as a tier pull when the source says it
+    onloaded some. A LoRA request asks for the device run only, and waits less."""
+    answer = kpb.LeasePrefixResponse(num_tier_blocks=1)
     answer.kv_transfer_params.lease_id = "T"
     tier_pulls = gateway_metrics().kv_prefix_tier_pulls.labels("leased")
     before = tier_pulls._value.get()
@@ -206,15 +209,15 @@ def test_a_lease_from_a_source_s_tier_says_so_with_the_salt_and_a_longer_wait():
     assert stub.timeouts == [prefix_pull.TIER_LEASE_TIMEOUT_S]
     assert r.sent[0].kv_transfer_params.lease_id == "T"
     assert tier_pulls._value.get() == before + 1
-    # A device-only pull does not ask the tier, nor count there.
-    r, stub = pulled(answer, [request("b", cache_salt="tenant-1")])
-    assert not stub.asked[0].from_tier and tier_pulls._value.get() == before + 1
-    assert stub.timeouts == [prefix_pull.LEASE_TIMEOUT_S]
-    # A LoRA request never asks a tier (its onload would run the adapter there).
+    # The source held it all on its device: not a tier pull.
+    device_only = kpb.LeasePrefixResponse()
+    device_only.kv_transfer_params.lease_id = "D"
+    r, stub = pulled(device_only, [request("b")])
+    assert stub.asked[0].from_tier and tier_pulls._value.get() == before + 1
     from pagoda.lora.request import LoRARequest
-    r, stub = pulled(answer, [request("c")], tiers={"s": (1, 0)},
-                     lora=LoRARequest("a1", 1, "/x"))
-    assert not stub.asked or not stub.asked[0].from_tier
+    r, stub = pulled(answer, [request("c", lora_request=LoRARequest("a1", 1, "/x"))],
+                     tiers={"s": (1, 0)}, lora=LoRARequest("a1", 1, "/x"))
+    assert not stub.asked[0].from_tier and stub.timeouts == [prefix_pull.LEASE_TIMEOUT_S]
 
 
 @pytest.mark.parametrize("answer, result", [
