@@ -14,7 +14,8 @@ Each case puts a 6-block prefix on S, evicts it from S's device into S's host ti
 - a lease whose cache_salt does not give the caller's hashes: S onloads and leases
   nothing;
 - S's pull stream breaks mid-pull, then S's gpu-worker is SIGKILLed mid-pull: R
-  computes the prompt each time, the same answer, nothing hangs.
+  computes the prompt each time, the same answer, nothing hangs;
+- (another cluster, a 2-block host tier over a disk tier) the prefix comes from S's disk.
 """
 
 from __future__ import annotations
@@ -91,17 +92,20 @@ def lookup(cluster, prompt: list[int], salt: str = ""):
     return list(hashes), reply
 
 
-def park_in_s_tier(cluster, case: int) -> list[int]:
+def park_in_s_tier(cluster, case: int, disk: bool = False) -> list[int]:
     """The case's prefix, served by S and then evicted from S's device into its host
-    tier (the index says S holds it there, not on its device)."""
+    tier (`disk`: on through a 2-block host tier to disk): the index says S holds it
+    there, not on its device."""
     p = prefix(case)
     cluster.complete(p + [1, 2, 3], S)
     address = cluster.addresses[S]
 
     def parked() -> bool:
         _, reply = lookup(cluster, p)
-        return reply.num_cached_blocks.get(address, 0) == 0 \
-            and reply.num_host_blocks.get(address, 0) >= 6
+        host, on_disk = reply.num_host_blocks.get(address, 0), \
+            reply.num_disk_blocks.get(address, 0)
+        return reply.num_cached_blocks.get(address, 0) == 0 and host + on_disk >= 6 \
+            and (on_disk >= 4 if disk else host >= 6)
 
     for filler in range(8):  # 11-block prompts through a 24-block pool evict it
         if parked():
@@ -247,3 +251,32 @@ def test_a_pull_broken_or_its_source_killed_mid_pull_means_r_computes(cluster, f
     assert cluster.metric("scheduler-1", "pagoda_kv_transfer_fallbacks_total",
                           kind="recompute") == recomputed + 2
     assert cluster.metric("gpu-worker-1", "pagoda_kv_transfer_blocks_total") == stalled
+
+
+@pytest.fixture(scope="module")
+def disk_cluster(tiny_llama_dir, redis_server, tmp_path_factory):
+    disk = tmp_path_factory.mktemp("kv-disk")
+    cluster = PullCluster(tiny_llama_dir, redis_server.url, extra=(
+        "--max-model-len", "256", "--num-gpu-blocks-override", str(POOL_BLOCKS),
+        "--kv-offloading-backend", "native",
+        "--kv-offloading-size", repr(2 * TINY_BLOCK_BYTES / 1024 ** 3),
+        "--kv-offloading-disk-path", str(disk),
+        "--kv-offloading-disk-size", repr(512 * 2 * TINY_BLOCK_BYTES / 1024 ** 3))).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.mark.extended
+def test_r_pulls_what_s_holds_on_its_disk_tier(disk_cluster):
+    """The same pull from S's disk tier (below a 2-block host tier): S onloads the
+    records from disk first."""
+    cluster = disk_cluster
+    p = park_in_s_tier(cluster, 7, disk=True)
+    prompt = p + [51, 52, 53]
+    want = fresh(cluster, prompt)
+    before = pulled_blocks(cluster)
+    _, got = cluster.complete(prompt, R)
+    assert wait_until(lambda: pulled_blocks(cluster) - before, 10) == 6
+    assert tokens(got) == tokens(want)
+    assert got.usage.prompt_tokens_details.cached_tokens == 6 * BS
+    assert cluster.metric("scheduler-0", "pagoda_kv_offload_hits_total", tier="disk") >= 4
