@@ -53,7 +53,9 @@ def _rendezvous(key: str, address: str) -> int:
 class Bench:
     """The cluster: replicas S (0) and R (1), gateways `pull` and `plain`."""
 
-    def __init__(self, model: str | None, max_model_len: int) -> None:
+    def __init__(self, model: str | None, max_model_len: int, extra: tuple[str, ...] = ()
+                 ) -> None:
+        """`extra`: more `pagoda serve` flags (bench_prefix_pull_tier.py's tiers)."""
         from pagoda.services.bench.routing import extra_gateway
         from pagoda.services.cli import serve
         from pagoda.services.cli.local_cluster import LocalCluster
@@ -67,7 +69,7 @@ class Bench:
             "--served-model-name", "m", "--max-model-len", str(max_model_len),
             "--block-size", str(BLOCK_SIZE), "--disable-log-stats",
             "--data-parallel-size", "2", "--router", "session", "--kv-prefix-pull",
-            "--kv-prefix-pull-min-blocks", "1", "--enable-prompt-tokens-details"])
+            "--kv-prefix-pull-min-blocks", "1", "--enable-prompt-tokens-details", *extra])
         services = serve.build_services(args, self.redis.url)
         gateway = next(s for s in services if s.kind == "gateway")
         plain = extra_gateway(gateway, "session", free_port())
@@ -82,7 +84,8 @@ class Bench:
             key = f"user{i}"
             self.session.setdefault(max(range(2), key=lambda r: _rendezvous(
                 key, self.addresses[r])), key)
-        self.tokenizer = flag(gateway.argv, "--tokenizer-addr")
+        # One of the tokenizer replicas the gateway balances over (any answers the same).
+        self.tokenizer = flag(gateway.argv, "--tokenizer-addr").split(",")[0]
         self.index = flag(gateway.argv, "--kv-cache-manager-addr")
         self.log = tempfile.NamedTemporaryFile("w+", prefix="bench-prefix-pull-")
         self.cluster = LocalCluster(services, log_stream=self.log)

@@ -62,6 +62,10 @@ POINTS = {
     # RankWorker.execute_model (pagoda.worker.rank_worker), on every rank of a worker
     # group, before the step: fail = that rank raises InjectedFault (the group is rebuilt).
     "rank.step": "worker-group rank, a step about to run",
+    # gpu-worker host KV tier (pagoda.worker.host_kv_tier), as each block of an onload
+    # is verified: fail = the slot fails its checksum (as a corrupt or overwritten one:
+    # the block is recomputed); delay = the onload stalls there.
+    "kv_onload.block": "gpu-worker, a host-tier block about to be onloaded",
     # gpu-worker disk KV tier (pagoda.worker.disk_kv_tier), before a record is written:
     # fail = the write raises ENOSPC (a full disk; the block is then not on disk).
     "kv_disk.write": "gpu-worker, a KV block about to be written to the disk tier",

@@ -25,6 +25,8 @@ from pagoda.services.common.metrics_server import one_per_process
 FAILURE_REASONS = ("timeout", "unavailable", "checksum", "stale_epoch", "lease_expired",
                    "no_room", "hash_mismatch", "kv_reset", "error")
 FALLBACK_KINDS = ("recompute",)
+# The results of a peer's prefix lease served from the KV tiers (kv_tier_lease.py).
+TIER_LEASE_RESULTS = ("leased", "too_few_blocks", "failed")
 TRANSFER_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                     5.0, 10.0, 30.0]
 
@@ -48,6 +50,19 @@ class KvTransferMetrics:
             self.failures.labels(reason)
         for kind in FALLBACK_KINDS:
             self.fallbacks.labels(kind)
+        # A peer's prefix lease served from this replica's KV tiers (kv_tier_lease.py).
+        self.tier_leases = Counter(
+            "pagoda_kv_prefix_tier_leases_total",
+            "Prefix leases a peer asked of this replica's host/disk KV tiers, by result: "
+            "leased (onloaded to the device, then leased), too_few_blocks (the tiers no "
+            "longer held enough), failed (the onload request was refused, failed or its "
+            "caller gave up).", ["result"], registry=registry)
+        self.tier_lease_blocks = Counter(
+            "pagoda_kv_prefix_tier_lease_blocks_total",
+            "Blocks this replica brought up from its host/disk KV tiers to lease them to a "
+            "peer (counted when leased).", registry=registry)
+        for result in TIER_LEASE_RESULTS:
+            self.tier_leases.labels(result)
         self.leased_blocks = Gauge("pagoda_kv_leased_blocks",
                                    "KV blocks held under leases for decode replicas.",
                                    registry=registry)

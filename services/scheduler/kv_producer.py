@@ -8,7 +8,9 @@ where they are, free them when the decode side is done or nobody came.
     a failed step (KV re-allocated as zeros) ─► every lease dropped (`on_kv_reset`):
         ReleaseLease answers not valid, and the worker's new epoch refuses their pulls
     LeasePrefix(hashes, tokens) ─► the leading run still cached, pinned under a lease
-        (another replica pulls it instead of computing it: the gateway's --kv-prefix-pull)
+        (another replica pulls it instead of computing it: the gateway's --kv-prefix-pull);
+        with from_tier the run continues into the host/disk KV tiers, onloaded first
+        (kv_tier_lease.py)
 
 The pin happens on the engine thread in the same step that freed the request's
 blocks (the outputs callback runs before the next step), so they are still cached:
@@ -34,6 +36,7 @@ from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2 as pb
 from pagoda.services._proto.pagoda.kv_transfer.v1 import kv_transfer_pb2_grpc as pb_grpc
 from pagoda.services.common.kv_transfer_metrics import kv_transfer_metrics
 from pagoda.services.common.protocol.kv_transfer import kv_params_to_proto
+from pagoda.services.scheduler.kv_tier_lease import lease_from_tier
 
 logger = logging.getLogger(__name__)
 REAP_INTERVAL_S = 1.0
@@ -56,6 +59,8 @@ class KvProducer:
         self._expected: dict[str, tuple[list[bytes], list[int]]] = {}
         # request id -> its lease, until the request's stream ends (engine thread only)
         self._undelivered: dict[str, str] = {}
+        # internal tier-onload request id -> its kv_tier_lease.TierWaiter (under _lock)
+        self._waiters: dict[str, object] = {}
         # (pinned leases, ended lease ids) -> None; called on the engine thread, must
         # not block (KvEventPublisher.publish_leases queues them).
         self.lease_journal = lambda pinned, released: None
@@ -84,6 +89,33 @@ class KvProducer:
         if lease_id is not None and not delivered:
             self._release(lease_id)
 
+    def await_lease(self, request_id: str, waiter) -> None:
+        """Called before the internal tier-onload request `request_id` is submitted:
+        when it finishes, lease its blocks and hand the lease to `waiter.deliver`
+        (kv_tier_lease.py)."""
+        with self._lock:
+            self._waiters[request_id] = waiter
+
+    def drop_waiter(self, request_id: str, waiter) -> None:
+        """Engine thread: the tier lease's caller left (or its request was refused):
+        forget it, releasing the lease made for it if it was delivered already (both
+        run on this thread: no lease is made for it after this)."""
+        with self._lock:
+            self._waiters.pop(request_id, None)
+        if waiter.lease_id is not None:
+            self._release(waiter.lease_id)
+
+    def _deliver_tier_lease(self, out: EngineCoreOutput, waiter) -> None:
+        """Engine thread: `out` finished an internal tier-onload request; pin the run."""
+        params = None
+        if out.finish_reason != FinishReason.ABORT:
+            params = self.lease_prefix(out.request_id, waiter.hashes, waiter.tokens,
+                                       waiter.min_blocks)
+        if params is not None:
+            waiter.lease_id = params.lease_id
+            kv_transfer_metrics().tier_lease_blocks.inc(waiter.num_tier_blocks)
+        waiter.deliver(params)
+
     def on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         """Engine thread, right after the step that finished these requests."""
         for out in outputs:
@@ -91,6 +123,10 @@ class KvProducer:
                 continue
             with self._lock:
                 expected = self._expected.pop(out.request_id, None)
+                waiter = self._waiters.pop(out.request_id, None)
+            if waiter is not None:
+                self._deliver_tier_lease(out, waiter)
+                continue
             if expected is None or out.finish_reason == FinishReason.ABORT:
                 continue
             lease = self.table.pin(out.request_id, *expected)
@@ -199,6 +235,13 @@ class KvLeaseServicer(pb_grpc.KvLeaseServiceServicer):
                                 f"{len(tokens)} tokens for {len(hashes)} blocks of "
                                 f"{producer.info.block_size}")
         rid, min_blocks = request.request_id, request.min_blocks
+        if request.from_tier:  # onload what the tiers hold first (kv_tier_lease.py)
+            params, num_tier = await lease_from_tier(producer, rid, hashes, tokens,
+                                                     min_blocks, request.cache_salt)
+            reply = pb.LeasePrefixResponse(num_tier_blocks=num_tier)
+            if params is not None:
+                kv_params_to_proto(params, reply.kv_transfer_params)
+            return reply
         made: list[KVTransferParams] = []
 
         def lease() -> KVTransferParams | None:

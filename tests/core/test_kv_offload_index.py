@@ -204,3 +204,21 @@ def test_slots_and_records_an_async_onload_reads_are_held_across_steps():
     offloads, _, spills, drops = index.take_ops()
     assert [(o.block_id, o.slot) for o in offloads][0] == (30, 1)
     assert H[0] in drops and H[0] not in index.disk
+
+
+def test_held_run_counts_host_then_disk_blocks_in_a_row_and_pins_nothing():
+    """What a peer's prefix lease asks (services/scheduler/kv_tier_lease.py): the run
+    from `start` on the host tier or on disk, tokens checked, with no pin and no query
+    counted (it is not a lookup: nothing is onloaded by it)."""
+    disk = KVDiskIndex(4)
+    index = KVOffloadIndex(2, 100, disk)
+    index.offload(7, H[1], TOKENS[1])
+    index.offload(8, H[2], TOKENS[2])
+    disk.spill(-1, H[3], TOKENS[3])
+    flat = [t for tokens in TOKENS for t in tokens]
+    assert index.held_run(H, flat, 1, 4) == 3  # 1, 2 on the host, 3 on disk, 4 nowhere
+    assert index.held_run(H, flat, 0, 4) == 0  # block 0 is in no tier
+    other = list(flat)
+    other[2 * 4] += 1  # block 2's tokens differ: the run ends before it
+    assert index.held_run(H, other, 1, 4) == 1
+    assert index.stats.queries == 0 and index._pinned == set() and disk._pinned == set()

@@ -43,7 +43,9 @@ class PullCluster:
     gateway `plain` without; `session[i]` is a session key the gateways route to
     replica i."""
 
-    def __init__(self, model: str, redis_url: str) -> None:
+    def __init__(self, model: str, redis_url: str, extra: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
+        """`extra`: more `pagoda serve` flags; `env`: set in every process."""
         parser = argparse.ArgumentParser()
         serve.add_parser(parser.add_subparsers())
         args = parser.parse_args([
@@ -51,8 +53,10 @@ class PullCluster:
             "--dtype", "float32", "--max-model-len", "1024", "--block-size", str(BS),
             "--disable-log-stats", "--data-parallel-size", "2", "--router", "session",
             "--kv-prefix-pull", "--kv-prefix-pull-min-blocks", str(MIN_BLOCKS),
-            "--kv-lease-timeout", "60", "--enable-prompt-tokens-details"])
+            "--kv-lease-timeout", "60", "--enable-prompt-tokens-details", *extra])
         services = serve.build_services(args, redis_url)
+        for service in services:
+            service.env.update(env or {})
         gateway = next(s for s in services if s.kind == "gateway")
         plain = extra_gateway(gateway, "session", free_port())
         for name in ("--kv-prefix-pull-min-blocks", "--kv-prefix-pull"):

@@ -11,9 +11,9 @@
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
+
+from fault_file import FaultFile  # noqa: F401 - re-exported: the fault matrix's switch
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 20
@@ -95,26 +95,3 @@ def served(client, prompt_ids: list[int], structured: dict | None = None) -> Ans
     return Answer([int(t.removeprefix("token_id:")) for t in tokens],
                   list(choice.logprobs.token_logprobs) if choice.logprobs else [],
                   choice.finish_reason)
-
-
-class FaultFile:
-    """The cluster's fault spec (pagoda/fault_injection.py): `arm` replaces it."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.serial = 0
-        self.arm()
-
-    @property
-    def env(self) -> dict[str, str]:
-        return {"PAGODA_FAULT_INJECT": f"@{self.path}"}
-
-    def arm(self, *faults: dict) -> None:
-        """Exactly `faults` armed from now on (none: every fault off); hit counts restart
-        (each arming is new to the processes: it carries a serial number)."""
-        self.serial += 1
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump([{**fault, "serial": self.serial} for fault in faults], f)
-        os.replace(tmp, self.path)  # whole: no process reads half a spec
-

@@ -284,6 +284,42 @@ def run_tier(model, want, decode, tmp_path, tier: str, pd: bool = False, extra=(
     return [row]
 
 
+def run_peer_tier(model, want, decode):
+    """The request set on replica 1 of a `--data-parallel-size 2 --router session
+    --kv-prefix-pull` cluster, each replica with a 32-block pool and a host tier, after
+    replica 0 served it and then fillers pushed it out of replica 0's device into its host
+    tier: every prefix replica 1 pulls, replica 0 first onloads from its tier. Fails if
+    no lease came from replica 0's tier or an answer differs."""
+    from pagoda.core.kv_offload import GIB  # lazy: the engine library
+
+    with served(model, "--data-parallel-size", "2", "--router", "session", "--kv-prefix-pull",
+                "--kv-prefix-pull-min-blocks", "2", "--kv-lease-timeout", "60",
+                "--num-gpu-blocks-override", str(TIER_POOL_BLOCKS),
+                "--kv-offloading-backend", "native",
+                "--kv-offloading-size", repr(256 * TINY_BLOCK_BYTES_16 / GIB)) as serve:
+        keys = session_keys(serve)
+        first = send_all(serve.url, REQUESTS, headers={"X-Session-Id": keys[0]})
+        api = client(serve.url, headers={"X-Session-Id": keys[0]})
+        for filler in range(3):  # 27 blocks each: replica 0's device holds none of the set
+            api.completions.create(model="tiny", prompt=[7000 + filler] + [11] * (27 * 16),
+                                   max_tokens=1)
+        time.sleep(2)  # the cluster index learns replica 0's tier asynchronously
+        name = "pagoda_gateway_kv_prefix_tier_pulls_total"
+        before = metric(serve, name, result="leased")
+        pulled = send_all(serve.url, REQUESTS, headers={"X-Session-Id": keys[1]})
+        leased = metric(serve, name, result="leased") - before
+        onloaded = metric(serve, "pagoda_kv_prefix_tier_lease_blocks_total")
+    assert leased > 0, "prefix pull from a peer's host tier: no lease came from a tier"
+    row = check_row("prefix pull from a peer's host tier", want, pulled, FP32_LOGPROB_TOL,
+                    decode, notes=f"{leased:.0f} requests pulled a prefix replica 0 onloaded "
+                                  f"from its host tier ({onloaded:.0f} blocks)")
+    warm = check_row("prefix pull from a peer's host tier", want, first, FP32_LOGPROB_TOL,
+                     decode)
+    row.failures = [f"replica 0: {line}" for line in warm.failures] + row.failures
+    row.cells.update({c: v for c, v in warm.cells.items() if v == "FAIL"})
+    return [row]
+
+
 PATHS = {
     "pd-pagoda": lambda m, w, d, t: run_pd(m, w, d, "P/D, PagodaConnector"),
     "pd-dist": lambda m, w, d, t: run_pd(m, w, d, "P/D, PagodaDistConnector", *DIST_PD),
@@ -301,6 +337,7 @@ PATHS = {
     "lora": lambda m, w, d, t: run_lora(m, w, d, t),
     "host-tier": lambda m, w, d, t: run_tier(m, w, d, t, "cpu"),
     "disk-tier": lambda m, w, d, t: run_tier(m, w, d, t, "disk"),
+    "peer-host-tier": lambda m, w, d, t: run_peer_tier(m, w, d),
     "pd-host-tier": lambda m, w, d, t: run_tier(m, w, d, t, "cpu", pd=True),
     "pd-dist-host-tier": lambda m, w, d, t: run_tier(m, w, d, t, "cpu", pd=True,
                                                      extra=DIST_PD),

@@ -91,6 +91,10 @@ class KVDiskIndex:
         self.spills.append((slot, block_hash, block_id))
         return dropped
 
+    def holds(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> bool:
+        """Whether the disk holds `block_hash` with these tokens (pins nothing)."""
+        return self._entries.get(block_hash) == token_ids
+
     def get(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> bool:
         """Whether the disk holds `block_hash` with these tokens; pinned for this step."""
         held = self._entries.get(block_hash)

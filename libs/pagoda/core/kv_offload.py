@@ -174,6 +174,22 @@ class KVOffloadIndex:
             hits.append((-1, block_hash))
         return hits
 
+    def held_run(self, block_hashes, all_token_ids, start: int, block_size: int) -> int:
+        """How many blocks from `start` on the tiers hold in a row (host, else disk; the
+        tokens checked), as `lookup` would find them now; pins nothing, counts nothing
+        (a peer's prefix lease asking what an onload would bring up)."""
+        n = 0
+        for i in range(start, len(block_hashes)):
+            tokens = tuple(all_token_ids[i * block_size:(i + 1) * block_size])
+            entry = self._entries.get(block_hashes[i])
+            if entry is not None and entry[1] == tokens:
+                n += 1
+            elif self.disk is not None and self.disk.holds(block_hashes[i], tokens):
+                n += 1
+            else:
+                break
+        return n
+
     def unpin(self, hits: list[tuple[int, BlockHash]]) -> None:
         """The lookup's request was not admitted this step."""
         for slot, block_hash in hits:

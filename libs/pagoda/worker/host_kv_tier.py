@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+import pagoda.fault_injection as fault_injection
 from pagoda.config import EngineConfig
 from pagoda.core.kv_disk_index import num_disk_records
 from pagoda.messages import KVOnload, KVSpill, SchedulerOutput
@@ -271,7 +272,8 @@ class HostKVTier:
         crcs = iter(self._checksums([op.slot for op, h in zip(ops, held) if h]))
         good, failed = [], []
         for op, h in zip(ops, held):  # crcs holds one value per held op, in order
-            ok = h and next(crcs) == self._crc[op.slot]
+            ok = h and next(crcs) == self._crc[op.slot] \
+                and fault_injection.check("kv_onload.block") != "fail"
             (good if ok else failed).append(op)
         if failed:
             logger.warning("KV host tier: %d of %d onloaded blocks failed their hash or "

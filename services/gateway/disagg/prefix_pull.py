@@ -8,6 +8,11 @@ blocks another replica holds instead of computing them.
        blocks it lacks worker to worker (kv_consumer.py), releases the lease, and
        computes only the rest of the prompt (a prefix-cache hit, as after a P/D prefill)
 
+A source may hold part of the run only in its host/disk KV tier (evicted from its
+device): the index counts those blocks below its device blocks (`--kv-medium-weights`),
+and the source onloads them to its device before leasing (LeasePrefix's from_tier,
+services/scheduler/kv_tier_lease.py), so the pull itself is the device pull below.
+
 The same pull as prefill/decode disaggregation, started from a cache hit elsewhere
 instead of a prefill: a colocated replica (kv_both) and a decode replica computing a
 prompt itself (its P/D prefill fell through) both pull this way; the source is any
@@ -20,7 +25,8 @@ holding `--kv-prefix-pull-min-blocks` more than R (evicted since the index said 
 -> R gets the request without params; a pull that fails or stalls -> R computes the
 prompt (counted there: pagoda_kv_transfer_failures_total{reason},
 pagoda_kv_transfer_fallbacks_total{kind="recompute"}). The gateway counts its side in
-pagoda_gateway_kv_prefix_pulls_total{result}. The lease is released by R after its
+pagoda_gateway_kv_prefix_pulls_total{result}, and the leases that came (partly) from a
+source's tier, or were expected to, also in pagoda_gateway_kv_prefix_tier_pulls_total. The lease is released by R after its
 pull and by the gateway when the choice ends (twice is harmless), so a dead R strands
 nothing; S's reaper covers a dead gateway.
 
@@ -68,6 +74,13 @@ DEFAULT_MIN_BLOCKS = 4
 # How long a request waits for the source's lease before its replica computes the
 # prompt itself; the lease is taken on the source's engine thread, between its steps.
 LEASE_TIMEOUT_S = 1.0
+# ... when the source may onload part of the prefix from its host/disk tier first
+# (every lease but a LoRA or multimodal request's): the onload runs in the background
+# between the source's steps (64 host blocks: 31-46 ms of copies on a busy 2-core CPU; a
+# disk record a read more), then one token is computed; past this the replica computes
+# the prompt (and the source aborts the onload). A lease the device holds answers as
+# fast as before: only a stuck source costs the longer wait.
+TIER_LEASE_TIMEOUT_S = 3.0
 RELEASE_TIMEOUT_S = 5.0
 CONSUMER_ROLES = ("kv_consumer", "kv_both")
 SOURCE_ROLES = ("kv_producer", "kv_both")  # the roles serving KvLeaseService
@@ -121,11 +134,18 @@ class PrefixPullOptions:
 
 @dataclass(frozen=True)
 class PullChoice:
-    """Lease `num_blocks` leading blocks from `source`; the target holds `num_held`."""
+    """Lease `num_blocks` leading blocks from `source`; the target holds `num_held`.
+    The source holds the first `num_device` on its device, the rest in its host/disk
+    KV tiers (onloaded there before the lease: `from_tier`)."""
 
     source: object  # peers.SchedulerReplica
     num_blocks: int
     num_held: int
+    num_device: int | None = None  # None: all of them
+
+    @property
+    def from_tier(self) -> bool:
+        return self.num_device is not None and self.num_device < self.num_blocks
 
 
 def can_consume(replica) -> bool:
@@ -143,35 +163,52 @@ def can_lease(replica, target) -> bool:
 
 
 def choose_source(replicas, route: Route, num_prompt_tokens: int, min_blocks: int,
-                  weights: dict[str, float] | None = None) -> PullChoice | None:
+                  weights: dict[str, float] | None = None,
+                  from_tiers: bool = True) -> PullChoice | None:
     """The replica holding the most leading blocks of the routed prompt, when it holds
     at least `min_blocks` more than the routed replica (of the blocks the request can
     use: never the one holding the prompt's last token, which is always computed).
-    The routed replica's own host/disk-tier run counts toward what it holds at its
-    medium's weight (`weights`, default the router's `--kv-medium-weights`: an onload,
-    below a device hit, above a recompute); a source offers only what its KV cache
-    holds (a lease pins device blocks)."""
+    Every run is counted as the router counts it: its device blocks whole, then its
+    host/disk-tier blocks at their medium's weight (`weights`, default the router's
+    `--kv-medium-weights`: an onload, below a device hit, above a recompute), the
+    routed replica's own tier run as what it holds, a source's as what it offers (it
+    onloads them before leasing: kv_tier_lease.py). `from_tiers` False (a LoRA
+    request, whose onload would have to run its adapter there): a source offers only
+    its device run."""
     target, prefix = route.replica, route.prefix
     if prefix is None or not can_consume(target):
         return None
     block_size = target.info.block_size
+    weights = weights or prefix.medium_weights
     usable = min(len(prefix.block_hashes), (num_prompt_tokens - 1) // block_size)
-    host, disk = prefix.tier_blocks.get(target.instance_id, (0, 0))
-    held = min(usable, math.ceil(weighted_cached_tokens(
-        num_prompt_tokens, prefix.cached_blocks.get(target.instance_id, 0), host, disk,
-        block_size, weights or prefix.medium_weights) / block_size))
-    best, best_blocks = None, 0
+
+    def worth(instance_id: str, tiers: bool) -> tuple[float, int, int]:
+        """(blocks at the medium weights, blocks, of them on the device)."""
+        device = prefix.cached_blocks.get(instance_id, 0)
+        host, disk = prefix.tier_blocks.get(instance_id, (0, 0)) if tiers else (0, 0)
+        weighted = weighted_cached_tokens(num_prompt_tokens, device, host, disk, block_size,
+                                          weights) / block_size
+        return weighted, min(device + host + disk, usable), min(device, usable)
+
+    held = min(usable, math.ceil(worth(target.instance_id, True)[0]))
+    best, best_worth, best_blocks, best_device = None, 0.0, 0, 0
     for replica in replicas:
-        blocks = min(prefix.cached_blocks.get(replica.instance_id, 0), usable)
-        if blocks > best_blocks and can_lease(replica, target):
-            best, best_blocks = replica, blocks
-    if best is None or best_blocks - held < min_blocks:
+        weighted, blocks, device = worth(replica.instance_id, from_tiers)
+        if weighted > best_worth and can_lease(replica, target):
+            best, best_worth, best_blocks, best_device = replica, weighted, blocks, device
+    if best is None or best_worth - held < min_blocks:
         return None
-    return PullChoice(best, best_blocks, held)
+    return PullChoice(best, best_blocks, held, best_device)
 
 
 def _count(result: str) -> None:
     gateway_metrics().kv_prefix_pulls.labels(result).inc()
+
+
+def _count_tier(result: str) -> None:
+    """A lease asked of a source's KV tiers counts in both counters."""
+    _count(result)
+    gateway_metrics().kv_prefix_tier_pulls.labels(result).inc()
 
 
 class PrefixPull:
@@ -187,7 +224,8 @@ class PrefixPull:
     def wrap(self, route: Route, request: RouteRequest):
         """The routed replica, as a `PrefixPullReplica` when a pull is worth trying."""
         choice = choose_source(self.peers.schedulers, route, len(request.prompt_token_ids),
-                               self.options.min_blocks)
+                               self.options.min_blocks,
+                               from_tiers=request.lora_request is None)
         if choice is None:
             return route.replica
         return PrefixPullReplica(self, route.replica, choice, route.prefix.block_hashes,
@@ -203,23 +241,31 @@ class PrefixPull:
                     request: EngineCoreRequest) -> KVTransferParams | None:
         """The source's lease on the leading blocks (do_remote_prefill set), or None."""
         n, source = choice.num_blocks, choice.source
+        # Asked of the source's tiers whenever the request allows it, not only when the
+        # index says so: the index may still count as device blocks what the source has
+        # evicted since (a recent route), which its tier then serves. A LoRA request
+        # (its onload would run the adapter there) and a multimodal one (its blocks
+        # hash its media too) ask for the device run only.
+        from_tier = request.lora_request is None and not request.mm_features
+        count = _count_tier if choice.from_tier else _count
         try:
             reply = await self._stub(source).LeasePrefix(kpb.LeasePrefixRequest(
                 request_id=f"{request.request_id}.prefix", block_hashes=block_hashes[:n],
                 token_ids=request.prompt_token_ids[:n * source.info.block_size],
-                min_blocks=choice.num_held + self.options.min_blocks),
-                timeout=LEASE_TIMEOUT_S)
+                min_blocks=choice.num_held + self.options.min_blocks,
+                from_tier=from_tier, cache_salt=request.cache_salt or ""),
+                timeout=TIER_LEASE_TIMEOUT_S if from_tier else LEASE_TIMEOUT_S)
         except grpc.RpcError as exc:
             logger.info("request %s: no prefix lease from %s (%s: %s); computing the prompt",
                         request.request_id, source.address, exc.code().name, exc.details())
-            _count("lease_failed")
+            count("lease_failed")
             return None
         if not reply.HasField("kv_transfer_params"):
-            _count("too_few_blocks")  # evicted there since the index said otherwise
+            count("too_few_blocks")  # evicted there since the index said otherwise
             return None
         params = kv_params_from_proto(reply.kv_transfer_params)
         params.do_remote_prefill = True
-        _count("leased")
+        (_count_tier if reply.num_tier_blocks else _count)("leased")
         return params
 
     def release_soon(self, choice: PullChoice, params: KVTransferParams) -> None:

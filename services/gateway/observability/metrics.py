@@ -99,6 +99,11 @@ class GatewayMetrics:
             "blocks (leased), or without one because the lease failed (lease_failed: the "
             "replica is gone, slow or refused) or it held too few blocks (too_few_blocks). "
             "The pulls themselves are pagoda_kv_transfer_*.", ["result"], registry=registry)
+        self.kv_prefix_tier_pulls = Counter(
+            "pagoda_gateway_kv_prefix_tier_pulls",
+            "--kv-prefix-pull: of pagoda_gateway_kv_prefix_pulls_total, the leases asked of a "
+            "replica holding part of the prefix in its host/disk KV tier (it onloads them "
+            "first), by the same results.", ["result"], registry=registry)
         self.peer_up = Gauge("pagoda_metrics_peer_up",
                              "1 if the last scrape of a peer's /metrics through the gateway "
                              "worked.", ["service", "peer"], registry=registry,
@@ -117,6 +122,7 @@ class GatewayMetrics:
             self.migrations.labels(reason)
         for result in ("leased", "lease_failed", "too_few_blocks"):
             self.kv_prefix_pulls.labels(result)
+            self.kv_prefix_tier_pulls.labels(result)
         for kind in DISAGG_FALLBACK_KINDS:
             self.disagg_fallbacks.labels(kind)
         for field in HANDSHAKE_MISMATCH_FIELDS:

@@ -97,6 +97,27 @@ def test_the_target_s_own_tier_run_counts_at_its_weight():
     assert choose_source([r, s], on_disk, len(PROMPT), 4, {"CPU": 0.8, "DISK": 1.0}) is None
 
 
+def test_a_source_s_tier_run_counts_below_its_device_run():
+    """S holds 2 blocks on its device and the next 7 in its host tier (worth 2 + 5.6);
+    T holds 7 on its device: S's run is the better pull, asked of its tier
+    (num_device 2). With the disk's weight S's (2 + 3.5) loses to T's 7; a LoRA request
+    (from_tiers False) sees only S's 2 device blocks."""
+    r, s, t = Replica("r"), Replica("s"), Replica("t")
+    host = Route(r, "kv_aware", prefix=PrefixLookup(HASHES, {"s": 2, "t": 7}, {"s": (7, 0)}))
+    choice = choose_source([r, s, t], host, len(PROMPT), 4)
+    assert (choice.source, choice.num_blocks, choice.num_device) == (s, 9, 2)
+    assert choice.from_tier
+    disk = Route(r, "kv_aware", prefix=PrefixLookup(HASHES, {"s": 2, "t": 7}, {"s": (0, 7)}))
+    choice = choose_source([r, s, t], disk, len(PROMPT), 4)
+    assert (choice.source, choice.num_blocks, choice.from_tier) == (t, 7, False)
+    alone = Route(r, "kv_aware", prefix=PrefixLookup(HASHES, {"s": 2}, {"s": (7, 0)}))
+    assert choose_source([r, s], alone, len(PROMPT), 4, from_tiers=False) is None
+    # Only in a tier, 5 blocks (worth 4): a pull at min_blocks 4, not at 5.
+    only = Route(r, "kv_aware", prefix=PrefixLookup(HASHES, {}, {"s": (5, 0)}))
+    assert choose_source([r, s], only, len(PROMPT), 4).num_blocks == 5
+    assert choose_source([r, s], only, len(PROMPT), 5) is None
+
+
 def test_never_into_a_producer_nor_without_the_index():
     p, s = Replica("p", kv_role="kv_producer"), Replica("s")
     assert choose_source([p, s], route(p, {"s": 9}), len(PROMPT), 1) is None
@@ -107,10 +128,12 @@ class LeaseStub:
     def __init__(self, answer) -> None:
         self.answer = answer
         self.asked: list[kpb.LeasePrefixRequest] = []
+        self.timeouts: list[float] = []
         self.released: list[str] = []
 
     async def LeasePrefix(self, request, timeout):
         self.asked.append(request)
+        self.timeouts.append(timeout)
         if isinstance(self.answer, grpc.StatusCode):
             raise grpc.aio.AioRpcError(self.answer, None, None, "gone")
         return self.answer
@@ -120,8 +143,10 @@ class LeaseStub:
         return kpb.ReleaseLeaseResponse(valid=True)
 
 
-def pulled(answer, requests: list[EngineCoreRequest]) -> tuple[Replica, LeaseStub]:
-    """Send `requests` through the wrapped target, with the source answering `answer`."""
+def pulled(answer, requests: list[EngineCoreRequest], tiers=None,
+           lora=None) -> tuple[Replica, LeaseStub]:
+    """Send `requests` through the wrapped target, with the source answering `answer`
+    (`tiers`: the index's tier runs)."""
     r, s = Replica("r"), Replica("s")
     stub = LeaseStub(answer)
 
@@ -132,7 +157,9 @@ def pulled(answer, requests: list[EngineCoreRequest]) -> tuple[Replica, LeaseStu
     pull._stub = lambda replica: stub
 
     async def run() -> None:
-        wrapped = pull.wrap(route(r, {"r": 1, "s": 8}), RouteRequest(PROMPT, len(PROMPT)))
+        routed = Route(r, "round_robin", prefix=PrefixLookup(HASHES, {"r": 1, "s": 8},
+                                                              tiers or {}))
+        wrapped = pull.wrap(routed, RouteRequest(PROMPT, len(PROMPT), lora_request=lora))
         assert isinstance(wrapped, PrefixPullReplica)
         for request in requests:
             async for _ in wrapped.generate(request):
@@ -166,6 +193,31 @@ def test_the_routed_request_carries_the_lease_once_then_it_is_released():
     assert first.kv_transfer_params.block_hashes == HASHES[:8]
     assert second.kv_transfer_params is None and other.kv_transfer_params is None
     assert stub.released == ["L"] and pulls("leased") == before + 1
+
+
+def test_a_lease_asks_the_source_s_tiers_with_the_salt_and_a_longer_wait():
+    """Every lease asks the source's tiers too (the index may count as device blocks
+    what it has evicted since); it counts as a tier pull when the source says it
+    onloaded some. A LoRA request asks for the device run only, and waits less."""
+    answer = kpb.LeasePrefixResponse(num_tier_blocks=1)
+    answer.kv_transfer_params.lease_id = "T"
+    tier_pulls = gateway_metrics().kv_prefix_tier_pulls.labels("leased")
+    before = tier_pulls._value.get()
+    r, stub = pulled(answer, [request("a", cache_salt="tenant-1")], tiers={"s": (1, 0)})
+    [asked] = stub.asked
+    assert asked.from_tier and asked.cache_salt == "tenant-1" and len(asked.block_hashes) == 9
+    assert stub.timeouts == [prefix_pull.TIER_LEASE_TIMEOUT_S]
+    assert r.sent[0].kv_transfer_params.lease_id == "T"
+    assert tier_pulls._value.get() == before + 1
+    # The source held it all on its device: not a tier pull.
+    device_only = kpb.LeasePrefixResponse()
+    device_only.kv_transfer_params.lease_id = "D"
+    r, stub = pulled(device_only, [request("b")])
+    assert stub.asked[0].from_tier and tier_pulls._value.get() == before + 1
+    from pagoda.lora.request import LoRARequest
+    r, stub = pulled(answer, [request("c", lora_request=LoRARequest("a1", 1, "/x"))],
+                     tiers={"s": (1, 0)}, lora=LoRARequest("a1", 1, "/x"))
+    assert not stub.asked[0].from_tier and stub.timeouts == [prefix_pull.LEASE_TIMEOUT_S]
 
 
 @pytest.mark.parametrize("answer, result", [

@@ -167,3 +167,119 @@ def test_an_error_on_the_engine_thread_reaches_the_awaiting_handler():
 
     with pytest.raises(ValueError, match="no room"):
         asyncio.run(run())
+
+
+# ------------------------------------------------------------------ from a source's tier
+class TierEngine(InlineEngine):
+    """A source's engine: its pool, its host tier's index (`kv_offload`), and a
+    `submit` that plays the internal onload request's life: its blocks come up from the
+    tier into the device cache and it finishes (unless `finish` is False)."""
+
+    def __init__(self, pool: BlockPool, tier_blocks: range, finish: bool = True) -> None:
+        from pagoda.core.kv_offload import KVOffloadIndex
+
+        tier = KVOffloadIndex(8, 64)
+        for i in tier_blocks:
+            tier.offload(i, HASHES[i], tuple(PROMPT[i * BS:(i + 1) * BS]))
+
+        class Scheduler:
+            kv_cache_manager = type("Manager", (), {"pool": pool})
+            kv_offload = tier
+
+        self.core = type("Core", (), {"scheduler": Scheduler})
+        self.pool, self.finish = pool, finish
+        self.producer: KvProducer | None = None
+        self.submitted: list[EngineCoreRequest] = []
+        self.aborted: list[str] = []
+
+    def submit(self, request, on_accept) -> None:
+        self.submitted.append(request)
+        on_accept(None)
+        if self.finish:
+            self.run(request)
+
+    def run(self, request) -> None:
+        from pagoda.messages import EngineCoreOutput, FinishReason
+
+        n = len(request.prompt_token_ids) // BS
+        blocks = self.pool.get_new_blocks(n)
+        hashes = hash_request_tokens(request.prompt_token_ids, BS, SEED,
+                                     request_keys(request.cache_salt, None))
+        self.pool.cache_full_blocks(blocks, hashes, request.prompt_token_ids, 0, n)
+        self.pool.free_blocks(reversed(blocks))
+        self.producer.on_outputs([EngineCoreOutput(request.request_id, [5],
+                                                   finish_reason=FinishReason.LENGTH)])
+
+    def abort(self, request_ids) -> None:
+        self.aborted.extend(request_ids)
+
+
+def tier_source(device_blocks: int, tier_blocks: range, finish: bool = True):
+    pool = pool_holding(device_blocks)
+    engine = TierEngine(pool, tier_blocks, finish)
+    source = KvProducer(engine, pool, info("s"), "s-scheduler:1", "s-worker:1",
+                        "s-worker-epoch", lease_timeout_s=30.0)
+    engine.producer = source
+    return source, engine
+
+
+def tier_lease(source, salt: str = "", num_blocks: int = 4, min_blocks: int = 3):
+    return KvLeaseServicer(source).LeasePrefix(pb.LeasePrefixRequest(
+        request_id="r.prefix", block_hashes=HASHES[:num_blocks],
+        token_ids=PROMPT[:num_blocks * BS], min_blocks=min_blocks, from_tier=True,
+        cache_salt=salt), Context())
+
+
+def tier_count(result: str) -> float:
+    from pagoda.services.common.kv_transfer_metrics import kv_transfer_metrics
+
+    return kv_transfer_metrics().tier_leases.labels(result)._value.get()
+
+
+def test_a_tier_lease_onloads_the_run_through_a_one_token_request_then_leases_it():
+    source, engine = tier_source(2, range(2, 4))  # blocks 0-1 on the device, 2-3 in the tier
+    before = tier_count("leased")
+    params = kv_params_from_proto(asyncio.run(tier_lease(source)).kv_transfer_params)
+    [onload] = engine.submitted
+    # The run's tokens and one more; one output token.
+    assert onload.prompt_token_ids == PROMPT[:4 * BS] + PROMPT[4 * BS - 1:4 * BS]
+    assert onload.sampling_params.max_tokens == 1
+    assert params.block_hashes == HASHES[:4] and params.num_cached_tokens == 4 * BS
+    assert source.table.num_leased_blocks == 4 and tier_count("leased") == before + 1
+    assert source._waiters == {}
+
+
+def test_a_tier_lease_without_tier_blocks_is_the_device_lease():
+    source, engine = tier_source(4, range(0))
+    params = kv_params_from_proto(asyncio.run(tier_lease(source)).kv_transfer_params)
+    assert engine.submitted == [] and params.block_hashes == HASHES[:4]
+
+
+def test_a_tier_lease_below_min_blocks_or_under_another_salt_onloads_nothing():
+    source, engine = tier_source(1, range(1, 2))
+    too_few, failed = tier_count("too_few_blocks"), tier_count("failed")
+    assert not asyncio.run(tier_lease(source)).HasField("kv_transfer_params")
+    assert tier_count("too_few_blocks") == too_few + 1
+    # S holds the run (device + tier) under the unsalted hashes the caller names, but
+    # the caller says its tenant's salt is another: those blocks are not its blocks.
+    source, engine = tier_source(2, range(2, 4))
+    assert not asyncio.run(tier_lease(source, salt="tenant-b")).HasField("kv_transfer_params")
+    assert engine.submitted == [] and source.table.num_leased_blocks == 0
+    assert tier_count("failed") == failed + 1
+
+
+def test_a_caller_that_gives_up_aborts_the_onload_and_strands_no_lease():
+    source, engine = tier_source(2, range(2, 4), finish=False)
+
+    async def give_up():
+        task = asyncio.ensure_future(tier_lease(source))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(give_up())
+    [onload] = engine.submitted
+    assert engine.aborted == [onload.request_id] and source._waiters == {}
+    engine.run(onload)  # it finishes anyway (the abort raced its last step): no lease
+    assert source.table.num_leased_blocks == 0
