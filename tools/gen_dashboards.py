@@ -239,7 +239,17 @@ def cache_and_routing() -> Dashboard:
         [Panel("Index lookup and apply latency",
                quantiles("pagoda_kv_index_lookup_seconds", "", qs=(0.5, 0.99))
                + [(q, "apply " + legend) for q, legend in
-                  quantiles("pagoda_kv_index_apply_seconds", "", qs=(0.99,))], "s")],
+                  quantiles("pagoda_kv_index_apply_seconds", "", qs=(0.99,))], "s"),
+         Panel("Prefix pulls from a peer's KV tiers",
+               [(rate("pagoda_gateway_kv_prefix_tier_pulls_total", "", "result"),
+                 "gateway: pull {{result}}/s"),
+                (rate("pagoda_kv_prefix_tier_leases_total", "", "result"),
+                 "source: lease {{result}}/s"),
+                (rate("pagoda_kv_prefix_tier_lease_blocks_total", ""),
+                 "source: blocks onloaded to lease/s")], "short",
+               "A replica lacking a prefix pulls it from a peer that holds it only in its "
+               "host or disk tier: the peer onloads the run, then leases it. A pull that "
+               "fails is recomputed (the client sees no error).")],
     ])
 
 
