@@ -240,14 +240,16 @@ async def _finish_with_last_tokens(outputs: AsyncIterator[EngineCoreOutput],
         await outputs.aclose()
 
 
-async def merge_choices(streams: Sequence[AsyncIterator[ChoiceDelta]]
-                        ) -> AsyncIterator[ChoiceDelta]:
+def merge_choices(streams: Sequence[AsyncIterator[ChoiceDelta]]) -> AsyncIterator[ChoiceDelta]:
     """Interleave several choices' deltas as they come; the first error wins and
-    cancels the others."""
+    cancels the others. One stream is returned as it is (no generator in between:
+    every token of a stream passes each layer)."""
     if len(streams) == 1:
-        async for delta in streams[0]:
-            yield delta
-        return
+        return streams[0]
+    return _merged(streams)
+
+
+async def _merged(streams: Sequence[AsyncIterator[ChoiceDelta]]) -> AsyncIterator[ChoiceDelta]:
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
