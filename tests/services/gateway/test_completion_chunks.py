@@ -30,8 +30,8 @@ TEXTS = ["Hello", " wörld", "😀", "", '"quoted" \\ back', "\x00\t\n\x1f", "\u
 
 def _logprobs(ids: list[int], texts: list[str]) -> list[TokenLogprob]:
     return [TokenLogprob(i, t, -0.1 * (k + 1) / 3, k + 1,
-                         [Candidate(i, t, -0.1 * (k + 1) / 3, 1), Candidate(i + 7, "ß", -9999.0, 2),
-                          Candidate(i + 9, "\"", -1e-12, 3)])
+                         [Candidate(i, t, -0.1 * (k + 1) / 3, 1),
+                          Candidate(i + 7, "ß", -9999.0, 2), Candidate(i + 9, "\"", -1e-12, 3)])
             for k, (i, t) in enumerate(zip(ids, texts))]
 
 
