@@ -16,6 +16,7 @@ from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as pb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from pagoda.metrics import stat_logger
 from pagoda.services.common import grpc_channels, startup_clock
+from pagoda.services.common.gc_tuning import prepare_gc_for_serving
 from pagoda.services.common.grpc_server import (NOT_SERVING, SERVING,
                                                 add_server_args, bind, metrics_host)
 from pagoda.services.common.logs import setup_logging
@@ -125,6 +126,7 @@ def main(args: argparse.Namespace) -> int:
     # takes requests it must be able to drain them on SIGTERM at once.
     wait_for_grammar_backend(grammar.warm_up())
     startup_clock.mark("grammar backend")  # what it still needed after the worker's wait
+    prepare_gc_for_serving()  # the engine, its block pool, the grammar tables: frozen
     try:
         failed = asyncio.run(_serve(args, core, info, config.arch.eos_token_ids, recorder))
     finally:

@@ -33,7 +33,7 @@ class ResumableDecode:
         self.mux = mux
         self.options = options
         self.sent_token_ids: list[int] = []
-        self.shown_text = ""  # the text handed to the client so far
+        self._shown: list[str] = []  # the text handed to the client so far, in pieces
 
     async def decode(self, item: tpb.DecodeInput) -> tpb.DecodeResult:
         """`item`'s result, as if its stream had never broken."""
@@ -47,7 +47,11 @@ class ResumableDecode:
         return result
 
     def shown(self, text: str) -> None:
-        self.shown_text += text
+        self._shown.append(text)  # joined only on a resume: a += per token is quadratic
+
+    @property
+    def shown_text(self) -> str:
+        return "".join(self._shown)
 
     async def _resume(self, item: tpb.DecodeInput, exc: DecodeStreamBroken
                       ) -> tpb.DecodeResult:
@@ -72,10 +76,11 @@ class ResumableDecode:
         """The fresh decoder's answer less what the client already has."""
         field = "chunk" if result.HasField("chunk") else "complete"
         part = getattr(result, field)
-        if not part.text.startswith(self.shown_text):
+        shown = self.shown_text
+        if not part.text.startswith(shown):
             raise DecodeStreamBroken("the resumed decode disagrees with the text already "
                                      "sent", stream_lost=False)
-        part.text = part.text[len(self.shown_text):]
+        part.text = part.text[len(shown):]
         if field == "complete":
             part.num_tokens_used = max(0, part.num_tokens_used - len(self.sent_token_ids))
         return result

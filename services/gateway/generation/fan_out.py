@@ -147,9 +147,10 @@ class Generation:
         async for delta in routed_deltas(self.peers, self.requests, open_streams, self.user,
                                          self.prompts[0].block_hashes):
             self.usage.completion_tokens += len(delta.token_ids)
-            cached[delta.index] = delta.num_cached_tokens
-            # Once per prompt, like prompt_tokens: its first choice's count.
-            self.usage.cached_tokens = sum(v for i, v in cached.items() if i % self.n == 0)
+            if cached.get(delta.index) != delta.num_cached_tokens:  # (per token: only on change)
+                cached[delta.index] = delta.num_cached_tokens
+                # Once per prompt, like prompt_tokens: its first choice's count.
+                self.usage.cached_tokens = sum(v for i, v in cached.items() if i % self.n == 0)
             yield delta
 
 

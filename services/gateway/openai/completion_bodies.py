@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from json import encoder as _json_encoder
 
 from pagoda.services.gateway.generation.choices import ChoiceDelta
 from pagoda.services.gateway.openai.chat_output import ChatOutput
@@ -18,8 +19,41 @@ from pagoda.services.gateway.openai.logprobs import (TokenLogprob, chat_logprobs
 DONE = b"data: [DONE]\n\n"
 
 
+def _not_serializable(o):
+    raise TypeError(f"Object of type {o.__class__.__name__} is not JSON serializable")
+
+
+def _c_encoder():
+    """The C encoder `json.dumps(obj, separators=(",", ":"))` builds on every call,
+    built once (its construction is half the cost of a small chunk's dumps). None
+    when this Python has no C encoder or it does not agree with json.dumps on a probe:
+    then compact_json is json.dumps itself."""
+    make = _json_encoder.c_make_encoder
+    if make is None:
+        return None
+    try:
+        enc = make(None, _not_serializable, _json_encoder.encode_basestring_ascii, None, ":",
+                   ",", False, False, True)
+        probe = {"a": [1, 2.5, None, True, "\u00e9\ud83d\ude00\n"], "b": {"c": -0.0}}
+        if "".join(enc(probe, 0)) != json.dumps(probe, separators=(",", ":")):
+            return None
+    except Exception:  # noqa: BLE001 - another Python's signature: the plain path
+        return None
+    return enc
+
+
+_ENCODE = _c_encoder()
+
+
+def compact_json(payload) -> str:
+    """`json.dumps(payload, separators=(",", ":"))`, the same characters, cheaper."""
+    if _ENCODE is None:
+        return json.dumps(payload, separators=(",", ":"))
+    return "".join(_ENCODE(payload, 0))
+
+
 def sse(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + compact_json(payload).encode() + b"\n\n"
 
 
 @dataclass

@@ -1,10 +1,18 @@
 """Streamed (SSE) chunks of chat and completions responses, one renderer per request.
 
-A renderer turns each `ChoiceDelta` into zero or more chunk dicts and keeps what
-the chunks of one choice continue from: whether the choice has started (chat's
-role chunk, the echoed prompt), its text length so far (completions'
-`text_offset`) and its token count (`continuous_usage_stats`). Every choice index
-gets its own chunks, so `n > 1` interleaves them as they come.
+A renderer turns each `ChoiceDelta` into zero or more chunks and keeps what the
+chunks of one choice continue from: whether the choice has started (chat's role
+chunk, the echoed prompt), its text length so far (completions' `text_offset`)
+and its token count (`continuous_usage_stats`). Every choice index gets its own
+chunks, so `n > 1` interleaves them as they come.
+
+`chunks(delta)` gives the chunk dicts; `frames(delta)` the same chunks as SSE
+bytes, the stream's per-token path. Invariant: `frames(d)` is byte for byte
+`b"".join(sse(c) for c in chunks(d))` on a renderer in the same state. It gets
+there cheaper: what every chunk of a response repeats (id, object, created, model)
+is encoded once per request, and only the choice (and the continuous usage) per
+chunk, with the encoder json.dumps uses (JSON's encoding of an object is the
+concatenation of its members' encodings, so splicing changes no byte).
 """
 
 from __future__ import annotations
@@ -13,7 +21,8 @@ from dataclasses import dataclass
 
 from pagoda.services.gateway.generation.choices import ChoiceDelta
 from pagoda.services.gateway.openai.chat_output import ChatOutput, ChoiceOutputStream
-from pagoda.services.gateway.openai.completion_bodies import LogprobsFormat, ResponseHeader, Usage
+from pagoda.services.gateway.openai.completion_bodies import (LogprobsFormat, ResponseHeader,
+                                                              Usage, compact_json)
 from pagoda.services.gateway.openai.logprobs import chat_logprobs, completion_logprobs
 
 
@@ -22,6 +31,11 @@ class _ChoiceState:
     started: bool = False
     text_len: int = 0
     num_tokens: int = 0
+
+
+# One chunk before it is wrapped: its choice dict and, with continuous usage stats,
+# (prompt_tokens, completion_tokens) as they were when the chunk was made.
+_Piece = tuple[dict, "tuple[int, int] | None"]
 
 
 class ChunkRenderer:
@@ -37,24 +51,62 @@ class ChunkRenderer:
         self.n = n
         self.continuous_usage = continuous_usage
         self._states: dict[int, _ChoiceState] = {}
+        # `data: {"id":...,"model":...,"choices":[`: the same in every chunk.
+        self._frame_head = ("data: " + compact_json(self._header())[:-1]
+                            + ',"choices":[')
 
     def state(self, index: int) -> _ChoiceState:
-        return self._states.setdefault(index, _ChoiceState())
+        state = self._states.get(index)
+        if state is None:
+            state = self._states[index] = _ChoiceState()
+        return state
 
-    def chunk(self, choice: dict) -> dict:
-        out = {"id": self.head.id, "object": self.object_name, "created": self.head.created,
-               "model": self.head.model, "choices": [choice]}
-        if self.continuous_usage:  # vLLM's continuous_usage_stats: this choice so far
-            prompt = self.prompt_lens[choice["index"] // self.n]
-            done = self.state(choice["index"]).num_tokens
+    def chunks(self, d: ChoiceDelta) -> list[dict]:
+        """The chunk dicts of `d` (and the renderer moves past it)."""
+        return [self._chunk_dict(piece) for piece in self._pieces(d)]
+
+    def frames(self, d: ChoiceDelta) -> bytes:
+        """`d`'s chunks as SSE events, joined (b"" for none): see the module's invariant."""
+        pieces = self._pieces(d)
+        if len(pieces) == 1:
+            return self._frame(pieces[0])
+        return b"".join([self._frame(piece) for piece in pieces])
+
+    def _pieces(self, d: ChoiceDelta) -> list[_Piece]:
+        raise NotImplementedError
+
+    def _piece(self, choice: dict) -> _Piece:
+        if not self.continuous_usage:
+            return choice, None
+        # vLLM's continuous_usage_stats: this choice so far
+        return choice, (self.prompt_lens[choice["index"] // self.n],
+                        self.state(choice["index"]).num_tokens)
+
+    def _header(self) -> dict:
+        return {"id": self.head.id, "object": self.object_name, "created": self.head.created,
+                "model": self.head.model}
+
+    def _chunk_dict(self, piece: _Piece) -> dict:
+        choice, usage = piece
+        out = self._header()
+        out["choices"] = [choice]
+        if usage is not None:
+            prompt, done = usage
             out["usage"] = {"prompt_tokens": prompt, "completion_tokens": done,
                             "total_tokens": prompt + done}
         return out
 
+    def _frame(self, piece: _Piece) -> bytes:
+        choice, usage = piece
+        if usage is None:
+            return f"{self._frame_head}{compact_json(choice)}]}}\n\n".encode()
+        prompt, done = usage  # ints (lengths): their JSON is their str
+        return (f'{self._frame_head}{compact_json(choice)}],"usage":{{"prompt_tokens":{prompt},'
+                f'"completion_tokens":{done},"total_tokens":{prompt + done}}}}}\n\n').encode()
+
     def usage_chunk(self, usage: Usage) -> dict:
         """The last chunk with include_usage: the whole request's usage, no choices."""
-        return {"id": self.head.id, "object": self.object_name, "created": self.head.created,
-                "model": self.head.model, "choices": [], "usage": usage.as_dict()}
+        return {**self._header(), "choices": [], "usage": usage.as_dict()}
 
 
 class CompletionChunks(ChunkRenderer):
@@ -64,7 +116,7 @@ class CompletionChunks(ChunkRenderer):
         super().__init__(*args, **kwargs)
         self.echoes = echoes  # per prompt, when the request echoes
 
-    def chunks(self, d: ChoiceDelta) -> list[dict]:
+    def _pieces(self, d: ChoiceDelta) -> list[_Piece]:
         st = self.state(d.index)
         text, tokens = d.text, d.logprobs or []
         if self.echoes is not None and not st.started:  # the prompt leads the first chunk
@@ -79,8 +131,8 @@ class CompletionChunks(ChunkRenderer):
             logprobs = completion_logprobs(tokens, self.fmt.num_top, st.text_len,
                                            self.fmt.as_token_ids)
         st.text_len += len(text)
-        return [self.chunk({"index": d.index, "text": text, "logprobs": logprobs,
-                            "finish_reason": d.finish_reason, "stop_reason": d.stop_reason})]
+        return [self._piece({"index": d.index, "text": text, "logprobs": logprobs,
+                             "finish_reason": d.finish_reason, "stop_reason": d.stop_reason})]
 
 
 class ChatChunks(ChunkRenderer):
@@ -94,7 +146,7 @@ class ChatChunks(ChunkRenderer):
         self.output = output if output is not None and output.active else None
         self._outputs: dict[int, ChoiceOutputStream] = {}
 
-    def chunks(self, d: ChoiceDelta) -> list[dict]:
+    def _pieces(self, d: ChoiceDelta) -> list[_Piece]:
         st = self.state(d.index)
         out = []
         if not st.started:  # the first chunk of a choice names the role
@@ -127,9 +179,10 @@ class ChatChunks(ChunkRenderer):
         return deltas + stream.finish(), stream.finish_reason(d.finish_reason)
 
     def _choice(self, index: int, delta: dict, logprobs: dict | None = None,
-                finish_reason: str | None = None, stop_reason: int | str | None = None) -> dict:
+                finish_reason: str | None = None, stop_reason: int | str | None = None
+                ) -> _Piece:
         choice = {"index": index, "delta": delta, "logprobs": logprobs,
                   "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
-        return self.chunk(choice)
+        return self._piece(choice)

@@ -330,21 +330,38 @@ async def stream_response(gen: Generation, renderer: ChunkRenderer, body: Sampli
                          or request.app.state.gateway.options.enable_force_include_usage)
 
     async def events() -> AsyncIterator[bytes]:
+        # One write per delta (its chunks joined: chat's role chunk and first text, a
+        # last text and its finish chunk). The delta that ends the last choice is held
+        # and goes out with what closes the stream (usage, [DONE]) in one write: the
+        # bytes are the same, the client gets them no later (nothing is awaited after
+        # the last delta but the generators' ends), and a short request saves writes.
+        held, unfinished = b"", gen.num_choices
+
+        def take(delta) -> bytes:
+            """What to write now for `delta` (the rest is held)."""
+            nonlocal held, unfinished
+            frames = renderer.frames(delta)
+            unfinished -= delta.finish_reason is not None
+            if unfinished > 0:
+                return frames
+            held += frames
+            return b""
+
+        tail = b""
         try:
-            for chunk in renderer.chunks(first):
-                yield sse(chunk)
+            if now := take(first):
+                yield now
             async for delta in deltas:
-                for chunk in renderer.chunks(delta):
-                    yield sse(chunk)
-            if include_usage:
-                yield sse(renderer.usage_chunk(gen.usage))
+                if now := take(delta):
+                    yield now
+            tail = held + (sse(renderer.usage_chunk(gen.usage)) if include_usage else b"")
         except APIError as exc:
-            yield sse(exc.body())
+            tail = held + sse(exc.body())
         except Exception as exc:  # noqa: BLE001 (the client gets an error event, never a hang)
             logger.exception("stream failed")
-            yield sse(APIError(internal_error_message(exc), 500).body())
+            tail = held + sse(APIError(internal_error_message(exc), 500).body())
         finally:
             await deltas.aclose()
-        yield DONE
+        yield tail + DONE
 
     return StreamingResponse(events(), media_type="text/event-stream")

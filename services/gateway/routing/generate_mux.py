@@ -57,14 +57,25 @@ def rpc_error(code: grpc.StatusCode, details: str, trailing: tuple = ()) -> grpc
 
 
 class _Receiver:
-    __slots__ = ("items", "ready", "error", "seen", "last")
+    """One request's outputs as the reader delivers them. `wake()` after each change:
+    it resolves the waiter the request's `outputs` is parked on, if any (a bare
+    future per wait, not an asyncio.Event: this runs for every token)."""
+
+    __slots__ = ("items", "waiter", "error", "seen", "last")
 
     def __init__(self, now: float) -> None:
         self.items: list[pb.GenerateStreamItem | EngineCoreOutput] = []
-        self.ready = asyncio.Event()
+        self.waiter: asyncio.Future | None = None
         self.error: BaseException | None = None  # the stream's failure (after `items`)
         self.seen = False  # an item arrived since the last silence check
         self.last = now  # when the silence check last saw it hear something
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
 
 class _Connection:
@@ -141,7 +152,7 @@ class _Connection:
                         del receivers[item.request_id]
                     receiver.items.append(item)
                     receiver.seen = True
-                    receiver.ready.set()
+                    receiver.wake()
             self._fail(rpc_error(grpc.StatusCode.UNAVAILABLE,
                                  "the scheduler closed the generate stream"))
         except asyncio.CancelledError:
@@ -166,7 +177,7 @@ class _Connection:
                 receiver.items.append(EngineCoreOutput(rid, tokens[start:end],
                                                        num_cached_tokens=cached))
                 receiver.seen = True
-                receiver.ready.set()
+                receiver.wake()
             start = end
 
     async def _watch(self) -> None:
@@ -183,7 +194,7 @@ class _Connection:
                     self.abort(rid)
                     receiver.error = rpc_error(grpc.StatusCode.UNAVAILABLE,
                                                f"the scheduler sent nothing for {timeout:g} s")
-                    receiver.ready.set()
+                    receiver.wake()
 
     def _fail(self, exc: BaseException) -> None:
         if self.failed is not None:
@@ -201,7 +212,7 @@ class _Connection:
         receivers, self.receivers = self.receivers, {}
         for receiver in receivers.values():
             receiver.error = exc
-            receiver.ready.set()
+            receiver.wake()
         self.call.cancel()
         for task in self._tasks:
             if task is not asyncio.current_task():
@@ -241,6 +252,7 @@ class GenerateMux:
         if connection is None:
             connection = self._connection = _Connection(self._stub, self)
         rid = request.request_id
+        loop = asyncio.get_running_loop()
         receiver = connection.add(request)
         finished = False
         try:
@@ -248,8 +260,8 @@ class GenerateMux:
                 while not receiver.items:
                     if receiver.error is not None:
                         raise _copy(receiver.error)
-                    await receiver.ready.wait()
-                    receiver.ready.clear()
+                    receiver.waiter = loop.create_future()
+                    await receiver.waiter
                 items, receiver.items = receiver.items, []
                 for item in items:
                     if type(item) is EngineCoreOutput:  # from the token columns
