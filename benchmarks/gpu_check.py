@@ -20,8 +20,12 @@
    the roofline and `--simulated-device` at the offline step time (gpu_check_served.py).
 
 Prints the tables last; exit status 0 only if every check passed (2: no GPU).
-Needs torch, triton, transformers; runs from a plain checkout (no install, no
-network). `pagoda.LLM` also needs the pure-Python `gguf` package (carry its wheel).
+Kernels, paths, greedy and throughput need torch, triton, transformers and run from a
+plain checkout (no install, no network); `pagoda.LLM` also needs `gguf`, and the served
+section the whole install (grpcio, fastapi, a Redis server, ...): on a bare CUDA machine
+`bash benchmarks/gpu_device_run.sh` installs the wheels `benchmarks/fetch_gpu_wheels.sh`
+gathered, then runs this. Served variants: `--served-flags=--async-scheduling`, repeated
+for several (e.g. with `--api-server-count 4`).
 `--allow-cpu` smoke-runs the same code on the CPU with tiny shapes through the
 Triton interpreter, to check the script itself; its numbers mean nothing.
 """
