@@ -38,7 +38,7 @@ import httpx
 import psutil
 
 from pagoda.bench.stats import percentile
-from pagoda.services.bench.control_plane_load import (idle_gaps, read_steps, run_window,
+from pagoda.services.bench.control_plane_load import (CLIENTS, idle_gaps, read_steps, run_window,
                                                      wait_idle)
 from pagoda.services.bench.serve_child import ServeChild, cpu_seconds
 
@@ -67,6 +67,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--duration", type=float, default=20.0,
                         help="Seconds measured per row (streams), after --warmup.")
     parser.add_argument("--warmup", type=float, default=5.0)
+    parser.add_argument("--client", choices=CLIENTS, default="aiohttp",
+                        help="The load client: aiohttp on kept-alive connections (vLLM's "
+                             "benchmark client), or httpx with a new connection per request "
+                             "(this bench's client before stop 40; its pool stalls with "
+                             "hundreds of kept-alive connections).")
     parser.add_argument("--short-duration", type=float, default=None,
                         help="Seconds of the short-request load per row (default: half "
                              "--duration; 0 skips it).")
@@ -110,7 +115,8 @@ async def measure_row(args, child: ServeChild, model: str, record: str, step_ms:
         cpu[key]["client"] = cpu_seconds([me])
 
     stats, *_ = await asyncio.gather(
-        run_window(child.url, model, concurrency, args.input_words, args.output_len, t0, t1),
+        run_window(child.url, model, concurrency, args.input_words, args.output_len, t0, t1,
+                   args.client),
         snapshot(t0, "t0"), snapshot(t1, "t1"))
     # The streams open at t1 were cancelled: how long the cluster takes to drop them.
     drain_s = await wait_idle(record)
@@ -140,7 +146,7 @@ async def measure_row(args, child: ServeChild, model: str, record: str, step_ms:
     if short > 0:
         s0 = time.time() + 2.0
         short_stats = await run_window(child.url, model, concurrency, args.short_input_words,
-                                       args.short_output_len, s0, s0 + short)
+                                       args.short_output_len, s0, s0 + short, args.client)
         row["short_req_s"] = short_stats.requests_done / short
         row["short_prompt_tokens"] = (statistics.fmean(short_stats.prompt_tokens)
                                       if short_stats.prompt_tokens else None)

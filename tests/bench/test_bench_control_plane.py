@@ -42,3 +42,58 @@ def test_the_command_parses_subsets_and_prompts_differ():
                                       "--concurrency", "128,256", "--duration", "20"])
     assert (args.step_ms, args.concurrency, args.duration) == ([25.0], [128, 256], 20.0)
     assert prompt_text(1, 11) != prompt_text(2, 11)
+
+
+@pytest.mark.parametrize("client", ["aiohttp", "httpx"])
+def test_both_clients_count_the_same_stream_and_aiohttp_keeps_its_connections(client):
+    """A stand-in server streams 4 tokens per request with continuous usage; each client
+    counts every token and request in the window. aiohttp reads each body to its end,
+    so its requests share a few connections; httpx stops at [DONE] (one each)."""
+    import asyncio
+    import json
+    import time
+
+    from aiohttp import web
+
+    from pagoda.services.bench.control_plane_load import run_window
+
+    peers: set = set()
+    served = [0]
+
+    async def completions(request):
+        peers.add(request.transport.get_extra_info("peername"))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for n in range(1, 5):
+            chunk = {"choices": [{"index": 0, "text": f" t{n}"}],
+                     "usage": {"prompt_tokens": 7, "completion_tokens": n}}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await asyncio.sleep(0.005)
+        await response.write(b"data: [DONE]\n\n")
+        served[0] += 1
+        return response
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            start = time.time()
+            return await run_window(f"http://127.0.0.1:{port}/v1", "m", 2, 3, 4,
+                                    start, start + 1.0, client)
+        finally:
+            await runner.cleanup()
+
+    stats = asyncio.run(main())
+    assert stats.errors == []
+    assert stats.requests_done >= 10 and stats.tokens >= 4 * stats.requests_done
+    assert stats.prompt_tokens and set(stats.prompt_tokens) == {7}
+    assert stats.itl and min(stats.itl) > 0
+    if client == "aiohttp":
+        assert len(peers) <= 4 < served[0]  # kept-alive: far fewer connections than requests
+    else:
+        assert len(peers) >= served[0] - 2  # a new connection per request
