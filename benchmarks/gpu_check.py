@@ -47,20 +47,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def map_subpackage(name: str) -> None:
+    """Make `pagoda.<name>` importable from ROOT/<name> where no install maps it (a plain
+    checkout: setup.py maps kernels/ and services/ under `pagoda`)."""
+    full = f"pagoda.{name}"
+    if importlib.util.find_spec(full) is not None:
+        return
+    import pagoda
+
+    spec = importlib.util.spec_from_file_location(
+        full, ROOT / name / "__init__.py", submodule_search_locations=[str(ROOT / name)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[full] = module
+    spec.loader.exec_module(module)
+    setattr(pagoda, name, module)
+
+
 def bootstrap_imports() -> None:
     """Make `pagoda` and `pagoda.kernels` importable from a plain checkout."""
     if importlib.util.find_spec("pagoda") is None:
         sys.path.insert(0, str(ROOT / "libs"))
-    import pagoda
-
-    if importlib.util.find_spec("pagoda.kernels") is None:
-        spec = importlib.util.spec_from_file_location(
-            "pagoda.kernels", ROOT / "kernels" / "__init__.py",
-            submodule_search_locations=[str(ROOT / "kernels")])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["pagoda.kernels"] = module
-        spec.loader.exec_module(module)
-        pagoda.kernels = module
+    map_subpackage("kernels")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

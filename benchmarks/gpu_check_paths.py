@@ -25,15 +25,11 @@ smoke run (tiny shapes, Triton interpreter); its timings mean nothing.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 SECTION = "paths"
 # Relative error allowed, by activation dtype: the kernels round W (and the output)
 # to it and accumulate in fp32; the reference is fp32 throughout.
@@ -368,16 +364,9 @@ def _xgrammar(report, device, small: bool) -> None:
 def _import_kv_dist():
     """`pagoda.services.gpu_worker.kv_dist` from an install or a plain checkout (then
     services/_proto must have been generated: tools/gen_protos.py)."""
-    if importlib.util.find_spec("pagoda.services") is None:
-        import pagoda
+    from gpu_check import map_subpackage  # benchmarks/ is on sys.path (this module is)
 
-        spec = importlib.util.spec_from_file_location(
-            "pagoda.services", ROOT / "services" / "__init__.py",
-            submodule_search_locations=[str(ROOT / "services")])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["pagoda.services"] = module
-        spec.loader.exec_module(module)
-        pagoda.services = module
+    map_subpackage("services")
     from pagoda.services.gpu_worker import kv_dist
 
     return kv_dist
