@@ -327,6 +327,9 @@ PATHS = {
     "chunk16": lambda m, w, d, t: run_plain("chunked prefill, 16-token chunks",
                                             "--max-num-batched-tokens", "16")(m, w, d),
     "chunk64-preempt": lambda m, w, d, t: run_chunks_and_preemption(m, w, d),
+    # The default on CUDA (off on the CPU, so the colocated row does not cover it).
+    "async-scheduling": lambda m, w, d, t: run_plain("async scheduling",
+                                                     "--async-scheduling")(m, w, d),
     "spec-ngram": lambda m, w, d, t: run_spec("n-gram speculation", NGRAM)(m, w, d),
     "spec-draft": lambda m, w, d, t: run_spec("draft-model speculation", {
         "model": "MODEL", "num_speculative_tokens": 3})(m, w, d),
