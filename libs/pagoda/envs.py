@@ -94,6 +94,9 @@ VARIABLES = {v.name: v for v in [
     EnvVar("PAGODA_MEDIA_MAX_BYTES", None, int, 20 * 1024 * 1024,
            "Largest media item in bytes (a data: URL's decoded bytes, a fetched body, a "
            "local file); larger is a 400."),
+    EnvVar("PAGODA_SYSTEM_START_DATE", "VLLM_SYSTEM_START_DATE", str, None,
+           "The `Current date:` (YYYY-MM-DD) of gpt-oss's harmony system message; unset: "
+           "today's date, so the prompt changes at midnight."),
     EnvVar("PAGODA_IMAGE_MAX_PIXELS", None, int, 40_000_000,
            "Largest image in pixels (width x height), checked from the header before "
            "decoding (a decompression bomb is refused without being decoded)."),
