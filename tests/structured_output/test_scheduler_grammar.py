@@ -292,3 +292,15 @@ def test_aborting_a_request_whose_grammar_is_compiling(make_manager):
     finally:
         backend.compile = compile_
         release.set()
+
+
+def test_multi_token_reasoning_markers_start_up_and_refuse_constraints(make_manager):
+    """gpt-oss's markers (`<|channel|>final<|message|>`) are several tokens: the engine
+    starts (vLLM's gpt-oss recipe names --reasoning-parser gpt_oss) and a constrained
+    request is refused, naming why, instead of being constrained from the wrong token."""
+    manager = make_manager(StructuredOutputsConfig(reasoning_parser="gpt_oss"))
+    with pytest.raises(ValueError, match="cannot tell where the reasoning ends"):
+        manager.init_request(StructuredOutputsParams(regex=r"[a-z]{3}"), [10, 11])
+    # without a constraint nothing is asked of the gate
+    assert make_manager(StructuredOutputsConfig(reasoning_parser="gpt_oss",
+                                                enable_in_reasoning=True)) is not None

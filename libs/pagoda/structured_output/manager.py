@@ -70,18 +70,28 @@ class StructuredOutputManager:
         self._lock = threading.Lock()  # guards lazy start-up (warm_up may race the engine)
         self._compiled: OrderedDict[str, Future] = OrderedDict()
         self._reasoning = None  # (start_id, end_id, starts_in_reasoning)
+        # Why constrained requests are refused (None: they are not): the reasoning's
+        # markers are not single tokens, so the gate cannot see where the answer starts.
+        self._no_gate: str | None = None
         if config.reasoning_parser and not config.enable_in_reasoning:
             self._reasoning = self._reasoning_tokens(config.reasoning_parser)
 
     # ------------------------------------------------------------ start-up
-    def _reasoning_tokens(self, name: str) -> tuple[int, int, bool]:
+    def _reasoning_tokens(self, name: str) -> tuple[int, int, bool] | None:
+        """The markers' ids; None when they are not single tokens (gpt-oss's harmony
+        headers, `<|channel|>final<|message|>`, are three): the engine still serves,
+        and a request with a constraint is refused, naming why (`init_request`)."""
         parser = get_reasoning_parser(name)
         vocab = self._load_tokenizer().get_vocab()
         ids = [vocab.get(t) for t in (parser.start_token, parser.end_token)]
         if None in ids:
-            raise ValueError(f"--reasoning-parser {name}: the tokenizer has no "
-                             f"{parser.start_token!r} / {parser.end_token!r} tokens, so the "
-                             f"engine cannot tell where the reasoning ends.")
+            self._no_gate = (
+                f"structured_outputs with --reasoning-parser {name}: the tokenizer has no "
+                f"single {parser.start_token!r} / {parser.end_token!r} tokens, so the engine "
+                "cannot tell where the reasoning ends and the constrained answer starts "
+                "(not supported; --structured-outputs-config '{\"enable_in_reasoning\": "
+                "true}' constrains the whole output instead).")
+            return None
         return ids[0], ids[1], parser.starts_in_reasoning
 
     def warm_up(self) -> Future:
@@ -111,6 +121,8 @@ class StructuredOutputManager:
                      prompt_token_ids: Sequence[int]) -> StructuredOutputRequest:
         """Check the constraint (ValueError with the backend's reason) and start its
         compilation unless an equal one is compiled or compiling."""
+        if self._no_gate is not None:
+            raise ValueError(self._no_gate)
         key = constraint_key(params)
         future = self._compiled.get(key)
         if future is None:
