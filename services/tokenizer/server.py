@@ -149,11 +149,34 @@ def build_servicer(model: str | None, tokenizer_path: str | None = None,
                                                 download_dir)
     tokenizer = load_tokenizer(tokenizer_path or model_path)
     use_chat_template(tokenizer, chat_template)
-    eos = load_arch_config(model_path).eos_token_ids
+    arch = load_arch_config(model_path)
+    eos = arch.eos_token_ids
     if not eos and tokenizer.eos_token_id is not None:
         eos = [tokenizer.eos_token_id]
     logger.info("tokenizer of %s loaded (vocab %d)", model_path, len(tokenizer))
-    return TokenizerServicer(tokenizer, model_path, eos, prefix_hash_seed, prefix_caching_hash_algo)
+    servicer = TokenizerServicer(tokenizer, model_path, eos, prefix_hash_seed,
+                                 prefix_caching_hash_algo)
+    servicer.harmony = use_harmony(arch.architecture, tokenizer, chat_template)
+    return servicer
+
+
+def use_harmony(architecture: str, tokenizer, chat_template: str | None) -> bool:
+    """Whether chats render in the harmony format (gpt-oss, as vLLM does: its chat
+    template, and --chat-template, are not used). A tokenizer without the harmony
+    control tokens still serves completions; its chats are refused (400) naming them."""
+    from pagoda.tokenizer import harmony
+
+    if not harmony.uses_harmony(architecture):
+        return False
+    try:
+        harmony.encode_harmony(tokenizer, [harmony.Control(t) for t in harmony.CONTROL_TOKENS])
+    except ValueError as exc:
+        logger.warning("%s: %s Chat requests will be refused.", architecture, exc)
+    if chat_template is not None:
+        logger.warning("%s chats are rendered in the harmony format, as vLLM renders them; "
+                       "--chat-template is not used for them.", architecture)
+    logger.info("%s: chats are rendered in the harmony format", architecture)
+    return True
 
 
 def main(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from pagoda.services.common.protocol.sampling_params import decode_options_from_
 from pagoda.services.common.protocol.tokenizer import chat_input_from_proto
 from pagoda.services.tokenizer.metrics import timed, tokenizer_metrics
 from pagoda.tokenizer.chat import render_chat_template
+from pagoda.tokenizer import harmony
 from pagoda.tokenizer.template_sandbox import TemplateLimits, template_limits
 from pagoda.tokenizer.stop_aware_decoder import StopAwareDecoder
 
@@ -35,6 +36,9 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
     # The cluster's processor for chats with media (media_prompt.MediaPreprocessor;
     # None: media are refused).
     media = None
+    # Chats are rendered in gpt-oss's harmony format, not with a chat template (vLLM's
+    # rule for gpt-oss; `pagoda.tokenizer.harmony`).
+    harmony = False
 
     def __init__(self, tokenizer: Any, model: str, eos_token_ids: list[int],
                  prefix_hash_seed: str = DEFAULT_PREFIX_HASH_SEED,
@@ -73,6 +77,8 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {exc}")
         response = pb.TokenizeResponse(token_ids=token_ids, prompt=prompt,
                                        token_type_ids=token_type_ids)
+        if self.harmony and request.WhichOneof("input") == "chat":
+            response.chat_stop_token_ids.extend(harmony.stop_token_ids(self.tokenizer))
         features_to_proto(features, response.mm_features)
         if request.block_size > 0:  # a block a media run overlaps is keyed by its identifier
             response.block_hashes.extend(hash_request_tokens(
@@ -107,7 +113,9 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         token_type_ids: list[int] = []
         if kind == "token_ids":
             return "", list(request.token_ids.token_ids), []  # nothing to encode
-        if kind == "chat":
+        if kind == "chat" and self.harmony:
+            prompt, token_ids = self._encode_harmony(request)
+        elif kind == "chat":
             with template_limits(self.template_limits):
                 prompt = render_chat_template(self.tokenizer,
                                               **chat_input_from_proto(request.chat))
@@ -131,6 +139,19 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
         tokenizer_metrics().tokens.labels("Tokenize").inc(len(token_ids))
         return prompt, token_ids, token_type_ids
+
+    def _encode_harmony(self, request: pb.TokenizeRequest) -> tuple[str, list[int]]:
+        """A gpt-oss chat: (its harmony text, its ids). The request's reasoning_effort
+        travels in chat_template_kwargs. As in vLLM, add_special_tokens does not apply
+        (the harmony prompt is complete as rendered)."""
+        chat = chat_input_from_proto(request.chat)
+        segments = harmony.harmony_segments(
+            chat["messages"], chat["tools"],
+            harmony.effort_from_kwargs(chat["chat_template_kwargs"]),
+            chat["add_generation_prompt"], chat["continue_final_message"])
+        token_ids = harmony.encode_harmony(self.tokenizer, segments)
+        prompt = "".join(s.text if isinstance(s, harmony.Control) else s for s in segments)
+        return prompt, token_ids
 
     @timed("Detokenize")
     def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.ServicerContext
@@ -161,7 +182,8 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
                          ) -> pb.GetTokenizerInfoResponse:
         return pb.GetTokenizerInfoResponse(
             model=self.model, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,
-            has_chat_template=getattr(self.tokenizer, "chat_template", None) is not None,
+            has_chat_template=self.harmony or
+            getattr(self.tokenizer, "chat_template", None) is not None,
             prefix_hash_seed=self.prefix_hash_seed,
             prefix_caching_hash_algo=self.prefix_caching_hash_algo)
 

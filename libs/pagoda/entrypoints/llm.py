@@ -20,6 +20,7 @@ from pagoda.lora.request import LoRARequest, loras_per_prompt
 from pagoda.metrics.reader import Metric
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.tokenizer import harmony
 from pagoda.tokenizer.chat import apply_chat_template
 
 
@@ -101,11 +102,20 @@ class LLM(PoolingMethods, QueueMethods, ControlMethods):
         image) become the model's placeholders and the prompt's images;
         `tools` (OpenAI function definitions) reach the template as the served chat
         route passes them; `chat_template_kwargs` go over the LLM's
-        `default_chat_template_kwargs`."""
+        `default_chat_template_kwargs`.
+
+        gpt-oss chats are rendered in the harmony format (`pagoda.tokenizer.harmony`,
+        `reasoning_effort` from chat_template_kwargs) and stop at <|return|>/<|call|>,
+        exactly as the served chat route renders them, so offline equals served. (vLLM's
+        own LLM.chat renders gpt-oss with the checkpoint's jinja template.)"""
         chat_template_kwargs = {**self.default_chat_template_kwargs,
                                 **(chat_template_kwargs or {})}
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
+        if harmony.uses_harmony(self.llm_engine.config.arch.architecture):
+            return self._harmony_chat(conversations, sampling_params, use_tqdm,
+                                      add_generation_prompt, continue_final_message,
+                                      chat_template_kwargs, lora_request, tools)
         items = []
         for conversation in conversations:
             conversation, media = self.media.split_chat(conversation)
@@ -119,6 +129,25 @@ class LLM(PoolingMethods, QueueMethods, ControlMethods):
             else:
                 items.append((tokenizer.decode(ids), ids, None))
         return self._run(items, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def _harmony_chat(self, conversations, sampling_params, use_tqdm, add_generation_prompt,
+                      continue_final_message, chat_template_kwargs, lora_request, tools
+                      ) -> list[RequestOutput]:
+        """`chat` for gpt-oss: harmony prompts, and vLLM's chat stop tokens added to each
+        conversation's sampling params."""
+        tokenizer = self.get_tokenizer()
+        effort = harmony.effort_from_kwargs(chat_template_kwargs)
+        items = []
+        for conversation in conversations:
+            ids = harmony.encode_harmony(tokenizer, harmony.harmony_segments(
+                conversation, tools, effort, add_generation_prompt, continue_final_message))
+            items.append((tokenizer.decode(ids), ids, None))
+        stops = harmony.stop_token_ids(tokenizer)
+        params = _params_per_prompt(sampling_params or self.get_default_sampling_params(),
+                                    len(items))
+        params = [p.clone(stop_token_ids=list(dict.fromkeys([*p.stop_token_ids, *stops])))
+                  for p in params]
+        return self._run(items, params, use_tqdm, lora_request=lora_request)
 
     def _run(self, items: list[tuple[str | None, list[int] | None, str | None]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,

@@ -111,6 +111,9 @@ def _add_message(item: pb.ChatMessage, m: Mapping[str, Any], where: str) -> None
     for key in ("name", "tool_call_id"):
         if m.get(key) is not None:
             setattr(item, key, _string(m[key], f"{where}.{key}"))
+    reasoning = m.get("reasoning") or m.get("reasoning_content")  # vLLM's name, its old one
+    if reasoning is not None:
+        item.reasoning = _string(reasoning, f"{where}.reasoning")
     calls = m.get("tool_calls")
     if calls is None:
         return
@@ -185,7 +188,7 @@ def _message_dict(m: pb.ChatMessage) -> dict[str, Any]:
     if m.parts:
         item["content"] = [{"type": "text", "text": p.text} if p.WhichOneof("part") == "text"
                            else {"type": p.media} for p in m.parts]
-    for key in ("name", "tool_call_id"):
+    for key in ("name", "tool_call_id", "reasoning"):
         if m.HasField(key):
             item[key] = getattr(m, key)
     if m.tool_calls:

@@ -122,6 +122,9 @@ async def start_chat(state: GatewayState, body: ChatCompletionRequest, request: 
         if chat.media and exc.status == 400 and exc.param is None:
             exc.param = "messages"
         raise
+    if reply.chat_stop_token_ids:  # the chat format's own (gpt-oss: <|return|>, <|call|>)
+        body.stop_token_ids = list(dict.fromkeys([*(body.stop_token_ids or []),
+                                                  *reply.chat_stop_token_ids]))
     rid, unique = _request_id(request, id_prefix)
     prompt = Prompt(list(reply.token_ids), reply.prompt, _hashes(reply),
                     received_features(reply))

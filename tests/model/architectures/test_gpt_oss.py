@@ -6,6 +6,7 @@ dequantized."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -22,6 +23,7 @@ from pagoda.model import ops
 from pagoda.model.decoder_layer import PagedSelfAttention
 from pagoda.model.loader import load_arch_config, load_model
 from pagoda.model.quantization.mxfp4 import FP4_VALUES, SCALE_BIAS, dequantize_mxfp4
+from pagoda.tokenizer.harmony import CONTROL_TOKENS
 
 WINDOW = 8
 
@@ -42,6 +44,26 @@ def save_gpt_oss(path, tokenizer, sink_scale: float = 2.0) -> str:
     HF's init) are visibly non-zero."""
     save_tiny_checkpoint(path, gpt_oss_config(), tokenizer)
     randomize_sinks_and_biases(path, sink_scale)
+    return str(path)
+
+
+def harmony_tokenizer(tokenizer):
+    """A copy of `tokenizer` (SmolLM2's) with gpt-oss's harmony control tokens added, each
+    one special token (ids from 49152 up), as gpt-oss's own tokenizer has them: chats
+    are rendered in the harmony format (pagoda.tokenizer.harmony) with those ids."""
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(CONTROL_TOKENS)})
+    return tokenizer
+
+
+def save_gpt_oss_chat(path, tokenizer, **overrides) -> str:
+    """The tiny gpt-oss with `harmony_tokenizer(tokenizer)` and a vocabulary that holds
+    all of it, for chats (text prompts and harmony control tokens)."""
+    tokenizer = harmony_tokenizer(tokenizer)
+    config = gpt_oss_config(**{"vocab_size": len(tokenizer), "max_position_embeddings": 1024,
+                               **overrides})
+    save_tiny_checkpoint(path, config, tokenizer)
+    randomize_sinks_and_biases(path)
     return str(path)
 
 

@@ -23,7 +23,7 @@ import torch
 from serve_cluster import ServeProcess
 from shared_clusters import PLAIN_TINY_FLAGS
 from test_deepseek import _randomize_correction_bias, v3_config
-from test_gpt_oss import gpt_oss_config, randomize_sinks_and_biases
+from test_gpt_oss import save_gpt_oss_chat
 from test_granitemoehybrid import granite_hybrid_config
 
 from arch_parity import hf_greedy, save_tiny_checkpoint
@@ -40,10 +40,9 @@ LONG = dict(vocab_size=FULL_VOCAB, max_position_embeddings=1024)  # PLAIN_TINY_F
 
 
 def gpt_oss(path, tokenizer) -> str:
-    # Layers alternate a window of 8 with full attention; the prompts are longer.
-    save_tiny_checkpoint(path, gpt_oss_config(**LONG), tokenizer)
-    randomize_sinks_and_biases(path)
-    return str(path)
+    # Layers alternate a window of 8 with full attention; the prompts are longer. The
+    # tokenizer has the harmony control tokens (the vocabulary grows by 7 for them).
+    return save_gpt_oss_chat(path, tokenizer)
 
 
 def granite_hybrid(path, tokenizer) -> str:
