@@ -42,6 +42,7 @@ from pagoda.services.gateway.openai.request_models import (ChatCompletionRequest
                                                            SamplingFields)
 from pagoda.services.gateway.pooling.request_models import EmbeddingRequest
 from pagoda.services.gateway.serving_options import ServingOptions
+from pagoda.tokenizer import harmony
 from pagoda.tokenizer.chat import normalize_messages, render_chat_template
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
@@ -62,6 +63,7 @@ class EngineContext:
     max_model_len: int
     options: ServingOptions
     pooling_task: str | None = None  # a pooling model's task ("embed", ...); None: generates
+    harmony: bool = False  # chats in gpt-oss's harmony format (pagoda.tokenizer.harmony)
 
     @property
     def vocab_size(self) -> int:
@@ -152,7 +154,16 @@ def _prepare(item: BatchItem, ctx: EngineContext) -> None:
     if body.stream:
         raise APIError("stream is not supported in a batch", param="stream")
     body.check_common(ctx.options.max_logprobs)
-    if isinstance(body, ChatCompletionRequest):
+    stops: list[int] = []
+    if isinstance(body, ChatCompletionRequest) and ctx.harmony:  # as the served route
+        segments = harmony.harmony_segments(body.messages, body.tools, body.reasoning_effort,
+                                            body.add_generation_prompt,
+                                            body.continue_final_message)
+        text = "".join(s.text if isinstance(s, harmony.Control) else s for s in segments)
+        prompts = [(text, harmony.encode_harmony(ctx.tokenizer, segments))]
+        stops = harmony.stop_token_ids(ctx.tokenizer)
+        requested, param = body.requested_max_tokens(), "messages"
+    elif isinstance(body, ChatCompletionRequest):
         text = render_chat_template(ctx.tokenizer, body.messages, body.add_generation_prompt,
                                     body.continue_final_message, body.chat_template_kwargs,
                                     body.tools, body.documents)
@@ -172,6 +183,9 @@ def _prepare(item: BatchItem, ctx: EngineContext) -> None:
         limit = resolve_max_tokens(1 if item.echo_only else requested, len(ids),
                                    ctx.max_model_len, param)
         params = body.to_sampling_params(limit, ctx.vocab_size).clone(n=body.n)
+        if stops:  # the chat format's own (gpt-oss: <|return|>, <|call|>; vLLM adds them)
+            params = params.clone(stop_token_ids=list(dict.fromkeys(
+                [*params.stop_token_ids, *stops])))
         item.prompts.append(EnginePrompt(text, ids, params, body.priority))
 
 

@@ -35,6 +35,7 @@ from pagoda.services.common.logs import setup_logging
 from pagoda.services.gateway.errors import APIError
 from pagoda.services.gateway.serving_options import ServingOptions
 from pagoda.tokenizer.chat_template import use_chat_template
+from pagoda.tokenizer.harmony import uses_harmony
 
 INPUT_HELP = "The batch file: one JSON request per line (a local file, or - for stdin)."
 
@@ -173,7 +174,8 @@ def _start_engine(args: argparse.Namespace):
     options.generation_defaults(config.model)  # a bad generation config fails before the run
     pooling_task = config.pooler_config.task if config.runner == "pooling" else None
     return engine, EngineContext(engine.tokenizer, config.served_model_name, config.model,
-                                 config.scheduler.max_model_len, options, pooling_task)
+                                 config.scheduler.max_model_len, options, pooling_task,
+                                 harmony=uses_harmony(config.arch.architecture))
 
 
 def _read_input(path: str) -> list[tuple[int, str]]:

@@ -11,6 +11,7 @@ tested on written harmony text (tests/reasoning, tests/services/gateway)."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 import httpx
@@ -21,6 +22,7 @@ from shared_clusters import PLAIN_TINY_FLAGS
 from test_gpt_oss import save_gpt_oss_chat
 
 from pagoda import LLM, SamplingParams
+from pagoda.services.cli.main import main
 from pagoda.tokenizer.harmony import encode_harmony, harmony_segments
 from pagoda.tokenizer.loader import load_tokenizer
 
@@ -61,6 +63,33 @@ def test_offline_chat_renders_harmony_and_stops_at_return(tmp_path, smollm2_toke
     forced = SamplingParams(max_tokens=5, temperature=0.0, logit_bias={ret: 100.0})
     out = llm.chat([{"role": "user", "content": "Hi"}], forced, use_tqdm=False)[0].outputs[0]
     assert (out.token_ids, out.finish_reason, out.stop_reason) == ([ret], "stop", ret)
+
+
+def test_run_batch_renders_harmony_as_the_served_route(tmp_path, smollm2_tokenizer,
+                                                       monkeypatch):
+    """`pagoda run-batch` on gpt-oss: the same harmony prompt and stop tokens; a tool
+    result without its call is that line's 400."""
+    monkeypatch.setenv("PAGODA_SYSTEM_START_DATE", DATE)
+    path = save_gpt_oss_chat(tmp_path / "model", smollm2_tokenizer)
+    tokenizer = load_tokenizer(path)
+    ret = tokenizer.convert_tokens_to_ids("<|return|>")
+    body = dict(model="tiny", messages=ROUND_TRIP, tools=[WEATHER], reasoning_effort="low",
+                max_tokens=5, temperature=0, logit_bias={str(ret): 100})
+    orphan = {**body, "messages": [{"role": "tool", "tool_call_id": "x", "content": "1"}]}
+    lines = [{"custom_id": name, "method": "POST", "url": "/v1/chat/completions", "body": b}
+             for name, b in (("ok", body), ("orphan", orphan))]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert main(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out"),
+                 "--model", path, "--dtype", "float32", "--block-size", "16",
+                 "--max-model-len", "1024", "--served-model-name", "tiny"]) == 0
+    ok, bad = [json.loads(line) for line in open(tmp_path / "out", encoding="utf-8")]
+    answer = ok["response"]["body"]
+    want = expected_ids(tokenizer, ROUND_TRIP, [WEATHER], "low")
+    assert answer["usage"] == {"prompt_tokens": len(want), "completion_tokens": 1,
+                               "total_tokens": len(want) + 1}
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    assert bad["response"]["status_code"] == 400
+    assert "tool_call_id 'x'" in bad["error"]["message"]
 
 
 @pytest.mark.slow
