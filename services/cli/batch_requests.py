@@ -159,7 +159,7 @@ def _prepare(item: BatchItem, ctx: EngineContext) -> None:
         segments = harmony.harmony_segments(body.messages, body.tools, body.reasoning_effort,
                                             body.add_generation_prompt,
                                             body.continue_final_message)
-        text = "".join(s.text if isinstance(s, harmony.Control) else s for s in segments)
+        text = harmony.segments_text(segments)
         prompts = [(text, harmony.encode_harmony(ctx.tokenizer, segments))]
         stops = harmony.stop_token_ids(ctx.tokenizer)
         requested, param = body.requested_max_tokens(), "messages"

@@ -16,6 +16,7 @@ from pagoda.services.common import startup_clock
 from pagoda.services.common.grpc_server import add_server_args, serve_sync
 from pagoda.services.common.logs import setup_logging
 from pagoda.services.tokenizer.servicer import TokenizerServicer
+from pagoda.tokenizer import harmony
 from pagoda.tokenizer.chat_template import use_chat_template
 from pagoda.tokenizer.template_sandbox import MAX_OUTPUT_CHARS, MAX_RENDER_SECONDS, TemplateLimits
 
@@ -164,8 +165,6 @@ def use_harmony(architecture: str, tokenizer, chat_template: str | None) -> bool
     """Whether chats render in the harmony format (gpt-oss, as vLLM does: its chat
     template, and --chat-template, are not used). A tokenizer without the harmony
     control tokens still serves completions; its chats are refused (400) naming them."""
-    from pagoda.tokenizer import harmony
-
     if not harmony.uses_harmony(architecture):
         return False
     try:

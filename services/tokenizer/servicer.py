@@ -150,7 +150,7 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
             harmony.effort_from_kwargs(chat["chat_template_kwargs"]),
             chat["add_generation_prompt"], chat["continue_final_message"])
         token_ids = harmony.encode_harmony(self.tokenizer, segments)
-        prompt = "".join(s.text if isinstance(s, harmony.Control) else s for s in segments)
+        prompt = harmony.segments_text(segments)
         return prompt, token_ids
 
     @timed("Detokenize")

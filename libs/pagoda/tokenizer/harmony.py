@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda import envs
+import pagoda.envs as envs  # the module, not the package: `pagoda` imports LLM, which imports this
 from pagoda.tokenizer.harmony_schema import schema_to_typescript
 
 # The architectures vLLM serves with harmony (its `model_type == "gpt_oss"`).
@@ -136,8 +136,13 @@ def harmony_segments(messages: Sequence[Mapping[str, Any]],
 
 
 def render_harmony(*args: Any, **kwargs: Any) -> str:
-    """The prompt text of `harmony_segments(...)` (for logs, echo and /tokenize)."""
-    return "".join(s.text if isinstance(s, Control) else s for s in harmony_segments(*args, **kwargs))
+    """The prompt text of `harmony_segments(...)`."""
+    return segments_text(harmony_segments(*args, **kwargs))
+
+
+def segments_text(segments: Sequence[Segment]) -> str:
+    """The text of rendered segments (the prompt text a reply, a log or echo shows)."""
+    return "".join(s.text if isinstance(s, Control) else s for s in segments)
 
 
 def encode_harmony(tokenizer: Any, segments: Sequence[Segment]) -> list[int]:

@@ -41,7 +41,8 @@ def schema_to_typescript(schema: Any, indent: str = "") -> str:
         return _object(schema, indent)
     if kind == "string":
         values = schema.get("enum")
-        quoted = [f'"{v}"' for v in values if isinstance(v, str)] if isinstance(values, list) else []
+        values = values if isinstance(values, list) else []
+        quoted = [f'"{v}"' for v in values if isinstance(v, str)]
         return " | ".join(quoted) if quoted else "string"
     if kind in ("number", "integer"):
         return "number"
@@ -62,7 +63,8 @@ def _object(schema: dict, indent: str) -> str:
     properties = schema.get("properties")
     if isinstance(properties, dict):
         required = schema.get("required")
-        required = {r for r in required if isinstance(r, str)} if isinstance(required, list) else set()
+        required = required if isinstance(required, list) else []
+        required = {r for r in required if isinstance(r, str)}
         for key, prop in properties.items():
             out.append(_property(key, prop if isinstance(prop, dict) else {}, key in required,
                                  indent))
