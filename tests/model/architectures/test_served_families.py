@@ -4,7 +4,8 @@ and text as the offline `pagoda.LLM` and as transformers (float32).
 
 The checkpoints are the families' parity checkpoints (test_gpt_oss.py,
 test_granitemoehybrid.py, test_deepseek.py) with SmolLM2's whole vocabulary, so text
-prompts tokenize inside the model's vocabulary.
+prompts tokenize inside the model's vocabulary (gpt-oss's also holds the 7 harmony
+control tokens, `save_gpt_oss_chat`; its chats: test_gpt_oss_chat.py).
 
 All `extended` (make test-extended; a cluster per family, 45-60 s each here): Granite-4.0-H
 and DeepSeek-V3's served paths are also rows of the differential matrix
