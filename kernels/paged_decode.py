@@ -1,9 +1,11 @@
 """Paged-attention decode: one query token per request, split-K over long contexts.
 
-Grid `(num_seqs, num_kv_heads, num_splits)`. A program owns one KV head and all
-`G = H / Hkv` query heads that share it (GQA), so each K/V tile is read once per
-group, and the `G` query rows (padded to 16 for the tensor cores) form the M side
-of the dot. The context's `ceil(seq_len / BLOCK_N)` tiles are cut into
+Grid `(num_seqs, num_kv_heads * group_chunks, num_splits)`. A program owns one KV
+head and the `G = H / Hkv` query heads that share it (GQA), so each K/V tile is read
+once per group, and the `G` query rows (padded to 16 for the tensor cores) form the M
+side of the dot. Only where G rows x the padded head would make too large an
+accumulator (MLA: 128 query heads of 576 over one KV head) are the group's heads cut
+into chunks of BLOCK_G, one program each (`_MAX_GROUP_TILE`). The context's `ceil(seq_len / BLOCK_N)` tiles are cut into
 `num_splits` contiguous ranges *inside the kernel* from the device-side `seq_len`,
 so any `num_splits` is correct for any context length — which keeps the kernel
 safe to replay from a CUDA graph captured at another length.
@@ -21,6 +23,11 @@ With a sliding window W the query (at position `seq_len - 1`) sees keys
 so a long context costs no more than W, and block-table entries before the window
 are never loaded (the KV cache manager may have released those blocks). With a
 soft cap c each score s becomes `c * tanh(s / c)` before the softmax (Gemma 2).
+
+Attention sinks (gpt-oss: one logit per query head, in the denominator, no value) are
+folded in once per row after its last tile (`fold_sink`); with several splits, only in
+the reduce, where M also takes the sink: adding it per split would count it
+`num_splits` times.
 """
 
 from __future__ import annotations

@@ -15,7 +15,10 @@ tile can see, so cost follows the causal triangle. With a sliding window W, quer
 `p` sees keys `p - W < k <= p` only, and the loop also starts at the first key the
 tile's first query sees: cost follows the band, and block-table entries before the
 window are never loaded (the KV cache manager may have released those blocks). With
-a soft cap c each score s becomes `c * tanh(s / c)` before the mask (Gemma 2).
+a soft cap c each score s becomes `c * tanh(s / c)` before the mask (Gemma 2). With
+attention sinks (gpt-oss) head h's logit joins each row's denominator after the last
+tile (`fold_sink`). Heads wider than 256 lanes (MLA's 576) take narrower tiles
+(`tile_config`).
 """
 
 from __future__ import annotations
