@@ -5,12 +5,15 @@
     python3 benchmarks/gpu_check.py --models 1b --json $OUT/gpu_check.json
 
 1. kernels: every Triton kernel against its torch reference (`pagoda.kernels.reference`)
-   on random inputs, relative error max|a-e|/max|e| under a per-dtype threshold;
+   on random inputs, relative error max|a-e|/max|e| under a per-dtype threshold,
+   attention also with gpt-oss's sinks and window and DeepSeek's MLA shape
+   (`gpu_check_families.py`);
    paths: quantized GEMMs, fused MoE, LoRA, fp8 KV cache, xgrammar mask, the KV
    connector's pair group, the host KV tier (`gpu_check_paths.py`);
 2. greedy: a small random-weight Llama, pagoda (Triton kernels, chunked prefill mixed
    with decodes, CUDA graphs) against HF transformers `generate`, token for token in
-   fp32; bf16 agreement reported; then `pagoda.LLM` end to end when it imports;
+   fp32; bf16 agreement reported; then `pagoda.LLM` end to end when it imports, also
+   for tiny random gpt-oss and DeepSeek-V3;
 3. throughput: decode tokens/s at batch 1/16/64/256 of a ~1B (and 8B) Llama with
    random weights: pagoda with CUDA graphs, pagoda eager, HF generate at the same
    batch, and the HBM roofline (weights + KV bytes per step over measured copy
@@ -201,6 +204,7 @@ def main(argv=None) -> int:
 
         patch_triton_interpreter()
         ops.use_triton = lambda t: True  # run the kernels (interpreted) as CUDA would
+    import gpu_check_families as check_families
     import gpu_check_sections as check_sections
 
     with contextlib.suppress(Exception):
@@ -216,6 +220,7 @@ def main(argv=None) -> int:
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}
     if "kernels" in sections:
         check_sections.check_kernels(report, device, small=on_cpu)
+        check_families.check_family_kernels(report, device, small=on_cpu)
     if "paths" in sections:  # quantized GEMMs, MoE, LoRA, fp8 KV, xgrammar, KV pair, host tier
         from gpu_check_paths import check_paths
 
@@ -223,6 +228,7 @@ def main(argv=None) -> int:
         check_paths(report, device, on_cpu, only)
     if "greedy" in sections:
         check_sections.check_greedy(report, device, small=on_cpu)
+        check_families.check_family_greedy(report, device, small=on_cpu)
     if "throughput" in sections:
         check_sections.check_throughput(report, device, args, deadline, small=on_cpu)
     if "served" in sections:

@@ -8,6 +8,7 @@ call site instead.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -61,3 +62,34 @@ def num_sms(device: torch.device) -> int:
         return 4
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _num_sms(index)
+
+
+class TileConfig(NamedTuple):
+    """Key tile, query tile (prefill) and launch options of the attention kernels."""
+
+    block_n: int
+    block_m: int
+    num_warps: int
+    num_stages: int | None  # None: triton's default
+
+    def launch_options(self) -> dict:
+        """num_warps (and num_stages when set) for a kernel launch."""
+        opts = {"num_warps": self.num_warps}
+        if self.num_stages is not None:
+            opts["num_stages"] = self.num_stages
+        return opts
+
+
+def tile_config(block_d: int, on_gpu: bool) -> TileConfig:
+    """Tiles for a head padded to `block_d` lanes. Up to 256 (every MHA/GQA model here)
+    the tiles the kernels have always used on the GPU. Wider heads (MLA's 576 -> 1024)
+    would need 64 x 1024 fp32 K and V tiles, several times a GPU's shared memory once
+    pipelined, and a 64 x 1024 fp32 accumulator per prefill program: narrower tiles,
+    more warps, no multi-buffering. Not measured for speed; the interpreter ignores
+    warps and stages, so correctness there says nothing about fitting a GPU
+    (benchmarks/gpu_check.py runs an MLA shape where a device is lent)."""
+    if not on_gpu:
+        return TileConfig(16, 16, 4, None)
+    if block_d <= 256:
+        return TileConfig(64, 64, 4, None)
+    return TileConfig(16, 16, 8, 1)

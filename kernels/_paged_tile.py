@@ -15,6 +15,9 @@ import triton.language as tl
 
 from pagoda.kernels._math import tanh
 
+# log2(e), for kernels: sinks are natural-log logits, the softmax runs in base 2.
+LOG2_E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
 
 @triton.jit
 def attend_paged_tile(q, m_i, l_i, acc, offs_n, n_mask, visible, table,
@@ -46,3 +49,16 @@ def attend_paged_tile(q, m_i, l_i, acc, offs_n, n_mask, visible, table,
                 + offs_d[None, :], mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def fold_sink(m_i, l_i, acc, sink):
+    """Add an attention sink (one logit per row, base-2 domain like m_i, shape [R]) to a
+    row's softmax: it joins the denominator l_i and contributes no value. Rescaled to
+    the new max, so a row that saw no key (m_i still -1e30) gets l = 1 and keeps acc 0:
+    the sink takes all the weight and the output is zero, as the torch path's softmax
+    with a sink column gives. Call once per row, after its last tile (split-K: in the
+    reduce, never per split)."""
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_new)
+    return l_i * alpha + tl.exp2(sink - m_new), acc * alpha[:, None]

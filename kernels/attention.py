@@ -49,13 +49,19 @@ def paged_attention(
     num_splits: int | None = None,  # decode split-K override (tests, benchmarks)
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each request's query tokens over its cached context -> [T, H, D],
-    within `sliding_window` keys and with soft-capped scores when given (same meaning
-    as the torch path). Rows past `query_start_loc[-1]` (token padding) are left zero."""
+    within `sliding_window` keys, with soft-capped scores and with attention sinks
+    (`sinks` [H]: head h's softmax denominator gains exp(sinks[h]); head h reads KV head
+    h // (H / Hkv)) when given: the same meaning as the torch path. Rows past
+    `query_start_loc[-1]` (token padding) are left zero."""
     assert sliding_window is None or sliding_window > 0, f"sliding_window {sliding_window}"
     assert logits_soft_cap is None or logits_soft_cap > 0, f"logits_soft_cap {logits_soft_cap}"
     _check_args(query, key_cache, value_cache, attn_metadata)
+    if sinks is not None:
+        check_tensor("sinks", sinks, (query.shape[1],), FLOAT_DTYPES)
+        check_same_device(query=query, sinks=sinks)
     md = attn_metadata
     out = torch.empty_like(query)
     num_tokens_used = md.query_start_loc_cpu[-1]
@@ -64,9 +70,9 @@ def paged_attention(
     if md.num_decodes > 0:
         decode_attention(query[: md.num_decodes], key_cache, value_cache, md.block_tables,
                          md.seq_lens, scale, out[: md.num_decodes], md.max_seq_len, num_splits,
-                         sliding_window, logits_soft_cap)
+                         sliding_window, logits_soft_cap, sinks)
     if md.num_reqs > md.num_decodes:
         prefill_attention(query, key_cache, value_cache, md.block_tables, md.seq_lens,
                           md.query_start_loc, scale, out, md.num_decodes, md.num_reqs,
-                          md.max_query_len, sliding_window, logits_soft_cap)
+                          md.max_query_len, sliding_window, logits_soft_cap, sinks)
     return out

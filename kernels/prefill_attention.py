@@ -15,7 +15,10 @@ tile can see, so cost follows the causal triangle. With a sliding window W, quer
 `p` sees keys `p - W < k <= p` only, and the loop also starts at the first key the
 tile's first query sees: cost follows the band, and block-table entries before the
 window are never loaded (the KV cache manager may have released those blocks). With
-a soft cap c each score s becomes `c * tanh(s / c)` before the mask (Gemma 2).
+a soft cap c each score s becomes `c * tanh(s / c)` before the mask (Gemma 2). With
+attention sinks (gpt-oss) head h's logit joins each row's denominator after the last
+tile (`fold_sink`). Heads wider than 256 lanes (MLA's 576) take narrower tiles
+(`tile_config`).
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels._checks import dot_precision, next_power_of_2
-from pagoda.kernels._paged_tile import attend_paged_tile
+from pagoda.kernels._checks import dot_precision, next_power_of_2, tile_config
+from pagoda.kernels._paged_tile import LOG2_E, attend_paged_tile, fold_sink
 
 _LOG2_E = 1.4426950408889634
 
@@ -33,13 +36,14 @@ _LOG2_E = 1.4426950408889634
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    out_ptr, scale_log2, first_req, window, soft_cap,
+    out_ptr, sinks_ptr, scale_log2, first_req, window, soft_cap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     req = first_req + tl.program_id(0)
     head = tl.program_id(1)
@@ -82,6 +86,9 @@ def _prefill_kernel(
             stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_mask, scale_log2, soft_cap,
             PAGE_SIZE, HAS_SOFT_CAP, DOT_PRECISION)
 
+    if HAS_SINKS:  # the same logit for every row of this head
+        sink = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(sinks_ptr + head).to(tl.float32) * LOG2_E
+        l_i, acc = fold_sink(m_i, l_i, acc, sink)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
@@ -101,25 +108,26 @@ def prefill_attention(
     max_query_len: int,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [H] logits, one per query head
 ) -> None:
     """Launch for requests `first_req .. num_reqs - 1`. Arguments are checked by
     `pagoda.kernels.attention.paged_attention`."""
     _, num_heads, head_dim = query.shape
     _, page_size, num_kv_heads, _ = key_cache.shape
-    on_gpu = query.device.type == "cuda"
-    block_m = 64 if on_gpu else 16
-    grid = (num_reqs - first_req, num_heads, triton.cdiv(max_query_len, block_m))
+    block_d = max(16, next_power_of_2(head_dim))
+    tiles = tile_config(block_d, query.device.type == "cuda")
+    grid = (num_reqs - first_req, num_heads, triton.cdiv(max_query_len, tiles.block_m))
     _prefill_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        out, scale * _LOG2_E, first_req, sliding_window or 0, (logits_soft_cap or 1.0) * _LOG2_E,
+        out, out if sinks is None else sinks, scale * _LOG2_E, first_req, sliding_window or 0, (logits_soft_cap or 1.0) * _LOG2_E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_D=max(16, next_power_of_2(head_dim)), PAGE_SIZE=page_size,
-        BLOCK_M=block_m, BLOCK_N=64 if on_gpu else 16,
+        BLOCK_D=block_d, PAGE_SIZE=page_size,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         DOT_PRECISION=dot_precision(query.dtype), HAS_WINDOW=sliding_window is not None,
-        HAS_SOFT_CAP=logits_soft_cap is not None,
-        num_warps=4,
+        HAS_SOFT_CAP=logits_soft_cap is not None, HAS_SINKS=sinks is not None,
+        **tiles.launch_options(),
     )

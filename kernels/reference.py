@@ -44,12 +44,15 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's query tokens over its whole context in the
     cache (cached prefix + this step's tokens, already written). A request with
     `seq_len == 0` (padding) yields zeros. `sliding_window` W: query p sees keys
     p - W < k <= p only (transformers' mask); `logits_soft_cap` c: each score s is
-    replaced by c * tanh(s / c) before masking (Gemma 2)."""
+    replaced by c * tanh(s / c) before masking (Gemma 2); `sinks` [H]: head h's softmax
+    gains one more term exp(sinks[h]) in its denominator with no value (gpt-oss), so a
+    row's weights sum to less than one. Query head h reads KV head h // (H / Hkv)."""
     out = torch.zeros_like(query)
     num_heads = query.shape[1]
     num_kv_heads = key_cache.shape[2]
@@ -75,7 +78,11 @@ def paged_attention(
         if sliding_window is not None:
             causal &= k_pos[None, :] > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~causal[None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:  # an extra key column per head, dropped after the softmax
+            sink_col = sinks.float()[:, None, None].expand(num_heads, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out
 

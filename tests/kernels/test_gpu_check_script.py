@@ -46,7 +46,9 @@ def test_cpu_smoke_run_passes_kernel_checks_and_times_decode(tmp_path):
     names = {c["name"] for c in report["checks"] if c["status"] == "PASS"}
     assert {"rms_norm(+residual)/bfloat16", "rotary/bfloat16", "silu_and_mul/bfloat16",
             "write_kv_cache/bfloat16", "attention/mixed_gqa3_d64",
-            "attention/decode_b1_long_ctx_splitk"} <= names
+            "attention/decode_b1_long_ctx_splitk", "attention/sinks/decode_splitk_long_ctx",
+            "attention/sinks/sliding_mixed", "attention/mla/decode_d576_h128",
+            "attention/mla/mixed_d576_h16"} <= names
     rows = report["throughput"]
     assert [r["batch"] for r in rows] == [1, 4]
     assert all(r["eager"] > 0 and r["roofline"] > 0 for r in rows)

@@ -122,3 +122,22 @@ def test_migrated_seeded_request_continues_its_random_stream(runner, k):
     restarted = out.sampled_token_ids[0] + decode(runner, "fresh", len(PROMPT) + k, 5 - k)
     runner.execute_model(plan(finished=["fresh"]))
     assert restarted != rest
+
+
+def test_cuda_graphs_skip_models_that_sync_to_the_host(runner):
+    """gpt-oss's expert loop reads token counts on the host, which a graph capture
+    forbids: the runner keeps its decodes eager on CUDA (the predicate is read with the
+    device pretended; nothing runs on it). Llama's stack is captured as before."""
+    import types
+
+    import torch
+
+    from pagoda.model.architectures.gpt_oss import GptOssForCausalLM
+
+    fake = types.SimpleNamespace(**{k: getattr(runner, k) for k in
+                                    ("config", "parallel", "lora_manager", "state_slots",
+                                     "drafter", "model")})
+    fake.device = torch.device("cuda")
+    assert ModelRunner._cuda_graphs_apply(fake)
+    fake.model = types.SimpleNamespace(supports_cuda_graphs=GptOssForCausalLM.supports_cuda_graphs)
+    assert not ModelRunner._cuda_graphs_apply(fake)

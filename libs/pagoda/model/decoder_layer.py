@@ -42,8 +42,8 @@ class PagedSelfAttention(nn.Module):
     `scale` (default head_dim ** -0.5), `logits_soft_cap` (Gemma 2), `qk_norm` (an
     RMSNorm class normalising each query and key head before RoPE: Qwen3, Gemma 3),
     `sinks` (a learned logit per query head in every softmax's denominator, parameter
-    `sinks` [this rank's heads]: gpt-oss; the Triton kernels have none, so such a
-    layer refuses to be built where they would run).
+    `sinks` [this rank's heads]: gpt-oss; the torch path and the Triton kernels both
+    take them, the latter verified under the Triton interpreter only).
     """
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, qkv_bias: bool,
@@ -68,10 +68,6 @@ class PagedSelfAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.sinks = empty_parameter(self.num_heads, dtype=dtype) if sinks else None
-        if self.sinks is not None and ops.use_triton(self.sinks):
-            raise NotImplementedError(
-                f"{arch.architecture}: attention sinks are not supported by Pagoda's Triton "
-                "attention kernels (CUDA); run this model on the CPU")
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, md: AttentionMetadata) -> torch.Tensor:

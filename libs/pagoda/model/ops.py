@@ -71,19 +71,18 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of query [T, H, D] over each request's cached context -> [T, H, D];
     optionally within a sliding window, with soft-capped scores, with attention sinks
-    ([H] logits: torch path only, the kernels have none)."""
+    ([H] logits, one per query head: the torch path and the Triton kernels; not the
+    CPU decode kernel, so bf16 CPU decodes with sinks take the torch path)."""
     if fp8_kv_cache.is_fp8(key_cache):  # this step's blocks, dequantized; then as usual
         key_cache, value_cache, attn_metadata = fp8_kv_cache.dense_step_cache(
             key_cache, value_cache, attn_metadata, query.dtype)
     if use_triton(query):
-        if sinks is not None:  # models with sinks refuse to build on CUDA: never reached
-            raise NotImplementedError("attention sinks are not supported by the Triton "
-                                      "attention kernels")
         # lazy: triton loads on the first CUDA call only: CPU processes never import it
         from pagoda.kernels.attention import paged_attention as kernel
 
         return kernel(query, key_cache, value_cache, attn_metadata, scale,
-                      sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                      sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                      sinks=sinks)
     decode_kernel = None
     # Prefills stay on SDPA, but under batch invariance every token (prompt ones too)
     # goes to the kernel as a decode row, so a prompt token's attention does not depend

@@ -219,15 +219,22 @@ class ModelRunner:
                                                        self.parallel))
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks, self.kv_cache_dtype)
+        if self._cuda_graphs_apply():
+            self._capture_cuda_graphs()
+
+    def _cuda_graphs_apply(self) -> bool:
+        """Whether decode steps are captured as CUDA graphs (see the conditions)."""
         # Graphs capture a whole-model decode; a group's ranks run eagerly for now.
-        if (self.device.type == "cuda" and not self.config.enforce_eager
+        return (self.device.type == "cuda" and not self.config.enforce_eager
                 and self.parallel.world_size == 1 and self.config.runner == "generate"
                 and self.lora_manager is None  # graphs would freeze one step's adapters
                 and self.state_slots is None  # Mamba slots change per step; eager
                 # MTP reads the forward's pre-norm hidden state, which a graph replay
                 # would not set (unverified on a device: eager)
-                and not isinstance(self.drafter, MTPProposer)):
-            self._capture_cuda_graphs()
+                and not isinstance(self.drafter, MTPProposer)
+                # A model whose forward reads device values on the host (gpt-oss's
+                # expert loop counts its tokens) cannot be captured at all.
+                and getattr(self.model, "supports_cuda_graphs", True))
 
     def _capture_cuda_graphs(self) -> None:
         sched = self.config.scheduler

@@ -113,15 +113,14 @@ def test_zeroed_sinks_change_the_logits(tmp_path, smollm2_tokenizer):
     assert max(abs(a - b) for (_, la), (_, lb) in zip(*runs) for a, b in zip(la, lb)) > 1e-3
 
 
-def test_sinks_are_refused_where_the_triton_kernels_would_run(tmp_path, smollm2_tokenizer,
-                                                              monkeypatch):
-    """The Triton attention has no sinks: a layer with them refuses to be built there
-    rather than silently attend without them."""
+def test_sinks_build_where_the_triton_kernels_run(tmp_path, smollm2_tokenizer, monkeypatch):
+    """The Triton attention takes sinks (tests/kernels/test_attention_sinks.py, and the
+    whole tiny model through the kernels in test_sink_and_mla_models_through_triton.py):
+    a layer with them builds there, sinks held as a parameter of this rank's heads."""
     arch = load_arch_config(save_gpt_oss(tmp_path, smollm2_tokenizer))
     monkeypatch.setattr(ops, "use_triton", lambda t: True)
-    with pytest.raises(NotImplementedError, match="sinks.*Triton"):
-        PagedSelfAttention(arch, torch.float32, True, True, sinks=True)
-    PagedSelfAttention(arch, torch.float32, True, True)  # without sinks: as before
+    layer = PagedSelfAttention(arch, torch.float32, True, True, sinks=True)
+    assert tuple(layer.sinks.shape) == (arch.num_attention_heads,)
 
 
 # ---------------------------------------------------------------- MXFP4

@@ -17,8 +17,9 @@ Checkpoint layout (one stacked tensor per projection, `mlp.experts.`):
 Real checkpoints store the two weights as MXFP4 (`<name>_blocks`, `<name>_scales`, in
 [E, out, in] order): `load_weights` dequantizes them (`quantization.mxfp4`) into the
 layout above. The experts are held in the model dtype, gate rows then up rows, like
-`moe.FusedMoE`; the attention refuses to be built on CUDA (the Triton kernels have
-no sinks), so the experts run the CPU loop only.
+`moe.FusedMoE`, but run as a torch loop over the chosen experts on every device (no
+fused kernel for the biases and the clamped SwiGLU). The sink attention runs on the
+torch path or the Triton kernels (verified under the Triton interpreter; not on a GPU).
 """
 
 from __future__ import annotations
@@ -164,6 +165,10 @@ class GptOssMoE(nn.Module):
 
 class GptOssForCausalLM(LlamaForCausalLM):
     """Llama's stack with sink attention and `GptOssMoE` MLPs (module doc)."""
+
+    # The experts' loop reads each expert's token count on the host (`GptOssExperts`):
+    # a sync that a CUDA graph capture forbids, so the runner keeps decodes eager.
+    supports_cuda_graphs = False
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype,
                  parallel: ParallelContext | None = None) -> None:
