@@ -43,3 +43,29 @@ def test_the_tokenizer_freezes_its_loaded_heap_before_serving(monkeypatch, resto
                               download_dir=None, prefix_caching_hash_algo="sha256")
     assert tokenizer_server.main(args) == 0
     assert events == ["loaded", "frozen", "serving"]
+
+
+def test_the_gpu_worker_freezes_its_model_before_serving(monkeypatch, restore_gc):
+    """After the model is loaded (its modules in the frozen set), before steps run."""
+    from types import SimpleNamespace
+
+    from pagoda.services.gpu_worker import server as worker_server
+
+    events = []
+    config = SimpleNamespace(model="m", dtype="float32", device="cpu", lora=None,
+                             world_size=1, cache=SimpleNamespace(block_size=16,
+                                                                num_state_checkpoints=0),
+                             arch=SimpleNamespace(vocab_size=10),
+                             scheduler=SimpleNamespace(max_model_len=64))
+    engine_args = SimpleNamespace(create_engine_config=lambda: config)
+    monkeypatch.setattr(worker_server, "EngineArgs",
+                        SimpleNamespace(from_cli_args=lambda args: engine_args))
+    monkeypatch.setattr(worker_server, "make_executor",
+                        lambda cfg: events.append("loaded") or SimpleNamespace(shutdown=None))
+    monkeypatch.setattr(worker_server, "kv_transfer_servicer",
+                        lambda *a: (None, SimpleNamespace(renew_epoch=None), None))
+    monkeypatch.setattr(worker_server, "prepare_gc_for_serving",
+                        lambda: events.append("frozen"))
+    monkeypatch.setattr(worker_server, "serve_sync", lambda *a, **k: events.append("serving"))
+    assert worker_server.main(argparse.Namespace()) == 0
+    assert events == ["loaded", "frozen", "serving"]
