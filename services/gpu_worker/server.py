@@ -10,6 +10,7 @@ import logging
 
 from pagoda.services._proto.pagoda.worker.v1 import worker_pb2_grpc as pb_grpc
 from pagoda.services.common import startup_clock
+from pagoda.services.common.gc_tuning import prepare_gc_for_serving
 from pagoda.services.common.grpc_server import add_server_args, serve_sync
 from pagoda.services.common.logs import setup_logging
 from pagoda.services.common.kv_transfer_args import add_kv_transfer_args, kv_transfer_config
@@ -54,6 +55,9 @@ def main(args: argparse.Namespace) -> int:
     step_lock = servicer.step_lock if config.world_size > 1 else None
     kv_transfer = kv_transfer_servicer(args, config, executor, step_lock)
     servicer.on_kv_lost = kv_transfer[1].renew_epoch  # its blocks' KV is gone: new epoch
+    # The model's modules and parameters frozen: a gen-2 pass walking them mid-serving
+    # would stall the step loop (and so every request) for its whole length.
+    prepare_gc_for_serving()
     # Steps are sequential; a second thread answers GetWorkerInfo/health meanwhile
     # (and KV pulls: they never wait for a step).
     serve_sync("gpu-worker", args,

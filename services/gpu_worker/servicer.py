@@ -34,6 +34,10 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     INVALID_ARGUMENT before any of it runs; a step that fails midway leaves no request
     state behind, and the worker takes no step until the KV cache is set up again."""
 
+    # A waiting step re-checks its turn this often, as a safety net only: every change
+    # of `_next_queued` or `_epoch` notifies the waiters.
+    TURN_POLL_S = 0.5
+
     def __init__(self, runner, model: str, dtype: str, device: str,
                  ledger: PlanLedger | None = None, lora_config=None,
                  step_thread: StepThread | None = None) -> None:
@@ -118,9 +122,12 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             while (step_id == self._next_queued + 1 and epoch == self._epoch
                    and self._next_step is not None and context.is_active()
                    and (self._refuse_from is None or step_id < self._refuse_from)):
-                self._turn.wait(0.5)
+                self._turn.wait(self.TURN_POLL_S)
             if epoch == self._epoch and step_id == self._next_queued:
                 self._next_queued += 1
+                # Wake the step sent ahead, if it already waits: without this it slept
+                # out TURN_POLL_S (up to 0.5 s a step) whenever it came in first.
+                self._turn.notify_all()
             if self.step_thread is None:
                 future = None
             else:

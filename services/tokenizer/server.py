@@ -13,6 +13,7 @@ from pagoda.engine.arg_utils import add_hub_args
 from pagoda.engine.multimodal_args import add_multimodal_cli_args
 from pagoda.json_flag import json_object
 from pagoda.services.common import startup_clock
+from pagoda.services.common.gc_tuning import prepare_gc_for_serving
 from pagoda.services.common.grpc_server import add_server_args, serve_sync
 from pagoda.services.common.logs import setup_logging
 from pagoda.services.tokenizer.servicer import TokenizerServicer
@@ -188,6 +189,7 @@ def main(args: argparse.Namespace) -> int:
     servicer.template_limits = limits
     build_media(servicer, args)
     startup_clock.mark("tokenizer load")
+    prepare_gc_for_serving()  # the tokenizer, its vocabulary, the chat templates: frozen
     serve_sync("tokenizer", args,
                [(pb_grpc.add_TokenizerServiceServicer_to_server, servicer, SERVICE_NAME)],
                max_workers=16)
