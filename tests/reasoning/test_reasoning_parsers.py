@@ -8,7 +8,7 @@ import random
 import pytest
 
 from pagoda.reasoning import PARSERS, get_reasoning_parser
-from pagoda.structured_output.request import GateState, ReasoningGate
+from pagoda.structured_output.request import GateMarkers, GateState, ReasoningGate
 
 # (parser, model output, (reasoning_content, content))
 CASES = [
@@ -85,6 +85,6 @@ def test_the_text_split_and_the_grammar_gate_read_the_prompt_alike():
     for tokens, text in [([other, start], QWEN3_THINKING_PROMPT),
                          ([other, start, end], QWEN3_NO_THINKING_PROMPT),
                          ([other], "<|im_start|>assistant\n")]:
-        gate = ReasoningGate(start, end, parser.starts_in_reasoning, tokens)
+        gate = ReasoningGate(GateMarkers((start,), (end,), parser.starts_in_reasoning), tokens)
         in_reasoning = parser.starts_in_reasoning_after(text)
         assert (gate.state == GateState.REASONING) == in_reasoning

@@ -34,10 +34,18 @@ class ReasoningParser:
     # Other spellings of the markers (Granite's "Here's my ..."), and markers that end
     # the reasoning but belong to the content (Kimi's tool-call section opener, which
     # the tool parser reads). `start_token`/`end_token` stay the primary ones: the
-    # engine's grammar gate looks them up as single tokens.
+    # engine's grammar gate tokenizes them (`pagoda.structured_output.request.GateMarkers`).
     other_start_tokens: ClassVar[tuple[str, ...]] = ()
     other_end_tokens: ClassVar[tuple[str, ...]] = ()
     content_end_tokens: ClassVar[tuple[str, ...]] = ()
+    # The grammar gate's reading where it differs from the text split's (gpt-oss):
+    # `gate_end_parts` splits `end_token` into a header and its closer, which may follow
+    # within `gate_end_gap` tokens; `gate_turn_start` limits the prompt's say to its
+    # current turn; `gate_starts_in_reasoning` (None: `starts_in_reasoning`).
+    gate_end_parts: ClassVar[tuple[str, str] | None] = None
+    gate_end_gap: ClassVar[int] = 0
+    gate_turn_start: ClassVar[str | None] = None
+    gate_starts_in_reasoning: ClassVar[bool | None] = None
 
     @property
     def start_markers(self) -> tuple[str, ...]:

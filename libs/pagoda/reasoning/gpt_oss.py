@@ -32,6 +32,14 @@ class GptOssReasoningParser(ReasoningParser):
     end_token = "<|channel|>final<|message|>"
     starts_in_reasoning = False
     keeps_special_tokens = True  # the harmony headers and terminators are special tokens
+    # The grammar gate follows vLLM's GptOssReasoningParser.is_reasoning_end: everything
+    # the model writes before the final channel's header (analysis, commentary, tool
+    # calls) is reasoning, the header may carry `<|constrain|>json` before its
+    # `<|message|>` (up to 20 tokens), and only the current turn of the prompt counts.
+    gate_end_parts = ("<|channel|>final", MESSAGE)
+    gate_end_gap = 20
+    gate_turn_start = "<|start|>"
+    gate_starts_in_reasoning = True
 
     def stream(self, prompt: str | None = None) -> "HarmonyStream":
         return HarmonyStream()

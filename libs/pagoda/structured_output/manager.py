@@ -27,7 +27,8 @@ from pagoda.reasoning import get_reasoning_parser
 from pagoda.sampling_params import StructuredOutputsParams
 from pagoda.structured_output.backend import (StructuredOutputBackend, backend_class,
                                               bitmask_words)
-from pagoda.structured_output.request import ReasoningGate, StructuredOutputRequest
+from pagoda.structured_output.request import (GateMarkers, ReasoningGate,
+                                              StructuredOutputRequest)
 
 logger = logging.getLogger(__name__)
 # Compiled grammars kept (a few MB at most each for a 50k vocabulary).
@@ -40,6 +41,24 @@ def constraint_key(params: StructuredOutputsParams) -> str:
     text = json.dumps([params.kind, params.spec, params.disable_any_whitespace],
                       ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _marker_ids(tokenizer: Any, text: str) -> tuple[int, ...] | None:
+    """`text`'s token ids as the model writes it: one vocabulary entry, or an encoding
+    that decodes back to `text` and holds at least one added (special) token, which the
+    model emits whole (harmony's `<|channel|>final`); None otherwise: plain text the
+    model may spell in other tokens (`<think>` on a tokenizer without it) would let the
+    gate miss the marker."""
+    single = tokenizer.get_vocab().get(text)
+    if single is not None:
+        return (single,)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    added = set(getattr(tokenizer, "get_added_vocab", dict)().values())
+    if not ids or not added.intersection(ids):
+        return None
+    if tokenizer.decode(ids, skip_special_tokens=False) != text:
+        return None
+    return tuple(ids)
 
 
 def _compile(backend: Future, parsed: Any) -> Any:
@@ -69,30 +88,37 @@ class StructuredOutputManager:
         self._backend: Future | None = None
         self._lock = threading.Lock()  # guards lazy start-up (warm_up may race the engine)
         self._compiled: OrderedDict[str, Future] = OrderedDict()
-        self._reasoning = None  # (start_id, end_id, starts_in_reasoning)
+        self._markers: GateMarkers | None = None  # the reasoning gate's, if gated
         # Why constrained requests are refused (None: they are not): the reasoning's
-        # markers are not single tokens, so the gate cannot see where the answer starts.
+        # markers have no tokens, so the gate cannot see where the answer starts.
         self._no_gate: str | None = None
         if config.reasoning_parser and not config.enable_in_reasoning:
-            self._reasoning = self._reasoning_tokens(config.reasoning_parser)
+            self._markers = self._gate_markers(config.reasoning_parser)
 
     # ------------------------------------------------------------ start-up
-    def _reasoning_tokens(self, name: str) -> tuple[int, int, bool] | None:
-        """The markers' ids; None when they are not single tokens (gpt-oss's harmony
-        headers, `<|channel|>final<|message|>`, are three): the engine still serves,
-        and a request with a constraint is refused, naming why (`init_request`)."""
+    def _gate_markers(self, name: str) -> GateMarkers | None:
+        """The parser's markers as token ids (gpt-oss's `<|channel|>final<|message|>` is
+        three); None when a marker has no reliable tokenization (`_marker_ids`): the
+        engine still serves, and a request with a constraint is refused, naming why
+        (`init_request`)."""
         parser = get_reasoning_parser(name)
-        vocab = self._load_tokenizer().get_vocab()
-        ids = [vocab.get(t) for t in (parser.start_token, parser.end_token)]
-        if None in ids:
+        tokenizer = self._load_tokenizer()
+        end_parts = parser.gate_end_parts or (parser.end_token, "")
+        texts = [parser.start_token, *end_parts, parser.gate_turn_start or ""]
+        ids = [_marker_ids(tokenizer, t) if t else () for t in texts]
+        if any(i is None for i in ids):
             self._no_gate = (
                 f"structured_outputs with --reasoning-parser {name}: the tokenizer has no "
-                f"single {parser.start_token!r} / {parser.end_token!r} tokens, so the engine "
+                f"{parser.start_token!r} / {parser.end_token!r} marker tokens, so the engine "
                 "cannot tell where the reasoning ends and the constrained answer starts "
                 "(not supported; --structured-outputs-config '{\"enable_in_reasoning\": "
                 "true}' constrains the whole output instead).")
             return None
-        return ids[0], ids[1], parser.starts_in_reasoning
+        starts_in = parser.gate_starts_in_reasoning
+        return GateMarkers(start=ids[0], end=ids[1], end_suffix=ids[2],
+                           end_gap=parser.gate_end_gap, turn_start=ids[3],
+                           starts_in_reasoning=(parser.starts_in_reasoning if starts_in is None
+                                                else starts_in))
 
     def warm_up(self) -> Future:
         """Start building the backend now (a served scheduler), not at the first request;
@@ -135,9 +161,8 @@ class StructuredOutputManager:
         else:
             self._compiled.move_to_end(key)
         gate = None
-        if self._reasoning is not None:
-            start_id, end_id, starts_in = self._reasoning
-            gate = ReasoningGate(start_id, end_id, starts_in, prompt_token_ids)
+        if self._markers is not None:
+            gate = ReasoningGate(self._markers, prompt_token_ids)
         return StructuredOutputRequest(params, key, future, gate)
 
     def check_ready(self, so_request: StructuredOutputRequest, eos_token_ids: Sequence[int],
@@ -174,7 +199,8 @@ class StructuredOutputManager:
         self.backend.fill_bitmasks([r.grammar for r in so_requests], bitmask)
         bits = bitmask.view(np.uint32)
         for row, r in enumerate(so_requests):
-            if r.may_open_reasoning:  # the answer may also open a thinking block
+            if r.may_open_reasoning:  # the answer may also open a thinking block (its
+                # marker's first token: the gate reads the rest as reasoning)
                 start = r.gate.start_id
                 bits[row, start // 32] |= np.uint32(1 << (start % 32))
         return bitmask

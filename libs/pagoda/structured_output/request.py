@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Sequence
 
 from pagoda.sampling_params import StructuredOutputsParams
@@ -16,26 +17,135 @@ class GateState(enum.Enum):
     ENDED = enum.auto()  # the answer proper: the grammar applies
 
 
+@dataclass(frozen=True)
+class GateMarkers:
+    """A reasoning parser's markers as token-id sequences (one token each for the
+    `<think>` families; several for gpt-oss's harmony headers).
+
+    The reasoning ends when `end` is followed by `end_suffix` with fewer than `end_gap`
+    tokens between them (empty suffix: at `end` itself). gpt-oss: `end` = `<|channel|>final`, `end_suffix` = `<|message|>`,
+    gap 20, so `<|channel|>final <|constrain|>json<|message|>` ends it too (vLLM's
+    GptOssReasoningParser.is_reasoning_end, `reasoning_max_num_between_tokens`).
+    `turn_start`: the prompt decides the start state only from its tokens after the last
+    one of these (harmony's `<|start|>`: a previous turn's final answer in a multi-turn
+    prompt does not count, vLLM's fix of the same bug); empty: the whole prompt.
+    """
+
+    start: tuple[int, ...]
+    end: tuple[int, ...]
+    starts_in_reasoning: bool
+    end_suffix: tuple[int, ...] = ()
+    end_gap: int = 0
+    turn_start: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.start or not self.end:
+            raise ValueError("reasoning markers must be at least one token each")
+
+
+def _ends_with(tokens: Sequence[int], end_at: int, marker: Sequence[int]) -> bool:
+    """Whether `tokens[:end_at + 1]` ends with `marker` (non-empty)."""
+    n = len(marker)
+    return end_at + 1 >= n and all(tokens[end_at - n + 1 + k] == marker[k] for k in range(n))
+
+
+class _EndMatcher:
+    """Token-by-token search for the end marker (its `end` part, then `end_suffix`
+    within the gap). Invariant: `_recent` holds the last tokens fed (enough for the
+    longest part) and `_since` counts the tokens after the latest `end` still waiting
+    for its suffix (None: none is)."""
+
+    def __init__(self, markers: GateMarkers) -> None:
+        self.m = markers
+        self._recent: list[int] = []
+        self._keep = max(len(markers.end), len(markers.end_suffix))
+        self._since: int | None = None
+
+    def feed(self, token_id: int) -> bool:
+        """True when this token completes the end marker."""
+        m, recent = self.m, self._recent
+        recent.append(token_id)
+        if len(recent) > self._keep:
+            del recent[0]
+        last = len(recent) - 1
+        if self._since is not None:
+            self._since += 1
+            between = self._since - len(m.end_suffix)
+            if between >= m.end_gap:
+                self._since = None
+            elif between >= 0 and _ends_with(recent, last, m.end_suffix):
+                self._since = None
+                return True
+        if _ends_with(recent, last, m.end):
+            if not m.end_suffix:
+                return True
+            self._since = 0  # the latest header: its suffix may follow
+        return False
+
+
+def _prompt_state(markers: GateMarkers, prompt_token_ids: Sequence[int],
+                  matcher: _EndMatcher) -> GateState | None:
+    """The state the prompt leaves: ENDED or REASONING after its last complete marker
+    (in the current turn), None without one. `matcher` is fed the turn's tokens, so an
+    end marker the prompt began (`<|channel|>final` prefilled) completes in the output,
+    as vLLM's search over prompt and output ids finds it."""
+    begin = 0
+    if markers.turn_start:
+        for i in range(len(prompt_token_ids) - 1, -1, -1):
+            if _ends_with(prompt_token_ids, i, markers.turn_start):
+                begin = i + 1
+                break
+    turn = prompt_token_ids[begin:]
+    if not markers.end_suffix and len(markers.start) == len(markers.end) == 1:
+        # One token each (the <think> families): the last marker token, found from the
+        # end (no pass over a long prompt).
+        start, end = markers.start[0], markers.end[0]
+        last = next((t for t in reversed(turn) if t in (start, end)), None)
+        return None if last is None else (GateState.ENDED if last == end else
+                                          GateState.REASONING)
+    state = None
+    for i, token_id in enumerate(turn):
+        if matcher.feed(token_id):
+            state = GateState.ENDED
+        elif _ends_with(turn, i, markers.start):
+            state = GateState.REASONING
+    return state
+
+
 class ReasoningGate:
     """Token-level twin of `pagoda.reasoning.ReasoningStream`: the grammar applies only
     to the tokens after the reasoning ends (vLLM's rule), and the marker tokens
     themselves are never fed to it.
 
-    The prompt decides the start: a prompt whose last marker is `end_id` (a template
-    that closed the block, Qwen3 with thinking off) starts ENDED; one whose last marker
-    is `start_id` starts REASONING; otherwise the parser's `starts_in_reasoning` says.
+    The prompt decides the start: a prompt (its current turn, `GateMarkers.turn_start`)
+    whose last complete marker is the end (a template that closed the block, Qwen3 with
+    thinking off; a harmony prompt prefilled up to `<|channel|>final<|message|>`) starts
+    ENDED; one whose last is the start starts REASONING; otherwise the parser's
+    `starts_in_reasoning` says (gpt-oss: True, so the grammar waits for the final header).
+
+    REASONING is everything before the end marker completes, whatever it holds: for
+    gpt-oss the analysis and commentary messages, and a partial end marker followed by
+    something else (vLLM's gpt-oss rule: the grammar starts after the first
+    `<|channel|>final...<|message|>` of the answer). UNDECIDED (the answer may open a
+    block) is decided by the first output token: the start marker's FIRST token opens the
+    reasoning (the bitmask lets only that token through besides the grammar's:
+    `StructuredOutputManager.grammar_bitmask`), any other token is the answer's first.
+    Every output token must be observed once, in order (the caller feeds each accepted
+    token once: preemption keeps them, migration replays them all from the first).
     """
 
-    def __init__(self, start_id: int, end_id: int, starts_in_reasoning: bool,
-                 prompt_token_ids: Sequence[int]) -> None:
-        self.start_id, self.end_id = start_id, end_id
-        last = next((t for t in reversed(prompt_token_ids) if t in (start_id, end_id)), None)
-        if last == end_id:
-            self.state = GateState.ENDED
-        elif last == start_id or starts_in_reasoning:
-            self.state = GateState.REASONING
-        else:
-            self.state = GateState.UNDECIDED
+    def __init__(self, markers: GateMarkers, prompt_token_ids: Sequence[int]) -> None:
+        self.markers = markers
+        self._end = _EndMatcher(markers)
+        state = _prompt_state(markers, prompt_token_ids, self._end)
+        if state is None:
+            state = GateState.REASONING if markers.starts_in_reasoning else GateState.UNDECIDED
+        self.state = state
+
+    @property
+    def start_id(self) -> int:
+        """The token that opens a thinking block from UNDECIDED."""
+        return self.markers.start[0]
 
     def observe(self, token_id: int) -> bool:
         """Move past one output token; True if it belongs to the answer (feed the grammar)."""
@@ -44,10 +154,11 @@ class ReasoningGate:
         if self.state == GateState.UNDECIDED:
             if token_id == self.start_id:
                 self.state = GateState.REASONING
+                self._end.feed(token_id)  # it may also begin the end marker (harmony's)
                 return False
             self.state = GateState.ENDED
             return True
-        if token_id == self.end_id:
+        if self._end.feed(token_id):
             self.state = GateState.ENDED
         return False
 

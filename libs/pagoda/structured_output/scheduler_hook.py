@@ -20,6 +20,17 @@ from pagoda.structured_output.manager import StructuredOutputManager
 logger = logging.getLogger("pagoda.core.scheduler")  # where these warnings always came from
 
 
+def grammar_stop_token_ids(request: Request) -> list[int]:
+    """The tokens that may end a complete answer: the model's EOS and the request's stop
+    token ids. vLLM's grammars end at the tokenizer's EOS, which on gpt-oss is
+    <|return|>; counting the stop tokens too lets a harmony chat (the gateway adds
+    <|return|>/<|call|> to its stop_token_ids) end its constrained final message with
+    <|return|> whatever the checkpoint names as EOS. A stop token is still allowed only
+    where the grammar accepts the answer, so the output always satisfies it."""
+    stop = request.sampling_params.stop_token_ids or []
+    return sorted({*request.eos_token_ids, *stop})
+
+
 class GrammarGate(SchedulerHook):
     """Invariant: a request with a constraint has a `structured_output_request`, and is
     admitted only once its grammar compiled (it then has a matcher). Without a manager
@@ -43,7 +54,8 @@ class GrammarGate(SchedulerHook):
         if request.status != RequestStatus.WAITING_FOR_GRAMMAR:
             return True
         error = self.manager.check_ready(
-            request.structured_output_request, request.eos_token_ids, request.output_token_ids)
+            request.structured_output_request, grammar_stop_token_ids(request),
+            request.output_token_ids)
         if error is not None:
             logger.warning("request %s: %s", request.request_id, error)
             request.finish_reason = FinishReason.ABORT
