@@ -5,6 +5,7 @@ compile once per constraint, failures contained, reasoning gate."""
 
 from __future__ import annotations
 
+import copy
 import random
 import re
 import threading
@@ -17,6 +18,7 @@ from pagoda.core.request import RequestStatus
 from pagoda.core.scheduler import Scheduler
 from pagoda.messages import EngineCoreRequest, FinishReason, ModelRunnerOutput
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
+from pagoda.tokenizer.harmony import CONTROL_TOKENS
 
 EOS = 2
 FREE_TOKEN = 7  # what the script "samples" for an unconstrained request
@@ -40,9 +42,10 @@ def allowed(bitmask_row: np.ndarray, vocab_size: int = 49152) -> np.ndarray:
     return np.flatnonzero(bits)
 
 
-def step(s, rng=None, pick=None):
+def step(s, rng=None, pick=None, raw_rows=False):
     """One step; constrained rows sample uniformly from their allowed tokens (EOS first
-    when allowed, so a finished grammar ends at once)."""
+    when allowed, so a finished grammar ends at once). `raw_rows`: `pick` gets the
+    packed bitmask row, not the allowed ids (a vocabulary larger than SmolLM2's)."""
     rng = rng or random.Random(0)
     so = s.schedule()
     if not so.total_num_scheduled_tokens:
@@ -56,7 +59,7 @@ def step(s, rng=None, pick=None):
         if req.num_computed_tokens < req.num_tokens:
             sampled.append([])
         elif rid in rows:
-            ok = allowed(rows[rid])
+            ok = rows[rid] if raw_rows else allowed(rows[rid])
             token = pick(rid, ok) if pick else (EOS if EOS in ok else int(rng.choice(list(ok))))
             sampled.append([token])
         else:
@@ -218,26 +221,30 @@ def test_a_complete_grammar_ends_the_request_even_with_ignore_eos(make_manager):
 
 
 # ---------------------------------------------------------------- reasoning gate
-def _gate_run(manager, tokenizer, prompt, script):
+def _gate_run(manager, prompt, script, stop_token_ids=(), prefer=EOS, vocab_size=49152):
     """Run one constrained request whose 'model' first emits `script` (token ids; each
-    must be allowed), then samples from its bitmask. Returns (output ids, whether each
-    step had a bitmask row)."""
+    must be allowed), then samples from its bitmask (`prefer` whenever allowed). Returns
+    (output ids, each step's allowed ids: None where the step had no bitmask row)."""
     s = make_scheduler(manager)
     s.add_request(EngineCoreRequest("r", prompt, SamplingParams(
-        max_tokens=40, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3}")), [EOS]))
+        max_tokens=40, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3}"),
+        stop_token_ids=list(stop_token_ids)), [EOS]))
     ready(manager, s)
-    masked, queue, rng = [], list(script), random.Random(0)
+    rows, queue, rng = [], list(script), random.Random(0)
 
     def pick(rid, ok):
-        masked.append(ok is not None)
+        rows.append(None if ok is None else set(allowed(ok, vocab_size)))
         if queue:
             token = queue.pop(0)
-            assert ok is None or token in ok
+            assert ok is None or token in rows[-1]
             return token
-        return EOS if EOS in ok else int(rng.choice(list(ok)))
+        for choice in (prefer, EOS):
+            if choice in rows[-1]:
+                return choice
+        return int(rng.choice(sorted(rows[-1])))
 
-    outs = run_to_end(s, pick=pick)["r"]
-    return [t for o in outs for t in o.new_token_ids], masked
+    outs = run_to_end(s, pick=pick, raw_rows=True)["r"]
+    return [t for o in outs for t in o.new_token_ids], rows
 
 
 def test_deepseek_r1_grammar_starts_after_the_reasoning_ends(make_manager, think_tokenizer):
@@ -246,7 +253,8 @@ def test_deepseek_r1_grammar_starts_after_the_reasoning_ends(make_manager, think
     vocab = think_tokenizer.get_vocab()
     end = vocab["</think>"]
     free = think_tokenizer.encode(" Hmm, 42!", add_special_tokens=False)
-    ids, masked = _gate_run(manager, think_tokenizer, [10, 11, 12], [*free, end])
+    ids, rows = _gate_run(manager, [10, 11, 12], [*free, end], vocab_size=49160)
+    masked = [row is not None for row in rows]
     # Free text while reasoning (no row), the end marker, then the grammar's answer.
     assert masked[:len(free) + 1] == [False] * (len(free) + 1) and all(masked[len(free) + 1:])
     answer = think_tokenizer.decode(ids[len(free) + 1:-1])
@@ -267,9 +275,9 @@ def test_qwen3_answer_without_thinking_is_constrained_from_the_first_token(make_
     assert start in first  # it may still open a thinking block ...
     assert len(first) > 1 and think_tokenizer.get_vocab()["</think>"] not in first
     # ... and a prompt that closed the block (thinking off) starts constrained, no escape.
-    ids, masked = _gate_run(manager, think_tokenizer,
-                            [10, start, think_tokenizer.get_vocab()["</think>"], 11], [])
-    assert all(masked) and re.fullmatch(r"[a-z]{3}", think_tokenizer.decode(ids[:-1]))
+    ids, rows = _gate_run(manager, [10, start, think_tokenizer.get_vocab()["</think>"], 11],
+                          [], vocab_size=49160)
+    assert all(row is not None for row in rows) and re.fullmatch(r"[a-z]{3}", think_tokenizer.decode(ids[:-1]))
 
 
 def test_aborting_a_request_whose_grammar_is_compiling(make_manager):
@@ -294,9 +302,9 @@ def test_aborting_a_request_whose_grammar_is_compiling(make_manager):
         release.set()
 
 
-def test_multi_token_reasoning_markers_start_up_and_refuse_constraints(make_manager):
-    """gpt-oss's markers (`<|channel|>final<|message|>`) are several tokens: the engine
-    starts (vLLM's gpt-oss recipe names --reasoning-parser gpt_oss) and a constrained
+def test_reasoning_markers_without_tokens_start_up_and_refuse_constraints(make_manager):
+    """gpt_oss's markers on a tokenizer without the harmony control tokens (SmolLM2's)
+    are plain text the model may spell any way: the engine starts and a constrained
     request is refused, naming why, instead of being constrained from the wrong token."""
     manager = make_manager(StructuredOutputsConfig(reasoning_parser="gpt_oss"))
     with pytest.raises(ValueError, match="cannot tell where the reasoning ends"):
@@ -304,3 +312,46 @@ def test_multi_token_reasoning_markers_start_up_and_refuse_constraints(make_mana
     # without a constraint nothing is asked of the gate
     assert make_manager(StructuredOutputsConfig(reasoning_parser="gpt_oss",
                                                 enable_in_reasoning=True)) is not None
+
+
+@pytest.fixture(scope="module")
+def harmony_tokenizer(smollm2_tokenizer):
+    """SmolLM2's tokenizer with the harmony control tokens as special tokens (as the
+    tiny gpt-oss checkpoint's: tests/model/architectures/test_gpt_oss.py)."""
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(CONTROL_TOKENS)})
+    return tokenizer
+
+
+def test_gpt_oss_grammar_applies_to_the_final_message_only(make_manager, harmony_tokenizer):
+    """A scripted harmony answer through the real xgrammar backend: a multi-turn prompt
+    (its previous final answer does not count), an analysis message and a final header
+    holding `<|constrain|>json` go unconstrained and unfed; the body obeys the grammar
+    and ends with <|return|>, a stop token of the request, allowed only once the body is
+    complete."""
+    tok = harmony_tokenizer
+    ids = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    manager = make_manager(StructuredOutputsConfig(reasoning_parser="gpt_oss"), tok, len(tok))
+    ret = tok.convert_tokens_to_ids("<|return|>")
+    prompt = ids("<|start|>user<|message|>Hi<|end|><|start|>assistant<|channel|>final"
+                 "<|message|>Hello<|end|><|start|>user<|message|>Again<|end|>"
+                 "<|start|>assistant")
+    script = ids("<|channel|>analysis<|message|>Think: 42, \"{!<|end|><|start|>assistant"
+                 "<|channel|>final <|constrain|>json<|message|>")
+    out, rows = _gate_run(manager, prompt, script, stop_token_ids=[ret], prefer=ret,
+                          vocab_size=len(tok))
+    n = len(script)
+    assert [row is not None for row in rows] == [False] * n + [True] * (len(rows) - n)
+    assert re.fullmatch(r"[a-z]{3}", tok.decode(out[n:-1])) and out[-1] == ret
+    assert all(ret not in row for row in rows[n:-1])  # only a complete body may end
+
+
+def test_gpt_oss_prompt_prefilled_to_the_final_header_is_constrained_at_once(
+        make_manager, harmony_tokenizer):
+    tok = harmony_tokenizer
+    manager = make_manager(StructuredOutputsConfig(reasoning_parser="gpt_oss"), tok, len(tok))
+    prompt = tok.encode("<|start|>assistant<|channel|>final<|message|>",
+                        add_special_tokens=False)
+    out, rows = _gate_run(manager, prompt, [], vocab_size=len(tok))
+    assert all(row is not None for row in rows)
+    assert re.fullmatch(r"[a-z]{3}", tok.decode(out[:-1])) and out[-1] == EOS
