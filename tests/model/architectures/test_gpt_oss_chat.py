@@ -22,6 +22,7 @@ from shared_clusters import PLAIN_TINY_FLAGS
 from test_gpt_oss import save_gpt_oss_chat
 
 from pagoda import LLM, SamplingParams
+from pagoda.sampling_params import StructuredOutputsParams
 from pagoda.services.cli.main import main
 from pagoda.tokenizer.harmony import encode_harmony, harmony_segments
 from pagoda.tokenizer.loader import load_tokenizer
@@ -166,3 +167,35 @@ def stream(client, ask) -> tuple[str, str, list[str]]:
         reasoning.append((delta.model_extra or {}).get("reasoning") or "")
         names += [c.function.name for c in delta.tool_calls or [] if c.function.name]
     return "".join(content), "".join(reasoning), names
+
+
+def test_structured_output_applies_to_the_final_message(tmp_path, smollm2_tokenizer):
+    """`--reasoning-parser gpt_oss` with a constraint (vLLM's gpt-oss recipe): the grammar
+    waits for the final channel's header. The random model is led through its last token
+    by a logit bias (the prompt ends `<|channel|>final`): the body after `<|message|>`
+    is one of the choices and ends with <|return|> (a stop token of the request, which
+    the grammar allows once the body is complete). Without the header, the answer is the
+    unconstrained one, token for token."""
+    path = save_gpt_oss_chat(tmp_path, smollm2_tokenizer)
+    tokenizer = load_tokenizer(path)
+    llm = LLM(model=path, dtype="float32", block_size=16, num_gpu_blocks_override=64,
+              reasoning_parser="gpt_oss")
+    chat = expected_ids(tokenizer, [{"role": "user", "content": "Yes or no?"}])
+    message, ret = tokenizer.convert_tokens_to_ids(["<|message|>", "<|return|>"])
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    params = SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[ret],
+                            logit_bias={message: 100.0, ret: 50.0}, structured_outputs=choice)
+    header = chat + tokenizer.encode("<|channel|>final", add_special_tokens=False)
+    out = llm.generate({"prompt_token_ids": header}, params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[0] == message and out.token_ids[-1] == ret
+    assert tokenizer.decode(out.token_ids[1:-1]) in ("yes", "no")
+    assert out.finish_reason == "stop"
+
+    free = SamplingParams(max_tokens=8, temperature=0.0)
+    unconstrained = llm.generate({"prompt_token_ids": chat}, free,
+                                 use_tqdm=False)[0].outputs[0].token_ids
+    gated = llm.generate({"prompt_token_ids": chat}, SamplingParams(
+        max_tokens=8, temperature=0.0, structured_outputs=choice),
+        use_tqdm=False)[0].outputs[0].token_ids
+    assert "<|channel|>final" not in tokenizer.decode(unconstrained, skip_special_tokens=False)
+    assert gated == unconstrained
