@@ -355,3 +355,28 @@ def test_gpt_oss_prompt_prefilled_to_the_final_header_is_constrained_at_once(
     out, rows = _gate_run(manager, prompt, [], vocab_size=len(tok))
     assert all(row is not None for row in rows)
     assert re.fullmatch(r"[a-z]{3}", tok.decode(out[:-1])) and out[-1] == EOS
+
+
+def test_gpt_oss_resumed_request_replays_its_output_through_the_gate(make_manager,
+                                                                     harmony_tokenizer):
+    """A request resumed with tokens generated elsewhere (migration, or a grammar that
+    became ready after them): every output token goes through the gate in order, so
+    the reasoning and the final header are skipped and only the body reaches the
+    matcher; a body outside the grammar is reported."""
+    tok = harmony_tokenizer
+    ids = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    manager = make_manager(StructuredOutputsConfig(reasoning_parser="gpt_oss"), tok, len(tok))
+    prompt = ids("<|start|>user<|message|>Hi<|end|><|start|>assistant")
+    header = ids("<|channel|>analysis<|message|>1, 2!<|end|><|start|>assistant"
+                 "<|channel|>final<|message|>")
+    constraint = StructuredOutputsParams(regex=r"[a-z]{3}")
+    so_request = manager.init_request(constraint, prompt)
+    so_request.future.result(timeout=60)
+    body = ids("ab")
+    assert manager.check_ready(so_request, [EOS], [*header, *body]) is None
+    assert so_request.num_processed == len(header) + len(body)
+    row = set(allowed(manager.grammar_bitmask([so_request])[0], len(tok)))
+    assert ids("c")[0] in row and EOS not in row  # one letter still owed
+    bad = manager.init_request(constraint, prompt)
+    bad.future.result(timeout=60)
+    assert "do not match" in manager.check_ready(bad, [EOS], [*header, *ids("a1")])
