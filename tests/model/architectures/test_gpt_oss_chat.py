@@ -134,11 +134,12 @@ def test_served_chat_renders_harmony_and_parses(tmp_path, smollm2_tokenizer, sha
         assert reply.status_code == 400, reply.text
         error = reply.json()["error"]
         assert error["code"] == 400 and "tool_call_id 'call_9'" in error["message"], error
-        # a constraint cannot be gated on gpt-oss's multi-token markers: refused, said why
+        # a constraint waits for the final channel's header, which the random model never
+        # writes: the answer is the unconstrained one (vLLM's gpt-oss rule)
         constrained = httpx.post(f"{serve.url}/chat/completions", timeout=60, json={
             **ask, "response_format": {"type": "json_object"}})
-        assert constrained.status_code == 400, constrained.text
-        assert "cannot tell where the reasoning ends" in constrained.json()["error"]["message"]
+        assert constrained.status_code == 200, constrained.text
+        assert constrained.json()["choices"][0]["message"]["content"] == message.content
         assert client.chat.completions.create(**ask).choices[0].finish_reason
     except BaseException:
         print("".join(serve.log[-80:]), file=sys.stderr)  # the cluster's account
