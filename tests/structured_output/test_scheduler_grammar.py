@@ -277,7 +277,8 @@ def test_qwen3_answer_without_thinking_is_constrained_from_the_first_token(make_
     # ... and a prompt that closed the block (thinking off) starts constrained, no escape.
     ids, rows = _gate_run(manager, [10, start, think_tokenizer.get_vocab()["</think>"], 11],
                           [], vocab_size=49160)
-    assert all(row is not None for row in rows) and re.fullmatch(r"[a-z]{3}", think_tokenizer.decode(ids[:-1]))
+    assert all(row is not None for row in rows)
+    assert re.fullmatch(r"[a-z]{3}", think_tokenizer.decode(ids[:-1]))
 
 
 def test_aborting_a_request_whose_grammar_is_compiling(make_manager):

@@ -23,8 +23,9 @@ class GateMarkers:
     `<think>` families; several for gpt-oss's harmony headers).
 
     The reasoning ends when `end` is followed by `end_suffix` with fewer than `end_gap`
-    tokens between them (empty suffix: at `end` itself). gpt-oss: `end` = `<|channel|>final`, `end_suffix` = `<|message|>`,
-    gap 20, so `<|channel|>final <|constrain|>json<|message|>` ends it too (vLLM's
+    tokens between them (empty suffix: at `end` itself). gpt-oss: `end` is
+    `<|channel|>final`, `end_suffix` `<|message|>`, gap 20, so
+    `<|channel|>final <|constrain|>json<|message|>` ends it too (vLLM's
     GptOssReasoningParser.is_reasoning_end, `reasoning_max_num_between_tokens`).
     `turn_start`: the prompt decides the start state only from its tokens after the last
     one of these (harmony's `<|start|>`: a previous turn's final answer in a multi-turn
