@@ -137,9 +137,9 @@ def build_servicer(model: str | None, tokenizer_path: str | None = None,
                    chat_template: str | None = None, revision: str | None = None,
                    tokenizer_revision: str | None = None, download_dir: str | None = None,
                    prefix_caching_hash_algo: str = DEFAULT_HASH_ALGO):
-    # lazy: the model and tokenizer loaders bring torch and transformers; the CLI imports this
-    # module for its flags
-    from pagoda.model.loader import load_arch_config, resolve_model_path
+    # lazy: the tokenizer loader brings transformers; the CLI imports this module for its
+    # flags. Neither brings torch for a GGUF (seconds of CPU per replica at a start).
+    from pagoda.model.model_path import eos_token_ids, resolve_model_path
     from pagoda.tokenizer.loader import load_tokenizer, resolve_tokenizer_path
 
     # A hub id: only its config and tokenizer files, never the weights.
@@ -149,7 +149,7 @@ def build_servicer(model: str | None, tokenizer_path: str | None = None,
                                                 download_dir)
     tokenizer = load_tokenizer(tokenizer_path or model_path)
     use_chat_template(tokenizer, chat_template)
-    eos = load_arch_config(model_path).eos_token_ids
+    eos = eos_token_ids(model_path)
     if not eos and tokenizer.eos_token_id is not None:
         eos = [tokenizer.eos_token_id]
     logger.info("tokenizer of %s loaded (vocab %d)", model_path, len(tokenizer))
