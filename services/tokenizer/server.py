@@ -76,7 +76,7 @@ def media_flags(args: argparse.Namespace) -> list[str]:
 def build_media(servicer, args: argparse.Namespace) -> None:
     """Attach the cluster's processor (None for a text-only model: media are refused)."""
     # lazy: the processor and media loaders bring PIL and transformers' image processors
-    from pagoda.model.loader import load_arch_config
+    from pagoda.model.model_path import load_arch_config
     from pagoda.multimodal.media import MediaLimits
     from pagoda.multimodal.processing import load_mm_processor, parse_limit_mm_per_prompt
     from pagoda.services.tokenizer.media_prompt import MediaPreprocessor
@@ -88,8 +88,10 @@ def build_media(servicer, args: argparse.Namespace) -> None:
     processor = None
     if os.path.isdir(servicer.model):
         processor = load_mm_processor(servicer.model, servicer.tokenizer)
-    architecture = load_arch_config(servicer.model).architecture if processor is None else \
-        processor.architecture
+    # A text-only model's architecture only names it when media are refused: looked up
+    # then (MediaPreprocessor.architecture), not at every start.
+    architecture = processor.architecture if processor is not None else \
+        (lambda: load_arch_config(servicer.model).architecture)
     limits = MediaLimits.from_flags(args.allowed_media_domains, args.allowed_local_media_path)
     servicer.media = MediaPreprocessor(processor, architecture, servicer.model, limits, limit,
                                        args.mm_processor_cache_gb,

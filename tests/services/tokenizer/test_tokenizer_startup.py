@@ -12,14 +12,22 @@ from pagoda.model.model_path import eos_token_ids
 
 
 def test_the_default_models_tokenizer_service_builds_without_torch():
-    code = ("import sys; from pagoda.services.tokenizer.server import build_servicer; "
-            "s = build_servicer(None); s.tokenizer.encode('Hello'); "
+    """What `pagoda tokenizer` builds before it serves (the tokenizer, the media
+    preprocessor): no torch; a text-only model's architecture, which only its refusal
+    of media names, is looked up when media come."""
+    code = ("import sys; from pagoda.services.cli.main import build_parser; "
+            "from pagoda.services.tokenizer.server import build_media, build_servicer; "
+            "args = build_parser('tokenizer').parse_args(['tokenizer']); "
+            "s = build_servicer(None); build_media(s, args); s.tokenizer.encode('Hello'); "
             "print(s.eos_token_ids, sorted(m for m in ('torch', 'transformers.models') "
-            "if m in sys.modules))")
+            "if m in sys.modules)); "
+            "print(s.media.architecture)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().endswith("[]"), out.stdout
+    before, architecture = out.stdout.strip().splitlines()
+    assert before.endswith("[]"), out.stdout
+    assert architecture == "LlamaForCausalLM"
 
 
 def test_a_ggufs_eos_ids_from_its_metadata_equal_the_engines(smollm2_gguf_path,
