@@ -39,6 +39,13 @@ def _positive_float(value: str) -> float:
     return number
 
 
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise ValueError(f"must be at least 1, got {value}")
+    return number
+
+
 VARIABLES = {v.name: v for v in [
     EnvVar("PAGODA_API_KEY", "VLLM_API_KEY", str, None,
            "API key the gateway requires (`Authorization: Bearer KEY`); --api-key overrides."),
@@ -66,6 +73,11 @@ VARIABLES = {v.name: v for v in [
            "0: bf16 linear layers on the CPU keep their plain weights (F.linear) instead of "
            "oneDNN-prepacked ones (same results; the prepacked product skips a per-call "
            "re-layout of the weight)."),
+    EnvVar("PAGODA_LOAD_THREADS", None, _positive_int, None,
+           "At most this many torch threads load the model (dequantizing, casting, GGUF "
+           "int4 packing; unset: torch's count). `pagoda serve` sets it for its "
+           "gpu-workers to the cores its other services leave at start-up (1 on 2 cores): "
+           "threads that spin between regions take the cores the others start on."),
     EnvVar("PAGODA_GENERATE_STREAM", None, _bool, True,
            "0: the gateway sends each request to its scheduler replica as its own Generate "
            "call instead of over one multiplexed GenerateStream per replica (for comparing "

@@ -198,6 +198,19 @@ LIGHT_SERVICE_THREADS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                              "RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+def worker_load_env(other_services: int, workers: int) -> dict[str, str]:
+    """The gpu-workers' PAGODA_LOAD_THREADS (pagoda.worker.load_threads): the cores the
+    `other_services` starting beside them leave, shared among the `workers` (at least
+    one each); nothing when the operator set the variable."""
+    if os.environ.get("PAGODA_LOAD_THREADS"):
+        return {}
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return {"PAGODA_LOAD_THREADS": str(max(1, (cores - other_services) // max(workers, 1)))}
+
+
 def build_services(args: argparse.Namespace, redis_url: str,
                    redis_password: str | None = None,
                    supervisor_metrics: str | None = None) -> list[ServiceProcess]:
@@ -238,9 +251,13 @@ def build_services(args: argparse.Namespace, redis_url: str,
     def cmd(kind: str, *extra: str) -> list[str]:
         return [sys.executable, "-m", "pagoda.services.cli.main", kind, *extra]
 
+    # Every service starts at once: the workers' loads share the cores with the others'
+    # start-ups (a worker gets torch's own thread count back once it has loaded).
+    load_env = worker_load_env(len(tokenizers) + 2 + len(replicas), len(replicas))
+
     def grpc_service(kind: str, name: str, *extra: str, replica: int | None = None,
                      env: dict[str, str] | None = None) -> ServiceProcess:
-        light = {} if kind == "gpu-worker" else LIGHT_SERVICE_THREADS_ENV
+        light = load_env if kind == "gpu-worker" else LIGHT_SERVICE_THREADS_ENV
         return ServiceProcess(name, cmd(kind, "--host", loopback, "--port", str(ports[name]),
                                         "--metrics-port", metrics_addr[name].split(":")[1],
                                         *observe, *extra), addr[name], kind=kind,

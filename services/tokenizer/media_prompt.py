@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import io
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -45,13 +45,13 @@ class LockedProcessorCache(ProcessorCache):
 class MediaPreprocessor:
     """Loads media and runs the model's processor. `processor` None: a text-only model."""
 
-    def __init__(self, processor: Any, architecture: str, model: str,
+    def __init__(self, processor: Any, architecture: str | Callable[[], str], model: str,
                  limits: MediaLimits | None = None,
                  limit_mm_per_prompt: Mapping[str, int] | None = None,
                  cache_gb: float = 4.0,
                  default_kwargs: Mapping[str, Any] | None = None) -> None:
         self.processor = processor
-        self.architecture = architecture
+        self._architecture = architecture
         self.model = model
         self.limit_mm_per_prompt = dict(limit_mm_per_prompt or {})
         # --mm-processor-kwargs, under each request's own (the offline LLM's merge, so
@@ -63,6 +63,15 @@ class MediaPreprocessor:
         self.cache = LockedProcessorCache(capacity) if capacity and processor else None
         self._pool = ThreadPoolExecutor(envs.get("PAGODA_MEDIA_LOADING_THREAD_COUNT"),
                                         thread_name_prefix="media")
+
+    @property
+    def architecture(self) -> str:
+        """The model's architecture; given as a callable (a text-only model's, named only
+        in its refusal of media), looked up on first use: the lookup imports every model
+        class and torch, seconds of CPU a tokenizer replica would spend at start-up."""
+        if callable(self._architecture):
+            self._architecture = self._architecture()
+        return self._architecture
 
     def process(self, prompt: str, media: Sequence[pb.MediaInput],
                 mm_processor_kwargs: Mapping[str, Any] | None, add_special_tokens: bool

@@ -78,7 +78,7 @@ def media_flags(args: argparse.Namespace) -> list[str]:
 def build_media(servicer, args: argparse.Namespace) -> None:
     """Attach the cluster's processor (None for a text-only model: media are refused)."""
     # lazy: the processor and media loaders bring PIL and transformers' image processors
-    from pagoda.model.loader import load_arch_config
+    from pagoda.model.model_path import load_arch_config
     from pagoda.multimodal.media import MediaLimits
     from pagoda.multimodal.processing import load_mm_processor, parse_limit_mm_per_prompt
     from pagoda.services.tokenizer.media_prompt import MediaPreprocessor
@@ -90,8 +90,10 @@ def build_media(servicer, args: argparse.Namespace) -> None:
     processor = None
     if os.path.isdir(servicer.model):
         processor = load_mm_processor(servicer.model, servicer.tokenizer)
-    architecture = load_arch_config(servicer.model).architecture if processor is None else \
-        processor.architecture
+    # A text-only model's architecture only names it when media are refused: looked up
+    # then (MediaPreprocessor.architecture), not at every start.
+    architecture = processor.architecture if processor is not None else \
+        (lambda: load_arch_config(servicer.model).architecture)
     limits = MediaLimits.from_flags(args.allowed_media_domains, args.allowed_local_media_path)
     servicer.media = MediaPreprocessor(processor, architecture, servicer.model, limits, limit,
                                        args.mm_processor_cache_gb,
@@ -139,9 +141,9 @@ def build_servicer(model: str | None, tokenizer_path: str | None = None,
                    chat_template: str | None = None, revision: str | None = None,
                    tokenizer_revision: str | None = None, download_dir: str | None = None,
                    prefix_caching_hash_algo: str = DEFAULT_HASH_ALGO):
-    # lazy: the model and tokenizer loaders bring torch and transformers; the CLI imports this
-    # module for its flags
-    from pagoda.model.loader import load_arch_config, resolve_model_path
+    # lazy: the tokenizer loader brings transformers; the CLI imports this module for its
+    # flags. Neither brings torch for a GGUF (seconds of CPU per replica at a start).
+    from pagoda.model.model_path import config_architecture, eos_token_ids, resolve_model_path
     from pagoda.tokenizer.loader import load_tokenizer, resolve_tokenizer_path
 
     # A hub id: only its config and tokenizer files, never the weights.
@@ -151,18 +153,17 @@ def build_servicer(model: str | None, tokenizer_path: str | None = None,
                                                 download_dir)
     tokenizer = load_tokenizer(tokenizer_path or model_path)
     use_chat_template(tokenizer, chat_template)
-    arch = load_arch_config(model_path)
-    eos = arch.eos_token_ids
+    eos = eos_token_ids(model_path)
     if not eos and tokenizer.eos_token_id is not None:
         eos = [tokenizer.eos_token_id]
     logger.info("tokenizer of %s loaded (vocab %d)", model_path, len(tokenizer))
     servicer = TokenizerServicer(tokenizer, model_path, eos, prefix_hash_seed,
                                  prefix_caching_hash_algo)
-    servicer.harmony = use_harmony(arch.architecture, tokenizer, chat_template)
+    servicer.harmony = use_harmony(config_architecture(model_path), tokenizer, chat_template)
     return servicer
 
 
-def use_harmony(architecture: str, tokenizer, chat_template: str | None) -> bool:
+def use_harmony(architecture: str | None, tokenizer, chat_template: str | None) -> bool:
     """Whether chats render in the harmony format (gpt-oss, as vLLM does: its chat
     template, and --chat-template, are not used). A tokenizer without the harmony
     control tokens still serves completions; its chats are refused (400) naming them."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import transformers
@@ -31,7 +33,7 @@ def conversions(monkeypatch):
             calls.append(path)
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(gguf_cache.AutoTokenizer, "from_pretrained", counting)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", counting)
     return calls
 
 
@@ -73,3 +75,23 @@ def test_an_unwritable_cache_still_gives_the_tokenizer(tmp_path, monkeypatch, sm
     blocker.write_text("not a directory")
     monkeypatch.setenv("PAGODA_CACHE_DIR", str(blocker))
     assert gguf_cache.load_gguf_tokenizer(smollm2_gguf_path).encode("Hello world")
+
+
+def test_an_entry_read_with_the_fast_class_equals_autotokenizers(cache, smollm2_gguf_path):
+    """A stored conversion is read with PreTrainedTokenizerFast itself, skipping
+    AutoTokenizer (its model registry, and torch): the same class, arguments, rules."""
+    gguf_cache.load_gguf_tokenizer(smollm2_gguf_path)  # stores the entry
+    entry = str(gguf_cache.entry_dir(smollm2_gguf_path))
+    direct = gguf_cache.load_gguf_tokenizer(smollm2_gguf_path)
+    auto = transformers.AutoTokenizer.from_pretrained(entry)
+    assert type(direct) is type(auto)
+    assert direct.init_kwargs == auto.init_kwargs
+    assert direct.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
+    assert direct.chat_template == auto.chat_template and same(direct, auto)
+    code = ("import sys; from pagoda.tokenizer.gguf_cache import load_gguf_tokenizer; "
+            f"load_gguf_tokenizer({smollm2_gguf_path!r}); "
+            "print(sorted(m for m in ('torch', 'transformers.models') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PAGODA_CACHE_DIR": str(cache)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

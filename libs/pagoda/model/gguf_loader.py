@@ -16,7 +16,6 @@ import struct
 from collections.abc import Callable, Iterator
 
 import numpy as np
-import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
@@ -24,7 +23,7 @@ from pagoda.config import ModelArchConfig
 from pagoda.model.arch_spec import GGUFLayout, ModelArchitecture
 from pagoda.model.gguf_metadata import GGUFMetadata
 from pagoda.model.registry import MODEL_REGISTRY
-from pagoda.model.rotary import normalize_rope_scaling
+from pagoda.model.rope_scaling import normalize_rope_scaling
 
 # Llama 3 rope scaling as per-frequency divisors (read into the config, not the model).
 _ROPE_FREQS = "rope_freqs.weight"
@@ -77,6 +76,10 @@ def iter_gguf_weights(path: str, arch: ModelArchConfig,
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, fp32 tensor) for every weight of the file (that `include`
     accepts: the rest are never dequantized), one at a time."""
+    # lazy: reading a GGUF's architecture (arch_config_from_gguf, the tokenizer
+    # service's) needs no torch, seconds of CPU at a cluster's start
+    import torch
+
     reader = gguf_metadata(path)
     _, layout = resolve_gguf_architecture(reader, path)
     permuted = layout.rotary_rows_permuted
@@ -124,6 +127,13 @@ def _eos_token_ids(reader: GGUFReader) -> int | list[int] | None:
     if not ids:
         return None
     return ids[0] if len(ids) == 1 else ids
+
+
+def gguf_eos_token_ids(path: str) -> list[int]:
+    """`arch_config_from_gguf(path).eos_token_ids` from the metadata alone: no
+    architecture lookup (the registry imports every model class, and torch)."""
+    ids = _eos_token_ids(gguf_metadata(path))
+    return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
 
 
 def arch_config_from_gguf(path: str) -> ModelArchConfig:

@@ -16,7 +16,7 @@ import os
 from pagoda.config import (FULL_ATTENTION, SLIDING_ATTENTION, ModelArchConfig,
                            SlidingWindowConfig)
 from pagoda.model.registry import MODEL_REGISTRY
-from pagoda.model.rotary import normalize_rope_scaling
+from pagoda.model.rope_scaling import normalize_rope_scaling
 
 
 def _read_json(path: str) -> dict:

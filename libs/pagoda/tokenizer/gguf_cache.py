@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -27,13 +28,19 @@ from pathlib import Path
 
 import tokenizers
 import transformers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from pagoda.kernels.cache_dir import cache_root
 
 logger = logging.getLogger(__name__)
 # Written last into an entry: an entry without it is not one (a copy from elsewhere).
 _COMPLETE = "pagoda-converted-from-gguf"
+# The classes an entry's tokenizer_config.json may name that `PreTrainedTokenizerFast`
+# is (transformers 5 calls it TokenizersBackend): such an entry is read with it
+# directly. AutoTokenizer would pick the same class with the same arguments, after
+# importing transformers' model registry and torch (~1.5 s of CPU per process, in
+# each tokenizer replica at a cluster's start).
+_FAST_CLASS_NAMES = {"PreTrainedTokenizerFast", PreTrainedTokenizerFast.__name__}
 
 
 def entry_dir(gguf_path: str) -> Path:
@@ -51,16 +58,30 @@ def load_gguf_tokenizer(gguf_path: str) -> PreTrainedTokenizerBase:
     try:
         entry = entry_dir(gguf_path)
         if (entry / _COMPLETE).exists():
-            return AutoTokenizer.from_pretrained(str(entry))
+            return _read_entry(entry)
     except Exception as exc:  # noqa: BLE001 - a bad entry costs the conversion, no more
         logger.warning("the cached tokenizer of %s could not be read (%s); converting it "
                        "again", gguf_path, exc)
         entry = None
+    from transformers import AutoTokenizer  # lazy: see _FAST_CLASS_NAMES
+
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
                                               gguf_file=os.path.basename(gguf_path))
     if entry is not None:
         _store(tokenizer, entry)
     return tokenizer
+
+
+def _read_entry(entry: Path) -> PreTrainedTokenizerBase:
+    """A stored conversion: with the fast class itself when the entry names it, else
+    (another class) through AutoTokenizer."""
+    with open(entry / "tokenizer_config.json", encoding="utf-8") as f:
+        class_name = json.load(f).get("tokenizer_class")
+    if class_name in _FAST_CLASS_NAMES:
+        return PreTrainedTokenizerFast.from_pretrained(str(entry))
+    from transformers import AutoTokenizer  # lazy: see _FAST_CLASS_NAMES
+
+    return AutoTokenizer.from_pretrained(str(entry))
 
 
 def _store(tokenizer: PreTrainedTokenizerBase, entry: Path) -> None:

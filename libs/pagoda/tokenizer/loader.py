@@ -5,12 +5,14 @@ from __future__ import annotations
 import functools
 import glob
 import os
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from pagoda.model.hub import download, is_hub_id
-from pagoda.model.loader import default_model_path
+from pagoda.model.model_path import default_model_path
 from pagoda.tokenizer.gguf_cache import load_gguf_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -47,6 +49,9 @@ def _load(path: str) -> PreTrainedTokenizerBase:
         # Rebuilding a tokenizer from GGUF metadata takes seconds: converted once per
         # machine (gguf_cache.py), and once per process here.
         return load_gguf_tokenizer(path)
+    # lazy: AutoTokenizer imports transformers' model registry and, through it, torch
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(path)
 
 

@@ -34,6 +34,7 @@ from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.draft_model import DraftModelRunner
 from pagoda.spec_decode.mtp import MTPProposer
 from pagoda.worker import cpu_allocator
+from pagoda.worker.load_threads import load_threads
 from pagoda.worker.cuda_graphs import DecodeCUDAGraphs, cuda_graph_sizes
 from pagoda.worker.encoder_cache import EncoderCache
 from pagoda.worker.host_kv_tier import (HostKVTier, has_tier_ops, host_tier_slots,
@@ -91,16 +92,17 @@ class ModelRunner:
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
         torch.manual_seed(self.config.seed)
-        if self.device.type == "cpu":
-            cpu_allocator.tune()
-            cpu_kernels.available()  # builds the fused kernels now, not in the first step
-        self.model = load_model(self.config.model, self.config.arch, self.dtype, self.device,
-                                self.parallel, self.config.runner)
         pack_bf16 = cpu_packed_weights.applies(self.device, self.dtype)
-        if self.config.gguf_int4:
-            gguf_int4.pack_small_batch_int4(
-                self.model, gguf_int4.gguf_4bit_parts(self.config.model)[1],
-                gguf_int4.MAX_INT4_ROWS_PACKED if pack_bf16 else gguf_int4.MAX_INT4_ROWS)
+        with load_threads():  # bit-equal weights whatever the count (load_threads.py)
+            if self.device.type == "cpu":
+                cpu_allocator.tune()
+                cpu_kernels.available()  # builds the fused kernels now, not in the first step
+            self.model = load_model(self.config.model, self.config.arch, self.dtype,
+                                    self.device, self.parallel, self.config.runner)
+            if self.config.gguf_int4:
+                gguf_int4.pack_small_batch_int4(
+                    self.model, gguf_int4.gguf_4bit_parts(self.config.model)[1],
+                    gguf_int4.MAX_INT4_ROWS_PACKED if pack_bf16 else gguf_int4.MAX_INT4_ROWS)
         if pack_bf16:
             prepack_cpu_weights.pack_linear_weights(self.model)
         if self.config.batch_invariant:

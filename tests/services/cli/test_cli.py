@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 
@@ -91,6 +92,25 @@ def test_serve_gives_the_worker_the_cores_and_the_small_services_one_thread():
     for name in ("gateway", "tokenizer-0", "tokenizer-1", "scheduler", "kv-cache-manager"):
         assert services[name].env["OMP_NUM_THREADS"] == "1", name
     assert "--batch-invariant" in services["gpu-worker"].argv  # reaches the worker's engine
+
+
+def test_serve_loads_the_workers_with_the_cores_the_others_leave(monkeypatch):
+    """Every service starts at once: the workers' loads get the cores the six others
+    (two tokenizers, two schedulers, kv-cache-manager, gateway) leave, at least one,
+    shared among the workers; an operator's PAGODA_LOAD_THREADS is left alone."""
+    monkeypatch.delenv("PAGODA_LOAD_THREADS", raising=False)
+    args = subparser("serve").parse_args(["/models/m", "--data-parallel-size", "2"])
+    for cores, each in ((2, "1"), (8, "1"), (15, "4"), (64, "29")):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        services = build_services(args, "redis://127.0.0.1:1/0")
+        workers = [s for s in services if s.kind == "gpu-worker"]
+        assert len(workers) == 2
+        assert all(w.env["PAGODA_LOAD_THREADS"] == each for w in workers), cores
+        assert all("PAGODA_LOAD_THREADS" not in s.env for s in services
+                   if s.kind != "gpu-worker")
+    monkeypatch.setenv("PAGODA_LOAD_THREADS", "3")
+    assert all("PAGODA_LOAD_THREADS" not in s.env
+               for s in build_services(args, "redis://127.0.0.1:1/0"))
 
 
 @pytest.mark.parametrize("service", ["gateway", "tokenizer", "scheduler", "kv-cache-manager",
