@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import torch
 
-from pagoda import envs
+import pagoda.envs as envs  # the module, not the package: `pagoda` imports LLM, which loads workers
 
 logger = logging.getLogger(__name__)
 
