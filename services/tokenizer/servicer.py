@@ -103,7 +103,7 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         kwargs = (json_object_from_proto(chat.mm_processor_kwargs)
                   if chat.HasField("mm_processor_kwargs") else None)
         processed = self.media.process(prompt, chat.media, kwargs, request.add_special_tokens)
-        tokenizer_metrics().tokens.labels("Tokenize").inc(len(processed.prompt_token_ids))
+        tokenizer_metrics().tokens_of["Tokenize"].inc(len(processed.prompt_token_ids))
         return prompt, processed.prompt_token_ids, processed.mm_features
 
     def _encode(self, request: pb.TokenizeRequest) -> tuple[str, list[int], list[int]]:
@@ -137,7 +137,7 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         else:
             prompt = request.prompt
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
-        tokenizer_metrics().tokens.labels("Tokenize").inc(len(token_ids))
+        tokenizer_metrics().tokens_of["Tokenize"].inc(len(token_ids))
         return prompt, token_ids, token_type_ids
 
     def _encode_harmony(self, request: pb.TokenizeRequest) -> tuple[str, list[int]]:
@@ -168,7 +168,7 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
                      context: grpc.ServicerContext) -> Iterator[pb.DecodeStreamResponse]:
         decoders: dict[str, StopAwareDecoder] = {}
         metrics = tokenizer_metrics()
-        tokens = metrics.tokens.labels("DecodeStream")
+        tokens = metrics.tokens_of["DecodeStream"]
         for request in request_iterator:
             response = pb.DecodeStreamResponse()
             with metrics.time("DecodeStream"):
