@@ -91,7 +91,8 @@ class IncrementalDetokenizer:
         # ends in U+FFFD for no context at all, so such a prompt keeps the Python window.
         self._stream = None
         if native and plan.native and not prefix.endswith(REPLACEMENT_CHAR):
-            self._stream = DecodeStream(ids=self._window_ids, skip_special_tokens=skip_special_tokens)
+            self._stream = DecodeStream(ids=self._window_ids,
+                                        skip_special_tokens=skip_special_tokens)
             self._byte_ids = plan.byte_ids
             # The stream's window, as the Python window holds it: the context chunk
             # (emitted) and the pending ids (held), skipped specials included.
