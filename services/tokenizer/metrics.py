@@ -34,9 +34,10 @@ class TokenizerMetrics:
                                  buckets=LATENCY_BUCKETS, registry=registry)
         self.tokens = Counter("pagoda_tokenizer_tokens", "Tokens encoded or decoded.",
                               ["operation"], registry=registry)
-        for op in OPERATIONS:
-            self.latency.labels(op)
-            self.tokens.labels(op)
+        # Each operation's children, looked up once: `labels()` costs a lock and a dict
+        # lookup per call, a visible share of a short request's Tokenize.
+        self.latency_of = {op: self.latency.labels(op) for op in OPERATIONS}
+        self.tokens_of = {op: self.tokens.labels(op) for op in OPERATIONS}
         self.media_fetch = Histogram("pagoda_tokenizer_media_fetch_seconds",
                                      "Seconds one http(s) media fetch took (cache hits too).",
                                      buckets=[0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -67,7 +68,7 @@ class TokenizerMetrics:
         try:
             yield
         finally:
-            self.latency.labels(operation).observe(time.perf_counter() - start)
+            self.latency_of[operation].observe(time.perf_counter() - start)
 
 
 @one_per_process
@@ -81,7 +82,10 @@ def timed(operation: str):
     def decorate(method):
         @functools.wraps(method)
         def wrapper(*args, **kwargs):
-            with tokenizer_metrics().time(operation):
+            start = time.perf_counter()
+            try:
                 return method(*args, **kwargs)
+            finally:
+                tokenizer_metrics().latency_of[operation].observe(time.perf_counter() - start)
         return wrapper
     return decorate

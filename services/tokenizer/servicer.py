@@ -103,7 +103,7 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         kwargs = (json_object_from_proto(chat.mm_processor_kwargs)
                   if chat.HasField("mm_processor_kwargs") else None)
         processed = self.media.process(prompt, chat.media, kwargs, request.add_special_tokens)
-        tokenizer_metrics().tokens.labels("Tokenize").inc(len(processed.prompt_token_ids))
+        tokenizer_metrics().tokens_of["Tokenize"].inc(len(processed.prompt_token_ids))
         return prompt, processed.prompt_token_ids, processed.mm_features
 
     def _encode(self, request: pb.TokenizeRequest) -> tuple[str, list[int], list[int]]:
@@ -137,7 +137,7 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         else:
             prompt = request.prompt
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
-        tokenizer_metrics().tokens.labels("Tokenize").inc(len(token_ids))
+        tokenizer_metrics().tokens_of["Tokenize"].inc(len(token_ids))
         return prompt, token_ids, token_type_ids
 
     def _encode_harmony(self, request: pb.TokenizeRequest) -> tuple[str, list[int]]:
@@ -168,16 +168,18 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
                      context: grpc.ServicerContext) -> Iterator[pb.DecodeStreamResponse]:
         decoders: dict[str, StopAwareDecoder] = {}
         metrics = tokenizer_metrics()
+        tokens = metrics.tokens_of["DecodeStream"]
         for request in request_iterator:
             response = pb.DecodeStreamResponse()
             with metrics.time("DecodeStream"):
+                # Results are built in place (`add()`): a message built first and then
+                # appended is copied, which cost more than decoding its token.
+                add = response.results.add
+                num_tokens = 0
                 for item in request.inputs:
-                    result = self._decode_one(decoders, item)
-                    if result is not None:
-                        response.results.append(result)
-            metrics.tokens.labels("DecodeStream").inc(sum(len(i.token_ids) for i in request.inputs))
+                    num_tokens += self._decode_one(decoders, item, add)
+            tokens.inc(num_tokens)
             yield response
-
     def GetTokenizerInfo(self, request: pb.GetTokenizerInfoRequest, context: grpc.ServicerContext
                          ) -> pb.GetTokenizerInfoResponse:
         return pb.GetTokenizerInfoResponse(
@@ -187,28 +189,36 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
             prefix_hash_seed=self.prefix_hash_seed,
             prefix_caching_hash_algo=self.prefix_caching_hash_algo)
 
-    def _decode_one(self, decoders: dict[str, StopAwareDecoder], item: pb.DecodeInput
-                    ) -> pb.DecodeResult | None:
-        """One completion's input -> its result, through the library's `StopAwareDecoder`
-        (the one the offline engine uses): the stream only keeps them by request id."""
+    def _decode_one(self, decoders: dict[str, StopAwareDecoder], item: pb.DecodeInput,
+                    add) -> int:
+        """One completion's input -> its result (`add()` makes it in the response; none
+        for a release or an input of a completion already complete), through the
+        library's `StopAwareDecoder` (the one the offline engine uses): the stream only
+        keeps them by request id. Returns the input's token count (the metric's)."""
+        request_id = item.request_id
         if item.release:
-            decoders.pop(item.request_id, None)
-            return None
-        decoder = decoders.get(item.request_id)
+            decoders.pop(request_id, None)
+            return len(item.token_ids)
+        decoder = decoders.get(request_id)
         if decoder is None:
             if not item.HasField("options"):  # a completion already complete: ignore
-                return None
-            decoder = decoders[item.request_id] = self._new_decoder(item.options)
-        step = decoder.update(item.token_ids, finished=item.finished,
+                return len(item.token_ids)
+            decoder = decoders[request_id] = self._new_decoder(item.options)
+        token_ids = list(item.token_ids)
+        step = decoder.update(token_ids, finished=item.finished,
                               stop_terminated=item.stop_terminated)
-        decoded = self.decode_tokens(item.decode_token_ids)
+        result = add(request_id=request_id)
+        if item.decode_token_ids:
+            result.decoded_tokens.extend(self.decode_tokens(item.decode_token_ids))
         if step.finished:
-            del decoders[item.request_id]
-            return pb.DecodeResult(request_id=item.request_id, complete=pb.DecodeComplete(
-                text=step.text, stop_string=step.stop_str or "",
-                num_tokens_used=step.num_tokens_used), decoded_tokens=decoded)
-        return pb.DecodeResult(request_id=item.request_id, chunk=pb.DecodeChunk(text=step.text),
-                               decoded_tokens=decoded)
+            del decoders[request_id]
+            complete = result.complete
+            complete.text = step.text
+            complete.stop_string = step.stop_str or ""
+            complete.num_tokens_used = step.num_tokens_used
+        else:
+            result.chunk.text = step.text
+        return len(token_ids)
 
     def _new_decoder(self, options: pb.DecodeOptions) -> StopAwareDecoder:
         prompt_token_ids, params = decode_options_from_proto(options)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from pagoda.tokenizer.decode_plan import DecodeStream, decode_plan
+
 # How many prompt tokens to decode in front of the first output token. Some decoders
 # (SentencePiece's Metaspace, `Strip`) treat the first token of a decode call specially;
 # giving them a little real context makes the first output token decode as it does inside
@@ -52,6 +54,14 @@ class IncrementalDetokenizer:
 
     `spaces_between_special_tokens` only affects the slow (pure Python) tokenizers; the
     Rust decoders ignore it, as does vLLM's fast path.
+
+    Where the tokenizer's decoder allows it (decode_plan.py), the same algorithm runs in
+    Rust (`tokenizers.decoders.DecodeStream`: both decodes of a step in one call, about a
+    third of the Python window's cost per token); the Python side then only tracks the
+    token ids since the last emission, for `flush()` and for leaving the stream for the
+    Python window (on a byte-fallback token, or if the stream refuses a step) in exactly
+    the state the Python window would have reached. `native=False` forces the Python
+    window (the reference the differential test compares with).
     """
 
     def __init__(
@@ -60,12 +70,14 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
+        native: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._skipped_ids = _skipped_special_ids(tokenizer) if skip_special_tokens else frozenset()
+        plan = decode_plan(tokenizer)
+        self._skipped_ids = plan.skipped_ids if skip_special_tokens else frozenset()
         self._token_ids: list[int] = []
         self._text = _TextAccumulator()
         self._flushed = False
@@ -73,7 +85,19 @@ class IncrementalDetokenizer:
         prompt = [t for t in prompt_token_ids if t not in self._skipped_ids]
         self._window_ids = prompt[-INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET:]
         self._read_offset = len(self._window_ids)
-        self._prefix_len = len(self._decode(self._window_ids))
+        prefix = self._decode(self._window_ids)
+        self._prefix_len = len(prefix)
+        # The native stream (None: the Python window). It would take a prompt tail that
+        # ends in U+FFFD for no context at all, so such a prompt keeps the Python window.
+        self._stream = None
+        if native and plan.native and not prefix.endswith(REPLACEMENT_CHAR):
+            self._stream = DecodeStream(ids=self._window_ids,
+                                        skip_special_tokens=skip_special_tokens)
+            self._byte_ids = plan.byte_ids
+            # The stream's window, as the Python window holds it: the context chunk
+            # (emitted) and the pending ids (held), skipped specials included.
+            self._context_ids: list[int] = self._window_ids
+            self._held_ids: list[int] = []
 
     # ------------------------------------------------------------------ public API
     @property
@@ -91,6 +115,10 @@ class IncrementalDetokenizer:
         if self._flushed:
             raise RuntimeError("IncrementalDetokenizer.update() called after flush().")
         self._token_ids.extend(new_token_ids)
+        if self._stream is not None:
+            text = self._step_native(list(new_token_ids))
+            if text is not None:
+                return text
         kept = [t for t in new_token_ids if t not in self._skipped_ids]
         if not kept:
             return ""
@@ -108,6 +136,8 @@ class IncrementalDetokenizer:
         if self._flushed:
             return ""
         self._flushed = True
+        if self._stream is not None:
+            self._leave_native()
         if self._read_offset == len(self._window_ids):
             return ""
         text = self._decode(self._window_ids)
@@ -116,6 +146,38 @@ class IncrementalDetokenizer:
         return self._emit(text)
 
     # ------------------------------------------------------------------ internals
+    def _step_native(self, ids: list[int]) -> str | None:
+        """One step of the native stream: its text ("" while held); None when the stream
+        was left for the Python window, which must take these ids instead."""
+        if not ids:
+            return ""
+        if self._byte_ids and not self._byte_ids.isdisjoint(ids):
+            self._leave_native()
+            return None
+        try:
+            text = self._stream.step(self._backend, ids[0] if len(ids) == 1 else ids)
+        except Exception:  # noqa: BLE001 - InvalidPrefix: the Python window slices by chars
+            self._leave_native()
+            return None
+        if text is None:
+            self._held_ids += ids
+            return ""
+        if self._held_ids:
+            ids = self._held_ids + ids
+            self._held_ids = []
+        self._context_ids = ids
+        self._text.append(text)
+        return text
+
+    def _leave_native(self) -> None:
+        """Continue in the Python window, in the state it would have reached."""
+        skipped = self._skipped_ids
+        context = [t for t in self._context_ids if t not in skipped]
+        self._window_ids = context + [t for t in self._held_ids if t not in skipped]
+        self._read_offset = len(context)
+        self._prefix_len = len(self._decode(context))
+        self._stream = None
+
     def _emit(self, text: str) -> str:
         """Emit `text` past the context chunk and slide the window: the pending tokens
         become the next context chunk."""
@@ -139,16 +201,6 @@ class IncrementalDetokenizer:
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             clean_up_tokenization_spaces=False,
         )
-
-
-def _skipped_special_ids(tokenizer: Any) -> frozenset[int]:
-    """The ids a decode with skip_special_tokens=True drops. For Rust-backed tokenizers this
-    is the added tokens marked `special` (a superset of `all_special_ids`)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        added = backend.get_added_tokens_decoder()
-        return frozenset(i for i, token in added.items() if token.special)
-    return frozenset(tokenizer.all_special_ids)
 
 
 class _TextAccumulator:

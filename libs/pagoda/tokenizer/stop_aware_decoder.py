@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from pagoda.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class DecodeStep:
     """What one `StopAwareDecoder.update` produced."""
 
@@ -105,6 +105,14 @@ class StopAwareDecoder:
             raise RuntimeError("StopAwareDecoder.update() called after the completion finished.")
         finished = finished or stop_terminated
         num_given = len(new_token_ids)
+        if not finished and not self.stop_checker.stop:
+            # The common step, cut short: with no stop string nothing is held back, so the
+            # detokenizer's text is the step's text (the tail below stays empty).
+            text = self.detokenizer.update(new_token_ids)
+            self.num_output_tokens += num_given
+            self._num_emitted += len(text)
+            self._tail_offset = self._num_emitted
+            return DecodeStep(text, num_given)
         token_ids = list(new_token_ids)
         # The token that ended the request (EOS or a stop token id) is counted, but its text
         # is shown only with include_stop_str_in_output and never searched (vLLM's rule).

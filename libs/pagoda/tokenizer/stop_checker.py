@@ -31,6 +31,10 @@ class StopChecker:
         self.stop = list(stop)
         self.include_stop_str_in_output = include_stop_str_in_output
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
+        # Characters a held-back suffix can end in: a proper prefix of a stop string ends
+        # in one of its characters but the last. Most text's last character is none of
+        # them, which answers `partial_match_len` without a search.
+        self._prefix_end_chars = frozenset(c for s in self.stop for c in s[:-1])
 
     def check(self, output_text: str, num_new_chars: int) -> tuple[str | None, int]:
         """Look for a stop string completed by the last `num_new_chars` characters.
@@ -60,6 +64,8 @@ class StopChecker:
     def partial_match_len(self, output_text: str) -> int:
         """Length of the longest suffix of `output_text` that could still grow into a stop
         string (a proper prefix of one); 0 when none could."""
+        if not output_text or output_text[-1] not in self._prefix_end_chars:
+            return 0
         longest = 0
         text_len = len(output_text)
         for stop_str in self.stop:
