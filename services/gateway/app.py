@@ -40,6 +40,7 @@ from pagoda.services.gateway.serving_options import ServingOptions
 from pagoda.services.gateway.sleep import routes as sleep_routes
 from pagoda.services.gateway.state import GatewayState
 from pagoda.services.gateway.web import server_routes
+from pagoda.services.gateway.web.direct_body import GatewayApp
 from pagoda.services.gateway.web.cors_request_id import HttpOptions, install_http_middleware
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,8 @@ def build_app(state: GatewayState, make_peers: Callable[[], Peers],
         if scraper is not None:
             await scraper.aclose()
 
-    app = FastAPI(title="Pagoda", version=pagoda.__version__, lifespan=lifespan)
+    # GatewayApp: streamed body chunks skip the middleware (web/direct_body.py)
+    app = GatewayApp(title="Pagoda", version=pagoda.__version__, lifespan=lifespan)
     app.state.gateway = state
     # Every error under /v1/messages in Anthropic's shape, OpenAI's elsewhere.
     install_error_handlers(app, {anthropic_routes.PATH_PREFIX: anthropic_error_body})

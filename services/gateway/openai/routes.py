@@ -31,6 +31,7 @@ from pagoda.services.gateway.openai.tools import plan_tools
 from pagoda.services.gateway.state import GatewayState
 from pagoda.tokenizer.chat import normalize_messages
 from pagoda.services.gateway.multimodal.chat_media import received_features, split_media
+from pagoda.services.gateway.web.direct_body import DirectStreamingResponse
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -367,4 +368,4 @@ async def stream_response(gen: Generation, renderer: ChunkRenderer, body: Sampli
             await deltas.aclose()
         yield tail + DONE
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return DirectStreamingResponse(events(), media_type="text/event-stream")
