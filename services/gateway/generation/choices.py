@@ -133,7 +133,7 @@ async def stream_choice(replica: SchedulerReplica, mux: DecodeMux, request: Engi
             if first:
                 item.options.CopyFrom(options)
             was_first, first = first, False
-            result = await decoding.decode(item)
+            result = await decoding.decode(item, token_ids)
             logprobs = rows.read(out, was_first, result.decoded_tokens)
             if migration is not None:
                 migration.started = True
