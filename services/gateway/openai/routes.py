@@ -269,6 +269,8 @@ async def tokenize_prompts(state: GatewayState, prompt, cache_salt: str | None =
         return Prompt(list(reply.token_ids), p, _hashes(reply))
 
     block_size = state.peers.routing_block_size()
+    if len(prompt) == 1:  # the common case: no task and gather per request
+        return [await one(prompt[0], block_size)]
     return list(await asyncio.gather(*(one(p, block_size if i == 0 else 0)
                                        for i, p in enumerate(prompt))))
 
