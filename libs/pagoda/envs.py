@@ -82,6 +82,9 @@ VARIABLES = {v.name: v for v in [
            "0: the gateway sends each request to its scheduler replica as its own Generate "
            "call instead of over one multiplexed GenerateStream per replica (for comparing "
            "the two; a replica without GenerateStream gets Generate calls either way)."),
+    EnvVar("PAGODA_GATEWAY_UVLOOP", None, _bool, True,
+           "0: the gateway runs on asyncio's own event loop instead of uvloop (used when "
+           "installed, as vLLM's API server does; for comparing the two)."),
     EnvVar("PAGODA_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING", _bool,
            False, "1: the gateway serves POST /v1/load_lora_adapter and "
            "/v1/unload_lora_adapter (--allow-runtime-lora-updating)."),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable
 
 import httpx
@@ -20,6 +21,7 @@ from pagoda.services.gateway.auth.api_key import APIKeyMiddleware
 from pagoda.services.gateway.disagg.prefill_decode import disaggregation_of
 from pagoda.services.gateway.disagg.prefix_pull import PrefixPull, PrefixPullOptions
 from pagoda.services.gateway.errors import install_error_handlers
+from pagoda.services.gateway.event_loop import running_loop_name
 from pagoda.services.gateway.limits.body_limit import BodySizeLimitMiddleware
 from pagoda.services.gateway.lora import routes as lora_routes
 from pagoda.services.gateway.lora.registry import LoRARegistry
@@ -38,7 +40,10 @@ from pagoda.services.gateway.serving_options import ServingOptions
 from pagoda.services.gateway.sleep import routes as sleep_routes
 from pagoda.services.gateway.state import GatewayState
 from pagoda.services.gateway.web import server_routes
+from pagoda.services.gateway.web.direct_body import GatewayApp
 from pagoda.services.gateway.web.cors_request_id import HttpOptions, install_http_middleware
+
+logger = logging.getLogger(__name__)
 
 
 def build_app(state: GatewayState, make_peers: Callable[[], Peers],
@@ -53,6 +58,7 @@ def build_app(state: GatewayState, make_peers: Callable[[], Peers],
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
+        logger.info("event loop: %s", running_loop_name())  # event_loop.py: uvloop or not
         state.peers = make_peers()
         if kv_cache_manager_addr:
             state.peers.use_prefix_index(kv_cache_manager_addr)
@@ -68,7 +74,8 @@ def build_app(state: GatewayState, make_peers: Callable[[], Peers],
         if scraper is not None:
             await scraper.aclose()
 
-    app = FastAPI(title="Pagoda", version=pagoda.__version__, lifespan=lifespan)
+    # GatewayApp: streamed body chunks skip the middleware (web/direct_body.py)
+    app = GatewayApp(title="Pagoda", version=pagoda.__version__, lifespan=lifespan)
     app.state.gateway = state
     # Every error under /v1/messages in Anthropic's shape, OpenAI's elsewhere.
     install_error_handlers(app, {anthropic_routes.PATH_PREFIX: anthropic_error_body})

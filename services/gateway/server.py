@@ -13,7 +13,7 @@ import pagoda.tracing as tracing
 from pagoda.services.common import grpc_channels, startup_clock
 from pagoda.services.common.gc_tuning import prepare_gc_for_serving
 from pagoda.services.common.logs import setup_logging
-from pagoda.services.gateway import api_servers
+from pagoda.services.gateway import api_servers, event_loop
 from pagoda.services.gateway.disagg.prefix_pull import PrefixPullOptions, add_prefix_pull_args
 from pagoda.services.gateway.lora.registry import add_lora_args, registry_from_args
 from pagoda.services.gateway.observability.metrics import PeerMetrics
@@ -144,7 +144,8 @@ def main(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             timeout_graceful_shutdown=options.shutdown_grace_period,
                             limit_concurrency=options.limits.limit_concurrency,
-                            backlog=api_servers.BACKLOG, **server_kwargs)
+                            backlog=api_servers.BACKLOG, loop=event_loop.loop_name(),
+                            **server_kwargs)
     prepare_gc_for_serving()  # the app and its imports frozen; fewer gen-0 passes
     uvicorn.Server(config).run(sockets=[inherited[0]] if inherited else None)
     tracing.shutdown_tracing()

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as tpb
 from pagoda.services.gateway.anthropic.conversion import to_chat_request
@@ -30,6 +30,7 @@ from pagoda.services.gateway.generation.fan_out import Generation
 from pagoda.services.gateway.openai import routes as chat_routes
 from pagoda.services.gateway.openai.request_models import ChatCompletionRequest
 from pagoda.services.gateway.state import GatewayState
+from pagoda.services.gateway.web.direct_body import DirectStreamingResponse
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -48,7 +49,7 @@ async def create_message(body: MessagesRequest, request: Request):
         deltas = run.gen.deltas()
         first = await chat_routes.until_disconnected(anext(deltas), request)
         events = BlockEvents(run.output)
-        return StreamingResponse(
+        return DirectStreamingResponse(
             _events(run.gen, events, first, deltas,
                     message_object(message_id, body.model, [], (None, None),
                                    run.gen.usage.prompt_tokens, 0)),

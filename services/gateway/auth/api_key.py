@@ -27,6 +27,8 @@ OPEN_PATHS = frozenset({"/health", "/version", "/ping", "/load", "/docs", "/docs
 class APIKeyMiddleware:
     """401 with OpenAI's error JSON for a guarded route without the right key."""
 
+    passes_body_through = True  # send: start and end only (web/direct_body.py)
+
     def __init__(self, app: ASGIApp, state) -> None:
         self.app = app
         self.state = state  # a GatewayState: its api_key may be None (no auth)

@@ -71,6 +71,7 @@ class _LogprobRows:
         self.prompt: list[TokenLogprob] | None = [] if params.prompt_logprobs is not None \
             else None
         self._prompt_taken = False
+        self.wanted = self.prompt is not None or self.want_output  # else `read` gives None
 
     def ids_to_decode(self, out: EngineCoreOutput, first: bool) -> list[int]:
         ids = []
@@ -128,19 +129,21 @@ async def stream_choice(replica: SchedulerReplica, mux: DecodeMux, request: Engi
             if out.finish_reason is not None:
                 item.finished = True
                 item.stop_terminated = out.finish_reason == FinishReason.STOP
-            if decode_ids := rows.ids_to_decode(out, first):
+            if rows.wanted and (decode_ids := rows.ids_to_decode(out, first)):
                 item.decode_token_ids.extend(decode_ids)
             if first:
                 item.options.CopyFrom(options)
             was_first, first = first, False
-            result = await decoding.decode(item)
-            logprobs = rows.read(out, was_first, result.decoded_tokens)
+            result = await decoding.decode(item, token_ids)
+            logprobs = rows.read(out, was_first, result.decoded_tokens) if rows.wanted \
+                else None  # (per token: no message field read for nothing)
             if migration is not None:
                 migration.started = True
             if result.HasField("chunk"):
-                if token_ids or result.chunk.text:  # not a prompt-logprobs-only message
-                    decoding.shown(result.chunk.text)
-                    yield ChoiceDelta(index, result.chunk.text, token_ids,
+                text = result.chunk.text  # each read of a message's string makes a new str
+                if token_ids or text:  # not a prompt-logprobs-only message
+                    decoding.shown(text)
+                    yield ChoiceDelta(index, text, token_ids,
                                       num_cached_tokens=out.num_cached_tokens,
                                       logprobs=logprobs, prompt_logprobs=rows.take_prompt())
                 continue

@@ -35,15 +35,18 @@ class ResumableDecode:
         self.sent_token_ids: list[int] = []
         self._shown: list[str] = []  # the text handed to the client so far, in pieces
 
-    async def decode(self, item: tpb.DecodeInput) -> tpb.DecodeResult:
-        """`item`'s result, as if its stream had never broken."""
+    async def decode(self, item: tpb.DecodeInput, token_ids: list[int] | None = None
+                     ) -> tpb.DecodeResult:
+        """`item`'s result, as if its stream had never broken. `token_ids`: the list
+        `item.token_ids` was made from, when the caller has it (per token, extending
+        from a list is ~1.4 us cheaper than from the message's repeated field)."""
         try:
             result = await self.mux.decode(item)
         except DecodeStreamBroken as exc:
             if not exc.stream_lost:
                 raise
             result = await self._resume(item, exc)
-        self.sent_token_ids.extend(item.token_ids)
+        self.sent_token_ids.extend(item.token_ids if token_ids is None else token_ids)
         return result
 
     def shown(self, text: str) -> None:

@@ -14,6 +14,8 @@ class BodySizeLimitMiddleware:
     """413 for a body over the limit: at once when Content-Length says so, else as
     soon as the bytes read pass it (chunked uploads), before the app parses anything."""
 
+    passes_body_through = True  # send: start and end only (web/direct_body.py)
+
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes

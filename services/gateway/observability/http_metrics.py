@@ -84,6 +84,7 @@ def _match(routes, scope: Scope) -> str | None:
 
 
 class HttpMetricsMiddleware:
+    passes_body_through = True  # send: start and end only (web/direct_body.py)
     def __init__(self, app, metrics: HttpMetrics | None = None) -> None:
         self.app = app
         self.metrics = metrics or http_metrics()

@@ -153,6 +153,8 @@ def route_of(path: str) -> str:
 class ObservabilityMiddleware:
     """Counts and (when tracing is on) traces every HTTP request."""
 
+    passes_body_through = True  # send: start and end only (web/direct_body.py)
+
     def __init__(self, app, metrics: GatewayMetrics | None = None) -> None:
         self.app = app
         self.metrics = metrics or gateway_metrics()

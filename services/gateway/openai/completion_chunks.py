@@ -12,12 +12,16 @@ bytes, the stream's per-token path. Invariant: `frames(d)` is byte for byte
 there cheaper: what every chunk of a response repeats (id, object, created, model)
 is encoded once per request, and only the choice (and the continuous usage) per
 chunk, with the encoder json.dumps uses (JSON's encoding of an object is the
-concatenation of its members' encodings, so splicing changes no byte).
+concatenation of its members' encodings, so splicing changes no byte). The commonest
+delta (text, no logprobs, echo, usage or finish: one token of a plain stream) skips
+the dicts too: `_plain_frame` writes its one choice's JSON with json.dumps' string
+encoder, member for member what `_pieces` would have made.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii as _json_str  # json.dumps' own string encoder
 
 from pagoda.services.gateway.generation.choices import ChoiceDelta
 from pagoda.services.gateway.openai.chat_output import ChatOutput, ChoiceOutputStream
@@ -115,6 +119,22 @@ class CompletionChunks(ChunkRenderer):
     def __init__(self, *args, echoes: list[str] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.echoes = echoes  # per prompt, when the request echoes
+        # What `_plain_frame` needs: nothing but the text changes from chunk to chunk.
+        self._plain = echoes is None and self.fmt.num_top is None and not self.continuous_usage
+
+    def frames(self, d: ChoiceDelta) -> bytes:
+        if self._plain and d.text and d.finish_reason is None and d.stop_reason is None:
+            return self._plain_frame(d)
+        return super().frames(d)
+
+    def _plain_frame(self, d: ChoiceDelta) -> bytes:
+        """`_pieces(d)`'s one chunk, as `_frame` would write it (the same state moves)."""
+        st = self.state(d.index)
+        st.started = True
+        st.num_tokens += len(d.token_ids)
+        st.text_len += len(d.text)
+        return (f'{self._frame_head}{{"index":{d.index:d},"text":{_json_str(d.text)},'
+                '"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n').encode()
 
     def _pieces(self, d: ChoiceDelta) -> list[_Piece]:
         st = self.state(d.index)
@@ -145,6 +165,18 @@ class ChatChunks(ChunkRenderer):
         # Reasoning and tool-call stages (chat_output.py); one stream per choice.
         self.output = output if output is not None and output.active else None
         self._outputs: dict[int, ChoiceOutputStream] = {}
+        self._plain = self.output is None and self.fmt.num_top is None \
+            and not self.continuous_usage
+
+    def frames(self, d: ChoiceDelta) -> bytes:
+        if self._plain and d.text and d.finish_reason is None:
+            st = self._states.get(d.index)
+            if st is not None and st.started:  # its role chunk went out
+                st.num_tokens += len(d.token_ids)
+                return (f'{self._frame_head}{{"index":{d.index:d},"delta":{{"content":'
+                        f'{_json_str(d.text)}}},"logprobs":null,"finish_reason":null}}]}}'
+                        '\n\n').encode()
+        return super().frames(d)
 
     def _pieces(self, d: ChoiceDelta) -> list[_Piece]:
         st = self.state(d.index)

@@ -31,6 +31,7 @@ from pagoda.services.gateway.openai.tools import plan_tools
 from pagoda.services.gateway.state import GatewayState
 from pagoda.tokenizer.chat import normalize_messages
 from pagoda.services.gateway.multimodal.chat_media import received_features, split_media
+from pagoda.services.gateway.web.direct_body import DirectStreamingResponse
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -268,6 +269,8 @@ async def tokenize_prompts(state: GatewayState, prompt, cache_salt: str | None =
         return Prompt(list(reply.token_ids), p, _hashes(reply))
 
     block_size = state.peers.routing_block_size()
+    if len(prompt) == 1:  # the common case: no task and gather per request
+        return [await one(prompt[0], block_size)]
     return list(await asyncio.gather(*(one(p, block_size if i == 0 else 0)
                                        for i, p in enumerate(prompt))))
 
@@ -367,4 +370,4 @@ async def stream_response(gen: Generation, renderer: ChunkRenderer, body: Sampli
             await deltas.aclose()
         yield tail + DONE
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return DirectStreamingResponse(events(), media_type="text/event-stream")

@@ -36,6 +36,7 @@ def current() -> RoutingContext | None:
 
 
 class RoutingHeaderMiddleware:
+    passes_body_through = True  # send: start and end only (web/direct_body.py)
     def __init__(self, app) -> None:
         self.app = app
 

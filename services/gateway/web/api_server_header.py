@@ -13,6 +13,8 @@ HEADER = b"x-pagoda-api-server"
 class ApiServerHeaderMiddleware:
     """Pure ASGI, so a streamed response gets the header too."""
 
+    passes_body_through = True  # send: start and end only (web/direct_body.py)
+
     def __init__(self, app: ASGIApp, index: int) -> None:
         self.app, self.value = app, str(index).encode()
 

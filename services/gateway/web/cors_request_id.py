@@ -88,6 +88,8 @@ def http_flags(args: argparse.Namespace) -> list[str]:
 class RequestIdMiddleware:
     """Puts the request id in `scope["state"]` and the X-Request-Id response header."""
 
+    passes_body_through = True  # send: start and end only (web/direct_body.py)
+
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 

@@ -84,6 +84,8 @@ class ServerLoadMiddleware:
     Invariant: the count goes up once when such a request arrives and down exactly
     once when its response has ended, failed, or its client left."""
 
+    passes_body_through = True  # send: start and end only (web/direct_body.py)
+
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 

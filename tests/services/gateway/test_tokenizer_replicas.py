@@ -94,7 +94,9 @@ def test_a_decode_stream_resumes_on_another_replica_with_the_same_text(
                 holder = next(k for k, s in enumerate(servicers) if s.calls["DecodeStream"])
                 served[holder].server.stop(None)
                 await asyncio.sleep(0.5)  # the stream is seen to end before the next write
-            result = await asyncio.wait_for(decoding.decode(item), 10)  # a hang fails
+            # The list the item was made from, as stream_choice passes it (what the
+            # resume replays); a hang fails.
+            result = await asyncio.wait_for(decoding.decode(item, [token]), 10)
             part = result.chunk.text if result.HasField("chunk") else result.complete.text
             decoding.shown(part)
             text.append(part)

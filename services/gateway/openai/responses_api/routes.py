@@ -34,7 +34,7 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from pagoda.services.gateway.errors import APIError, internal_error_message
 from pagoda.services.gateway.generation.choices import ChoiceDelta
@@ -55,6 +55,7 @@ from pagoda.services.gateway.openai.responses_api.store import (DEFAULT_MAX_BYTE
 from pagoda.services.gateway.openai.responses_api.tool_server import MCPToolServer
 from pagoda.services.gateway.shared_state import shared_path
 from pagoda.services.gateway.state import GatewayState
+from pagoda.services.gateway.web.direct_body import DirectStreamingResponse
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -91,7 +92,8 @@ async def create_response(body: ResponsesRequest, request: Request):
     if body.stream:
         deltas = run.gen.deltas()
         first = await openai_routes.until_disconnected(anext(deltas), request)
-        return StreamingResponse(turn.events(first, deltas), media_type="text/event-stream")
+        return DirectStreamingResponse(turn.events(first, deltas),
+                                       media_type="text/event-stream")
 
     async def run_to_end() -> None:
         async for delta in run.gen.deltas():
