@@ -85,3 +85,28 @@ def test_where_it_applies(int4_llama, tiny_llama_dir, monkeypatch):
     # A sliding window (or any other variant of the layer) keeps the Python loop.
     int4_llama.model.layers[1].self_attn.sliding_window = 8
     assert int4_llama.model.fused_decode_stack() is None
+
+
+def test_the_default_engine_decodes_through_it_with_the_loop_s_tokens(monkeypatch):
+    from pagoda import LLM, SamplingParams
+
+    llm = LLM(max_model_len=256, dtype="bfloat16")  # the default GGUF Q4_1 model
+    stack_owner = llm.llm_engine.core.executor.runner.model.model
+    calls = []
+    real = cpu_kernels.decode_layers
+    monkeypatch.setattr(cpu_kernels, "decode_layers",
+                        lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    prompts = ["Count: 1, 2, 3,", "What is the capital of France?"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+    def answers():
+        llm.llm_engine.core.reset_prefix_cache()  # both runs prefill the whole prompts
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    fused = answers()
+    assert calls and set(calls) == {2}  # both requests' decode steps, in one call each
+    stack_owner._fused_decode = None  # the Python loop from here on
+    calls.clear()
+    assert answers() == fused and not calls
+
