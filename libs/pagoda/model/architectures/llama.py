@@ -18,8 +18,8 @@ from torch import nn
 
 from pagoda.config import ModelArchConfig
 from pagoda.distributed.parallel_state import SINGLE, ParallelContext, stage_layer_range
-from pagoda.model.arch_spec import GGUFLayout, ModelArchitecture
 from pagoda.model import cpu_decode_stack
+from pagoda.model.arch_spec import GGUFLayout, ModelArchitecture
 from pagoda.model.attention_metadata import AttentionMetadata
 from pagoda.model.cpu_decode_stack import FusedDecodeStack
 from pagoda.model.decoder_layer import (DecoderLayer, GatedMLP, KVCache, PagedSelfAttention,
