@@ -69,7 +69,7 @@ class _RawOps:
     def __init__(self) -> None:
         namespace = torch.ops.pagoda_cpu
         for name in ("rms_norm", "silu_and_mul", "rotary_embedding", "write_kv_cache",
-                     "paged_decode_attention"):
+                     "paged_decode_attention", "decode_layers"):
             overload = getattr(namespace, name).default
             setattr(self, name, getattr(overload, "_op", overload))
 
@@ -123,3 +123,18 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
         block_tables, seq_lens = block_tables.to(torch.int32), seq_lens.to(torch.int32)
     return _ops().paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens,
                                          scale, sliding_window or 0, logits_soft_cap or 0.0)
+
+
+def decode_layers(hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                  signed_sin: torch.Tensor, weights: list[torch.Tensor],
+                  key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
+                  slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                  eps: float, scale: float, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Llama-shaped stack's decoder layers over one step of decodes, in one call: each
+    layer the chain of the kernels above and torch's int4 product that the Python loop
+    runs (`pagoda.model.cpu_decode_stack` says when it applies; the C++ file, what it
+    computes). Returns (last MLP output, residual before it)."""
+    return _ops().decode_layers(hidden, residual, cos, signed_sin, weights, key_caches,
+                                value_caches, slot_mapping, block_tables, seq_lens, num_heads,
+                                num_kv_heads, head_dim, eps, scale, group_size)

@@ -69,6 +69,10 @@ VARIABLES = {v.name: v for v in [
            "(RMSNorm, rotary, SiLU-and-mul, KV write, decode attention; built once per "
            "machine into PAGODA_CACHE_DIR, ~/.cache/pagoda by default; read by "
            "`pagoda.kernels.cpu` itself, the same way)."),
+    EnvVar("PAGODA_CPU_FUSED_DECODE", None, _bool, True,
+           "0: a decode step of a Llama-shaped GGUF 4-bit model on the bf16 CPU path runs "
+           "its decoder layers as a Python loop instead of one C++ call (same results; "
+           "`pagoda.model.cpu_decode_stack`)."),
     EnvVar("PAGODA_CPU_PACKED_WEIGHTS", None, _bool, True,
            "0: bf16 linear layers on the CPU keep their plain weights (F.linear) instead of "
            "oneDNN-prepacked ones (same results; the prepacked product skips a per-call "

@@ -606,6 +606,75 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   return out;
 }
 
+
+// x [T, K] (K = 32 * groups) times a GGUF 4-bit layer's packed weight: the product
+// `gguf_int4.SmallBatchInt4Method.apply` takes (torch's int4 kernel on a dense input).
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight,
+                       const at::Tensor& scales_zeros, int64_t group_size) {
+  return at::_weight_int4pack_mm_for_cpu(x.reshape({x.size(0), x.size(-1)}).contiguous(),
+                                         weight, group_size, scales_zeros);
+}
+
+// Per layer, the tensors `decode_layers` reads, in this order (see cpu_decode_stack.py).
+constexpr int64_t kLayerTensors = 10;
+
+// The decoder layers of a Llama-shaped stack over one step of decodes (one token per
+// sequence), in one call: per layer exactly the chain `DecoderLayer.forward` runs on the
+// bf16 CPU path with GGUF 4-bit weights (`pagoda.model.cpu_decode_stack` says when):
+//   normed, residual = rms_norm(hidden, residual)          (residual None: hidden)
+//   qkv = int4(normed); qk = rotary(q and k heads); write k, v; attend(q)
+//   normed, residual = rms_norm(int4(attention), residual)
+//   hidden = int4(silu_and_mul(int4(normed)))
+// with the same kernels, in the same order, on tensors of the same shapes and strides,
+// so every output bit is the Python loop's; what goes is the Python between the calls
+// (module calls, kernel switches, views: ~70 a layer). hidden [T, hidden] bf16;
+// residual None (the first stage's first layer) or like hidden; cos, signed_sin [T, D]
+// the rotary tables; weights: kLayerTensors per layer (input norm weight, qkv int4
+// weight and scales/zeros, o_proj's, post-attention norm weight, gate_up's, down's);
+// block_tables/seq_lens int32 as `paged_decode_attention` reads them. No window, no
+// soft-cap, no sinks, no biases, one eps. Returns (last MLP output, residual before it).
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    const at::Tensor& hidden_in, const c10::optional<at::Tensor>& residual_in,
+    const at::Tensor& cos_in, const at::Tensor& signed_sin_in, at::TensorList weights,
+    at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t group_size) {
+  const int64_t layers = static_cast<int64_t>(key_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(value_caches.size()) == layers &&
+                  static_cast<int64_t>(weights.size()) == layers * kLayerTensors,
+              "decode_layers: ", kLayerTensors, " weights and one cache pair per layer");
+  check_bf16(hidden_in, "hidden");
+  TORCH_CHECK(hidden_in.dim() == 2, "hidden must be [T, hidden]");
+  const int64_t tokens = hidden_in.size(0);
+  TORCH_CHECK(slot_mapping.numel() == tokens && seq_lens.size(0) == tokens,
+              "decode_layers takes one token per sequence (decodes only)");
+  const at::Tensor cos = cos_in.contiguous(), signed_sin = signed_sin_in.contiguous();
+  at::Tensor hidden = hidden_in;
+  c10::optional<at::Tensor> residual = residual_in;
+  const int64_t qk_heads = num_heads + num_kv_heads;
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* w = weights.data() + l * kLayerTensors;
+    at::Tensor key_cache = key_caches[l], value_cache = value_caches[l];
+    auto [normed, total] = rms_norm(hidden, residual, w[0], eps, false);
+    residual = residual.has_value() ? total : hidden;
+    const at::Tensor qkv = int4_linear(normed, w[1], w[2], group_size)
+                               .view({tokens, qk_heads + num_kv_heads, head_dim});
+    const at::Tensor qk = rotary_embedding(qkv.narrow(1, 0, qk_heads), cos, signed_sin);
+    write_kv_cache(qk.narrow(1, num_heads, num_kv_heads),
+                   qkv.narrow(1, qk_heads, num_kv_heads), key_cache, value_cache, slot_mapping);
+    const at::Tensor attended = paged_decode_attention(
+        qk.narrow(1, 0, num_heads), key_cache, value_cache, block_tables, seq_lens, scale, 0,
+        0.0);
+    std::tie(normed, total) = rms_norm(
+        int4_linear(attended.view({tokens, num_heads * head_dim}), w[3], w[4], group_size),
+        residual, w[5], eps, false);
+    residual = total;
+    hidden = int4_linear(silu_and_mul(int4_linear(normed, w[6], w[7], group_size)), w[8], w[9],
+                         group_size);
+  }
+  return {hidden, *residual};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagoda_cpu, m) {
@@ -619,4 +688,9 @@ TORCH_LIBRARY(pagoda_cpu, m) {
   m.def("paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache,"
         " Tensor block_tables, Tensor seq_lens, float scale, int window, float soft_cap)"
         " -> Tensor", paged_decode_attention);
+  m.def("decode_layers(Tensor hidden, Tensor? residual, Tensor cos, Tensor signed_sin,"
+        " Tensor[] weights, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches,"
+        " Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_heads,"
+        " int num_kv_heads, int head_dim, float eps, float scale, int group_size)"
+        " -> (Tensor, Tensor)", decode_layers);
 }

@@ -18,8 +18,10 @@ from torch import nn
 
 from pagoda.config import ModelArchConfig
 from pagoda.distributed.parallel_state import SINGLE, ParallelContext, stage_layer_range
+from pagoda.model import cpu_decode_stack
 from pagoda.model.arch_spec import GGUFLayout, ModelArchitecture
 from pagoda.model.attention_metadata import AttentionMetadata
+from pagoda.model.cpu_decode_stack import FusedDecodeStack
 from pagoda.model.decoder_layer import (DecoderLayer, GatedMLP, KVCache, PagedSelfAttention,
                                         PPMissingLayer, fused_add_norm)
 from pagoda.model.intermediate_tensors import IntermediateTensors
@@ -44,6 +46,7 @@ class LlamaModel(nn.Module):
     # Set by a model whose draft heads read the last hidden state before the final norm
     # (DeepSeek's MTP layer): each forward then leaves it in `pre_norm_hidden`.
     keep_pre_norm_hidden: bool = False
+    _fused_decode: FusedDecodeStack | None | bool = False  # False: not decided yet
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, parallel: ParallelContext,
                  make_layer: Callable[[int], nn.Module], rotary_emb: RotaryEmbedding,
@@ -67,6 +70,16 @@ class LlamaModel(nn.Module):
             local_rotary_emb is not None and arch.layer_sliding_window(i) is not None
             for i in range(self.start_layer, self.end_layer)]
 
+    def fused_decode_stack(self) -> FusedDecodeStack | None:
+        """The stage's layers as one C++ call for small decode steps on the bf16 CPU
+        path (`cpu_decode_stack`), or None where the Python loop must run; decided on
+        the first forward, after the model runner has packed the weights."""
+        if self._fused_decode is False:
+            self._fused_decode = (
+                FusedDecodeStack.for_model(self.stage_layers, self.stage_uses_local_rope)
+                if cpu_decode_stack.enabled() else None)
+        return self._fused_decode
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings (first stage only); Gemma scales them."""
         return self.embed_tokens(input_ids)
@@ -89,10 +102,14 @@ class LlamaModel(nn.Module):
         rope = self.rotary_emb(positions, hidden.dtype)
         local_rope = (self.local_rotary_emb(positions, hidden.dtype)
                       if self.local_rotary_emb is not None else None)
-        for layer, kv_cache, local in zip(self.stage_layers, kv_caches,
-                                          self.stage_uses_local_rope, strict=True):
-            cos, sin = local_rope if local else rope
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, md)
+        stack = self.fused_decode_stack()
+        if stack is not None and stack.applies(hidden, rope[0], md, kv_caches):
+            hidden, residual = stack.run(hidden, residual, *rope, kv_caches, md)
+        else:
+            for layer, kv_cache, local in zip(self.stage_layers, kv_caches,
+                                              self.stage_uses_local_rope, strict=True):
+                cos, sin = local_rope if local else rope
+                hidden, residual = layer(hidden, residual, cos, sin, kv_cache, md)
         if self.norm is None:
             return IntermediateTensors(hidden, residual)
         hidden, pre_norm = fused_add_norm(self.norm, hidden, residual)
