@@ -85,15 +85,37 @@ def scheduler_output_to_proto(out: SchedulerOutput) -> pb.SchedulerOutput:
     cached = out.scheduled_cached_reqs
     msg.scheduled_cached_reqs.req_ids.extend(cached.req_ids)
     msg.scheduled_cached_reqs.num_computed_tokens.extend(cached.num_computed_tokens)
-    # Once per running request per step: most decode steps allocate no block, and an
-    # empty add() is several times cheaper than add(block_ids=[]).
-    add_block_ids = msg.scheduled_cached_reqs.new_block_ids.add
-    for block_ids in cached.new_block_ids:
-        if block_ids:
-            add_block_ids(block_ids=block_ids)
-        else:
-            add_block_ids()
+    # Once per running request per step: two columns, not a message per request.
+    _ragged_to_columns(cached.new_block_ids, msg.scheduled_cached_reqs.new_block_counts,
+                       msg.scheduled_cached_reqs.new_block_flat)
     return msg
+
+
+def _ragged_to_columns(rows: list[list[int]], counts, flat) -> None:
+    """`rows` into the repeated fields `counts` (each row's length) and `flat` (every
+    row's items in order); `_ragged_from_columns` is the inverse."""
+    counts.extend([len(row) for row in rows])
+    for row in rows:
+        if row:
+            flat.extend(row)
+
+
+def _ragged_from_columns(counts, flat, what: str) -> list[list[int]]:
+    """The rows `_ragged_to_columns` wrote, one per count; ValueError naming `what`
+    when the counts do not add up to the items."""
+    counts = counts[:]  # lists: fastest to walk
+    flat = flat[:]
+    if sum(counts) != len(flat) or min(counts, default=0) < 0:
+        raise ValueError(f"{what}: {len(counts)} counts do not split {len(flat)} items")
+    if counts.count(1) == len(counts):  # a decode step: one each
+        return [[item] for item in flat]
+    if not flat:  # a decode step without new blocks
+        return [[] for _ in counts]
+    rows, start = [], 0
+    for count in counts:
+        rows.append(flat[start:start + count])
+        start += count
+    return rows
 
 
 def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
@@ -118,7 +140,10 @@ def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
     c = msg.scheduled_cached_reqs
     cached = CachedRequestData(
         req_ids=list(c.req_ids),
-        new_block_ids=[b.block_ids[:] for b in c.new_block_ids],  # [:]: a list, fastest
+        new_block_ids=(_ragged_from_columns(c.new_block_counts, c.new_block_flat,
+                                            "new_block_ids")
+                       if c.new_block_counts else
+                       [b.block_ids[:] for b in c.new_block_ids]),  # [:]: a list, fastest
         num_computed_tokens=list(c.num_computed_tokens),
     )
     return SchedulerOutput(
@@ -168,8 +193,7 @@ def model_runner_output_to_proto(out: ModelRunnerOutput) -> pb.ModelRunnerOutput
                                num_encoder_cache_hits=out.num_encoder_cache_hits,
                                finished_recving=sorted(out.finished_recving),
                                invalid_block_ids=sorted(out.invalid_block_ids))
-    for tokens in out.sampled_token_ids:
-        msg.sampled_token_ids.add(token_ids=tokens)
+    _ragged_to_columns(out.sampled_token_ids, msg.sampled_token_counts, msg.sampled_token_flat)
     for req_id, lists in out.logprobs.items():
         logprobs_to_proto(lists, msg.logprobs[req_id])
     for req_id, lists in out.prompt_logprobs.items():
@@ -184,7 +208,10 @@ def model_runner_output_to_proto(out: ModelRunnerOutput) -> pb.ModelRunnerOutput
 def model_runner_output_from_proto(msg: pb.ModelRunnerOutput) -> ModelRunnerOutput:
     return ModelRunnerOutput(
         req_ids=list(msg.req_ids),
-        sampled_token_ids=[t.token_ids[:] for t in msg.sampled_token_ids],  # [:]: a list
+        sampled_token_ids=(_ragged_from_columns(msg.sampled_token_counts,
+                                                msg.sampled_token_flat, "sampled_token_ids")
+                           if msg.sampled_token_counts else
+                           [t.token_ids[:] for t in msg.sampled_token_ids]),  # [:]: a list
         logprobs={k: logprobs_from_proto(v) for k, v in msg.logprobs.items()},
         prompt_logprobs={k: logprobs_from_proto(v) for k, v in msg.prompt_logprobs.items()},
         pooler_output={k: pooled_data_from_proto(v) for k, v in msg.pooler_output.items()},

@@ -167,6 +167,38 @@ def test_model_runner_output_round_trip():
     assert model_runner_output_from_proto(model_runner_output_to_proto(out)) == out
 
 
+@pytest.mark.parametrize("rows", [
+    [[5], [6], [7]],  # a decode step: one token (no block) each
+    [[], [], []],
+    [[5], [], [6, 7, 8], [9]],  # a partial prefill, a verified draft
+    [],
+])
+def test_ragged_columns_round_trip(rows):
+    """Sampled tokens and the cached requests' new blocks travel as two columns each."""
+    ids = [f"r{i}" for i in range(len(rows))]
+    out = ModelRunnerOutput(ids, [list(r) for r in rows])
+    msg = model_runner_output_to_proto(out)
+    assert not msg.sampled_token_ids  # no message per request
+    assert model_runner_output_from_proto(msg) == out
+    plan = SchedulerOutput([], CachedRequestData(ids, [list(r) for r in rows], [3] * len(ids)),
+                           {r: 1 for r in ids}, len(ids))
+    sent = scheduler_output_to_proto(plan)
+    assert not sent.scheduled_cached_reqs.new_block_ids
+    assert scheduler_output_from_proto(sent) == plan
+
+
+def test_ragged_columns_a_reader_takes_the_old_messages_and_refuses_bad_counts():
+    from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as wpb
+    old = wpb.ModelRunnerOutput(req_ids=["a", "b"])
+    old.sampled_token_ids.add(token_ids=[4])
+    old.sampled_token_ids.add(token_ids=[])
+    assert model_runner_output_from_proto(old).sampled_token_ids == [[4], []]
+    bad = wpb.ModelRunnerOutput(req_ids=["a", "b"], sampled_token_counts=[1, 2],
+                                sampled_token_flat=[4, 5])
+    with pytest.raises(ValueError, match="sampled_token_ids"):
+        model_runner_output_from_proto(bad)
+
+
 @pytest.mark.parametrize("salt", [None, "tenant-7"])
 def test_request_round_trip(salt):
     req = EngineCoreRequest("r-1", [1, 2, 3], SamplingParams(max_tokens=5, stop=["x"]), [0], 123.5,
