@@ -2,12 +2,17 @@
 
 The plan keeps its order on the wire (`num_scheduled_tokens` travels as two
 parallel lists, since a proto map would not keep the dict's order), so the worker
-sees exactly the `SchedulerOutput` the scheduler built. The structured-output
+sees exactly the `SchedulerOutput` the scheduler built. What every running request
+has every step (its new blocks, its sampled tokens) travels as two int columns
+(`_ragged_to_columns`): a message per request per step cost the scheduler and the
+worker ~0.1-0.2 ms each at 256 requests. The structured-output
 bitmask travels as raw little-endian int32 bytes (`grammar_bitmask_to_bytes`), its
 row count given by its request ids.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 
@@ -95,9 +100,7 @@ def _ragged_to_columns(rows: list[list[int]], counts, flat) -> None:
     """`rows` into the repeated fields `counts` (each row's length) and `flat` (every
     row's items in order); `_ragged_from_columns` is the inverse."""
     counts.extend([len(row) for row in rows])
-    for row in rows:
-        if row:
-            flat.extend(row)
+    flat.extend(itertools.chain.from_iterable(rows))
 
 
 def _ragged_from_columns(counts, flat, what: str) -> list[list[int]]:
