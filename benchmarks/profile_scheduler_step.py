@@ -88,7 +88,9 @@ class _WireExecutor:
         start = time.thread_time()
         wire = pb.ExecuteModelRequest(
             step_id=self.step_id,
-            scheduler_output=scheduler_output_to_proto(scheduler_output)).SerializeToString()
+            # As served between this version's scheduler and worker: columns both ways.
+            scheduler_output=scheduler_output_to_proto(scheduler_output, block_columns=True)
+        ).SerializeToString()
         plan_s = time.thread_time() - start
         start = time.thread_time()
         plan = scheduler_output_from_proto(
@@ -97,7 +99,8 @@ class _WireExecutor:
         output = self.device.execute_model(plan)
         self.ledger.record(plan, output)
         reply = pb.ExecuteModelResponse(
-            model_runner_output=model_runner_output_to_proto(output)).SerializeToString()
+            model_runner_output=model_runner_output_to_proto(output, columns=True)
+        ).SerializeToString()
         worker_s = time.thread_time() - start
         start = time.thread_time()
         result = model_runner_output_from_proto(

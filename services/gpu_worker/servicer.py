@@ -42,7 +42,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                  ledger: PlanLedger | None = None, lora_config=None,
                  step_thread: StepThread | None = None) -> None:
         self.runner = runner
-        self.info = pb.GetWorkerInfoResponse(model=model, dtype=dtype, device=device)
+        # reads_plan_columns: this version reads a plan's block columns (worker.py).
+        self.info = pb.GetWorkerInfoResponse(model=model, dtype=dtype, device=device,
+                                             reads_plan_columns=True)
         self.ledger = ledger
         self.lora_config = lora_config  # --enable-lora's settings, None without
         self.step_lock = threading.Lock()
@@ -137,7 +139,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             if result.metadata:
                 context.set_trailing_metadata(result.metadata)
             context.abort(result.code, result.message)
-        return pb.ExecuteModelResponse(model_runner_output=model_runner_output_to_proto(result))
+        # Columns only for a scheduler that asked for them: an older one reads none.
+        return pb.ExecuteModelResponse(model_runner_output=model_runner_output_to_proto(
+            result, columns=request.scheduler_output.reply_columns))
 
     def _step(self, step_id: int, plan, epoch: int):
         """One step on the step thread, under step_lock: its output, or a _Refusal."""

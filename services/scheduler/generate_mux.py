@@ -136,14 +136,27 @@ class MuxConnection:
             if not batch:
                 continue
             last = batch[-1]
-            if (len(batch) == 1 and last.new_token_ids and last.finish_reason is None
-                    and last.new_logprobs is None and last.new_prompt_logprobs is None):
-                # A decode step's tokens, nothing else (every request, every step): columns.
-                rids.append(rid)
-                counts.append(len(last.new_token_ids))
-                tokens.extend(last.new_token_ids)
-                cached.append(last.num_cached_tokens)
-                continue
+            if last.finish_reason is None:
+                # Decode steps' tokens, nothing else (every request, every step): columns.
+                # Several steps' (the writer was blocked while they came) make one entry,
+                # the chunk `outputs_to_items` would coalesce them into.
+                if len(batch) == 1:
+                    if (last.new_token_ids and last.new_logprobs is None
+                            and last.new_prompt_logprobs is None):
+                        rids.append(rid)
+                        counts.append(len(last.new_token_ids))
+                        tokens.extend(last.new_token_ids)
+                        cached.append(last.num_cached_tokens)
+                        continue
+                elif _plain_tokens(batch):
+                    start = len(tokens)
+                    for out in batch:
+                        tokens.extend(out.new_token_ids)
+                    if len(tokens) > start:
+                        rids.append(rid)
+                        counts.append(len(tokens) - start)
+                        cached.append(last.num_cached_tokens)
+                        continue
             outputs_to_items(rid, batch, items)
             if last.finished:
                 del requests[rid]
@@ -204,6 +217,14 @@ class MuxConnection:
     def _refuse(self, rid: str, code: grpc.StatusCode, message: str) -> None:
         self.refused.append(_error_item(rid, code, message, None))
         self.ready.set()
+
+
+def _plain_tokens(outputs: list[EngineCoreOutput]) -> bool:
+    """Whether the outputs carry tokens only (no logprobs): what token columns hold."""
+    for out in outputs:
+        if out.new_logprobs is not None or out.new_prompt_logprobs is not None:
+            return False
+    return True
 
 
 def error_status(error: tuple[str, str | None, bool]) -> tuple[grpc.StatusCode, str, str | None]:

@@ -35,7 +35,7 @@ class PlanRejected(ValueError):
         self.request_id = request_id
 
 
-@dataclass
+@dataclass(slots=True)
 class _Held:
     num_tokens: int  # prompt + output tokens the worker knows
     num_blocks: int
@@ -57,8 +57,12 @@ class PlanLedger:
 
     def check(self, plan: SchedulerOutput) -> None:
         """Raise PlanRejected for a plan the runner cannot run as given."""
-        held = {r: h for r, h in self.held.items()
-                if r not in plan.finished_req_ids and r not in plan.preempted_req_ids}
+        # The requests the worker holds for this plan: those it drops first are not.
+        # (Looked up, not copied: a decode step runs every held request, and the check
+        # runs between two steps, where the device waits.)
+        gone = plan.finished_req_ids | plan.preempted_req_ids
+        all_held = self.held
+        held = all_held if not gone else {r: h for r, h in all_held.items() if r not in gone}
         scheduled = plan.num_scheduled_tokens
         new_ids = [d.req_id for d in plan.scheduled_new_reqs]
         cached = plan.scheduled_cached_reqs
@@ -96,15 +100,24 @@ class PlanLedger:
                 raise PlanRejected("a new request with the id of one the worker holds",
                                    data.req_id)
             self._check_new(data, scheduled[data.req_id])
+        block_size = self.block_size
         for req_id, new_blocks, computed in zip(cached.req_ids, cached.new_block_ids,
                                                 cached.num_computed_tokens):
-            if req_id not in held:
+            h = held.get(req_id)
+            if h is None:
                 raise PlanRejected("a diff for a request the worker does not hold", req_id)
-            h = held[req_id]
-            self._check_blocks(new_blocks, req_id)
-            num_drafts = self._check_drafts(req_id, drafts.get(req_id), h.num_tokens - computed)
-            self._check_span(req_id, h.num_tokens + num_drafts, h.num_blocks + len(new_blocks),
-                             computed, scheduled[req_id])
+            if new_blocks:
+                self._check_blocks(new_blocks, req_id)
+            num_tokens = h.num_tokens
+            if drafts and req_id in drafts:
+                num_tokens += self._check_drafts(req_id, drafts[req_id], num_tokens - computed)
+            # _check_span inline (a decode step's every request): refused there when not.
+            num_scheduled = scheduled[req_id]
+            end = computed + num_scheduled
+            if (num_scheduled < 1 or computed < 0 or end > num_tokens
+                    or end > (h.num_blocks + len(new_blocks)) * block_size):
+                self._check_span(req_id, num_tokens, h.num_blocks + len(new_blocks), computed,
+                                 num_scheduled)
         self._check_grammar(plan)
 
     def record(self, plan: SchedulerOutput, output: ModelRunnerOutput) -> None:
@@ -114,17 +127,21 @@ class PlanLedger:
         for data in plan.scheduled_new_reqs:
             self.held[data.req_id] = _Held(len(data.prompt_token_ids) + len(data.output_token_ids),
                                            len(data.block_ids), data.num_computed_tokens)
+        held = self.held
         cached = plan.scheduled_cached_reqs
+        scheduled = plan.num_scheduled_tokens
         for req_id, new_blocks, computed in zip(cached.req_ids, cached.new_block_ids,
                                                 cached.num_computed_tokens):
-            h = self.held[req_id]
-            h.num_blocks += len(new_blocks)
+            h = held[req_id]
+            if new_blocks:
+                h.num_blocks += len(new_blocks)
             h.num_computed_tokens = computed
-        for req_id, n in plan.num_scheduled_tokens.items():
-            self.held[req_id].num_computed_tokens += n
+        for req_id, n in scheduled.items():
+            held[req_id].num_computed_tokens += n
         for req_id, tokens in zip(output.req_ids, output.sampled_token_ids):
-            if req_id in self.held:
-                self.held[req_id].num_tokens += len(tokens)
+            h = held.get(req_id)
+            if h is not None:
+                h.num_tokens += len(tokens)
 
     def reset(self, num_blocks: int | None = None) -> None:
         self.held.clear()

@@ -258,7 +258,8 @@ def test_typed_but_wrong_requests_are_refused_and_the_replica_serves_on(schedule
 
 def test_the_worker_refuses_a_plan_that_does_not_fit_and_applies_none_of_it(worker):
     from pagoda.messages import CachedRequestData, NewRequestData, SchedulerOutput
-    from pagoda.services.common.protocol.worker import scheduler_output_to_proto
+    from pagoda.services.common.protocol.worker import (model_runner_output_from_proto,
+                                                        scheduler_output_to_proto)
 
     def step(step_id, plan):
         return stub.ExecuteModel(wpb.ExecuteModelRequest(
@@ -297,7 +298,8 @@ def test_the_worker_refuses_a_plan_that_does_not_fit_and_applies_none_of_it(work
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert step(1, SchedulerOutput([], CachedRequestData(["a"], [[]], [3]), {"a": 1}, 1))
         verified = step(2, drafting({"a": [5, 6]}, num_tokens=3, computed=4))
-        assert 1 <= len(verified.model_runner_output.sampled_token_ids[0].token_ids) <= 3
+        sampled = model_runner_output_from_proto(verified.model_runner_output).sampled_token_ids
+        assert 1 <= len(sampled[0]) <= 3
 
 
 def test_a_request_its_worker_refuses_fails_alone(tiny_llama_dir):

@@ -167,6 +167,61 @@ def test_model_runner_output_round_trip():
     assert model_runner_output_from_proto(model_runner_output_to_proto(out)) == out
 
 
+@pytest.mark.parametrize("rows", [
+    [[5], [6], [7]],  # a decode step: one token (no block) each
+    [[], [], []],
+    [[5], [], [6, 7, 8], [9]],  # a partial prefill, a verified draft
+    [],
+])
+@pytest.mark.parametrize("columns", [True, False])
+def test_ragged_rows_round_trip_as_columns_or_as_a_message_each(rows, columns):
+    """Sampled tokens and the cached requests' new blocks travel as two columns each
+    when the peer reads them, else as a message per request; a reader takes either."""
+    ids = [f"r{i}" for i in range(len(rows))]
+    out = ModelRunnerOutput(ids, [list(r) for r in rows])
+    msg = model_runner_output_to_proto(out, columns=columns)
+    assert len(msg.sampled_token_ids) == (0 if columns else len(rows))
+    assert bool(msg.sampled_token_counts) == (columns and bool(rows))
+    assert model_runner_output_from_proto(msg) == out
+    plan = SchedulerOutput([], CachedRequestData(ids, [list(r) for r in rows], [3] * len(ids)),
+                           {r: 1 for r in ids}, len(ids))
+    sent = scheduler_output_to_proto(plan, block_columns=columns)
+    assert sent.reply_columns  # this version reads a reply's columns
+    assert len(sent.scheduled_cached_reqs.new_block_ids) == (0 if columns else len(rows))
+    assert bool(sent.scheduled_cached_reqs.new_block_counts) == (columns and bool(rows))
+    assert scheduler_output_from_proto(sent) == plan
+
+
+def test_an_older_peer_gets_the_messages_it_reads():
+    """Rolling upgrade: an older scheduler's plan (no reply_columns) gets the reply as
+    a message per request, and an older worker's plan as a message per request, each
+    exactly what the older reader (the field it knows, nothing else) takes."""
+    from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as wpb
+    older_plan = wpb.SchedulerOutput()  # what an older scheduler sends: no reply_columns
+    assert not older_plan.reply_columns
+    out = ModelRunnerOutput(["a", "b", "c"], [[4], [], [5, 6]])
+    reply = model_runner_output_to_proto(out, columns=older_plan.reply_columns)
+    assert [t.token_ids[:] for t in reply.sampled_token_ids] == [[4], [], [5, 6]]
+    assert not reply.sampled_token_counts and not reply.sampled_token_flat
+    plan = SchedulerOutput([], CachedRequestData(["a", "b"], [[7], []], [3, 4]),
+                           {"a": 1, "b": 1}, 2)
+    sent = scheduler_output_to_proto(plan, block_columns=False)
+    assert [b.block_ids[:] for b in sent.scheduled_cached_reqs.new_block_ids] == [[7], []]
+    assert not sent.scheduled_cached_reqs.new_block_counts
+
+
+def test_ragged_columns_a_reader_takes_the_old_messages_and_refuses_bad_counts():
+    from pagoda.services._proto.pagoda.worker.v1 import worker_pb2 as wpb
+    old = wpb.ModelRunnerOutput(req_ids=["a", "b"])
+    old.sampled_token_ids.add(token_ids=[4])
+    old.sampled_token_ids.add(token_ids=[])
+    assert model_runner_output_from_proto(old).sampled_token_ids == [[4], []]
+    bad = wpb.ModelRunnerOutput(req_ids=["a", "b"], sampled_token_counts=[1, 2],
+                                sampled_token_flat=[4, 5])
+    with pytest.raises(ValueError, match="sampled_token_ids"):
+        model_runner_output_from_proto(bad)
+
+
 @pytest.mark.parametrize("salt", [None, "tenant-7"])
 def test_request_round_trip(salt):
     req = EngineCoreRequest("r-1", [1, 2, 3], SamplingParams(max_tokens=5, stop=["x"]), [0], 123.5,

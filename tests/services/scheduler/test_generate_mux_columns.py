@@ -1,0 +1,68 @@
+"""`MuxConnection._collect`: a request's plain tokens go in the batch's token columns,
+also when several steps' piled up while the writer was blocked (one entry, the chunk
+`outputs_to_items` would make); anything else goes in its items."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pagoda.messages import EngineCoreOutput, FinishReason, LogprobsLists
+from pagoda.services.scheduler.generate_mux import MuxConnection, MuxRequest
+
+
+class _Servicer:
+    def __init__(self) -> None:
+        self.released: list[str] = []
+
+    def release(self, request_id, finished, delivered) -> None:
+        self.released.append(request_id)
+
+
+def _connection(*rids: str) -> tuple[MuxConnection, dict[str, MuxRequest]]:
+    async def make():
+        conn = MuxConnection(_Servicer(), None)
+        for rid in rids:
+            conn.requests[rid] = MuxRequest(rid, conn)
+        return conn
+    conn = asyncio.run(make())
+    return conn, conn.requests
+
+
+def _columns(batch) -> dict[str, tuple[list[int], int]]:
+    out, start = {}, 0
+    for rid, count, cached in zip(batch.token_request_ids, batch.token_counts,
+                                  batch.num_cached_tokens):
+        out[rid] = (list(batch.token_ids[start:start + count]), cached)
+        start += count
+    return out
+
+
+def test_several_steps_of_plain_tokens_make_one_column_entry():
+    conn, reqs = _connection("a", "b", "c")
+    reqs["a"].deliver(EngineCoreOutput("a", [1], num_cached_tokens=2))
+    reqs["a"].deliver(EngineCoreOutput("a", [2, 3], num_cached_tokens=5))
+    reqs["b"].deliver(EngineCoreOutput("b", [4]))
+    reqs["c"].deliver(EngineCoreOutput("c", []))  # a partial prefill's nothing, then tokens
+    reqs["c"].deliver(EngineCoreOutput("c", [6], num_cached_tokens=1))
+    batch = conn._collect([])
+    assert _columns(batch) == {"a": ([1, 2, 3], 5), "b": ([4], 0), "c": ([6], 1)}
+    assert not batch.items
+    assert conn._collect([]) is None  # nothing pending any more
+
+
+def test_logprobs_an_end_or_no_tokens_go_in_the_items():
+    conn, reqs = _connection("lp", "end", "empty")
+    reqs["lp"].deliver(EngineCoreOutput("lp", [1]))
+    reqs["lp"].deliver(EngineCoreOutput("lp", [2], new_logprobs=LogprobsLists(
+        [[2]], [[-0.5]], [[1]])))
+    reqs["end"].deliver(EngineCoreOutput("end", [3]))
+    reqs["end"].deliver(EngineCoreOutput("end", [4], finish_reason=FinishReason.LENGTH))
+    reqs["empty"].deliver(EngineCoreOutput("empty", []))
+    reqs["empty"].deliver(EngineCoreOutput("empty", []))
+    sent: list[MuxRequest] = []
+    batch = conn._collect(sent)
+    assert not batch.token_request_ids
+    chunks = {i.request_id: list(i.chunk.token_ids) for i in batch.items if i.HasField("chunk")}
+    assert chunks == {"lp": [1, 2], "end": [3, 4]}
+    assert [i.request_id for i in batch.items if i.HasField("complete")] == ["end"]
+    assert [r.request_id for r in sent] == ["end"] and "end" not in conn.requests
