@@ -6,18 +6,15 @@ loop it names, and a stream the client drops is cancelled at the scheduler."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 from gateway_harness import SCRIPT, FakeScheduler
+from gateway_process import start_gateway_process
 
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
-from pagoda.services.common.redis_server import free_port
 from pagoda.services.gateway import event_loop
 from pagoda.services.tokenizer.servicer import TokenizerServicer
 
@@ -54,20 +51,10 @@ def peers(smollm2_tokenizer, grpc_server_factory_module):
 @pytest.mark.parametrize("setting,loop", [("1", "uvloop.Loop"), ("0", "asyncio.")])
 def test_gateway_process_streams_and_cancels_on_its_loop(peers, setting, loop):
     tokenizer_addr, scheduler_addr, fake = peers
-    port = free_port()
-    gateway = subprocess.Popen(
-        [sys.executable, "-m", "pagoda.services.cli.main", "gateway", "--port", str(port),
-         "--tokenizer-addr", tokenizer_addr, "--scheduler-addrs", scheduler_addr,
-         "--kv-cache-manager-addr", ""],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "PAGODA_GATEWAY_UVLOOP": setting,
-             "PAGODA_LOG_LEVEL": "INFO"})
-    url = f"http://127.0.0.1:{port}"
+    gateway, url = start_gateway_process(
+        tokenizer_addr, scheduler_addr,
+        env={"PAGODA_GATEWAY_UVLOOP": setting, "PAGODA_LOG_LEVEL": "INFO"})
     try:
-        deadline = time.monotonic() + 60
-        while not _healthy(url):
-            assert gateway.poll() is None and time.monotonic() < deadline, "gateway not up"
-            time.sleep(0.1)
         # A whole stream, byte for byte what the fake scheduler scripted.
         text, done = "", False
         with httpx.stream("POST", f"{url}/v1/completions", timeout=30, json={
@@ -95,9 +82,3 @@ def test_gateway_process_streams_and_cancels_on_its_loop(peers, setting, loop):
     log = gateway.stderr.read()
     assert f"event loop: {loop}" in log, log[-2000:]
 
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False

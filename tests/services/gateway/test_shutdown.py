@@ -5,19 +5,16 @@ replica, as a pod's gateway would when Kubernetes stops it."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
+from gateway_process import start_gateway_process
 
 from pagoda.services._proto.pagoda.common.v1 import common_pb2 as cpb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
-from pagoda.services.common.redis_server import free_port
 from pagoda.services.tokenizer.servicer import TokenizerServicer
 
 NUM_TOKENS = 80  # 8 s: longer than the 5 s uvicorn gave in-flight requests before
@@ -43,19 +40,9 @@ def test_sigterm_lets_a_live_stream_finish(grpc_server_factory, smollm2_tokenize
                                     TokenizerServicer(smollm2_tokenizer, "m", [2]))
     replica = grpc_server_factory(spb_grpc.add_SchedulerServiceServicer_to_server,
                                   SlowReplica())
-    port = free_port()
-    gateway = subprocess.Popen(
-        [sys.executable, "-m", "pagoda.services.cli.main", "gateway", "--port", str(port),
-         "--tokenizer-addr", tokenizer.address, "--scheduler-addrs", replica.address,
-         "--kv-cache-manager-addr", "", "--shutdown-grace-period", "60"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
+    gateway, url = start_gateway_process(tokenizer.address, replica.address,
+                                         "--shutdown-grace-period", "60")
     try:
-        deadline = time.monotonic() + 60
-        while not _healthy(url):
-            assert gateway.poll() is None and time.monotonic() < deadline, "gateway not up"
-            time.sleep(0.1)
         texts, finish, done = [], None, False
         with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
                 "prompt": "Hi", "max_tokens": NUM_TOKENS, "stream": True}) as reply:
@@ -79,9 +66,3 @@ def test_sigterm_lets_a_live_stream_finish(grpc_server_factory, smollm2_tokenize
             gateway.kill()
             gateway.wait()
 
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
