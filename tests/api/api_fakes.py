@@ -109,10 +109,10 @@ class RecordingTokenizer(TokenizerServicer):
         super().__init__(tokenizer, "smollm2", [2])
         self.decode_options: list[tpb.DecodeOptions] = []
 
-    def _decode_one(self, decoders, item):
+    def _decode_one(self, decoders, item, *rest):
         if item.HasField("options"):
             self.decode_options.append(item.options)
-        return super()._decode_one(decoders, item)
+        return super()._decode_one(decoders, item, *rest)
 
 
 class Peers:
