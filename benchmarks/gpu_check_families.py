@@ -18,6 +18,7 @@ import tempfile
 import torch
 
 import gpu_harness as h
+from pagoda.model.random_checkpoint import random_hf_model
 
 ATTENTION_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
@@ -104,27 +105,6 @@ def _deepseek_v3_config(vocab: int):
                             norm_topk_prob=True, num_nextn_predict_layers=0)
 
 
-def _random_hf_model(config, device):
-    """Random weights with visibly random norms, sinks and biases (HF inits those to
-    one or zero), eager attention, fp32."""
-    from transformers import AutoModelForCausalLM
-
-    config.initializer_range = 0.2
-    config.eos_token_id = None
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                             attn_implementation="eager")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("self_attn.sinks"):
-                p.copy_(2.0 * torch.randn_like(p))
-            elif name.endswith(("_bias", "e_score_correction_bias")):
-                p.copy_(0.5 * torch.randn_like(p))
-    return model.to(device).eval()
-
-
 def check_family_greedy(report, device: torch.device, small: bool) -> None:
     """Tiny gpt-oss and DeepSeek-V3, fp32, `pagoda.LLM` (Triton kernels) vs HF generate."""
     from gpu_check_sections import (_compare_greedy, _random_prompts, _write_word_tokenizer,
@@ -143,7 +123,7 @@ def check_family_greedy(report, device: torch.device, small: bool) -> None:
     for family, make_config in (("gpt_oss", _gpt_oss_config), ("deepseek_v3", _deepseek_v3_config)):
         name = f"{family}_LLM_vs_hf/float32"
         try:
-            hf = _random_hf_model(make_config(vocab), device)
+            hf = random_hf_model(make_config(vocab)).to(device)
             expected = h.hf_greedy(hf, prompts, max_tokens, device)
             with tempfile.TemporaryDirectory() as tmp:
                 hf.save_pretrained(tmp)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DeepseekV3Config, GptOssConfig
+from transformers import DeepseekV3Config, GptOssConfig
 
 from pagoda.model import ops
 from pagoda.model.attention_metadata import AttentionMetadata
 from pagoda.model.kv_cache import allocate_kv_caches
 from pagoda.model.loader import load_arch_config, load_model
+from pagoda.model.random_checkpoint import random_hf_model
 
 VOCAB = 128
 BLOCK = 4
@@ -48,24 +49,11 @@ def deepseek_v3_config() -> DeepseekV3Config:
 CONFIGS = {"gpt_oss": gpt_oss_config, "deepseek_v3": deepseek_v3_config}
 
 
-def save_checkpoint(path, config) -> AutoModelForCausalLM:
-    """A random checkpoint whose norms, sinks and biases (zero or one in HF's init) are
-    visibly random; returns the transformers model (eager attention, fp32)."""
-    config.initializer_range = 0.2
-    config.eos_token_id = None
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                             attn_implementation="eager")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("self_attn.sinks"):
-                p.copy_(2.0 * torch.randn_like(p))
-            elif name.endswith(("_bias", "e_score_correction_bias")):
-                p.copy_(0.5 * torch.randn_like(p))
+def save_checkpoint(path, config):
+    """A random checkpoint (`random_hf_model`); returns the transformers model."""
+    model = random_hf_model(config)
     model.save_pretrained(path)
-    return model.eval()
+    return model
 
 
 def hf_greedy(model, prompt: list[int]) -> list[int]:
