@@ -180,6 +180,7 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
                     num_tokens += self._decode_one(decoders, item, add)
             tokens.inc(num_tokens)
             yield response
+
     def GetTokenizerInfo(self, request: pb.GetTokenizerInfoRequest, context: grpc.ServicerContext
                          ) -> pb.GetTokenizerInfoResponse:
         return pb.GetTokenizerInfoResponse(
