@@ -11,6 +11,7 @@ of every matrix (tensor parallelism, `parallel_layers`) and its stage's layers
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 
 import torch
@@ -30,6 +31,8 @@ from pagoda.model.parallel_layers import ParallelLMHead, VocabParallelEmbedding
 from pagoda.model.pooling_model import as_pooling_model
 from pagoda.model.rotary import RotaryEmbedding
 from pagoda.model.weight_names import load_named_weights
+
+logger = logging.getLogger(__name__)
 
 
 class LlamaModel(nn.Module):
@@ -78,6 +81,11 @@ class LlamaModel(nn.Module):
             self._fused_decode = (
                 FusedDecodeStack.for_model(self.stage_layers, self.stage_uses_local_rope)
                 if cpu_decode_stack.enabled() else None)
+            if self._fused_decode is not None:
+                # Said once per model: operators (and the matrix row) see which path decodes.
+                logger.info("Decode steps of up to %d rows run the %d decoder layers as one "
+                            "C++ call (PAGODA_CPU_FUSED_DECODE=0 keeps the Python loop)",
+                            self._fused_decode.max_rows, len(self.stage_layers))
         return self._fused_decode
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
