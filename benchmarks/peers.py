@@ -11,7 +11,11 @@ or first / second TTFT for the prefix row) and the exact commands.
 - offline: `pagoda bench throughput` vs `llama-batched-bench`, total tokens/s.
 - served: `pagoda serve` vs `llama-server` (32 slots), each loaded at concurrency 32 by
   benchmarks/loadgen.py (the shared client) and by `pagoda bench serve`; output tokens/s
-  and TTFT p50. Both servers get the same prompts (one fresh seed per sitting).
+  and TTFT p50. Both servers get the same prompts (one fresh seed per sitting). Beside
+  them, issue 28's served-vs-offline figure: `pagoda bench throughput` capped at the same
+  32 sequences (64 prompts, 128 in / 128 out), output tokens/s, run just before
+  `pagoda serve` starts, and `ratio_vs_offline_capped` (loadgen's figure over it; the
+  target is >= 0.9).
 - single: `pagoda bench latency --batch-size 1` vs `llama-bench -p 0 -n 128`. llama-bench's
   tg128 is decode alone; Pagoda's latency includes the 128-token prefill, so its decode
   rate is also derived from a second run with one output token: 127 / (t128 - t1).
@@ -64,6 +68,14 @@ def offline(bins: pathlib.Path, gguf: str) -> dict:
     llama = batched_bench_row(run_command(peer, 1800), 32)["S t/s"]
     return {"metric": "total tokens/s", "pagoda": pagoda, "llamacpp": llama,
             "ratio": ratio(pagoda, llama), "commands": [shlex.join(ours), shlex.join(peer)]}
+
+
+def offline_capped(gguf: str) -> tuple[float, str]:
+    """The offline engine's output tokens/s on the served row's load (64 prompts of 128 in /
+    128 out, at most 32 at once, as the served row's concurrency), and its command."""
+    argv = [*PAGODA, "bench", "throughput", "--model", gguf, "--input-len", "128",
+            "--output-len", "128", "--num-prompts", "64", "--max-num-seqs", "32"]
+    return last_json_line(run_command(argv, 1800))["output_tokens_per_s"], shlex.join(argv)
 
 
 def served_pair(url: str, model: str, pid: int, gguf: str, seed: int) -> tuple[dict, list[str]]:
@@ -126,13 +138,17 @@ def served_and_prefix(bins: pathlib.Path, gguf: str, seed: int, logs: str,
                       "-t", "2", "-tb", "2"], f"http://127.0.0.1:{LLAMA_PORT}"),
     }
     out: dict = {}
+    if "served" in rows:
+        load = loadavg()
+        figure, command = offline_capped(gguf)
+        out["served"] = {"metric": "output tokens/s at concurrency 32", "commands": {},
+                         "offline_capped": {"output_tok_s": figure, "command": command,
+                                            "loadavg_1m_before": load}}
     for name, (argv, url) in servers.items():
         with server(argv, url, os.path.join(logs, f"{name}-server.log"), timeout=900) as (model, pid):
             if "served" in rows:
                 load = loadavg()
                 figures, commands = served_pair(url, model, pid, gguf, seed)
-                out.setdefault("served", {"metric": "output tokens/s at concurrency 32",
-                                          "commands": {}})
                 out["served"][name] = {**figures, "loadavg_1m_before": load}
                 out["served"]["commands"][name] = [shlex.join(argv), *commands]
             if "prefix" in rows:
@@ -147,6 +163,8 @@ def served_and_prefix(bins: pathlib.Path, gguf: str, seed: int, logs: str,
         s = out["served"]
         s["ratio_loadgen"] = ratio(s["pagoda"]["loadgen_output_tok_s"],
                                    s["llamacpp"]["loadgen_output_tok_s"])
+        s["ratio_vs_offline_capped"] = ratio(s["pagoda"]["loadgen_output_tok_s"],
+                                             s["offline_capped"]["output_tok_s"])
         s["ratio_bench_serve"] = ratio(s["pagoda"]["bench_serve_output_tok_s"],
                                        s["llamacpp"]["bench_serve_output_tok_s"])
     if "prefix" in out:

@@ -131,6 +131,7 @@ def create_app(tokenizer_addr: str, scheduler_addrs: list[str],
         peers.router.medium_weights.update(kv_medium_weights or {})
         if prefix_pull is not None and prefix_pull.enabled:
             peers.prefix_pull = PrefixPull(peers, prefix_pull)
+            peers.router.lookup_single_replica = True  # the pull reads Route.prefix
         return peers
 
     return build_app(state, make_peers, peer_metrics, kv_cache_manager_addr, http_options)

@@ -345,8 +345,14 @@ class Peers:
 
     def routing_block_size(self) -> int:
         """The block size to ask `Tokenize` for a prompt's block hashes with: the
-        replicas' when routing looks them up in the prefix index, else 0 (none)."""
-        return 0 if self.router.index is None else self.model_info().block_size
+        replicas' when routing looks them up in the prefix index, else 0 (none): no
+        index, or one replica, which the router picks without asking it (router.py).
+        A replica that joins between this and the route is covered: the index
+        client hashes a prompt that came without hashes."""
+        if self.router.index is None or not (self.router.lookup_single_replica
+                                             or len(self.schedulers) > 1):
+            return 0
+        return self.model_info().block_size
 
     def tokenizer_info(self) -> tpb.GetTokenizerInfoResponse:
         if self.tokenizer.info is None:

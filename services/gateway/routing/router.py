@@ -30,7 +30,9 @@ relative to it; at IMBALANCE_TOLERANCE (30% above fair) it outweighs a whole
 cached prompt. So new prefixes go where fewer requests went lately, and a
 prefix stays where it is cached until its replica is clearly over its share.
 Ties are broken at random. Without the index (Redis or the kv-cache-manager
-down) the cached term is 0 for all: load-based routing.
+down) the cached term is 0 for all: load-based routing. With one candidate replica
+the index is not asked (nor are block hashes computed for it): it could not change
+the choice; a route then predicts no cached tokens (`Route.prefix` is None).
 
 least_loaded: fewest requests, then fewest pending tokens. session: the same
 session (the `X-Session-Id` header, else the body's `user`) always lands on the
@@ -152,6 +154,11 @@ class Router:
         self.policy = policy
         self.medium_weights = {**DEFAULT_MEDIUM_WEIGHTS, **(medium_weights or {})}
         self.index = index
+        # With one replica to choose from the index cannot change the choice, so it is
+        # not asked (issue 28: a LookupPrefix, and the block hashes the tokenizer computes
+        # for it, were ~1 ms of CPU per request across gateway, tokenizer, kv-cache-manager
+        # and Redis). True where something else reads the lookup (--kv-prefix-pull).
+        self.lookup_single_replica = False
         self.recent_routes = RecentRoutes()
         self.adapters = AdapterPlacement()
         self.rng = rng or random.Random()
@@ -169,7 +176,8 @@ class Router:
         if adapter:
             live = self.adapters.candidates(live, adapter)
         cached, tiers, hashes = {}, {}, None
-        if self.index is not None and tokenizer_stub is not None:
+        if self.index is not None and tokenizer_stub is not None and (
+                len(live) > 1 or self.lookup_single_replica):
             cached, tiers, hashes = await self._cached_tokens(live, request, tokenizer_stub)
             live = [r for r in live if r.is_routable()] or live  # the await let time pass
         chosen = self._choose(live, request, cached, tiers)

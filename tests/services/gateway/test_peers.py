@@ -173,6 +173,27 @@ def test_replicas_whose_hashes_differ_get_no_traffic_and_stop_a_starting_gateway
     assert "seed-a" in fatal[0] and "seed-b" in fatal[0] and schedulers[1] in fatal[0]
 
 
+def test_prompts_are_hashed_for_routing_only_when_there_is_a_choice(peers_at):
+    # Issue 28: one replica is routed without the prefix index (router.py), so the
+    # tokenizer is not asked for block hashes either; --kv-prefix-pull still wants them.
+    tokenizer, schedulers = peers_at("seed-a", ["seed-a", "seed-a"])
+
+    async def run(addresses: list[str], pull: bool = False) -> int:
+        peers = Peers(tokenizer, ",".join(addresses))
+        peers.use_prefix_index("127.0.0.1:1")
+        peers.router.lookup_single_replica = pull
+        try:
+            await peers.refresh()
+            return peers.routing_block_size()
+        finally:
+            await peers.close()
+
+    block_size = asyncio.run(run(schedulers))
+    assert block_size > 0
+    assert asyncio.run(run(schedulers[:1])) == 0
+    assert asyncio.run(run(schedulers[:1], pull=True)) == block_size
+
+
 def test_the_hash_algorithm_must_match_too(peers_at):
     """--prefix-caching-hash-algo reaches the tokenizer and HashBlocks: equal algorithms
     agree, another one (same seed) is a mismatch that names both algorithms."""

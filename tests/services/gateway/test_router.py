@@ -126,6 +126,24 @@ def test_without_the_index_kv_aware_routes_by_load():
     assert chosen.replica is b and chosen.predicted_cached_tokens is None and index.calls == 1
 
 
+def test_one_candidate_is_routed_without_asking_the_index():
+    # Issue 28: the lookup (and the block hashes the tokenizer computes for it) cost each
+    # request ~1 ms of CPU and cannot change a forced choice.
+    a, b = FakeReplica("1"), FakeReplica("2")
+    index = FakeIndex({"sched-1": 30})
+    router = Router("kv_aware", index, random.Random(0))
+    chosen = route(router, [a])
+    assert chosen.replica is a and chosen.predicted_cached_tokens is None
+    assert chosen.prefix is None and index.calls == 0
+    assert a.num_pending_tokens == len(PROMPT)  # nothing predicted cached
+    chosen.release()
+    route(router, [a, b], exclude=frozenset({b.address})).release()  # one left: forced too
+    assert index.calls == 0
+    assert route(router, [a, b]).predicted_cached_tokens == 30 * BLOCK and index.calls == 1
+    router.lookup_single_replica = True  # --kv-prefix-pull reads the lookup
+    assert route(router, [a]).prefix is not None and index.calls == 2
+
+
 def test_recent_routes_cover_the_index_lag():
     a, b = FakeReplica("1"), FakeReplica("2")
     index = FakeIndex({})  # the index has not seen the first request's blocks yet
