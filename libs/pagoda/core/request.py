@@ -123,6 +123,23 @@ class Request:
         if len(self.all_token_ids) % self._block_size == 0:
             self._update_block_hashes()
 
+    def append_token_and_check_stop(self, token_id: int) -> bool:
+        """`append_output_token(token_id)` then `check_stop()`, in one call: what every
+        plain decode request does every step. The usual verdict (no stop tokens, no
+        repetition detection, under max_tokens, not EOS) is reached without the rest."""
+        output = self.output_token_ids
+        output.append(token_id)
+        all_ids = self.all_token_ids
+        all_ids.append(token_id)
+        if len(all_ids) % self._block_size == 0:
+            self._update_block_hashes()
+        params = self.sampling_params
+        if (len(output) < self.max_tokens and not params.stop_token_ids
+                and params.repetition_detection is None and self.finish_reason is None
+                and (params.ignore_eos or token_id not in self.eos_token_ids)):
+            return False  # what check_stop finds then
+        return self.check_stop()
+
     def check_stop(self) -> bool:
         """Sets finish_reason if the last sampled token ends the request."""
         params = self.sampling_params

@@ -278,6 +278,11 @@ class Scheduler:
         hooks = self._extra_tokens_hooks
         # Bound once: this loop runs for every running request every step.
         allocate = self.kv_cache_manager.allocate_slots
+        # allocate_slots' first test, inline (a decode step whose tokens fit the blocks
+        # the request holds, no block filled: nothing to allocate, release or cache).
+        kv = self.kv_cache_manager
+        held = kv.req_blocks if kv.sliding_window is None else {}
+        num_cached_blocks, bs = kv.num_cached_blocks, kv.block_size
         lookahead = self.num_lookahead_tokens
         req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
         num_computed = cached.num_computed_tokens
@@ -311,16 +316,24 @@ class Scheduler:
                 for hook in hooks:  # each sees the request's own tokens, not the others' extras
                     extra += hook.extra_tokens(request, num_new, budget)
                 num_new += extra
-            new_blocks = allocate(request, num_new, num_lookahead_tokens=lookahead)
-            if new_blocks is None:  # no room: preempt until it fits
-                new_blocks = self._allocate_or_preempt(request, num_new, preempted)
-                budget += self._unschedule(preempted, num_scheduled, cached)
-                if new_blocks is None:
-                    continue  # the request itself was preempted
+            blocks = held.get(request_id)
+            num_total = request.num_computed_tokens + num_new
+            if (blocks is not None and -(-(num_total + lookahead) // bs) <= len(blocks)
+                    and min(num_total, len(request.all_token_ids)) // bs
+                    <= num_cached_blocks.get(request_id, 0)):
+                block_ids = []
+            else:
+                new_blocks = allocate(request, num_new, num_lookahead_tokens=lookahead)
+                if new_blocks is None:  # no room: preempt until it fits
+                    new_blocks = self._allocate_or_preempt(request, num_new, preempted)
+                    budget += self._unschedule(preempted, num_scheduled, cached)
+                    if new_blocks is None:
+                        continue  # the request itself was preempted
+                block_ids = [b.block_id for b in new_blocks] if new_blocks else []
             budget -= num_new
             num_scheduled[request_id] = num_new
             req_ids.append(request_id)
-            new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
+            new_block_ids.append(block_ids)
             num_computed.append(request.num_computed_tokens)
         return budget
 
@@ -672,8 +685,7 @@ class Scheduler:
                     request.num_output_placeholders - len(token_ids), 0)
             if plain and len(token_ids) == 1 and request.structured_output_request is None:
                 token_id = token_ids[0]
-                request.append_output_token(token_id)
-                request.check_stop()
+                request.append_token_and_check_stop(token_id)
                 new_token_ids = [token_id]
                 prompt_logprobs = None
             else:
