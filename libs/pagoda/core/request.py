@@ -38,6 +38,22 @@ class Request:
       * `block_hashes` covers exactly the full blocks of `all_token_ids`.
     """
 
+    # Slots: every running request is read by the scheduler every step, its cache lines
+    # cold by then (the step ran meanwhile); those it reads every step come first.
+    __slots__ = (
+        "request_id", "status", "num_computed_tokens", "num_output_placeholders",
+        "all_token_ids", "output_token_ids", "max_tokens", "structured_output_request",
+        "finish_reason", "stop_reason", "sampling_params", "eos_token_ids", "_block_size",
+        "num_cached_tokens", "first_token_time", "block_hashes",
+        # The rest.
+        "pooling_params", "prompt_token_ids", "arrival_time", "priority", "num_preemptions",
+        "num_failed_steps", "num_isolated_steps", "onload", "onload_void",
+        "holds_onloaded_blocks", "failure", "first_scheduled_time", "spec_token_ids",
+        "_hash_seed", "_hash_algo", "lora_request", "_extra_keys", "mm_features",
+        "state_save_at", "state_restore",
+        "num_started_mm_items",  # the encoder budget's (core/encoder_budget.py)
+    )
+
     def __init__(self, core_request: EngineCoreRequest, block_size: int, hash_seed: str,
                  max_model_len: int, hash_algo: str = DEFAULT_HASH_ALGO) -> None:
         self.request_id = core_request.request_id

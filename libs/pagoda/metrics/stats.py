@@ -60,7 +60,7 @@ class IterationStats:
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)  # touched for every request every step: one compact object
 class _RequestState:
     arrival_time: float
     queued_ts: float
