@@ -110,6 +110,15 @@ class _WireExecutor:
         self.step_id += 1
         return result
 
+    def submit_step(self, scheduler_output):
+        """Async scheduling (`--async-scheduling`): the step runs at once, on this
+        thread, as `execute_model`; its output waits in a done future."""
+        import concurrent.futures
+
+        future = concurrent.futures.Future()
+        future.set_result(self.execute_model(scheduler_output))
+        return future
+
     def shutdown(self) -> None:
         self.device.shutdown()
 
@@ -141,7 +150,7 @@ def _mux_outputs(batch: int):
 
 
 def _build(model: str, batch: int, prompt_len: int, steps: int, timer: _Timer,
-           stream: str = "generate"):
+           stream: str = "generate", async_scheduling: bool = False):
     """An engine loop wired as the scheduler service wires it, with `batch` requests
     prefilled."""
     from prometheus_client import CollectorRegistry
@@ -159,7 +168,7 @@ def _build(model: str, batch: int, prompt_len: int, steps: int, timer: _Timer,
     config = EngineArgs(model=model, simulated_device={"base_ms": 0.001}, max_num_seqs=batch,
                         max_num_batched_tokens=max(8192, batch), max_model_len=max_len,
                         num_gpu_blocks_override=batch * (max_len // 16 + 2),
-                        ).create_engine_config()
+                        async_scheduling=async_scheduling).create_engine_config()
     core = EngineCore(config, _WireExecutor(config, timer))
     metrics = EngineMetrics(config.served_model_name[0], max_len, registry=CollectorRegistry())
     recorder = SchedulerStatsRecorder(metrics, None)
@@ -218,6 +227,9 @@ def main() -> int:
                         help="the servicer's stream path measured under `outputs`: one "
                              "Generate stream per request, or every request on one "
                              "GenerateStream (the gateway's default)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="plan step N+1 before applying N's output, as `pagoda serve "
+                             "--async-scheduling` does (the device runs each step at once)")
     parser.add_argument("--profile", type=int, nargs="?", const=30, default=0,
                         help="print the top N functions by own time (default 30)")
     args = parser.parse_args()
@@ -226,7 +238,8 @@ def main() -> int:
     logging.disable(logging.INFO)  # the stats line and cache sizes are not measured
     for batch in (int(b) for b in args.batch.split(",")):
         timer = _Timer()
-        loop = _build(args.model, batch, args.prompt_len, args.steps, timer, args.stream)
+        loop = _build(args.model, batch, args.prompt_len, args.steps, timer, args.stream,
+                      args.async_scheduling)
         _measure(loop, 20, timer)  # warm-up
         result = {"batch": batch, "stream": args.stream, "steps": args.steps,
                   **_measure(loop, args.steps, timer)}

@@ -4,11 +4,15 @@
     gateway ◄──GenerateStreamBatch(one per write)─────────  writer (the handler itself)
 
 The engine thread hands every step's outputs to the event loop once (servicer
-`_dispatch`); each output lands on its request's pending list, and a request with
-something pending is marked dirty on its connection. The writer drains all dirty
-requests into ONE batch per wake-up, so a step costs one message per connection
-instead of one per request, and outputs that pile up while a write is blocked (the
-caller reads slower than the steps) coalesce per request, as on `Generate`.
+`_dispatch`). A decode step's plain output (tokens only, not the end) of a request with
+nothing pending goes straight into its connection's token columns; any other output
+lands on its request's pending list, and a request with something pending is marked
+dirty on its connection. The writer drains the columns and all dirty requests into ONE
+batch per wake-up, so a step costs one message per connection instead of one per
+request (and no per-request work on the loop beyond the append), and outputs that
+pile up while a write is blocked (the caller reads slower than the steps) coalesce per
+request, as on `Generate`. A request's column entry always holds outputs older than
+its pending ones, and columns are read before items, so its order holds.
 
 Invariants:
   * a request is in `requests` from the moment it is read until its end went into a
@@ -43,7 +47,8 @@ class MuxRequest:
     """One request of a `GenerateStream`: the servicer's stream object for it (it
     `deliver`s outputs and `fail`s it like a `Generate` stream's)."""
 
-    __slots__ = ("request_id", "connection", "pending", "error", "dirty", "accepted", "closed")
+    __slots__ = ("request_id", "connection", "pending", "error", "dirty", "accepted", "closed",
+                 "round")
 
     def __init__(self, request_id: str, connection: "MuxConnection") -> None:
         self.request_id = request_id
@@ -53,8 +58,25 @@ class MuxRequest:
         self.dirty = False  # in connection.dirty
         self.accepted = False  # the engine took it: release() is ours to call
         self.closed = False  # ended on the stream (its end sent, aborted, or the stream gone)
+        self.round = -1  # the connection's `round` in which it last got a column entry
 
     def deliver(self, output: EngineCoreOutput) -> None:
+        if (not self.pending and output.finish_reason is None and output.new_token_ids
+                and output.new_logprobs is None and output.new_prompt_logprobs is None
+                and self.error is None and not self.closed):
+            # Plain tokens: the connection's columns, as `_collect` would put them.
+            connection = self.connection
+            if self.round == connection.round:
+                connection.repeats += 1  # a second entry this batch: merged in _collect
+            else:
+                self.round = connection.round
+            connection.token_requests.append(self)
+            connection.token_counts.append(len(output.new_token_ids))
+            connection.token_ids.extend(output.new_token_ids)
+            connection.num_cached_tokens.append(output.num_cached_tokens)
+            if len(connection.token_requests) == 1:
+                connection.ready.set()
+            return
         self.pending.append(output)
         if not self.dirty:
             self.dirty = True
@@ -78,6 +100,16 @@ class MuxConnection:
         self.requests: dict[str, MuxRequest] = {}
         self.dirty: list[MuxRequest] = []
         self.refused: list[pb.GenerateStreamItem] = []  # errors of requests never accepted
+        # The next batch's token columns, filled by `MuxRequest.deliver` (the requests
+        # themselves, not their ids: an id may come back on a new request); `round`
+        # counts the batches collected, `repeats` the requests with a second entry this
+        # round or one ended on the stream after its entry.
+        self.token_requests: list[MuxRequest] = []
+        self.token_counts: list[int] = []
+        self.token_ids: list[int] = []
+        self.num_cached_tokens: list[int] = []
+        self.round = 0
+        self.repeats = 0
         self.ready = asyncio.Event()
         self._admissions: set[asyncio.Task] = set()
         self._reader: asyncio.Task | None = None
@@ -119,10 +151,32 @@ class MuxConnection:
         items, self.refused = self.refused, []
         dirty, self.dirty = self.dirty, []
         requests = self.requests
-        rids: list[str] = []
-        counts: list[int] = []
-        tokens: list[int] = []
-        cached: list[int] = []
+        entries, self.token_requests = self.token_requests, []
+        counts, self.token_counts = self.token_counts, []
+        tokens, self.token_ids = self.token_ids, []
+        cached, self.num_cached_tokens = self.num_cached_tokens, []
+        this_round = self.round
+        self.round += 1
+        repeats, self.repeats = self.repeats, 0
+        # Rare (the writer was blocked for several steps, or a request ended on the
+        # stream since its entry): a request with two column entries, with one and
+        # something pending, or closed. Its entries are joined into one, put back before
+        # its pending outputs, or dropped, so the batch is what it would have been had
+        # every output gone to the pending list.
+        behind = [r for r in dirty if r.round == this_round]
+        if repeats or behind:
+            joined = _join_columns(entries, counts, tokens, cached)
+            for request in behind:
+                ids, num_cached = joined.pop(request)
+                request.pending[:0] = [EngineCoreOutput(request.request_id, ids,
+                                                        num_cached_tokens=num_cached)]
+            for request in [r for r in joined if r.closed]:
+                del joined[request]
+            entries = list(joined)
+            counts = [len(ids) for ids, _ in joined.values()]
+            tokens = [t for ids, _ in joined.values() for t in ids]
+            cached = [num_cached for _, num_cached in joined.values()]
+        rids = [request.request_id for request in entries]
         for request in dirty:
             request.dirty = False
             if request.closed:
@@ -174,6 +228,8 @@ class MuxConnection:
         if request.closed:
             return
         request.closed = True
+        if request.round == self.round:  # its column entry must not go out
+            self.repeats += 1
         if request.accepted:
             self.servicer.release(request.request_id, finished=finished, delivered=False)
         # else: its admission is under way and releases it when it returns
@@ -217,6 +273,21 @@ class MuxConnection:
     def _refuse(self, rid: str, code: grpc.StatusCode, message: str) -> None:
         self.refused.append(_error_item(rid, code, message, None))
         self.ready.set()
+
+
+def _join_columns(entries: list[MuxRequest], counts: list[int], tokens: list[int],
+                  cached: list[int]) -> dict[MuxRequest, tuple[list[int], int]]:
+    """Token columns as request -> (its tokens, in order, and the num_cached_tokens of
+    its last entry): each request's entries joined into the chunk they coalesce into."""
+    joined: dict[MuxRequest, tuple[list[int], int]] = {}
+    start = 0
+    for request, count, num_cached in zip(entries, counts, cached):
+        entry = joined.get(request)
+        ids = entry[0] if entry is not None else []
+        ids.extend(tokens[start:start + count])
+        joined[request] = ids, num_cached
+        start += count
+    return joined
 
 
 def _plain_tokens(outputs: list[EngineCoreOutput]) -> bool:

@@ -111,6 +111,20 @@ def test_abort_frees_blocks_and_reports_once():
     assert so.finished_req_ids == {"a"}  # the worker is told to drop it
 
 
+def test_blocks_filled_by_decoded_tokens_are_offered_to_later_prompts():
+    """A decode step that fills a block caches it (the running loop's no-allocation
+    shortcut must not skip that): a prompt repeating the prompt and the output hits it."""
+    s = make_scheduler()  # blocks of 4 tokens
+    add(s, "a", 4, max_tokens=5)  # one prompt block; its last step fills the second
+    while s.requests:
+        step(s)
+    s.add_request(EngineCoreRequest("b", [1, 2, 3, 4, 7, 7, 7, 7, 7], SamplingParams(
+        max_tokens=1), [EOS]))
+    so, outs = step(s)
+    assert so.num_scheduled_tokens == {"b": 1}  # 8 of its 9 tokens were cached
+    assert outs[0].num_cached_tokens == 8
+
+
 def test_prefix_hit_skips_cached_tokens():
     s = make_scheduler()
     add(s, "a", 12, max_tokens=1)

@@ -121,6 +121,22 @@ def test_a_preemption_counts_but_does_not_move_the_first_schedule():
     assert end.finished_requests[0].queued_time == 1.0  # first scheduled at 1.0
 
 
+def test_each_request_is_first_scheduled_when_its_own_first_plan_ran():
+    """The tracker looks up only the requests not scheduled yet, walking whichever of
+    them and the plan is smaller: both ways give each its own first plan's start."""
+    tracker = RequestStatsTracker()
+    for rid in "abcde":
+        tracker.add_request(_request(rid, arrival=0.0), queued_ts=0.0)
+    tracker.on_step(1.0, 1.1, _plan("a", "b"), [])  # 5 unscheduled, a plan of 2
+    tracker.on_step(2.0, 2.1, _plan("a", "b", "c"), [])  # 3 unscheduled, a plan of 3
+    tracker.on_step(3.0, 3.1, _plan("a", "b", "c", "d", "e"), [])  # 2, a plan of 5
+    end = tracker.on_step(4.0, 4.0, _plan(*"abcde"), [
+        EngineCoreOutput(rid, [1], finish_reason=FinishReason.LENGTH) for rid in "abcde"])
+    queued = {r.request_id: r.queued_time for r in end.finished_requests}
+    assert queued == {"a": 1.0, "b": 1.0, "c": 2.0, "d": 3.0, "e": 3.0}
+    assert end.num_generation_tokens == 5 and tracker.num_tracked == 0
+
+
 def test_record_turns_cumulative_core_counters_into_increments():
     registry = CollectorRegistry()
     metrics = EngineMetrics("m", 64, registry=registry)

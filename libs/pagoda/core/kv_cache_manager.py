@@ -64,8 +64,9 @@ class KVCacheManager:
             self.state_checkpoints = StateCheckpoints(num_state_checkpoints)
             self.pool.on_evict = self.state_checkpoints.forget
         self.req_blocks: dict[str, list[KVCacheBlock | None]] = {}
-        # Number of leading blocks of each request already registered in the cache map.
-        self._num_cached_blocks: dict[str, int] = {}
+        # Number of leading blocks of each request already registered in the cache map
+        # (read by the scheduler's running loop, which inlines `allocate_slots`' first test).
+        self.num_cached_blocks: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
 
     @property
@@ -127,14 +128,15 @@ class KVCacheManager:
         if not new_computed_blocks and self.sliding_window is None:
             # The common decode step: the request's blocks already cover the new
             # tokens and no block filled up, so there is nothing to allocate, release
-            # or cache (the general path below would change nothing).
+            # or cache (the general path below would change nothing). The scheduler's
+            # `_schedule_running` makes this same test inline: change both together.
             blocks = self.req_blocks.get(request.request_id)
             if blocks is not None:
                 num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
                 bs = self.block_size
                 if (-(-(num_total + num_lookahead_tokens) // bs) <= len(blocks)
                         and min(num_total, len(request.all_token_ids)) // bs
-                        <= self._num_cached_blocks.get(request.request_id, 0)):
+                        <= self.num_cached_blocks.get(request.request_id, 0)):
                     return []
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_blocks.get(request.request_id, [])
@@ -156,7 +158,7 @@ class KVCacheManager:
 
         self.pool.free_blocks(released)  # oldest first: the first to be reused
         blocks = self.req_blocks.setdefault(request.request_id, [])
-        num_cached = self._num_cached_blocks.get(request.request_id, 0)
+        num_cached = self.num_cached_blocks.get(request.request_id, 0)
         if new_computed_blocks:  # hits are cached already, taken or not
             num_cached = max(num_cached, len(blocks) + len(new_computed_blocks))
         blocks[:num_out] = [None] * min(num_out, len(blocks))
@@ -174,7 +176,7 @@ class KVCacheManager:
             num_full = num_cached
         self.pool.cache_full_blocks(blocks, request.block_hashes, request.all_token_ids,
                                     num_cached, num_full)
-        self._num_cached_blocks[request.request_id] = max(num_cached, num_full)
+        self.num_cached_blocks[request.request_id] = max(num_cached, num_full)
         return new_blocks
 
     def cache_loaded_blocks(self, request: Request, num_blocks: int) -> None:
@@ -183,17 +185,17 @@ class KVCacheManager:
         blocks = self.req_blocks.get(request.request_id)
         if blocks is None:
             return
-        num_cached = self._num_cached_blocks.get(request.request_id, 0)
+        num_cached = self.num_cached_blocks.get(request.request_id, 0)
         num_full = min(num_blocks, len(blocks), request.num_tokens // self.block_size)
         self.pool.cache_full_blocks(blocks, request.block_hashes, request.all_token_ids,
                                     num_cached, num_full)
-        self._num_cached_blocks[request.request_id] = max(num_cached, num_full)
+        self.num_cached_blocks[request.request_id] = max(num_cached, num_full)
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first so that the least useful KV (the
         end of a sequence) is evicted before shared prefixes."""
         blocks = self.req_blocks.pop(request.request_id, [])
-        self._num_cached_blocks.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free_blocks(b for b in reversed(blocks) if b is not None)
 
     def get_block_ids(self, request_id: str) -> list[int]:

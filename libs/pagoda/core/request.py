@@ -38,6 +38,22 @@ class Request:
       * `block_hashes` covers exactly the full blocks of `all_token_ids`.
     """
 
+    # Slots: every running request is read by the scheduler every step, its cache lines
+    # cold by then (the step ran meanwhile); those it reads every step come first.
+    __slots__ = (
+        "request_id", "status", "num_computed_tokens", "num_output_placeholders",
+        "all_token_ids", "output_token_ids", "max_tokens", "structured_output_request",
+        "finish_reason", "stop_reason", "sampling_params", "eos_token_ids", "_block_size",
+        "num_cached_tokens", "first_token_time", "block_hashes",
+        # The rest.
+        "pooling_params", "prompt_token_ids", "arrival_time", "priority", "num_preemptions",
+        "num_failed_steps", "num_isolated_steps", "onload", "onload_void",
+        "holds_onloaded_blocks", "failure", "first_scheduled_time", "spec_token_ids",
+        "_hash_seed", "_hash_algo", "lora_request", "_extra_keys", "mm_features",
+        "state_save_at", "state_restore",
+        "num_started_mm_items",  # the encoder budget's (core/encoder_budget.py)
+    )
+
     def __init__(self, core_request: EngineCoreRequest, block_size: int, hash_seed: str,
                  max_model_len: int, hash_algo: str = DEFAULT_HASH_ALGO) -> None:
         self.request_id = core_request.request_id
@@ -122,6 +138,23 @@ class Request:
         self.all_token_ids.append(token_id)
         if len(self.all_token_ids) % self._block_size == 0:
             self._update_block_hashes()
+
+    def append_token_and_check_stop(self, token_id: int) -> bool:
+        """`append_output_token(token_id)` then `check_stop()`, in one call: what every
+        plain decode request does every step. The usual verdict (no stop tokens, no
+        repetition detection, under max_tokens, not EOS) is reached without the rest."""
+        output = self.output_token_ids
+        output.append(token_id)
+        all_ids = self.all_token_ids
+        all_ids.append(token_id)
+        if len(all_ids) % self._block_size == 0:
+            self._update_block_hashes()
+        params = self.sampling_params
+        if (len(output) < self.max_tokens and not params.stop_token_ids
+                and params.repetition_detection is None and self.finish_reason is None
+                and (params.ignore_eos or token_id not in self.eos_token_ids)):
+            return False  # what check_stop finds then
+        return self.check_stop()
 
     def check_stop(self) -> bool:
         """Sets finish_reason if the last sampled token ends the request."""

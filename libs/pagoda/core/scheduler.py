@@ -162,6 +162,9 @@ class Scheduler:
         self._limit_tokens_hooks = hooks_overriding(self.hooks, "limit_tokens")
         self._sampled_hooks = hooks_overriding(self.hooks, "on_sampled")
         self._token_hooks = hooks_overriding(self.hooks, "on_token")
+        # Those that act on an unconstrained request's tokens too.
+        self._any_token_hooks = [h for h in self._token_hooks
+                                 if not h.on_token_constrained_only]
         self._after_step_hooks = hooks_overriding(self.hooks, "after_step")
         self.async_scheduling = scheduler_config.async_scheduling
         # Async: the requests each plan in flight ran (by id(plan)), so a token that
@@ -250,19 +253,19 @@ class Scheduler:
         requests = self.requests
         if checkpoints is not None:
             output.state_saves = self._plan_state_saves(num_scheduled, checkpoints)
+        # One pass over the plan (it runs for every planned request every step).
+        planned = [requests[request_id] for request_id in num_scheduled]
         if self.async_scheduling:
-            self._planned[id(output)] = {r: requests[r] for r in num_scheduled}
-            for request_id, num in num_scheduled.items():
-                request = requests[request_id]
-                request.num_computed_tokens += num
+            self._planned[id(output)] = dict(zip(num_scheduled, planned))
+            for request, num in zip(planned, num_scheduled.values()):
+                num_computed = request.num_computed_tokens + num
+                request.num_computed_tokens = num_computed
                 # The step reaches the end of its tokens: it will sample one there.
-                if request.num_computed_tokens >= (request.num_tokens
-                                                   + request.num_output_placeholders):
+                if num_computed >= len(request.all_token_ids) + request.num_output_placeholders:
                     request.num_output_placeholders += 1
         else:
-            for request_id, num in num_scheduled.items():
-                requests[request_id].num_computed_tokens += num
-        planned = [self.requests[request_id] for request_id in num_scheduled]
+            for request, num in zip(planned, num_scheduled.values()):
+                request.num_computed_tokens += num
         for hook in self.hooks:
             hook.on_planned(output, planned)
         return output
@@ -275,6 +278,11 @@ class Scheduler:
         hooks = self._extra_tokens_hooks
         # Bound once: this loop runs for every running request every step.
         allocate = self.kv_cache_manager.allocate_slots
+        # allocate_slots' first test, inline (a decode step whose tokens fit the blocks
+        # the request holds, no block filled: nothing to allocate, release or cache).
+        kv = self.kv_cache_manager
+        held = kv.req_blocks if kv.sliding_window is None else {}
+        num_cached_blocks, bs = kv.num_cached_blocks, kv.block_size
         lookahead = self.num_lookahead_tokens
         req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
         num_computed = cached.num_computed_tokens
@@ -285,10 +293,16 @@ class Scheduler:
             if preempted and request_id in preempted:
                 continue  # preempted earlier in this loop to make room
             num_new = len(request.all_token_ids) - request.num_computed_tokens
-            if async_scheduling and request.num_output_placeholders:
-                if not may_plan_ahead(request):
+            placeholders = request.num_output_placeholders
+            if async_scheduling and placeholders:
+                # Async scheduling: a request with tokens in flight is planned into the
+                # next step now unless those tokens already bring it to `max_tokens` (or
+                # the context: it ends there, and the step would be wasted) or it is
+                # constrained (its grammar mask needs its last token).
+                if (len(request.output_token_ids) + placeholders >= request.max_tokens
+                        or request.structured_output_request is not None):
                     continue
-                num_new += request.num_output_placeholders
+                num_new += placeholders
             if 0 < threshold < num_new:  # self._cap, inline
                 num_new = threshold
             if num_new > budget:
@@ -302,16 +316,24 @@ class Scheduler:
                 for hook in hooks:  # each sees the request's own tokens, not the others' extras
                     extra += hook.extra_tokens(request, num_new, budget)
                 num_new += extra
-            new_blocks = allocate(request, num_new, num_lookahead_tokens=lookahead)
-            if new_blocks is None:  # no room: preempt until it fits
-                new_blocks = self._allocate_or_preempt(request, num_new, preempted)
-                budget += self._unschedule(preempted, num_scheduled, cached)
-                if new_blocks is None:
-                    continue  # the request itself was preempted
+            blocks = held.get(request_id)
+            num_total = request.num_computed_tokens + num_new
+            if (blocks is not None and -(-(num_total + lookahead) // bs) <= len(blocks)
+                    and min(num_total, len(request.all_token_ids)) // bs
+                    <= num_cached_blocks.get(request_id, 0)):
+                block_ids = []
+            else:
+                new_blocks = allocate(request, num_new, num_lookahead_tokens=lookahead)
+                if new_blocks is None:  # no room: preempt until it fits
+                    new_blocks = self._allocate_or_preempt(request, num_new, preempted)
+                    budget += self._unschedule(preempted, num_scheduled, cached)
+                    if new_blocks is None:
+                        continue  # the request itself was preempted
+                block_ids = [b.block_id for b in new_blocks] if new_blocks else []
             budget -= num_new
             num_scheduled[request_id] = num_new
             req_ids.append(request_id)
-            new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
+            new_block_ids.append(block_ids)
             num_computed.append(request.num_computed_tokens)
         return budget
 
@@ -647,31 +669,45 @@ class Scheduler:
         logprobs, all_prompt_logprobs = runner_output.logprobs, runner_output.prompt_logprobs
         if self.async_scheduling:
             requests = self._planned.pop(id(scheduler_output), {})
+        # No hook sees an unconstrained request's tokens and nobody asked for logprobs:
+        # such a request's one sampled token takes the short path below (what the
+        # general one does for it, minus the hook calls that would change nothing),
+        # which every plain decode request takes every step.
+        plain = not (sampled_hooks or self._any_token_hooks or logprobs
+                     or all_prompt_logprobs)
+        FINISHED = RequestStatus.FINISHED
         for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = requests.get(req_id)
-            if request is None or request.status is RequestStatus.FINISHED:
+            if request is None or request.status is FINISHED:
                 continue  # aborted while the step ran (or ended a step earlier: async)
             if request.num_output_placeholders:  # async: the tokens replace placeholders
                 request.num_output_placeholders = max(
                     request.num_output_placeholders - len(token_ids), 0)
-            for hook in sampled_hooks:
-                hook.on_sampled(request, token_ids, scheduler_output)
-            new_token_ids: list[int] = []
-            for token_id in token_ids:
-                request.append_output_token(token_id)
-                new_token_ids.append(token_id)
-                if request.check_stop():
-                    break
-                stopped = False  # a hook ended the request (its grammar completed)
-                for hook in token_hooks:
-                    if not hook.on_token(request):
-                        stopped = True
+            if plain and len(token_ids) == 1 and request.structured_output_request is None:
+                token_id = token_ids[0]
+                request.append_token_and_check_stop(token_id)
+                new_token_ids = [token_id]
+                prompt_logprobs = None
+            else:
+                for hook in sampled_hooks:
+                    hook.on_sampled(request, token_ids, scheduler_output)
+                new_token_ids = []
+                for token_id in token_ids:
+                    request.append_output_token(token_id)
+                    new_token_ids.append(token_id)
+                    if request.check_stop():
                         break
-                if stopped:
-                    break
-            prompt_logprobs = all_prompt_logprobs.get(req_id) if all_prompt_logprobs else None
-            if not new_token_ids and prompt_logprobs is None:
-                continue
+                    stopped = False  # a hook ended the request (its grammar completed)
+                    for hook in token_hooks:
+                        if not hook.on_token(request):
+                            stopped = True
+                            break
+                    if stopped:
+                        break
+                prompt_logprobs = (all_prompt_logprobs.get(req_id) if all_prompt_logprobs
+                                   else None)
+                if not new_token_ids and prompt_logprobs is None:
+                    continue
             if new_token_ids and request.first_token_time is None:
                 request.first_token_time = now
             outputs.append(EngineCoreOutput(
@@ -744,13 +780,3 @@ class Scheduler:
         for hook in self.hooks:
             hook.add_stats(snapshot, self.running, self.waiting)
         return snapshot
-
-
-def may_plan_ahead(request: Request) -> bool:
-    """Async scheduling: whether a request with tokens still in flight may be planned
-    into the next step now. Not when the tokens in flight already bring it to
-    `max_tokens` (or the context): it ends there, and the step would be wasted. Not a
-    constrained one: its grammar mask needs its last token."""
-    if request.num_output_tokens + request.num_output_placeholders >= request.max_tokens:
-        return False
-    return request.structured_output_request is None

@@ -28,6 +28,10 @@ class SchedulerHook:
     # KV slots to reserve after each scheduled request's tokens (a draft model writes
     # its proposals there).
     num_lookahead_tokens: int = 0
+    # True: `on_token` does nothing (returns True) for a request without a
+    # `structured_output_request`, so the scheduler skips the call for those (it runs
+    # for every sampled token of every request otherwise).
+    on_token_constrained_only: bool = False
 
     # ------------------------------------------------------------ intake
     def on_add(self, request: Request) -> None:

@@ -60,7 +60,7 @@ class IterationStats:
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)  # touched for every request every step: one compact object
 class _RequestState:
     arrival_time: float
     queued_ts: float
@@ -78,6 +78,10 @@ class RequestStatsTracker:
 
     def __init__(self) -> None:
         self._requests: dict[str, _RequestState] = {}
+        # Tracked requests not scheduled yet (their `scheduled_ts` is None): a step
+        # looks them up, not every request it planned (256 lookups a step at batch 256
+        # that found a timestamp already set).
+        self._unscheduled: set[str] = set()
 
     @property
     def num_tracked(self) -> int:
@@ -88,6 +92,7 @@ class RequestStatsTracker:
         self._requests[request.request_id] = _RequestState(
             request.arrival_time, queued_ts, len(request.prompt_token_ids),
             request.sampling_params.max_tokens)
+        self._unscheduled.add(request.request_id)
 
     def on_step(self, step_start: float, step_end: float,
                 scheduler_output: SchedulerOutput | None,
@@ -95,38 +100,43 @@ class RequestStatsTracker:
         """Account one `EngineCore.step()` that ran from `step_start` to `step_end`;
         `scheduler_output` is its plan (None when it scheduled nothing)."""
         stats = IterationStats(step_end)
+        requests = self._requests
+        unscheduled = self._unscheduled
         if scheduler_output is not None:
             stats.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
             stats.num_preempted_reqs = len(scheduler_output.preempted_req_ids)
-            for request_id in scheduler_output.num_scheduled_tokens:
-                state = self._requests.get(request_id)
-                if state is not None and state.scheduled_ts is None:
-                    state.scheduled_ts = step_start
+            planned = scheduler_output.num_scheduled_tokens
+            if unscheduled:  # whichever side is smaller is walked
+                newly = (unscheduled & planned.keys() if len(unscheduled) < len(planned)
+                         else [r for r in planned if r in unscheduled])
+                for request_id in newly:
+                    requests[request_id].scheduled_ts = step_start
+                    unscheduled.discard(request_id)
+        # Every request's output every step: locals and one counter, no helper calls.
+        num_generation = 0
+        itls = stats.inter_token_latencies_iter
         for output in outputs:
-            state = self._requests.get(output.request_id)
-            if state is not None:
-                self._account_output(stats, state, output, step_end)
-                if output.finished:
-                    del self._requests[output.request_id]
-                    stats.finished_requests.append(
-                        _finished(output.request_id, state, str(output.finish_reason), step_end))
+            state = requests.get(output.request_id)
+            if state is None:
+                continue
+            num_new = len(output.new_token_ids)
+            if num_new:
+                num_generation += num_new
+                state.num_generation_tokens += num_new
+                if state.first_token_ts is None:
+                    stats.num_prompt_tokens += state.num_prompt_tokens
+                    stats.time_to_first_tokens_iter.append(step_end - state.arrival_time)
+                    state.first_token_ts = step_end
+                else:
+                    itls.append(step_end - state.last_token_ts)
+                state.last_token_ts = step_end
+            if output.finish_reason is not None:
+                del requests[output.request_id]
+                unscheduled.discard(output.request_id)
+                stats.finished_requests.append(
+                    _finished(output.request_id, state, str(output.finish_reason), step_end))
+        stats.num_generation_tokens += num_generation
         return stats
-
-    @staticmethod
-    def _account_output(stats: IterationStats, state: _RequestState, output: EngineCoreOutput,
-                        now: float) -> None:
-        num_new = len(output.new_token_ids)
-        if num_new == 0:
-            return
-        stats.num_generation_tokens += num_new
-        state.num_generation_tokens += num_new
-        if state.first_token_ts is None:
-            stats.num_prompt_tokens += state.num_prompt_tokens
-            stats.time_to_first_tokens_iter.append(now - state.arrival_time)
-            state.first_token_ts = now
-        else:
-            stats.inter_token_latencies_iter.append(now - state.last_token_ts)
-        state.last_token_ts = now
 
 
 def _finished(request_id: str, state: _RequestState, reason: str, now: float

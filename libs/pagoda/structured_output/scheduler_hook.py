@@ -36,6 +36,8 @@ class GrammarGate(SchedulerHook):
     admitted only once its grammar compiled (it then has a matcher). Without a manager
     (no backend), a constrained request is refused at intake."""
 
+    on_token_constrained_only = True  # on_token returns True without a constraint
+
     def __init__(self, manager: StructuredOutputManager | None) -> None:
         self.manager = manager
 

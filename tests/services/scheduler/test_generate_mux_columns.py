@@ -66,3 +66,36 @@ def test_logprobs_an_end_or_no_tokens_go_in_the_items():
     assert chunks == {"lp": [1, 2], "end": [3, 4]}
     assert [i.request_id for i in batch.items if i.HasField("complete")] == ["end"]
     assert [r.request_id for r in sent] == ["end"] and "end" not in conn.requests
+
+
+def test_plain_tokens_go_straight_to_the_columns_and_wake_the_writer():
+    conn, reqs = _connection("a", "b")
+    reqs["a"].deliver(EngineCoreOutput("a", [7], num_cached_tokens=3))
+    assert conn.ready.is_set() and not conn.dirty  # nothing pending: no per-request work left
+    reqs["b"].deliver(EngineCoreOutput("b", [8, 9]))
+    batch = conn._collect([])
+    assert list(batch.token_request_ids) == ["a", "b"]
+    assert _columns(batch) == {"a": ([7], 3), "b": ([8, 9], 0)}
+
+
+def test_tokens_of_a_request_ended_on_the_stream_before_the_write_never_go_out():
+    conn, reqs = _connection("gone", "kept")
+    gone = reqs["gone"]
+    gone.deliver(EngineCoreOutput("gone", [1]))
+    reqs["kept"].deliver(EngineCoreOutput("kept", [2]))
+    conn._end(gone)  # the gateway aborted it
+    # Its id comes back on a new request, which gets tokens of its own in the same batch.
+    again = conn.requests["gone"] = MuxRequest("gone", conn)
+    again.deliver(EngineCoreOutput("gone", [3]))
+    batch = conn._collect([])
+    assert _columns(batch) == {"kept": ([2], 0), "gone": ([3], 0)}
+    assert list(batch.token_request_ids).count("gone") == 1
+
+
+def test_a_failed_request_sends_its_error_without_the_tokens_queued_before_it():
+    conn, reqs = _connection("f")
+    reqs["f"].deliver(EngineCoreOutput("f", [1]))
+    reqs["f"].fail(("The model replica could not run this request.", None, False))
+    batch = conn._collect([])
+    assert not batch.token_request_ids
+    assert [i.request_id for i in batch.items if i.HasField("error")] == ["f"]
