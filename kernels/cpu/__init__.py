@@ -69,7 +69,8 @@ class _RawOps:
     def __init__(self) -> None:
         namespace = torch.ops.pagoda_cpu
         for name in ("rms_norm", "silu_and_mul", "rotary_embedding", "write_kv_cache",
-                     "paged_decode_attention", "decode_layers"):
+                     "paged_decode_attention", "decode_layers", "int4_gemv", "int8_gemv",
+                     "gemv_vector_isa"):
             overload = getattr(namespace, name).default
             setattr(self, name, getattr(overload, "_op", overload))
 
@@ -138,3 +139,22 @@ def decode_layers(hidden: torch.Tensor, residual: torch.Tensor | None, cos: torc
     return _ops().decode_layers(hidden, residual, cos, signed_sin, weights, key_caches,
                                 value_caches, slot_mapping, block_tables, seq_lens, num_heads,
                                 num_kv_heads, head_dim, eps, scale, group_size)
+
+
+def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+              portable: bool = False) -> torch.Tensor:
+    """x [M, K] bf16 times a 4-bit weight in gemv.h's layout (`gguf_int4.pack_int4_gemv`)
+    -> [M, N] bf16; `portable` forces the scalar code (same bits as the AVX-512 code)."""
+    return _ops().int4_gemv(x, packed, scales, 1 if portable else 0)
+
+
+def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+              portable: bool = False) -> torch.Tensor:
+    """x [M, K] bf16 times int8 weight [N, K] (K % 16 == 0) with per-row bf16 scales [N]
+    -> [M, N] bf16 (`_weight_int8pack_mm`'s contract); `portable` as `int4_gemv`."""
+    return _ops().int8_gemv(x, weight, scales, 1 if portable else 0)
+
+
+def gemv_vector_isa() -> bool:
+    """True when the gemv kernels run their AVX-512 BF16 code on this CPU."""
+    return bool(_ops().gemv_vector_isa())
