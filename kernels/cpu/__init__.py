@@ -70,7 +70,7 @@ class _RawOps:
         namespace = torch.ops.pagoda_cpu
         for name in ("rms_norm", "silu_and_mul", "rotary_embedding", "write_kv_cache",
                      "paged_decode_attention", "decode_layers", "int4_gemv", "int8_gemv",
-                     "gemv_vector_isa"):
+                     "gemv_vector_isa", "race_argmax"):
             overload = getattr(namespace, name).default
             setattr(self, name, getattr(overload, "_op", overload))
 
@@ -158,3 +158,9 @@ def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
 def gemv_vector_isa() -> bool:
     """True when the gemv kernels run their AVX-512 BF16 code on this CPU."""
     return bool(_ops().gemv_vector_isa())
+
+
+def race_argmax(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row of fp32 logits [B, V] and uniforms U [B, V], argmax of l - ln(-ln U): the
+    sampler's exponential race argmax(softmax(l) / -ln U) in one pass (csrc/race.h)."""
+    return _ops().race_argmax(logits, uniforms)

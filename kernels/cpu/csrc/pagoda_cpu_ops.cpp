@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "gemv.h"
+#include "race.h"
 
 namespace {
 
@@ -701,5 +702,6 @@ TORCH_LIBRARY(pagoda_cpu, m) {
         pagoda_gemv::int4_gemv);
   m.def("int8_gemv(Tensor x, Tensor weight, Tensor scales, int impl) -> Tensor",
         pagoda_gemv::int8_gemv);
+  m.def("race_argmax(Tensor logits, Tensor uniforms) -> Tensor", pagoda_race::race_argmax);
   m.def("gemv_vector_isa() -> bool", [] { return pagoda_gemv::cpu_has_avx512_bf16(); });
 }
