@@ -5,6 +5,10 @@ and thread wake-ups cost more than the arithmetic; each function here does one c
 them in one pass. `pagoda.model.ops` and `pagoda.model.attention` call them for bf16
 tensors on the CPU when `available()`; everything else (fp32, fp16, CUDA, an fp8 KV
 cache) keeps the torch path, which stays the reference the tests compare against.
+Two more jobs live in their own headers: the skinny int4/int8 GEMV of GGUF 4-bit layers
+and the Q8_0 head (`csrc/gemv.h`, read by `pagoda.model.quantization.gguf_int4`; its
+AVX-512 code is picked at run time, its portable code gives the same bits) and the
+sampler's exponential race (`csrc/race.h`, read by `pagoda.sample.sampler`).
 
 Contracts are those of the torch functions they replace (same arguments, same result
 up to the rounding of reductions, see the C++ file's header); every result row depends
