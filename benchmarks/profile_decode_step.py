@@ -22,15 +22,15 @@ import json
 import time
 
 BUCKETS = {
-    "matmul": ("linear", "_weight_int4pack_mm", "_weight_int8pack_mm", "addmm", "matmul",
-               "bmm", "::mm"),
+    "matmul": ("linear", "_weight_int4pack_mm", "_weight_int8pack_mm", "int4_gemv", "int8_gemv",
+               "addmm", "matmul", "bmm", "::mm"),
     "attention": ("paged_decode_attention", "scaled_dot_product_attention", "_attention"),
     # The fused decode stack's own time: every layer's norms, rotary, KV write, decode
     # attention and SiLU-and-mul (its int4 products are profiled as matmul ops).
     "fused decode layers": ("decode_layers",),
     "gather": ("write_kv_cache", "index_select", "index_copy", "cat", "stack", "gather",
                "index_put", "take", "embedding"),
-    "sampling": ("argmax", "topk", "softmax", "sort", "multinomial", "uniform_", "exponential",
+    "sampling": ("race_argmax", "argmax", "topk", "softmax", "sort", "multinomial", "uniform_", "exponential",
                  "log_softmax"),
     "norm/activation": ("rms_norm", "silu", "gelu", "rotary_embedding", "::mul", "::add",
                         "rsqrt"),

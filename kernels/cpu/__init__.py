@@ -5,6 +5,10 @@ and thread wake-ups cost more than the arithmetic; each function here does one c
 them in one pass. `pagoda.model.ops` and `pagoda.model.attention` call them for bf16
 tensors on the CPU when `available()`; everything else (fp32, fp16, CUDA, an fp8 KV
 cache) keeps the torch path, which stays the reference the tests compare against.
+Two more jobs live in their own headers: the skinny int4/int8 GEMV of GGUF 4-bit layers
+and the Q8_0 head (`csrc/gemv.h`, read by `pagoda.model.quantization.gguf_int4`; its
+AVX-512 code is picked at run time, its portable code gives the same bits) and the
+sampler's exponential race (`csrc/race.h`, read by `pagoda.sample.sampler`).
 
 Contracts are those of the torch functions they replace (same arguments, same result
 up to the rounding of reductions, see the C++ file's header); every result row depends
@@ -69,7 +73,8 @@ class _RawOps:
     def __init__(self) -> None:
         namespace = torch.ops.pagoda_cpu
         for name in ("rms_norm", "silu_and_mul", "rotary_embedding", "write_kv_cache",
-                     "paged_decode_attention", "decode_layers"):
+                     "paged_decode_attention", "decode_layers", "int4_gemv", "int8_gemv",
+                     "gemv_vector_isa", "race_argmax"):
             overload = getattr(namespace, name).default
             setattr(self, name, getattr(overload, "_op", overload))
 
@@ -138,3 +143,28 @@ def decode_layers(hidden: torch.Tensor, residual: torch.Tensor | None, cos: torc
     return _ops().decode_layers(hidden, residual, cos, signed_sin, weights, key_caches,
                                 value_caches, slot_mapping, block_tables, seq_lens, num_heads,
                                 num_kv_heads, head_dim, eps, scale, group_size)
+
+
+def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+              portable: bool = False) -> torch.Tensor:
+    """x [M, K] bf16 times a 4-bit weight in gemv.h's layout (`gguf_int4.pack_int4_gemv`)
+    -> [M, N] bf16; `portable` forces the scalar code (same bits as the AVX-512 code)."""
+    return _ops().int4_gemv(x, packed, scales, 1 if portable else 0)
+
+
+def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+              portable: bool = False) -> torch.Tensor:
+    """x [M, K] bf16 times int8 weight [N, K] (K % 16 == 0) with per-row bf16 scales [N]
+    -> [M, N] bf16 (`_weight_int8pack_mm`'s contract); `portable` as `int4_gemv`."""
+    return _ops().int8_gemv(x, weight, scales, 1 if portable else 0)
+
+
+def gemv_vector_isa() -> bool:
+    """True when the gemv kernels run their AVX-512 BF16 code on this CPU."""
+    return bool(_ops().gemv_vector_isa())
+
+
+def race_argmax(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row of fp32 logits [B, V] and uniforms U [B, V], argmax of l - ln(-ln U): the
+    sampler's exponential race argmax(softmax(l) / -ln U) in one pass (csrc/race.h)."""
+    return _ops().race_argmax(logits, uniforms)

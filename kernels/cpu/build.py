@@ -4,7 +4,7 @@
 
 The library lands in `<cache>/cpu_kernels/<key>/pagoda_cpu_ops.so`, where <cache> is
 PAGODA_CACHE_DIR, else $XDG_CACHE_HOME/pagoda, else ~/.cache/pagoda, and <key> hashes
-the source, the flags, torch's version, the compiler's version and the CPU's model and
+the sources (every file in csrc/), the flags, torch's version, the compiler's version and the CPU's model and
 features: a change to any of them builds a new library beside the old one, and a library is never rebuilt in place.
 Invariants: a library path that exists is complete (it is compiled to a temporary name
 and renamed); two processes building at once serialise on a lock file, and the second
@@ -75,7 +75,9 @@ def library_path() -> Path:
     cxx = compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), version.encode(),
+    sources = sorted(SOURCE.parent.iterdir())  # the .cpp and the headers it includes
+    for part in (*(path.read_bytes() for path in sources), torch.__version__.encode(),
+                 version.encode(),
                  " ".join(_flags()).encode(), _cpu_features().encode()):
         digest.update(part)
     return cache_root() / "cpu_kernels" / digest.hexdigest()[:16] / LIBRARY_NAME

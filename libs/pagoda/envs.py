@@ -73,6 +73,11 @@ VARIABLES = {v.name: v for v in [
            "0: a decode step of a Llama-shaped GGUF 4-bit model on the bf16 CPU path runs "
            "its decoder layers as a Python loop instead of one C++ call (same results; "
            "`pagoda.model.cpu_decode_stack`)."),
+    EnvVar("PAGODA_CPU_GEMV", None, _bool, True,
+           "0: a GGUF 4-bit model's small CPU steps multiply with torch's int4/int8 kernels "
+           "(`_weight_int4pack_mm`, `_weight_int8pack_mm`) instead of Pagoda's skinny "
+           "GEMV (kernels/cpu/csrc/gemv.h; other summation order, same weights). Read when "
+           "the weights are packed."),
     EnvVar("PAGODA_CPU_PACKED_WEIGHTS", None, _bool, True,
            "0: bf16 linear layers on the CPU keep their plain weights (F.linear) instead of "
            "oneDNN-prepacked ones (same results; the prepacked product skips a per-call "

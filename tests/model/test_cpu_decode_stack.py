@@ -14,12 +14,14 @@ pytestmark = pytest.mark.skipif(
     reason="torch without int4 CPU mm, or the CPU kernels did not build")
 
 
-@pytest.fixture
-def int4_llama(tiny_llama_dir):
+@pytest.fixture(params=["gemv", "torch-int4"])
+def int4_llama(request, tiny_llama_dir, monkeypatch):
     """The tiny Llama in bf16 with its layers on 4-bit weights, as the model runner packs
-    a GGUF Q4 model (the packing quantizes any bf16 weights)."""
+    a GGUF Q4 model (the packing quantizes any bf16 weights): in the skinny GEMV's layout
+    (the default) and in torch's int4pack (PAGODA_CPU_GEMV=0)."""
     from pagoda.model.loader import load_arch_config, load_model
 
+    monkeypatch.setenv("PAGODA_CPU_GEMV", "1" if request.param == "gemv" else "0")
     model = load_model(tiny_llama_dir, load_arch_config(tiny_llama_dir), torch.bfloat16)
     gguf_int4.pack_small_batch_int4(model, None, gguf_int4.MAX_INT4_ROWS_PACKED)
     return model

@@ -101,8 +101,13 @@ def test_gguf_int4_layers_pack_their_large_step_weight():
     big = torch.randn(gguf_int4.MAX_INT4_ROWS_PACKED + 1, 256, dtype=torch.bfloat16)
     assert torch.equal(method.apply(layer, big), F.linear(big, plain))
     small = torch.randn(gguf_int4.MAX_INT4_ROWS_PACKED, 256, dtype=torch.bfloat16)
-    int4 = torch._weight_int4pack_mm_for_cpu(small, layer.int4_weight, gguf_int4.GROUP_SIZE,
-                                             layer.int4_scales_zeros)
+    if gguf_int4.gemv_enabled():  # Pagoda's skinny GEMV (kernels/cpu/csrc/gemv.h)
+        from pagoda.kernels import cpu as cpu_kernels
+
+        int4 = cpu_kernels.int4_gemv(small, layer.gemv_int4_weight, layer.gemv_int4_scales)
+    else:
+        int4 = torch._weight_int4pack_mm_for_cpu(small, layer.int4_weight,
+                                                 gguf_int4.GROUP_SIZE, layer.int4_scales_zeros)
     assert torch.equal(method.apply(layer, small), int4)
 
 

@@ -108,3 +108,33 @@ def test_a_q8_0_head_multiplies_from_per_row_int8_in_small_steps():
     assert (logits - reference).abs().max() < 0.02 * reference.abs().max()
     big = torch.randn(gguf_int4.MAX_INT4_ROWS + 1, 64, dtype=torch.bfloat16)
     assert gguf_int4.int4_logits(head, big) is None  # the caller's bf16 product
+
+
+@pytest.mark.parametrize("gemv", ["1", "0"])
+def test_the_gemv_switch_picks_the_packed_form_and_kernel(monkeypatch, gemv):
+    """PAGODA_CPU_GEMV (read at packing) gives a layer the skinny GEMV's layout and an int8
+    head its GEMV, or torch's int4pack and `_weight_int8pack_mm`; small steps multiply
+    with the one the layer holds."""
+    from pagoda.kernels import cpu as cpu_kernels
+
+    monkeypatch.setenv("PAGODA_CPU_GEMV", gemv)
+    on = gemv == "1" and cpu_kernels.available()
+    layer = Layer(torch.randn(48, 96, dtype=torch.bfloat16))
+    gguf_int4.pack_small_batch_int4(layer, head_form=None)
+    assert ("gemv_int4_weight" in layer._buffers) is on
+    assert ("int4_weight" in layer._buffers) is not on
+    x = torch.randn(2, 96, dtype=torch.bfloat16)
+    q, scales_zeros = gguf_int4.quantize_groups(layer.weight)
+    if on:
+        want = cpu_kernels.int4_gemv(x, *gguf_int4.pack_int4_gemv(q, scales_zeros))
+    else:
+        want = torch._weight_int4pack_mm_for_cpu(
+            x, torch._convert_weight_to_int4pack_for_cpu(q, 1), gguf_int4.GROUP_SIZE,
+            scales_zeros)
+    assert torch.equal(layer.quant_method.apply(layer, x), want)
+    head = Layer(torch.randn(64, 96, dtype=torch.bfloat16))
+    gguf_int4.attach_int8(head, head.weight)
+    assert head.int8_gemv is on
+    want = (cpu_kernels.int8_gemv if on else torch._weight_int8pack_mm)(
+        x, head.int8_weight, head.int8_scales)
+    assert torch.equal(gguf_int4.int4_logits(head, x), want)

@@ -29,6 +29,9 @@
 #include <tuple>
 #include <vector>
 
+#include "gemv.h"
+#include "race.h"
+
 namespace {
 
 using bf16 = c10::BFloat16;
@@ -608,11 +611,13 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
 
 
 // x [T, K] (K = 32 * groups) times a GGUF 4-bit layer's packed weight: the product
-// `gguf_int4.SmallBatchInt4Method.apply` takes (torch's int4 kernel on a dense input).
+// `gguf_int4.SmallBatchInt4Method.apply` takes. A 3-d weight is gemv.h's layout (its
+// kernel); a 2-d one torch's int4pack (PAGODA_CPU_GEMV=0: torch's kernel on a dense input).
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight,
                        const at::Tensor& scales_zeros, int64_t group_size) {
-  return at::_weight_int4pack_mm_for_cpu(x.reshape({x.size(0), x.size(-1)}).contiguous(),
-                                         weight, group_size, scales_zeros);
+  const at::Tensor x2 = x.reshape({x.size(0), x.size(-1)});
+  if (weight.dim() == 3) return pagoda_gemv::int4_gemv(x2, weight, scales_zeros, 0);
+  return at::_weight_int4pack_mm_for_cpu(x2.contiguous(), weight, group_size, scales_zeros);
 }
 
 // Per layer, the tensors `decode_layers` reads, in this order (see cpu_decode_stack.py).
@@ -693,4 +698,10 @@ TORCH_LIBRARY(pagoda_cpu, m) {
         " Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_heads,"
         " int num_kv_heads, int head_dim, float eps, float scale, int group_size)"
         " -> (Tensor, Tensor)", decode_layers);
+  m.def("int4_gemv(Tensor x, Tensor packed, Tensor scales, int impl) -> Tensor",
+        pagoda_gemv::int4_gemv);
+  m.def("int8_gemv(Tensor x, Tensor weight, Tensor scales, int impl) -> Tensor",
+        pagoda_gemv::int8_gemv);
+  m.def("race_argmax(Tensor logits, Tensor uniforms) -> Tensor", pagoda_race::race_argmax);
+  m.def("gemv_vector_isa() -> bool", [] { return pagoda_gemv::cpu_has_avx512_bf16(); });
 }

@@ -38,7 +38,16 @@ from pagoda.model.decoder_layer import DecoderLayer, GatedMLP, PagedSelfAttentio
 from pagoda.model.layers import RMSNorm
 from pagoda.model.quantization.gguf_int4 import GROUP_SIZE, SmallBatchInt4Method
 
-_INT4_BUFFERS = ("int4_weight", "int4_scales_zeros")
+# A packed layer's (weight, scales) buffers: the skinny GEMV's layout, or torch's int4pack
+# (PAGODA_CPU_GEMV=0); `int4_linear` in the C++ file tells them apart by the weight's rank.
+_INT4_FORMS = (("gemv_int4_weight", "gemv_int4_scales"), ("int4_weight", "int4_scales_zeros"))
+
+
+def _int4_buffers(linear) -> tuple[str, str] | None:
+    for names in _INT4_FORMS:
+        if all(name in linear._buffers for name in names):
+            return names
+    return None
 
 
 def _int4_linear_ok(linear) -> bool:
@@ -46,7 +55,7 @@ def _int4_linear_ok(linear) -> bool:
     parallel = getattr(linear, "parallel", None)
     return (type(linear.quant_method) is SmallBatchInt4Method and linear.bias is None
             and linear.lora is None and (parallel is None or parallel.tp_size == 1)
-            and all(name in linear._buffers for name in _INT4_BUFFERS))
+            and _int4_buffers(linear) is not None)
 
 
 def _layer_ok(layer) -> bool:
@@ -82,10 +91,10 @@ class FusedDecodeStack:
             attn, mlp = layer.self_attn, layer.mlp
             self._sources.append((layer.input_layernorm._parameters, "weight"))
             for linear in (attn.qkv_proj, attn.o_proj):
-                self._sources.extend((linear._buffers, name) for name in _INT4_BUFFERS)
+                self._sources.extend((linear._buffers, name) for name in _int4_buffers(linear))
             self._sources.append((layer.post_attention_layernorm._parameters, "weight"))
             for linear in (mlp.gate_up_proj, mlp.down_proj):
-                self._sources.extend((linear._buffers, name) for name in _INT4_BUFFERS)
+                self._sources.extend((linear._buffers, name) for name in _int4_buffers(linear))
 
     @classmethod
     def for_model(cls, layers: list, uses_local_rope: list[bool]) -> FusedDecodeStack | None:

@@ -9,7 +9,11 @@ Order of operations (vLLM v1's, with its default `raw_logprobs` mode):
   3. repetition, frequency and presence penalties;
   4. greedy rows: argmax of the logits so far;
   5. random rows: temperature, top-k, top-p, min-p, then the exponential race
-     argmax(probs / E) with E ~ Exponential(1) drawn per row.
+     argmax(probs / E) with E ~ Exponential(1) drawn per row (E = -ln U). On the CPU
+     with Pagoda's kernels loaded the race runs as one pass in the log domain,
+     argmax(l - ln E) over the truncated logits l (`pagoda.kernels.cpu.race_argmax`):
+     the same distribution from the same draws, without the softmax and four more
+     passes over the vocabulary.
 
 A seeded row draws E only from its own generator and every step is row-wise, so a
 seeded request samples the same tokens whatever else shares the batch (and at
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.kernels import cpu as cpu_kernels
 from pagoda.sample.logprobs import LogprobsTensors, compute_topk_logprobs
 from pagoda.sample.metadata import SamplingMetadata
 from pagoda.sample.penalties import apply_penalties
@@ -99,12 +104,15 @@ def needs_processing(metadata: SamplingMetadata) -> bool:
 def random_sample(logits: torch.Tensor, metadata: SamplingMetadata,
                   rows: list[int] | None) -> torch.Tensor:
     """Sample the random rows `rows` of the batch (None: all rows); `logits` holds them."""
-    probs = random_probs(logits, metadata, rows)
     if rows is None:
         generators = metadata.generators
     else:
         generators = {i: metadata.generators[row] for i, row in enumerate(rows)
                       if row in metadata.generators}
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_kernels.available():
+        truncated = random_logits(logits, metadata, rows)
+        return cpu_kernels.race_argmax(truncated, uniform_noise(truncated, generators))
+    probs = random_probs(logits, metadata, rows)
     return probs.div_(exponential_noise(probs, generators)).argmax(dim=-1)
 
 
@@ -112,6 +120,13 @@ def random_probs(logits: torch.Tensor, metadata: SamplingMetadata,
                  rows: list[int] | None) -> torch.Tensor:
     """The distribution the random rows `rows` (None: all) sample from: temperature,
     top-k, top-p and min-p applied, then softmax. `logits` holds those rows."""
+    return torch.softmax(random_logits(logits, metadata, rows), dim=-1)
+
+
+def random_logits(logits: torch.Tensor, metadata: SamplingMetadata,
+                  rows: list[int] | None) -> torch.Tensor:
+    """`random_probs` before its softmax: temperature, top-k, top-p and min-p applied
+    (truncated tokens at -inf), a new tensor."""
     index = None if rows is None else torch.tensor(rows, dtype=torch.long)
 
     def select(values: torch.Tensor | None) -> torch.Tensor | None:
@@ -125,7 +140,7 @@ def random_probs(logits: torch.Tensor, metadata: SamplingMetadata,
         apply_top_p(logits, top_p)
     if min_p is not None:
         apply_min_p(logits, min_p)
-    return torch.softmax(logits, dim=-1)
+    return logits
 
 
 def exponential_noise(like: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
@@ -136,12 +151,18 @@ def exponential_noise(like: torch.Tensor, generators: dict[int, torch.Generator]
     (prob / inf = 0) and no NaN can arise; it happens with probability 2**-24 per
     entry and only ever removes a candidate, never picks a masked one.
     """
+    return uniform_noise(like, generators).log_().neg_()
+
+
+def uniform_noise(like: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """U ~ Uniform[0, 1), shaped like `like`: row i one `uniform_` from generators[i]
+    when present (the module invariant), the other rows from the default generator."""
     noise = torch.empty_like(like)
     if len(generators) < like.shape[0]:
         noise.uniform_()
     for row, generator in generators.items():
         noise[row].uniform_(generator=generator)
-    return noise.log_().neg_()
+    return noise
 
 
 def advance_generator(generator: torch.Generator, num_tokens: int, vocab_size: int) -> None:

@@ -21,6 +21,12 @@ Invariants: `int4_weight` and `int4_scales_zeros` encode `W[n, k] = (q[n, k] - 8
 scale[k // 32, n] + zero[k // 32, n]` (torch's packed form); a layer's output for a
 row depends on the number of rows in the step (two kernels), so batch-invariant mode
 never enables this.
+
+The product itself (issue 28): with the C++ kernels loaded and PAGODA_CPU_GEMV on (the
+default), a layer holds the same (q, scale, zero) in the layout of Pagoda's skinny GEMV
+instead (`gemv_int4_weight`, `gemv_int4_scales`: kernels/cpu/csrc/gemv.h, ~2x torch's
+int4 kernel at one row), and an int8 head is multiplied by its int8 GEMV; a layer holds
+one form or the other, never both, chosen when it is packed.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import logging
 import torch
 from torch import nn
 
+import pagoda.envs as envs
+from pagoda.kernels import cpu as cpu_kernels
 from pagoda.model.quantization.base import LinearMethodBase, UnquantizedLinearMethod
 
 logger = logging.getLogger(__name__)
@@ -125,9 +133,14 @@ class SmallBatchInt4Method(LinearMethodBase):
         # read from `_buffers` directly: nn.Module's attribute fallback costs about a
         # microsecond a lookup, and this runs 120 times a token at one row.
         buffers = layer._buffers
-        out = torch._weight_int4pack_mm_for_cpu(x.reshape(rows, x.shape[-1]).contiguous(),
-                                                buffers["int4_weight"], GROUP_SIZE,
-                                                buffers["int4_scales_zeros"])
+        packed = buffers.get("gemv_int4_weight")
+        if packed is not None:
+            out = cpu_kernels.int4_gemv(x.reshape(rows, x.shape[-1]), packed,
+                                        buffers["gemv_int4_scales"])
+        else:
+            out = torch._weight_int4pack_mm_for_cpu(
+                x.reshape(rows, x.shape[-1]).contiguous(), buffers["int4_weight"], GROUP_SIZE,
+                buffers["int4_scales_zeros"])
         out = out.reshape(*x.shape[:-1], out.shape[-1])
         return out if bias is None else out + bias
 
@@ -138,8 +151,33 @@ def packable(weight: torch.Tensor) -> bool:
             and k % GROUP_SIZE == 0 and n % 16 == 0)
 
 
+def gemv_enabled() -> bool:
+    """Whether layers packed now get the skinny GEMV's layout (see the module doc)."""
+    return bool(envs.get("PAGODA_CPU_GEMV")) and cpu_kernels.available()
+
+
+def pack_int4_gemv(q: torch.Tensor, scales_zeros: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [N, K] of 0..15, scales_zeros bf16 [K/32, N, 2]) -> gemv.h's layout: packed
+    uint8 [N/16, K/32, 256] (per 16-row tile and group, chunk c's byte 2i + j holds
+    row i's q at k = 4c + j low and 4c + 2 + j high) and scales bf16 [N/16, K/32, 2, 16]
+    (16 scales, then 16 zeros)."""
+    n, k = q.shape
+    tiles, groups = n // 16, k // GROUP_SIZE
+    # [tile, row, group, chunk, half, j] with k = 32 group + 4 chunk + 2 half + j
+    v = q.to(torch.uint8).view(tiles, 16, groups, 8, 2, 2).permute(0, 2, 3, 1, 4, 5)
+    packed = (v[..., 0, :] | (v[..., 1, :] << 4)).contiguous().view(tiles, groups, 256)
+    scales = scales_zeros.view(groups, tiles, 16, 2).permute(1, 0, 3, 2).contiguous()
+    return packed, scales
+
+
 def attach_int4(layer: nn.Module, weight: torch.Tensor) -> None:
     q, scales_zeros = quantize_groups(weight)
+    if gemv_enabled():
+        packed, scales = pack_int4_gemv(q, scales_zeros)
+        layer.register_buffer("gemv_int4_weight", packed, persistent=False)
+        layer.register_buffer("gemv_int4_scales", scales, persistent=False)
+        return
     layer.register_buffer("int4_weight", torch._convert_weight_to_int4pack_for_cpu(q, 1),
                           persistent=False)
     layer.register_buffer("int4_scales_zeros", scales_zeros, persistent=False)
@@ -152,6 +190,8 @@ def attach_int8(layer: nn.Module, weight: torch.Tensor) -> None:
     q = (w / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)
     layer.register_buffer("int8_weight", q, persistent=False)
     layer.register_buffer("int8_scales", scales.to(torch.bfloat16), persistent=False)
+    # The same buffers feed either kernel; which one is chosen here, once.
+    layer.int8_gemv = gemv_enabled() and weight.shape[1] % 16 == 0
 
 
 def pack_small_batch_int4(model: nn.Module, head_form: str | None,
@@ -198,9 +238,14 @@ def int4_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
     if hidden.shape[0] > getattr(head, "int4_max_rows", MAX_INT4_ROWS) \
             or hidden.dtype != torch.bfloat16:
         return None
+    packed = getattr(head, "gemv_int4_weight", None)
+    if packed is not None:
+        return cpu_kernels.int4_gemv(hidden, packed, head.gemv_int4_scales)
     if getattr(head, "int4_weight", None) is not None:
         return torch._weight_int4pack_mm_for_cpu(hidden.contiguous(), head.int4_weight,
                                                  GROUP_SIZE, head.int4_scales_zeros)
     if getattr(head, "int8_weight", None) is not None:
+        if getattr(head, "int8_gemv", False):
+            return cpu_kernels.int8_gemv(hidden, head.int8_weight, head.int8_scales)
         return torch._weight_int8pack_mm(hidden.contiguous(), head.int8_weight, head.int8_scales)
     return None
