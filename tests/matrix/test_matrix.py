@@ -172,6 +172,16 @@ def run_spec(name, config):
     return run
 
 
+# The adapter (make_adapter: B.A entries ~0.5 at scaling 2) amplifies float32 rounding:
+# x(W + BA) and xW + (xA)B differ by up to 1.8e-4 in a logprob in HF itself on these
+# weights, and the offline engine on the merged weights by 3.1e-4 from HF's merged model
+# (prefix-first, token 7, where the served LoRA path is within 2e-6 of HF's merged
+# model: the reference, not the path, is off). So this row compares at
+# 1e-3, which a wrong adapter still fails (B scaled by 1.001: 1.2e-3; by 1.01: greedy
+# tokens change).
+LORA_LOGPROB_TOL = 1e-3
+
+
 def run_lora(model, want, decode, tmp_path):
     from lora_fixtures import make_adapter  # lazy: peft, this path only
     from peft import PeftModel  # lazy: as above
@@ -191,7 +201,7 @@ def run_lora(model, want, decode, tmp_path):
     with served(model, "--enable-lora", "--max-lora-rank", "8", "--lora-modules",
                 f"a1={adapter}") as serve:
         got = send_all(serve.url, REQUESTS, model="a1")
-    return [check_row("LoRA adapter (vs merged weights)", merged_want, got, FP32_LOGPROB_TOL,
+    return [check_row("LoRA adapter (vs merged weights)", merged_want, got, LORA_LOGPROB_TOL,
                       decode, notes="reference: the offline engine on the adapter merged "
                                     "into the weights")]
 
