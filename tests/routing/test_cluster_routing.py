@@ -72,6 +72,11 @@ def test_the_index_converges_after_normal_traffic(cluster):
         {cluster.instance_id(0), cluster.instance_id(1)}
     assert wait_until(lambda: both_converged(cluster), 10), cluster.log_tail()
     assert cluster.indexed_blocks(0) and cluster.indexed_blocks(1)
+    # A choice of two replicas asks the index (one replica does not): the lookup latency
+    # the cache-routing dashboard plots has data.
+    metrics_port = _flag(cluster.service("kv-cache-manager").argv, "--metrics-port")
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+    assert _counter(text, "pagoda_kv_index_lookup_seconds_count") >= len(replies)
 
 
 def test_kv_aware_finds_cached_prefixes_without_herding(cluster):
