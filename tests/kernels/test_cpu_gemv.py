@@ -3,8 +3,6 @@ dequantized weights, and its portable code against its AVX-512 code bit for bit.
 
 from __future__ import annotations
 
-import os
-import shutil
 
 import pytest
 import torch
@@ -12,15 +10,11 @@ import torch
 from pagoda.kernels import cpu as cpu_kernels
 from pagoda.model.quantization import gguf_int4
 
+from cpu_kernel_guard import kernels_loaded, requires_compiler  # noqa: F401 (autouse)
+
 BF16 = torch.bfloat16
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None and not os.environ.get("CXX"),
-                                reason="no C++ compiler: the torch path is used")
-
-
-@pytest.fixture(autouse=True)
-def kernels_loaded():
-    assert cpu_kernels.available(), "the CPU kernels failed to build or load"
+pytestmark = requires_compiler
 
 
 def _within_bf16_of(got: torch.Tensor, exact: torch.Tensor, magnitude: torch.Tensor) -> None:

@@ -5,7 +5,6 @@ rounding where it reduces, per-row (batch invariant), and refusing out-of-range 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
@@ -16,15 +15,11 @@ from pagoda.kernels import cpu as cpu_kernels
 from pagoda.kernels.testing import random_paged_batch
 from pagoda.model import attention, layers, ops, rotary
 
+from cpu_kernel_guard import kernels_loaded, requires_compiler  # noqa: F401 (autouse)
+
 BF16 = torch.bfloat16
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None and not os.environ.get("CXX"),
-                                reason="no C++ compiler: the torch path is used")
-
-
-@pytest.fixture(autouse=True)
-def kernels_loaded():
-    assert cpu_kernels.available(), "the CPU kernels failed to build or load"
+pytestmark = requires_compiler
 
 
 def _torch_rms_norm(x, w, eps, residual, unit_offset):

@@ -3,21 +3,15 @@ argmax of l - ln(-ln U), truncated tokens never drawn, and the softmax's distrib
 
 from __future__ import annotations
 
-import os
-import shutil
 
 import pytest
 import torch
 
 from pagoda.kernels import cpu as cpu_kernels
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None and not os.environ.get("CXX"),
-                                reason="no C++ compiler: the torch path is used")
+from cpu_kernel_guard import kernels_loaded, requires_compiler  # noqa: F401 (autouse)
 
-
-@pytest.fixture(autouse=True)
-def kernels_loaded():
-    assert cpu_kernels.available(), "the CPU kernels failed to build or load"
+pytestmark = requires_compiler
 
 
 @pytest.mark.parametrize("vocab", [1, 15, 17, 100, 49152, 49155])
