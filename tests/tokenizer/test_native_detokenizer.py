@@ -15,17 +15,9 @@ from transformers import PreTrainedTokenizerFast
 from pagoda.tokenizer.decode_plan import decode_plan
 from pagoda.tokenizer.detokenizer import IncrementalDetokenizer
 
+from test_detokenizer import stream as deltas  # the same chunked feeding
+
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def deltas(detok: IncrementalDetokenizer, ids: list[int], sizes: list[int]) -> list[str]:
-    out, pos, k = [], 0, 0
-    while pos < len(ids):
-        size = sizes[k % len(sizes)]
-        out.append(detok.update(ids[pos:pos + size]))
-        pos, k = pos + size, k + 1
-    out.append(detok.flush())
-    return out
 
 
 @pytest.fixture(scope="module")
