@@ -676,54 +676,70 @@ class Scheduler:
         plain = not (sampled_hooks or self._any_token_hooks or logprobs
                      or all_prompt_logprobs)
         FINISHED = RequestStatus.FINISHED
+        append_output = outputs.append
         for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = requests.get(req_id)
             if request is None or request.status is FINISHED:
                 continue  # aborted while the step ran (or ended a step earlier: async)
-            if request.num_output_placeholders:  # async: the tokens replace placeholders
-                request.num_output_placeholders = max(
-                    request.num_output_placeholders - len(token_ids), 0)
+            placeholders = request.num_output_placeholders
+            if placeholders:  # async: the tokens replace placeholders
+                placeholders -= len(token_ids)
+                request.num_output_placeholders = placeholders if placeholders > 0 else 0
             if plain and len(token_ids) == 1 and request.structured_output_request is None:
-                token_id = token_ids[0]
-                request.append_token_and_check_stop(token_id)
-                new_token_ids = [token_id]
-                prompt_logprobs = None
-            else:
-                for hook in sampled_hooks:
-                    hook.on_sampled(request, token_ids, scheduler_output)
-                new_token_ids = []
-                for token_id in token_ids:
-                    request.append_output_token(token_id)
-                    new_token_ids.append(token_id)
-                    if request.check_stop():
+                # The short path, whole: one token, no logprobs, no hook that cares.
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                request.append_token_and_check_stop(token_ids[0])
+                finish_reason = request.finish_reason
+                cached = request.num_cached_tokens
+                append_output(EngineCoreOutput(req_id, [token_ids[0]], None, None, finish_reason,
+                                               request.stop_reason, cached if cached > 0 else 0))
+                if finish_reason is not None:
+                    self._end_sampled(request)
+                elif after_step_hooks:
+                    for hook in after_step_hooks:
+                        hook.after_step(request, runner_output, len(self.running))
+                continue
+            for hook in sampled_hooks:
+                hook.on_sampled(request, token_ids, scheduler_output)
+            new_token_ids = []
+            for token_id in token_ids:
+                request.append_output_token(token_id)
+                new_token_ids.append(token_id)
+                if request.check_stop():
+                    break
+                stopped = False  # a hook ended the request (its grammar completed)
+                for hook in token_hooks:
+                    if not hook.on_token(request):
+                        stopped = True
                         break
-                    stopped = False  # a hook ended the request (its grammar completed)
-                    for hook in token_hooks:
-                        if not hook.on_token(request):
-                            stopped = True
-                            break
-                    if stopped:
-                        break
-                prompt_logprobs = (all_prompt_logprobs.get(req_id) if all_prompt_logprobs
-                                   else None)
-                if not new_token_ids and prompt_logprobs is None:
-                    continue
+                if stopped:
+                    break
+            prompt_logprobs = (all_prompt_logprobs.get(req_id) if all_prompt_logprobs
+                               else None)
+            if not new_token_ids and prompt_logprobs is None:
+                continue
             if new_token_ids and request.first_token_time is None:
                 request.first_token_time = now
-            outputs.append(EngineCoreOutput(
+            append_output(EngineCoreOutput(
                 req_id, new_token_ids, logprobs.get(req_id) if logprobs else None,
                 prompt_logprobs, request.finish_reason, request.stop_reason,
                 max(request.num_cached_tokens, 0)))
             if request.finish_reason is not None:
-                if request.status is RequestStatus.RUNNING:
-                    self.running.remove(request)
-                else:  # async: preempted after this step was planned
-                    self.waiting.remove_request(request)
-                self._free_request(request)
+                self._end_sampled(request)
             elif new_token_ids:
                 for hook in after_step_hooks:
                     hook.after_step(request, runner_output, len(self.running))
         return outputs
+
+    def _end_sampled(self, request: Request) -> None:
+        """A request its step's tokens ended: off the running list (or, async, the
+        waiting queue, when it was preempted after this step was planned), and freed."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove_request(request)
+        self._free_request(request)
 
     def _finish_pooled(self, pooler_output: dict[str, list[float]],
                        outputs: list[EngineCoreOutput]) -> None:
