@@ -236,7 +236,9 @@ class Scheduler:
             pool.start_step()
             pool.offload_sink = self.kv_offload.offload
         try:
-            budget = self._schedule_running(num_scheduled, cached, preempted)
+            # The running requests planned, in the plan's order (cached.req_ids').
+            planned: list[Request] = []
+            budget = self._schedule_running(num_scheduled, cached, preempted, planned)
             new_reqs: list[NewRequestData] = []
             if not preempted:  # only admit waiting requests when nothing had to be preempted
                 self._schedule_waiting(budget, num_scheduled, new_reqs)
@@ -253,8 +255,9 @@ class Scheduler:
         requests = self.requests
         if checkpoints is not None:
             output.state_saves = self._plan_state_saves(num_scheduled, checkpoints)
-        # One pass over the plan (it runs for every planned request every step).
-        planned = [requests[request_id] for request_id in num_scheduled]
+        # One pass over the plan (it runs for every planned request every step): the
+        # running ones, then the admitted ones (num_scheduled's order).
+        planned.extend([requests[new.req_id] for new in new_reqs])
         if self.async_scheduling:
             self._planned[id(output)] = dict(zip(num_scheduled, planned))
             for request, num in zip(planned, num_scheduled.values()):
@@ -271,9 +274,9 @@ class Scheduler:
         return output
 
     def _schedule_running(self, num_scheduled: dict[str, int], cached: CachedRequestData,
-                          preempted: set[str]) -> int:
+                          preempted: set[str], planned: list[Request]) -> int:
         """Plan the running requests in their order, preempting to make room; the
-        budget left."""
+        budget left. `planned` gets the requests planned, in `cached.req_ids`' order."""
         budget = self.config.max_num_batched_tokens
         hooks = self._extra_tokens_hooks
         # Bound once: this loop runs for every running request every step.
@@ -326,7 +329,7 @@ class Scheduler:
                 new_blocks = allocate(request, num_new, num_lookahead_tokens=lookahead)
                 if new_blocks is None:  # no room: preempt until it fits
                     new_blocks = self._allocate_or_preempt(request, num_new, preempted)
-                    budget += self._unschedule(preempted, num_scheduled, cached)
+                    budget += self._unschedule(preempted, num_scheduled, cached, planned)
                     if new_blocks is None:
                         continue  # the request itself was preempted
                 block_ids = [b.block_id for b in new_blocks] if new_blocks else []
@@ -335,6 +338,7 @@ class Scheduler:
             req_ids.append(request_id)
             new_block_ids.append(block_ids)
             num_computed.append(request.num_computed_tokens)
+            planned.append(request)
         return budget
 
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
@@ -638,14 +642,15 @@ class Scheduler:
 
     @staticmethod
     def _unschedule(preempted: set[str], num_scheduled: dict[str, int],
-                    cached: CachedRequestData) -> int:
+                    cached: CachedRequestData, planned: list[Request]) -> int:
         """Take requests preempted after they were planned this step back out of the
         plan; the tokens they had, to return to the budget."""
         freed = 0
         for request_id in preempted & num_scheduled.keys():
             freed += num_scheduled.pop(request_id)
             i = cached.req_ids.index(request_id)
-            for column in (cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            for column in (cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
+                           planned):
                 del column[i]
         return freed
 
