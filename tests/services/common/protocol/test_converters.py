@@ -26,7 +26,8 @@ from pagoda.services.common.protocol.worker import (scheduler_output_from_proto,
 
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
-from pagoda.services.common.protocol.kv_events import kv_event_from_proto, kv_event_to_proto
+from pagoda.services.common.protocol.kv_events import (kv_event_from_proto, kv_event_to_proto,
+                                                      publish_request)
 from pagoda.repetition_detection import RepetitionDetectionParams
 from pagoda.services.common.protocol.sampling_params import (EDGE_ONLY, ENGINE_FIELDS, OFFLINE_ONLY,
                                                              GATEWAY_ONLY,
@@ -281,6 +282,17 @@ def test_decode_options_carry_the_prompt_and_the_stop_strings():
 ])
 def test_kv_event_round_trip(event):
     assert kv_event_from_proto(kv_event_to_proto(event)) == event
+
+
+def test_published_events_are_what_kv_event_to_proto_writes():
+    """publish_request fills its events in place (add_kv_events): the same bytes."""
+    events = [BlockStored([b"\x01" * 32, b"\x02" * 32], None, list(range(32)), 16),
+              BlockStored([b"\x03" * 32], b"\x02" * 32, list(range(16)), 16, "CPU"),
+              BlockRemoved([b"\x01" * 32], "DISK"), AllBlocksCleared(),
+              BlockStored([b"\x04" * 32], b"\x03" * 32, list(range(16, 32)), 16)]
+    request = publish_request("s", "m", 16, "e", 3, events)
+    assert list(request.events) == [kv_event_to_proto(event) for event in events]
+    assert [kv_event_from_proto(e) for e in request.events] == events
 
 
 def test_host_tier_copies_cross_the_wire():
