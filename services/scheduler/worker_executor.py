@@ -113,6 +113,9 @@ class GrpcWorkerExecutor(Executor):
         # A .future(), not blocking calls on sender threads: those took ~0.25 ms a step
         # off the engine thread but cost the process as much in their wake-ups (served,
         # 15 ms steps, 256 streams: 3.9 ms of scheduler CPU per step either way).
+        # Nor one long-lived stream: benchmarks/bench_execute_model_rpc.py measured a
+        # bidi call at ~10% less client CPU than this call (~0.03 ms a step), an aio
+        # stream on the event loop at more; neither worth a second failure path.
         call = self._stub.ExecuteModel.future(request, timeout=self.step_timeout)
 
         def done(call) -> None:
