@@ -127,7 +127,7 @@ def _mux_outputs(batch: int):
     """The servicer's `GenerateStream` path for one connection holding every request
     (generate_mux.py): each output delivered to its request, then the step's one batch
     collected and serialised."""
-    from pagoda.services.scheduler.generate_mux import MuxConnection, MuxRequest
+    from pagoda.services.scheduler.generate_mux import MuxConnection, MuxRequest, dispatch
 
     class _Servicer:
         def release(self, *args, **kwargs) -> None:
@@ -138,10 +138,7 @@ def _mux_outputs(batch: int):
     connection.requests.update(streams)
 
     def on_outputs(outputs) -> None:
-        for out in outputs:
-            stream = streams.get(out.request_id)
-            if stream is not None:
-                stream.deliver(out)
+        dispatch(streams, outputs)  # the servicer's _dispatch
         connection.ready.clear()
         sent: list = []
         connection._collect(sent).SerializeToString()

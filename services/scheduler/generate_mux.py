@@ -91,6 +91,40 @@ class MuxRequest:
             self.connection.ready.set()
 
 
+def dispatch(streams: dict, outputs: list[EngineCoreOutput]) -> None:
+    """Each output to its request's stream (`streams`: id -> a stream object with
+    `deliver`), as `streams[id].deliver(output)` for each would, with `MuxRequest.deliver`'s
+    plain-token case inline: a decode step brings one such output per running request
+    (256 a step at batch 256), and this runs on the event loop every step."""
+    get = streams.get
+    connection = None
+    for output in outputs:
+        stream = get(output.request_id)
+        if stream is None:
+            continue  # the handler already left (aborted)
+        if (type(stream) is not MuxRequest or stream.pending or output.finish_reason is not None
+                or not output.new_token_ids or output.new_logprobs is not None
+                or output.new_prompt_logprobs is not None or stream.error is not None
+                or stream.closed):
+            stream.deliver(output)
+            continue
+        if stream.connection is not connection:
+            connection = stream.connection
+            token_requests, token_counts = connection.token_requests, connection.token_counts
+            token_ids, num_cached = connection.token_ids, connection.num_cached_tokens
+            this_round = connection.round
+        if stream.round == this_round:
+            connection.repeats += 1  # a second entry this batch: merged in _collect
+        else:
+            stream.round = this_round
+        token_requests.append(stream)
+        token_counts.append(len(output.new_token_ids))
+        token_ids.extend(output.new_token_ids)
+        num_cached.append(output.num_cached_tokens)
+        if len(token_requests) == 1:
+            connection.ready.set()
+
+
 class MuxConnection:
     """One `GenerateStream` call. `run()` is the handler's body: it yields the batches."""
 

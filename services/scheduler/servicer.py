@@ -22,7 +22,7 @@ from pagoda.request_checks import check_lora, check_request
 from pagoda.services.common.protocol.scheduler import (MIGRATION_REASON_KEY, hash_blocks,
                                                        outputs_to_responses, request_from_proto)
 from pagoda.services.scheduler.engine_loop import EngineLoop, QueueFull
-from pagoda.services.scheduler.generate_mux import INVALID, MuxConnection, error_status
+from pagoda.services.scheduler.generate_mux import INVALID, MuxConnection, dispatch, error_status
 from pagoda.services.scheduler import sleep_control
 from pagoda.services.scheduler.lora_adapters import HeldAdapters
 from pagoda.services.scheduler.metrics import count_media_input
@@ -105,11 +105,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                         ("The model replica could not run this request.", None, False))
 
     def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
-        streams = self._streams
-        for out in outputs:
-            stream = streams.get(out.request_id)
-            if stream is not None:  # None: the handler already left (aborted)
-                stream.deliver(out)
+        dispatch(self._streams, outputs)
 
     def _end_all(self, message: str, reason: str, engine_alive: bool) -> None:
         for stream in list(self._streams.values()):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from pagoda.messages import EngineCoreOutput, FinishReason, LogprobsLists
-from pagoda.services.scheduler.generate_mux import MuxConnection, MuxRequest
+from pagoda.services.scheduler.generate_mux import MuxConnection, MuxRequest, dispatch
 
 
 class _Servicer:
@@ -99,3 +99,39 @@ def test_a_failed_request_sends_its_error_without_the_tokens_queued_before_it():
     batch = conn._collect([])
     assert not batch.token_request_ids
     assert [i.request_id for i in batch.items if i.HasField("error")] == ["f"]
+
+
+def test_dispatch_is_deliver_per_output():
+    """`dispatch` (the servicer's per-step hand-off, plain tokens inline) leaves every
+    connection as `deliver` called per output would: the same batches, steps apart."""
+    def outputs(step: int) -> list[EngineCoreOutput]:
+        return [EngineCoreOutput("a", [step], num_cached_tokens=3),
+                EngineCoreOutput("gone", [step]),  # a request whose handler left
+                EngineCoreOutput("b", [10 + step], new_logprobs=LogprobsLists(
+                    [[10 + step]], [[-0.5]], [[1]])) if step == 1 else
+                EngineCoreOutput("b", [10 + step]),
+                EngineCoreOutput("c", [20 + step],
+                                 finish_reason=FinishReason.STOP if step == 2 else None),
+                EngineCoreOutput("a", [30 + step])]  # a second entry in one hand-off
+
+    batches = []
+    for by_dispatch in (False, True):
+        conn, reqs = _connection("a", "b", "c")
+        other, other_reqs = _connection("d")  # a second stream's request in the same step
+        streams = {**reqs, **other_reqs}
+        seen = []
+        for step in range(3):
+            step_outputs = outputs(step) + [EngineCoreOutput("d", [40 + step])]
+            if by_dispatch:
+                dispatch(streams, step_outputs)
+            else:
+                for out in step_outputs:
+                    if out.request_id in streams:
+                        streams[out.request_id].deliver(out)
+            assert conn.ready.is_set() and other.ready.is_set()
+            conn.ready.clear()
+            other.ready.clear()
+            seen.append((conn._collect([]), other._collect([])))
+        batches.append(seen)
+    assert batches[0] == batches[1]
+    assert _columns(batches[1][0][0]) == {"a": ([0, 30], 0), "b": ([10], 0), "c": ([20], 0)}
