@@ -135,12 +135,12 @@ def served_and_prefix(bins: pathlib.Path | None, gguf: str, seed: int, logs: str
     servers = {
         "pagoda": ([*PAGODA, "serve", gguf, "--host", "127.0.0.1", "--port", str(PAGODA_PORT)],
                    f"http://127.0.0.1:{PAGODA_PORT}"),
-        "llamacpp": ([str(bins / "llama-server"), "-m", gguf, "-a", "smollm2", "--host", "127.0.0.1",
-                      "--port", str(LLAMA_PORT), "-c", "131072", "-np", "32", "--kv-unified",
-                      "-t", "2", "-tb", "2"], f"http://127.0.0.1:{LLAMA_PORT}"),
     }
-    if bins is None:
-        del servers["llamacpp"]
+    if bins is not None:
+        servers["llamacpp"] = (
+            [str(bins / "llama-server"), "-m", gguf, "-a", "smollm2", "--host", "127.0.0.1",
+             "--port", str(LLAMA_PORT), "-c", "131072", "-np", "32", "--kv-unified",
+             "-t", "2", "-tb", "2"], f"http://127.0.0.1:{LLAMA_PORT}")
     out: dict = {}
     if "served" in rows:
         load = loadavg()
