@@ -57,7 +57,7 @@ def service_results(tokenizer, items) -> list[tpb.DecodeResult | None]:
 def test_results_equal_the_services_message_for_message(smollm2_tokenizer):
     items = inputs(smollm2_tokenizer)
     expected = service_results(smollm2_tokenizer, items)
-    mux = LocalDecodeMux(TokenizerServicer(smollm2_tokenizer, "smollm2", [2]))
+    mux = LocalDecodeMux(smollm2_tokenizer)
 
     async def run() -> list[tpb.DecodeResult | None]:
         got = []
