@@ -1,6 +1,7 @@
 """Pagoda and llama.cpp side by side, in one sitting, on the same GGUF (not a pytest file).
 
     .venv/bin/python benchmarks/peers.py [--rows offline,served,single,prefix] [--out FILE]
+    .venv/bin/python benchmarks/peers.py --rows served --pagoda-only   # no llama.cpp build
     make bench-peers
 
 Builds llama.cpp (benchmarks/build_llamacpp.sh, ~6 minutes, once, into --llamacpp-dir),
@@ -127,16 +128,19 @@ def prefix_ttfts(url: str, model: str, gguf: str, seed: int) -> dict:
     return {"ttft_first_ms": first, "ttft_second_ms": second, "ratio": ratio(first, second)}
 
 
-def served_and_prefix(bins: pathlib.Path, gguf: str, seed: int, logs: str,
+def served_and_prefix(bins: pathlib.Path | None, gguf: str, seed: int, logs: str,
                       rows: set[str]) -> dict:
-    """Each server started once: the served row's load, then the prefix row's two requests."""
+    """Each server started once: the served row's load, then the prefix row's two requests.
+    `bins` None: Pagoda's side only (no llama-server, no ratio to it)."""
     servers = {
         "pagoda": ([*PAGODA, "serve", gguf, "--host", "127.0.0.1", "--port", str(PAGODA_PORT)],
                    f"http://127.0.0.1:{PAGODA_PORT}"),
-        "llamacpp": ([str(bins / "llama-server"), "-m", gguf, "-a", "smollm2", "--host", "127.0.0.1",
-                      "--port", str(LLAMA_PORT), "-c", "131072", "-np", "32", "--kv-unified",
-                      "-t", "2", "-tb", "2"], f"http://127.0.0.1:{LLAMA_PORT}"),
     }
+    if bins is not None:
+        servers["llamacpp"] = (
+            [str(bins / "llama-server"), "-m", gguf, "-a", "smollm2", "--host", "127.0.0.1",
+             "--port", str(LLAMA_PORT), "-c", "131072", "-np", "32", "--kv-unified",
+             "-t", "2", "-tb", "2"], f"http://127.0.0.1:{LLAMA_PORT}")
     out: dict = {}
     if "served" in rows:
         load = loadavg()
@@ -161,12 +165,13 @@ def served_and_prefix(bins: pathlib.Path, gguf: str, seed: int, logs: str,
                     "(random 2,048-token text prefix + distinct suffix, max_tokens 4, logprobs 0)")
     if "served" in out:
         s = out["served"]
-        s["ratio_loadgen"] = ratio(s["pagoda"]["loadgen_output_tok_s"],
-                                   s["llamacpp"]["loadgen_output_tok_s"])
         s["ratio_vs_offline_capped"] = ratio(s["pagoda"]["loadgen_output_tok_s"],
                                              s["offline_capped"]["output_tok_s"])
-        s["ratio_bench_serve"] = ratio(s["pagoda"]["bench_serve_output_tok_s"],
-                                       s["llamacpp"]["bench_serve_output_tok_s"])
+        if "llamacpp" in s:
+            s["ratio_loadgen"] = ratio(s["pagoda"]["loadgen_output_tok_s"],
+                                       s["llamacpp"]["loadgen_output_tok_s"])
+            s["ratio_bench_serve"] = ratio(s["pagoda"]["bench_serve_output_tok_s"],
+                                           s["llamacpp"]["bench_serve_output_tok_s"])
     if "prefix" in out:
         out["prefix"]["ratio"] = out["prefix"]["pagoda"]["ratio"]
     return out
@@ -206,16 +211,21 @@ def main() -> int:
     parser.add_argument("--llamacpp-dir", default=os.path.expanduser("~/.cache/pagoda/llamacpp"))
     parser.add_argument("--seed", type=int, default=None, help="Prompts' seed (default: fresh).")
     parser.add_argument("--out", default=None, help="Also write the JSON object here.")
+    parser.add_argument("--pagoda-only", action="store_true",
+                        help="No llama.cpp (nothing built): the served and prefix rows' Pagoda "
+                             "side, with the served row's ratio_vs_offline_capped.")
     args = parser.parse_args()
     rows = set(args.rows.split(","))
     if not rows <= set(ROWS):
         parser.error(f"--rows: unknown {sorted(rows - set(ROWS))}")
+    if args.pagoda_only and rows & {"offline", "single"}:
+        parser.error("--pagoda-only: only the served and prefix rows have a Pagoda side alone")
     if args.gguf is None:
         from pagoda.model.loader import default_model_path
 
         args.gguf = default_model_path()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**30)
-    bins = ensure_llamacpp(args.llamacpp_dir)
+    bins = None if args.pagoda_only else ensure_llamacpp(args.llamacpp_dir)
     result: dict = {"gguf": args.gguf, "seed": seed, "cpus": os.cpu_count(),
                     "note": "measured side by side in one sitting; a shared machine's load "
                             "makes absolute figures noisy (see each row's loadavg_1m_before)",

@@ -160,6 +160,7 @@ def build_servicer(model: str | None, tokenizer_path: str | None = None,
     servicer = TokenizerServicer(tokenizer, model_path, eos, prefix_hash_seed,
                                  prefix_caching_hash_algo)
     servicer.harmony = use_harmony(config_architecture(model_path), tokenizer, chat_template)
+    servicer.tokenizer_path = os.path.abspath(tokenizer_path or model_path)
     return servicer
 
 

@@ -39,6 +39,10 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
     # Chats are rendered in gpt-oss's harmony format, not with a chat template (vLLM's
     # rule for gpt-oss; `pagoda.tokenizer.harmony`).
     harmony = False
+    # The local path the tokenizer was loaded from, offered to gateways that can read it
+    # (GetTokenizerInfo.tokenizer_path: they detokenize in their own process); "" offers
+    # none (a servicer built around a tokenizer object).
+    tokenizer_path = ""
 
     def __init__(self, tokenizer: Any, model: str, eos_token_ids: list[int],
                  prefix_hash_seed: str = DEFAULT_PREFIX_HASH_SEED,
@@ -188,7 +192,8 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
             has_chat_template=self.harmony or
             getattr(self.tokenizer, "chat_template", None) is not None,
             prefix_hash_seed=self.prefix_hash_seed,
-            prefix_caching_hash_algo=self.prefix_caching_hash_algo)
+            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+            tokenizer_path=self.tokenizer_path)
 
     def _decode_one(self, decoders: dict[str, StopAwareDecoder], item: pb.DecodeInput,
                     add) -> int:

@@ -30,9 +30,12 @@ REQUEST_BOUND_S = 30.0  # detects a hang, not a speed
 
 
 def start(tiny_llama_dir: str, redis_url: str, *flags: str) -> ServeProcess:
+    # The gateway decodes on the tokenizer service here (not in its own process, its
+    # default where it can read the tokenizer): a killed tokenizer's streams must resume.
     return ServeProcess([tiny_llama_dir, "--served-model-name", "tiny", "--dtype", "float32",
                          "--max-model-len", "512", "--redis-url", redis_url,
-                         "--disable-log-stats", *flags])
+                         "--disable-log-stats", *flags],
+                        env={"PAGODA_GATEWAY_LOCAL_DETOKENIZE": "0"})
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,9 @@ from pagoda.services.common.protocol.scheduler import (MIGRATION_REASON_KEY, req
 from pagoda.services.common import grpc_channels
 from pagoda.services.common.grpc_channels import CLIENT_OPTIONS, STREAM_READER_OPTIONS
 from pagoda.services.gateway.errors import APIError, from_grpc_error
+from pagoda.services.gateway.generation import local_decode
 from pagoda.services.gateway.generation.decode_mux import DecodeMux
+from pagoda.services.gateway.generation.local_decode import LocalDecodeMux
 from pagoda.services.gateway.routing.block_hash_check import check_block_hashes
 from pagoda.services.gateway.routing.generate_mux import (GenerateMux, StreamUnsupported,
                                                           generate_stream_enabled)
@@ -241,12 +243,32 @@ class TokenizerPeer(Peer):
                          tokenizer_channel_options(address))
         self.stub = tpb_grpc.TokenizerServiceStub(self.channel)
         self.info: tpb.GetTokenizerInfoResponse | None = None
-        self.mux = DecodeMux(self.stub)
+        # Completions decode through `mux`: the service's stream, until the service's
+        # tokenizer loads here (local_decode.py); a completion keeps the mux it began on.
+        self.remote_mux = DecodeMux(self.stub)
+        self.mux: DecodeMux | LocalDecodeMux = self.remote_mux
+        self._local_load: asyncio.Task | None = None
 
     async def refresh(self) -> None:
         if await self.check_health() and self.info is None:
             self.info = await self.stub.GetTokenizerInfo(tpb.GetTokenizerInfoRequest(),
                                                          timeout=5.0)
+            if self.info.tokenizer_path and local_decode.enabled():
+                self._local_load = asyncio.ensure_future(self._load_local(self.info))
+
+    async def _load_local(self, info: tpb.GetTokenizerInfoResponse) -> None:
+        """Off the event loop (a cold tokenizer takes seconds); requests meanwhile
+        decode on the service."""
+        mux = await asyncio.to_thread(local_decode.load_local_mux, info)
+        if mux is not None:
+            self.mux = mux
+
+    async def close(self) -> None:
+        if self._local_load is not None:
+            self._local_load.cancel()
+        await self.mux.close()
+        if self.mux is not self.remote_mux:
+            await self.remote_mux.close()
 
 
 class Peers:
@@ -411,7 +433,7 @@ class Peers:
         if self._task is not None:
             self._task.cancel()
         self.discovery.close()
-        await self.tokenizer.mux.close()
+        await self.tokenizer.close()
         await self.router.close()
         for replica in self.schedulers:
             replica.mux.close()
