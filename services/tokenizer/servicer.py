@@ -22,6 +22,7 @@ from pagoda.services.tokenizer.metrics import timed, tokenizer_metrics
 from pagoda.tokenizer.chat import render_chat_template
 from pagoda.tokenizer import harmony
 from pagoda.tokenizer.template_sandbox import TemplateLimits, template_limits
+from pagoda.tokenizer.fingerprint import tokenizer_fingerprint
 from pagoda.tokenizer.stop_aware_decoder import StopAwareDecoder
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
     # (GetTokenizerInfo.tokenizer_path: they detokenize in their own process); "" offers
     # none (a servicer built around a tokenizer object).
     tokenizer_path = ""
+    _tokenizer_fingerprint: str | None = None
 
     def __init__(self, tokenizer: Any, model: str, eos_token_ids: list[int],
                  prefix_hash_seed: str = DEFAULT_PREFIX_HASH_SEED,
@@ -193,7 +195,15 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
             getattr(self.tokenizer, "chat_template", None) is not None,
             prefix_hash_seed=self.prefix_hash_seed,
             prefix_caching_hash_algo=self.prefix_caching_hash_algo,
-            tokenizer_path=self.tokenizer_path)
+            tokenizer_path=self.tokenizer_path,
+            tokenizer_fingerprint=self._fingerprint() if self.tokenizer_path else "")
+
+    def _fingerprint(self) -> str:
+        """The loaded tokenizer's fingerprint, computed once (tens of ms: a fast
+        tokenizer's JSON), only when a path is offered."""
+        if self._tokenizer_fingerprint is None:
+            self._tokenizer_fingerprint = tokenizer_fingerprint(self.tokenizer)
+        return self._tokenizer_fingerprint
 
     def _decode_one(self, decoders: dict[str, StopAwareDecoder], item: pb.DecodeInput,
                     add) -> int:

@@ -12,8 +12,9 @@ code, so `decode` restates its few lines; tests/services/gateway/test_local_deco
 holds the two to the same results, message for message).
 `PAGODA_GATEWAY_LOCAL_DETOKENIZE=0` keeps every decode on the service.
 
-Invariant: `decode(item)` gives what the service's `DecodeStream` gives for the same
-sequence of inputs (a result per non-release input of a live completion; a
+Invariant: it is built only over a tokenizer with the service's fingerprint, and
+`decode(item)` gives what the service's `DecodeStream` gives for the same sequence of
+inputs (a result per non-release input of a live completion; a
 `DecodeStreamBroken(stream_lost=False)` for an input of an unknown completion, as
 `DecodeMux` raises when the service returns no result for it).
 """
@@ -26,6 +27,7 @@ import os
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as pb
 from pagoda.services.common.protocol.sampling_params import decode_options_from_proto
 from pagoda.services.gateway.generation.decode_mux import DecodeStreamBroken
+from pagoda.tokenizer.fingerprint import tokenizer_fingerprint
 from pagoda.tokenizer.stop_aware_decoder import StopAwareDecoder
 
 logger = logging.getLogger(__name__)
@@ -92,7 +94,8 @@ class LocalDecodeMux:
 
 def load_local_mux(info: pb.GetTokenizerInfoResponse) -> LocalDecodeMux | None:
     """A LocalDecodeMux over the tokenizer at `info.tokenizer_path`, or None when it is
-    not offered, not readable here, or not the service's (another vocabulary size).
+    not offered, not readable here, or not the service's (another vocabulary size or
+    fingerprint: pagoda.tokenizer.fingerprint).
     Blocking (seconds for a cold tokenizer): run it off the event loop."""
     path = info.tokenizer_path
     if not enabled() or not path or not os.path.exists(path):
@@ -110,6 +113,15 @@ def load_local_mux(info: pb.GetTokenizerInfoResponse) -> LocalDecodeMux | None:
         logger.warning("the tokenizer at %s here has %d tokens, the service's %d: "
                        "detokenizing on the tokenizer service", path, len(tokenizer),
                        info.vocab_size)
+        return None
+    # Same size is not the same tokenizer (another copy of the path, a model updated in
+    # place): decode here only with the service's very tokenizer. A service that sends
+    # no fingerprint (an older one) is not trusted with the path alone.
+    mine = tokenizer_fingerprint(tokenizer)
+    if mine != info.tokenizer_fingerprint:
+        logger.warning("the tokenizer at %s here is not the tokenizer service's (fingerprint "
+                       "%s, the service's %s): detokenizing on the tokenizer service", path,
+                       mine[:12], info.tokenizer_fingerprint[:12] or "none")
         return None
     logger.info("detokenizing in the gateway's process (tokenizer at %s; %s=0 sends it to "
                 "the tokenizer service)", path, ENV)

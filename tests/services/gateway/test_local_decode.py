@@ -16,6 +16,7 @@ from pagoda.services.gateway.generation.decode_mux import DecodeMux, DecodeStrea
 from pagoda.services.gateway.generation.local_decode import LocalDecodeMux, load_local_mux
 from pagoda.services.gateway.routing.peers import TokenizerPeer
 from pagoda.services.tokenizer.servicer import TokenizerServicer
+from pagoda.tokenizer.fingerprint import tokenizer_fingerprint
 
 STORY = " Once upon a time, in a land of copper and glass, there lived a very patient dragon."
 
@@ -81,20 +82,25 @@ def test_results_equal_the_services_message_for_message(smollm2_tokenizer):
     assert any(r.complete.stop_string == "patient" for r in got if r is not None)
 
 
-def _info(path: str, vocab_size: int) -> tpb.GetTokenizerInfoResponse:
+def _info(path: str, vocab_size: int, fingerprint: str) -> tpb.GetTokenizerInfoResponse:
     return tpb.GetTokenizerInfoResponse(model="smollm2", vocab_size=vocab_size,
-                                        eos_token_ids=[2], tokenizer_path=path)
+                                        eos_token_ids=[2], tokenizer_path=path,
+                                        tokenizer_fingerprint=fingerprint)
 
 
 def test_loaded_only_when_offered_readable_the_same_and_enabled(
         smollm2_gguf_path, smollm2_tokenizer, monkeypatch, tmp_path):
-    size = len(smollm2_tokenizer)
-    assert isinstance(load_local_mux(_info(smollm2_gguf_path, size)), LocalDecodeMux)
-    assert load_local_mux(_info("", size)) is None  # not offered
-    assert load_local_mux(_info(str(tmp_path / "elsewhere.gguf"), size)) is None  # not here
-    assert load_local_mux(_info(smollm2_gguf_path, size + 1)) is None  # another tokenizer
+    size, mark = len(smollm2_tokenizer), tokenizer_fingerprint(smollm2_tokenizer)
+    assert isinstance(load_local_mux(_info(smollm2_gguf_path, size, mark)), LocalDecodeMux)
+    assert load_local_mux(_info("", size, mark)) is None  # not offered
+    assert load_local_mux(_info(str(tmp_path / "elsewhere.gguf"), size, mark)) is None  # not here
+    assert load_local_mux(_info(smollm2_gguf_path, size + 1, mark)) is None  # another size
+    # The same size, another tokenizer behind the same path (another pod's copy, a model
+    # updated in place); and an older service that sends no fingerprint.
+    assert load_local_mux(_info(smollm2_gguf_path, size, "0" * 64)) is None
+    assert load_local_mux(_info(smollm2_gguf_path, size, "")) is None
     monkeypatch.setenv(local_decode.ENV, "0")
-    assert load_local_mux(_info(smollm2_gguf_path, size)) is None
+    assert load_local_mux(_info(smollm2_gguf_path, size, mark)) is None
 
 
 @pytest.mark.parametrize("env, offered, local", [("1", True, True), ("0", True, False),
@@ -128,3 +134,25 @@ def test_the_tokenizer_service_offers_the_path_it_loaded(smollm2_gguf_path):
     servicer = build_servicer(smollm2_gguf_path)
     info = servicer.GetTokenizerInfo(tpb.GetTokenizerInfoRequest(), None)
     assert info.tokenizer_path == smollm2_gguf_path
+    assert info.tokenizer_fingerprint == tokenizer_fingerprint(servicer.tokenizer)
+
+
+def test_the_fingerprint_tells_tokenizers_of_one_size_apart(smollm2_tokenizer):
+    """A tokenizer whose decode differs (one token's string swapped for another's, the
+    size unchanged) has another fingerprint; another load of the same files the same."""
+    import copy
+    import json
+
+    from tokenizers import Tokenizer
+
+    mark = tokenizer_fingerprint(smollm2_tokenizer)
+    assert tokenizer_fingerprint(copy.deepcopy(smollm2_tokenizer)) == mark
+    backend = json.loads(smollm2_tokenizer.backend_tokenizer.to_str())
+    vocab = backend["model"]["vocab"]
+    a, b = "hello", "world"
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    other = copy.deepcopy(smollm2_tokenizer)
+    other._tokenizer = Tokenizer.from_str(json.dumps(backend))
+    assert len(other) == len(smollm2_tokenizer)
+    assert other.decode([vocab[a]]) != smollm2_tokenizer.decode([vocab[a]])
+    assert tokenizer_fingerprint(other) != mark
