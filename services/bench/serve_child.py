@@ -18,7 +18,7 @@ import time
 
 import psutil
 
-from pagoda.services.common.redis_server import free_port
+from pagoda.services.common.free_ports import free_port
 
 CLI_MODULE = "pagoda.services.cli.main"
 URL_RE = re.compile(r"Pagoda is serving .* at (https?://\S+/v1)")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -19,15 +18,9 @@ import time
 import redis
 
 from pagoda.parent_death import dying_with_this_process
+from pagoda.services.common.free_ports import free_port
 
 logger = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on right now (the caller binds it soon after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class PrivateRedis:
