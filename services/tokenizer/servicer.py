@@ -15,6 +15,7 @@ from pagoda.core.block_hash import (DEFAULT_HASH_ALGO, check_hash_algo, hash_req
                                      request_keys)
 from pagoda.multimodal.chat_render import placeholder_texts, render_media_chat
 from pagoda.services.common.protocol.common import json_object_from_proto
+from pagoda.services.common.protocol.decode_results import TokenStrings, fill_decode_result
 from pagoda.services.common.protocol.multimodal import features_to_proto
 from pagoda.services.common.protocol.sampling_params import decode_options_from_proto
 from pagoda.services.common.protocol.tokenizer import chat_input_from_proto
@@ -57,7 +58,7 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         self.vocab_size = len(tokenizer)
         # id -> decode([id]); a pure function of the id, so it is cached for good
         # (bounded by the vocabulary). Logprobs ask for the same few ids again and again.
-        self._token_strs: dict[int, str] = {}
+        self.decode_tokens = TokenStrings(tokenizer)  # logprob token strings, cached
 
     @timed("Tokenize")
     def Tokenize(self, request: pb.TokenizeRequest, context: grpc.ServicerContext
@@ -223,35 +224,14 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         token_ids = list(item.token_ids)
         step = decoder.update(token_ids, finished=item.finished,
                               stop_terminated=item.stop_terminated)
-        result = add(request_id=request_id)
-        if item.decode_token_ids:
-            result.decoded_tokens.extend(self.decode_tokens(item.decode_token_ids))
+        fill_decode_result(add(request_id=request_id), step, item, self.decode_tokens)
         if step.finished:
             del decoders[request_id]
-            complete = result.complete
-            complete.text = step.text
-            complete.stop_string = step.stop_str or ""
-            complete.num_tokens_used = step.num_tokens_used
-        else:
-            result.chunk.text = step.text
         return len(token_ids)
 
     def _new_decoder(self, options: pb.DecodeOptions) -> StopAwareDecoder:
         prompt_token_ids, params = decode_options_from_proto(options)
         return StopAwareDecoder.from_sampling_params(self.tokenizer, prompt_token_ids, params)
-
-    def decode_tokens(self, token_ids) -> list[str]:
-        """Each id decoded on its own, special tokens kept (vLLM's logprob token text)."""
-        out = []
-        for token_id in token_ids:
-            text = self._token_strs.get(token_id)
-            if text is None:
-                if not 0 <= token_id < self.vocab_size:
-                    out.append("")
-                    continue
-                text = self._token_strs[token_id] = self.tokenizer.decode([token_id])
-            out.append(text)
-        return out
 
 
 def _truncated_left(tokenizer, text: str, max_length: int, add_special_tokens: bool) -> list[int]:

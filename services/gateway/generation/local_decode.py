@@ -25,6 +25,7 @@ import logging
 import os
 
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2 as pb
+from pagoda.services.common.protocol.decode_results import TokenStrings, fill_decode_result
 from pagoda.services.common.protocol.sampling_params import decode_options_from_proto
 from pagoda.services.gateway.generation.decode_mux import DecodeStreamBroken
 from pagoda.tokenizer.fingerprint import tokenizer_fingerprint
@@ -44,9 +45,8 @@ class LocalDecodeMux:
 
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
-        self._vocab_size = len(tokenizer)
         self._decoders: dict[str, StopAwareDecoder] = {}  # by request id, as the stream keeps them
-        self._token_strs: dict[int, str] = {}  # id -> decode([id]), a pure function of the id
+        self._token_strings = TokenStrings(tokenizer)
 
     async def decode(self, item: pb.DecodeInput) -> pb.DecodeResult:
         request_id = item.request_id
@@ -60,16 +60,9 @@ class LocalDecodeMux:
         step = decoder.update(list(item.token_ids), finished=item.finished,
                               stop_terminated=item.stop_terminated)
         result = pb.DecodeResult(request_id=request_id)
-        if item.decode_token_ids:
-            result.decoded_tokens.extend(self._decode_tokens(item.decode_token_ids))
+        fill_decode_result(result, step, item, self._token_strings)
         if step.finished:
             del self._decoders[request_id]
-            complete = result.complete
-            complete.text = step.text
-            complete.stop_string = step.stop_str or ""
-            complete.num_tokens_used = step.num_tokens_used
-        else:
-            result.chunk.text = step.text
         return result
 
     def release(self, request_id: str) -> None:
@@ -77,19 +70,6 @@ class LocalDecodeMux:
 
     async def close(self) -> None:
         self._decoders.clear()
-
-    def _decode_tokens(self, token_ids) -> list[str]:
-        """Each id decoded on its own, special tokens kept (vLLM's logprob token text)."""
-        out = []
-        for token_id in token_ids:
-            text = self._token_strs.get(token_id)
-            if text is None:
-                if not 0 <= token_id < self._vocab_size:
-                    out.append("")
-                    continue
-                text = self._token_strs[token_id] = self._tokenizer.decode([token_id])
-            out.append(text)
-        return out
 
 
 def load_local_mux(info: pb.GetTokenizerInfoResponse) -> LocalDecodeMux | None:
