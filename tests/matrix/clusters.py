@@ -29,15 +29,16 @@ SMALL_POOL_BLOCKS = 48
 
 
 @contextlib.contextmanager
-def served(model_dir: str, *extra: str, pd: bool = False) -> Iterator[ServeProcess]:
+def served(model_dir: str, *extra: str, pd: bool = False,
+           env: dict[str, str] | None = None) -> Iterator[ServeProcess]:
     """`pagoda serve MODEL PLAIN_TINY_FLAGS EXTRA` (P/D: 1 prefill + 1 decode replica) on
-    a Redis of its own, stopped after use."""
+    a Redis of its own, stopped after use; `env`: added to the serve's environment."""
     with PrivateRedis() as redis:
         if pd:
             serve = start_pd(model_dir, redis.url, *extra)
         else:
             serve = ServeProcess([model_dir, *PLAIN_TINY_FLAGS, "--redis-url", redis.url,
-                                  *extra], timeout=300)
+                                  *extra], env=env, timeout=300)
         try:
             yield serve
         except BaseException:

@@ -156,6 +156,38 @@ def run_plain(name, *extra, notes=""):
     return run
 
 
+def run_service_decode(model, want, decode):
+    """Text decoded on the tokenizer service (its DecodeStream), as a gateway that cannot
+    read the tokenizer's path decodes; `pagoda serve`'s gateway, and so every other
+    served row, decodes in its own process."""
+    with served(model, env={"PAGODA_GATEWAY_LOCAL_DETOKENIZE": "0"}) as serve:
+        got = send_all(serve.url, REQUESTS)
+        decoded = metric(serve, "pagoda_tokenizer_tokens_total", operation="DecodeStream")
+        # (A gateway decodes on the service too until its own load is ready: its log
+        # says it never tried.)
+        remote = any("detokenizing on the tokenizer service" in line for line in serve.log)
+    assert decoded > 0 and remote, f"not the service's decode only ({decoded} tokens there)"
+    return [check_row("text decoded on the tokenizer service", want, got, FP32_LOGPROB_TOL,
+                      decode, notes=f"{decoded:.0f} tokens through DecodeStream")]
+
+
+def run_gateway_decode(model, want, decode):
+    """Text decoded in the gateway's own process (`pagoda serve`'s default once the
+    gateway has loaded the tokenizer service's tokenizer): every request sent after the
+    switch, none through the service's DecodeStream."""
+    with served(model) as serve:
+        assert wait_until(lambda: any("detokenizing in the gateway's process" in line
+                                      for line in serve.log), timeout=120), \
+            "the gateway never loaded the tokenizer service's tokenizer"
+        before = metric(serve, "pagoda_tokenizer_tokens_total", operation="DecodeStream")
+        got = send_all(serve.url, REQUESTS)
+        on_service = metric(serve, "pagoda_tokenizer_tokens_total",
+                            operation="DecodeStream") - before
+    assert on_service == 0, f"{on_service} tokens decoded on the service after the switch"
+    return [check_row("text decoded in the gateway's process", want, got, FP32_LOGPROB_TOL,
+                      decode)]
+
+
 def run_spec(name, config):
     def run(model, want, decode):
         config_ = {k: (model if v == "MODEL" else v) for k, v in config.items()}
@@ -334,6 +366,8 @@ PATHS = {
     "pd-pagoda": lambda m, w, d, t: run_pd(m, w, d, "P/D, PagodaConnector"),
     "pd-dist": lambda m, w, d, t: run_pd(m, w, d, "P/D, PagodaDistConnector", *DIST_PD),
     "prefix-pull-and-migration": lambda m, w, d, t: run_replicas(m, w, d),
+    "service-decode": lambda m, w, d, t: run_service_decode(m, w, d),
+    "gateway-decode": lambda m, w, d, t: run_gateway_decode(m, w, d),
     "chunk16": lambda m, w, d, t: run_plain("chunked prefill, 16-token chunks",
                                             "--max-num-batched-tokens", "16")(m, w, d),
     "chunk64-preempt": lambda m, w, d, t: run_chunks_and_preemption(m, w, d),

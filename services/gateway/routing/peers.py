@@ -255,6 +255,8 @@ class TokenizerPeer(Peer):
                                                          timeout=5.0)
             if self.info.tokenizer_path and local_decode.enabled():
                 self._local_load = asyncio.ensure_future(self._load_local(self.info))
+            elif self.info.tokenizer_path:
+                logger.info("detokenizing on the tokenizer service (%s=0)", local_decode.ENV)
 
     async def _load_local(self, info: tpb.GetTokenizerInfoResponse) -> None:
         """Off the event loop (a cold tokenizer takes seconds); requests meanwhile
