@@ -115,6 +115,7 @@ def migrate_off_replica_1(serve, key: str, k: int, victim: str = "gpu-worker",
 
 
 PREEMPT_ROUNDS = 4
+STREAM_INTERVAL = 5
 
 
 def run_chunks_and_preemption(model, want, decode):
@@ -186,6 +187,23 @@ def run_gateway_decode(model, want, decode):
     assert on_service == 0, f"{on_service} tokens decoded on the service after the switch"
     return [check_row("text decoded in the gateway's process", want, got, FP32_LOGPROB_TOL,
                       decode)]
+
+
+def run_stream_interval(model, want, decode):
+    """Every request streamed from a gateway that sends a delta every 5 tokens
+    (`--stream-interval 5`): the chunks put together are the reference's answer, and
+    they were fewer than the tokens (the flag took effect)."""
+    chunks: dict[str, list[int]] = {}
+    with served(model, "--stream-interval", str(STREAM_INTERVAL)) as serve:
+        api = client(serve.url)
+        got = {r.name: send_streamed(api, r, on_token=chunks.setdefault(r.name, []).append)
+               for r in REQUESTS}
+    long = max(got, key=lambda name: sum(len(c.token_ids) for c in got[name].choices))
+    tokens, sent = chunks[long][-1], len(set(chunks[long]))
+    assert sent <= 2 * (1 + tokens // STREAM_INTERVAL), \
+        f"{long}: {tokens} tokens came in {sent} chunks at --stream-interval {STREAM_INTERVAL}"
+    return [check_row(f"streamed, --stream-interval {STREAM_INTERVAL}", want, got,
+                      FP32_LOGPROB_TOL, decode, notes=f"{long}: {tokens} tokens, {sent} chunks")]
 
 
 def run_spec(name, config):
@@ -368,6 +386,7 @@ PATHS = {
     "prefix-pull-and-migration": lambda m, w, d, t: run_replicas(m, w, d),
     "service-decode": lambda m, w, d, t: run_service_decode(m, w, d),
     "gateway-decode": lambda m, w, d, t: run_gateway_decode(m, w, d),
+    "stream-interval": lambda m, w, d, t: run_stream_interval(m, w, d),
     "chunk16": lambda m, w, d, t: run_plain("chunked prefill, 16-token chunks",
                                             "--max-num-batched-tokens", "16")(m, w, d),
     "chunk64-preempt": lambda m, w, d, t: run_chunks_and_preemption(m, w, d),

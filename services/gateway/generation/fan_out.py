@@ -25,6 +25,8 @@ from pagoda.services.gateway.disagg.prefill_decode import disaggregation_of
 from pagoda.services.gateway.errors import APIError
 from pagoda.services.gateway.generation.choices import ChoiceDelta, merge_choices, stream_choice
 from pagoda.services.gateway.generation.migration import DEFAULT_MIGRATION_LIMIT, Migration
+from pagoda.services.gateway.generation.stream_interval import (DEFAULT_STREAM_INTERVAL,
+                                                                coalesce_deltas)
 from pagoda.services.gateway.openai.completion_bodies import Usage
 from pagoda.services.gateway.openai.request_models import SamplingFields
 from pagoda.services.gateway.routing.dispatch import route_request, routed_deltas
@@ -101,6 +103,8 @@ class Generation:
         # How often one choice may move to another replica (--migration-limit; set by
         # ServingOptions.on_generation).
         self.migration_limit = DEFAULT_MIGRATION_LIMIT
+        # Tokens per delta of each choice (--stream-interval; set by on_generation too).
+        self.stream_interval = DEFAULT_STREAM_INTERVAL
         self.usage = Usage(prompt_tokens=sum(len(p.token_ids) for p in prompts))
         self.requests: list[EngineCoreRequest] = []
         # Ids in the scheduler must be unique; a client's X-Request-Id may not be.
@@ -139,9 +143,11 @@ class Generation:
 
         def open_streams(replica):
             replica = disaggregation_of(self.peers).wrap(replica)  # prefill elsewhere
-            return merge_choices([stream_choice(replica, mux, req, index, self.discard_output,
-                                                migration)
-                                  for index, req in enumerate(self.requests)])
+            streams = [stream_choice(replica, mux, req, index, self.discard_output, migration)
+                       for index, req in enumerate(self.requests)]
+            if self.stream_interval > 1:
+                streams = [coalesce_deltas(s, self.stream_interval) for s in streams]
+            return merge_choices(streams)
 
         cached: dict[int, int] = {}
         async for delta in routed_deltas(self.peers, self.requests, open_streams, self.user,
