@@ -11,7 +11,10 @@ the short-request load (16 in / 16 out). One table row per (step, concurrency):
 - batch: the mean requests per simulated step in the window;
 - idle p50/p99: the worker's gap between one step's end and the next one's start (the
   device's record file, `record_path`);
-- sched ms/step: the scheduler process's CPU (psutil, user + system) per step;
+- sched ms/step: the scheduler process's CPU (psutil, user + system) per step, every
+  thread; engine ms/step: its engine-loop thread's alone (the step's planning and
+  bookkeeping; the rest is the event loop's streams, gRPC's threads, the KV-event
+  publisher: `scheduler_threads_ms_per_step` in the JSON, by thread name);
 - gw us/tok: the gateway's CPU (its API servers included) per streamed token;
 - ITL+ p50/p99: the clients' inter-token latency minus the step time;
 - short req/s: short requests completed per second (16 in / 16 out, ignore_eos), once
@@ -40,7 +43,7 @@ import psutil
 from pagoda.bench.stats import percentile
 from pagoda.services.bench.control_plane_load import (CLIENTS, idle_gaps, read_steps, run_window,
                                                      wait_idle)
-from pagoda.services.bench.serve_child import ServeChild, cpu_seconds
+from pagoda.services.bench.serve_child import ServeChild, cpu_seconds, thread_cpu_seconds
 
 
 def _floats(text: str) -> list[float]:
@@ -108,11 +111,13 @@ async def measure_row(args, child: ServeChild, model: str, record: str, step_ms:
     t0 = time.time() + args.warmup
     t1 = t0 + args.duration
     cpu: dict[str, dict[str, float]] = {}
+    threads: dict[str, dict[str, float]] = {}
 
     async def snapshot(at: float, key: str) -> None:
         await asyncio.sleep(max(0.0, at - time.time()))
         cpu[key] = {kind: cpu_seconds(p) for kind, p in procs.items()}
         cpu[key]["client"] = cpu_seconds([me])
+        threads[key] = thread_cpu_seconds(procs.get("scheduler", []))
 
     stats, *_ = await asyncio.gather(
         run_window(child.url, model, concurrency, args.input_words, args.output_len, t0, t1,
@@ -133,6 +138,9 @@ async def measure_row(args, child: ServeChild, model: str, record: str, step_ms:
         "idle_p50_ms": percentile(gaps, 50) * 1e3 if gaps else None,
         "idle_p99_ms": percentile(gaps, 99) * 1e3 if gaps else None,
         "sched_ms_per_step": used.get("scheduler", 0.0) / len(steps) * 1e3 if steps else None,
+        "scheduler_threads_ms_per_step": {
+            name: round((seconds - threads["t0"].get(name, 0.0)) / len(steps) * 1e3, 3)
+            for name, seconds in threads["t1"].items()} if steps else {},
         "gateway_us_per_token": used.get("gateway", 0.0) / stats.tokens * 1e6
         if stats.tokens else None,
         "itl_added_p50_ms": (percentile(stats.itl, 50) - step_s) * 1e3 if stats.itl else None,
@@ -165,7 +173,7 @@ def _fmt(value, spec: str) -> str:
 
 def table(rows: list[dict]) -> str:
     head = ("step ms", "conc", "tok/s", "ideal", "% ideal", "batch", "idle p50/p99 ms",
-            "sched ms/step", "gw us/tok", "ITL+ p50/p99 ms", "short req/s", "client cores",
+            "sched ms/step", "engine ms/step", "gw us/tok", "ITL+ p50/p99 ms", "short req/s", "client cores",
             "errors")
     lines = [head]
     for r in rows:
@@ -174,7 +182,9 @@ def table(rows: list[dict]) -> str:
             _fmt(r["ideal_tok_s"], ".0f"), _fmt(100 * r["ratio"], ".1f"),
             _fmt(r["mean_batch"], ".1f"),
             f"{_fmt(r['idle_p50_ms'], '.2f')}/{_fmt(r['idle_p99_ms'], '.2f')}",
-            _fmt(r["sched_ms_per_step"], ".2f"), _fmt(r["gateway_us_per_token"], ".0f"),
+            _fmt(r["sched_ms_per_step"], ".2f"),
+            _fmt(r.get("scheduler_threads_ms_per_step", {}).get("engine-loop"), ".2f"),
+            _fmt(r["gateway_us_per_token"], ".0f"),
             f"{_fmt(r['itl_added_p50_ms'], '.1f')}/{_fmt(r['itl_added_p99_ms'], '.1f')}",
             _fmt(r.get("short_req_s"), ".0f"), _fmt(r["cores"].get("client"), ".2f"),
             str(r["errors"] + r.get("short_errors", 0))))

@@ -106,3 +106,28 @@ def cpu_seconds(processes: list[psutil.Process]) -> float:
             continue
         total += times.user + times.system
     return total
+
+
+def thread_cpu_seconds(processes: list[psutil.Process]) -> dict[str, float]:
+    """User + system CPU seconds so far of `processes`' threads, summed by their native
+    name (services/common/thread_names.py; an unnamed Python thread is "python", gRPC's
+    own are "event_engine" and the like); a thread or process that is gone counts 0."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total: dict[str, float] = collections.defaultdict(float)
+    for proc in processes:
+        task_dir = f"/proc/{proc.pid}/task"
+        try:
+            tids = os.listdir(task_dir)
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"{task_dir}/{tid}/comm") as f:
+                    name = f.read().strip()
+                with open(f"{task_dir}/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total[name] += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return dict(total)
+

@@ -28,6 +28,7 @@ from pagoda.services._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_p
 from pagoda.core.kv_events import KVEvent
 from pagoda.services.common.protocol.kv_events import lease_to_proto, publish_request
 from pagoda.services.common import grpc_channels
+from pagoda.services.common.thread_names import name_this_thread
 from pagoda.services.common.tracing import intercept
 from pagoda.services.scheduler.metrics import KvPublisherMetrics
 
@@ -119,6 +120,7 @@ class KvEventPublisher:
         self._channel.close()
 
     def _run(self) -> None:
+        name_this_thread(self._thread.name)
         while True:
             with self._cv:
                 while not (self._events or self._snapshot is not None or self._stopped

@@ -3,9 +3,15 @@ within a window, idle gaps between steps, and the table it prints (no cluster)."
 
 from __future__ import annotations
 
+import threading
+import time
+
+import psutil
 import pytest
 
 from pagoda.services.bench.control_plane import table
+from pagoda.services.bench.serve_child import thread_cpu_seconds
+from pagoda.services.common.thread_names import name_this_thread
 from pagoda.services.bench.control_plane_load import (idle_gaps, last_step_end, prompt_text,
                                                      read_steps)
 from pagoda.services.cli.main import build_parser
@@ -27,6 +33,7 @@ def test_table_has_one_row_per_run_and_the_ratio_in_percent():
     row = {"step_ms": 25.0, "concurrency": 128, "tok_s": 4608.0, "ideal_tok_s": 5120.0,
            "ratio": 0.9, "mean_batch": 127.5, "idle_p50_ms": 0.4, "idle_p99_ms": 2.0,
            "sched_ms_per_step": 1.5, "gateway_us_per_token": 80.0, "itl_added_p50_ms": 1.0,
+           "scheduler_threads_ms_per_step": {"engine-loop": 0.9, "event_engine": 0.4},
            "itl_added_p99_ms": 9.0, "cores": {"client": 0.5}, "errors": 0,
            "short_req_s": 310.0, "short_errors": 1}
     lines = table([row, {**row, "short_req_s": None, "idle_p50_ms": None}]).splitlines()
@@ -34,7 +41,32 @@ def test_table_has_one_row_per_run_and_the_ratio_in_percent():
     cells = [c.strip() for c in lines[1].strip("|").split("|")]
     assert cells[:5] == ["25", "128", "4608", "5120", "90.0"]
     assert "0.40/2.00" in cells and "310" in cells and cells[-1] == "1"
+    assert cells[7:9] == ["1.50", "0.90"]  # the process, then its engine thread
     assert "-/2.00" in lines[2]
+
+
+def test_a_named_threads_cpu_is_counted_under_its_name():
+    done = threading.Event()
+
+    def spin():
+        name_this_thread("bench-spinner")
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+        done.wait()
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while thread_cpu_seconds([psutil.Process()]).get("bench-spinner", 0.0) < 0.25 \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # Its own 0.3 s of CPU, apart from the process's other threads.
+        assert 0.25 <= thread_cpu_seconds([psutil.Process()]).get("bench-spinner", 0.0) < 0.5
+    finally:
+        done.set()
+        thread.join()
 
 
 def test_the_command_parses_subsets_and_prompts_differ():
