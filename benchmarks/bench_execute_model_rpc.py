@@ -21,6 +21,13 @@ Measured on the 2-core machine (issue 28, interleaved, two sittings, load 1-5): 
 call's CPU on the sync channel (its request iterator runs on a thread of its own, woken
 per step, and its sends complete on the spin thread), so the unary call stays: about
 0.02-0.05 ms of the served scheduler's ~3 ms a step, less than the run-to-run spread.
+
+The same call costs more CPU the longer it waits (`--step-ms`; unary, stop 45, load ~1:
+~290 us a step at 1 ms, ~435 at 10, ~525 at 50), with about the same number of thread
+wake-ups: on this 2-core VM a thread that slept for milliseconds runs its next
+microseconds on cold caches. That is why the served scheduler's step costs ~2x what it
+costs hot in one process (benchmarks/profile_scheduler_step.py), and why a step of a
+slow model (the CPU model's ~75 ms) costs the scheduler as much as a 15 ms one.
 """
 
 from __future__ import annotations
@@ -38,17 +45,16 @@ import time
 import grpc
 
 PLAN, REPLY = b"x" * 6000, b"y" * 3000
-STEP_S = 0.002
 
 
-def _serve(ports) -> None:
+def _serve(ports, step_s: float) -> None:
     def unary(request, context):
-        time.sleep(STEP_S)
+        time.sleep(step_s)
         return REPLY
 
     def bidi(requests, context):
         for _ in requests:
-            time.sleep(STEP_S)
+            time.sleep(step_s)
             yield REPLY
 
     handler = grpc.method_handlers_generic_handler("bench.Worker", {
@@ -137,10 +143,12 @@ def run(send, steps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--step-ms", type=float, default=2.0,
+                        help="The stand-in worker's step (default 2 ms).")
     parser.add_argument("shapes", nargs="*", default=["unary", "bidi", "aio"])
     args = parser.parse_args()
     ports = multiprocessing.Queue()
-    worker = multiprocessing.Process(target=_serve, args=(ports,), daemon=True)
+    worker = multiprocessing.Process(target=_serve, args=(ports, args.step_ms / 1000), daemon=True)
     worker.start()
     address = f"127.0.0.1:{ports.get(timeout=30)}"
     shapes = {"unary": unary_steps, "bidi": bidi_steps, "aio": aio_steps}
