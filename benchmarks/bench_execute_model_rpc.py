@@ -23,11 +23,13 @@ per step, and its sends complete on the spin thread), so the unary call stays: a
 0.02-0.05 ms of the served scheduler's ~3 ms a step, less than the run-to-run spread.
 
 The same call costs more CPU the longer it waits (`--step-ms`; unary, stop 45, load ~1:
-~290 us a step at 1 ms, ~435 at 10, ~525 at 50), with about the same number of thread
-wake-ups: on this 2-core VM a thread that slept for milliseconds runs its next
-microseconds on cold caches. That is why the served scheduler's step costs ~2x what it
-costs hot in one process (benchmarks/profile_scheduler_step.py), and why a step of a
-slow model (the CPU model's ~75 ms) costs the scheduler as much as a 15 ms one.
+~290 us a step at 1 ms, ~435 at 10, ~525 at 50). Nothing polls while it waits (strace at
+50 ms: ~12 futex and ~3 epoll_wait calls a call; ~8 thread wake-ups): the likeliest
+cause is that a thread that slept for milliseconds on this 2-core VM, where the other
+processes ran meanwhile, runs its next microseconds on cold caches. The served
+scheduler's step costs ~2x its hot cost in one process (profile_scheduler_step.py) for
+the same reason, and a step of a slow model (the CPU model's ~75 ms) costs the
+scheduler as much as a 15 ms one.
 """
 
 from __future__ import annotations
