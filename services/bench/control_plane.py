@@ -173,8 +173,8 @@ def _fmt(value, spec: str) -> str:
 
 def table(rows: list[dict]) -> str:
     head = ("step ms", "conc", "tok/s", "ideal", "% ideal", "batch", "idle p50/p99 ms",
-            "sched ms/step", "engine ms/step", "gw us/tok", "ITL+ p50/p99 ms", "short req/s", "client cores",
-            "errors")
+            "sched ms/step", "engine ms/step", "gw us/tok", "ITL+ p50/p99 ms", "short req/s",
+            "client cores", "errors")
     lines = [head]
     for r in rows:
         lines.append((

@@ -130,4 +130,3 @@ def thread_cpu_seconds(processes: list[psutil.Process]) -> dict[str, float]:
                 continue
             total[name] += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
     return dict(total)
-

@@ -15,8 +15,8 @@ refused.
 vLLM fields that are left ignored on purpose, because vLLM itself ignores them on these
 routes or they change no answer: `return_token_offsets` and `return_mm_kwargs` (render
 endpoints only), `prompt_cache_key` (Responses; vLLM ignores it), `stream_interval`
-(chunking of a stream, not its text; the server's `--stream-interval` sets it), `session_id` (a label of related requests;
-Pagoda's session router keys on `user`),
+(chunking of a stream, not its text; the server's `--stream-interval` sets it),
+`session_id` (a label of related requests; Pagoda's session router keys on `user`),
 `routed_experts_prompt_start` (only with --enable-return-routed-experts).
 
 vLLM's flat repetition-detection fields are folded into `repetition_detection`
