@@ -157,3 +157,20 @@ def test_stop_string_still_stops_at_its_token(client, coalescing_gateway):
     while rid not in scheduler.cancelled and time.monotonic() < deadline:
         time.sleep(0.02)
     assert rid in scheduler.cancelled  # aborted, as at interval 1
+
+
+def test_a_replica_failing_mid_stream_still_delivers_the_held_tokens(client, coalescing_gateway,
+                                                                      smollm2_tokenizer):
+    scheduler = coalescing_gateway[1]
+    scheduler.fail_after = 6  # the scheduler's stream fails UNAVAILABLE after 6 tokens
+    text = ""
+    try:
+        with pytest.raises(openai.APIError):
+            for chunk in client.completions.create(model="fake-model", prompt="Hi",
+                                                   max_tokens=20, stream=True):
+                text += chunk.choices[0].text
+    finally:
+        scheduler.fail_after = None
+    # Tokens 2-5 were held (N = 4 after the first); they reach the client before the error.
+    ids = smollm2_tokenizer.encode(SCRIPT, add_special_tokens=False)
+    assert text == smollm2_tokenizer.decode(ids[:6])
