@@ -1,7 +1,11 @@
 """A driver that finds no Ray cluster starts a private head as a child process and
 joins it by address: `ray.init()` would fork the driver (with a `preexec_fn`), which
 is unsafe once it has gRPC or other threads. The head, and every process Ray
-started for it, stops with the group."""
+started for it, stops with the group.
+
+`test_ray_in_own_process.py` runs this module in a child pytest (a raylet that dies
+ends its driver, which must not be the whole test run).
+"""
 
 from __future__ import annotations
 

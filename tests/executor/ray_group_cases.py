@@ -1,6 +1,10 @@
 """The Ray backend: a placement group with one bundle per rank, follower ranks as
 actors in it, rank 0 in this process. Ray runs on this machine, 4 logical CPUs, as a
-private head this process joins (`ray.init()` would fork the test process)."""
+private head this process joins (`ray.init()` would fork the test process).
+
+`test_ray_in_own_process.py` runs this module in a child pytest (a raylet that dies
+ends its driver, which must not be the whole test run).
+"""
 
 from __future__ import annotations
 
