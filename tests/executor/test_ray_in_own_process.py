@@ -31,6 +31,8 @@ LOG_LINES = 40
 # Ray's glog lines are "[date time L pid tid] ..." with L the level; a crash adds
 # "Check failed" and "*** ..." stack lines.
 TELLING = re.compile(r"^\[\S+ \S+ [WEF] |Check failed|^\*\*\*|SIG[A-Z]+|[Kk]illed")
+# Warnings every 10 s from a head started without Ray's metrics agent (no dashboard).
+NOISE = re.compile(r"Failed to export metrics|metrics agent|event\+metrics exporter")
 CHILD_TIMEOUT_S = 480  # under the suite's 600 s a test, so a hang still reports here
 
 
@@ -42,7 +44,8 @@ def ray_log_tails(root: Path) -> str:
     for log in sorted(root.glob("pagoda-ray-*/session_*/logs/*")):
         if log.is_file() and not log.parent.parent.is_symlink():
             lines = log.read_text(errors="replace").splitlines()
-            telling = [line for line in lines if TELLING.search(line)][-LOG_LINES:]
+            telling = [line for line in lines
+                       if TELLING.search(line) and not NOISE.search(line)][-LOG_LINES:]
             if telling:
                 parts.append(f"--- {log.relative_to(root)} ---\n" + "\n".join(telling))
     return "\n".join(parts) or "(no Ray logs were left behind)"
@@ -61,15 +64,18 @@ def test_ray_cases_pass_in_their_own_process(module):
 def run_in_child(module: str, tmp: Path) -> None:
     env = {**os.environ, "TMPDIR": str(tmp)}
     child = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / module)],
+        # -v names each case as it starts: a child killed at the timeout shows which ran.
+        [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", str(HERE / module)],
         cwd=HERE.parent.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True)
     try:
         output, _ = child.communicate(timeout=CHILD_TIMEOUT_S)
+        ended = f"exited with {child.returncode}"
     except subprocess.TimeoutExpired:
         child.kill()
         output, _ = child.communicate()
+        ended = f"was killed after {CHILD_TIMEOUT_S} s"
     report = output[-6000:]
     assert child.returncode == 0, (
-        f"{module} exited with {child.returncode}:\n{report}\n{ray_log_tails(tmp)}")
+        f"{module} {ended}:\n{report}\n{ray_log_tails(tmp)}")
     assert " passed" in report, report  # it ran its cases, not none
