@@ -21,6 +21,9 @@ the short-request load (16 in / 16 out). One table row per (step, concurrency):
   the cluster has dropped the cancelled streams (`drain_after_cancel_s` in the JSON);
 - client cores: this process's CPU seconds per second during the streaming window.
 
+The cluster runs with `--async-scheduling` (a CUDA device's default, not the CPU's), unless
+`--no-async-scheduling`.
+
 Every process shares one machine with the clients, so the figures are a lower bound of
 what the control plane does on a machine of its own.
 """
@@ -84,6 +87,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--short-input-words", type=int, default=11,
                         help="Words of a short prompt (about 16 tokens).")
     parser.add_argument("--short-output-len", type=int, default=16)
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="Serve with vLLM's --async-scheduling (default: on, as a CUDA "
+                             "device is served by default; the simulated device runs on the "
+                             "CPU, whose own default is off). --no-async-scheduling measures "
+                             "the synchronous loop: one planning gap per step.")
     parser.add_argument("--serve-args", default="",
                         help="More `pagoda serve` flags, one string (e.g. "
                              "'--tokenizer-replicas 1').")
@@ -98,9 +107,12 @@ def serve_flags(args: argparse.Namespace, step_ms: float, record_path: str) -> l
     model = ["--model", args.model] if args.model else []
     # No KV tensors exist: blocks for every stream at once, so nothing is preempted.
     blocks = max(args.concurrency) * (-(-(args.input_words + 8 + args.output_len) // 16) + 1) * 2
+    # What a GPU deployment runs by default; --serve-args come last and win.
+    scheduling = "--async-scheduling" if args.async_scheduling else "--no-async-scheduling"
     return [*model, "--simulated-device", json.dumps(device),
             "--num-gpu-blocks-override", str(max(blocks, 4096)),
-            "--max-num-seqs", str(max(args.concurrency)), *shlex.split(args.serve_args)]
+            "--max-num-seqs", str(max(args.concurrency)), scheduling,
+            *shlex.split(args.serve_args)]
 
 
 async def measure_row(args, child: ServeChild, model: str, record: str, step_ms: float,

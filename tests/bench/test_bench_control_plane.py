@@ -129,3 +129,17 @@ def test_both_clients_count_the_same_stream_and_aiohttp_keeps_its_connections(cl
         assert len(peers) <= 4 < served[0]  # kept-alive: far fewer connections than requests
     else:
         assert len(peers) >= served[0] - 2  # a new connection per request
+
+
+@pytest.mark.parametrize("bench_flags,want", [
+    ([], True),  # a CUDA device's default
+    (["--no-async-scheduling"], False),
+    (["--serve-args=--no-async-scheduling"], False),  # --serve-args win
+])
+def test_the_cluster_is_served_with_async_scheduling_unless_told_not_to(bench_flags, want):
+    from pagoda.services.bench.control_plane import serve_flags
+
+    parser = build_parser()
+    bench = parser.parse_args(["bench", "control-plane", *bench_flags])
+    serve = parser.parse_args(["serve", *serve_flags(bench, 15.0, "/tmp/steps.txt")])
+    assert serve.async_scheduling is want
