@@ -5,9 +5,9 @@ Why: a Ray driver whose local raylet dies is ended by Ray's own core worker
 is dead"). Run in this process, that ends the whole `make test` run mid-line with
 exit code 1 and no report: CI at stop 45 stopped that way at 29%, inside
 `test_killed_rank_actor_is_replaced_in_its_bundle`. In a child, the same crash fails
-one test here, and its message carries the child's report and the tails of the
-private head's Ray logs (the head's temp dir is left behind when its driver dies,
-under the child's TMPDIR, a short-lived directory of this test's).
+one test here, and its message carries the child's report and the warning, error and
+fatal lines of the private head's Ray logs (the head's temp dir is left behind when
+its driver dies, under the child's TMPDIR, a short-lived directory of this test's).
 
 The cases themselves (`ray_group_cases.py`, `ray_head_cases.py`) are ordinary pytest
 modules: `pytest tests/executor/ray_group_cases.py` runs one directly.
