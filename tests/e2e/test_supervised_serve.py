@@ -194,7 +194,12 @@ def test_a_crash_loop_stops_serve_naming_the_service(serve):
     """Last in this module: it ends the shared `pagoda serve`."""
     _, port = victim(serve, "tokenizer")
     for _ in range(3):  # at most 2 restarts a minute, whatever earlier tests used
-        pid = pid_on_port(serve, "tokenizer", port)
+        # Waited for: a process in the middle of its exec (the parent-death wrapper
+        # becoming the service) has no readable command line for a moment.
+        pid = wait_until(lambda: pid_on_port(serve, "tokenizer", port), 20)
+        if pid is None:
+            raise AssertionError(f"no tokenizer on port {port}; the cluster's log:\n"
+                                 + "".join(serve.log[-80:]))
         os.kill(pid, signal.SIGKILL)
         if not wait_until(lambda: serve.process.poll() is not None
                           or restarted(serve, "tokenizer", port, pid), 20):
