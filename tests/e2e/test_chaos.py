@@ -165,8 +165,12 @@ def replica_processes(serve: ServeProcess, index: int) -> dict[str, int]:
     port = flag_value(serve.service_args("gateway"), "--scheduler-addrs").split(",")[index]
     port = port.rsplit(":", 1)[1]
     found = {"port": int(port)}
-    children = psutil.Process(serve.process.pid).children(recursive=True)
-    commands = {c.pid: c.cmdline() for c in children if c.is_running()}
+    commands = {}
+    for child in psutil.Process(serve.process.pid).children(recursive=True):
+        try:
+            commands[child.pid] = child.cmdline()
+        except psutil.Error:  # exited since the listing: not a replica's process
+            continue
     for pid, argv in commands.items():
         if "scheduler" in argv and "--port" in argv and flag_value(argv, "--port") == port:
             found["scheduler"] = pid
