@@ -13,8 +13,10 @@ the short-request load (16 in / 16 out). One table row per (step, concurrency):
   device's record file, `record_path`);
 - sched ms/step: the scheduler process's CPU (psutil, user + system) per step, every
   thread; engine ms/step: its engine-loop thread's alone (the step's planning and
-  bookkeeping; the rest is the event loop's streams, gRPC's threads, the KV-event
-  publisher: `scheduler_threads_ms_per_step` in the JSON, by thread name);
+  bookkeeping, and sending it to the worker; the rest is the event loop's streams,
+  gRPC's threads, the call-completion thread the engine loop started ("engine-loop's
+  threads": it decodes the worker's replies), the KV-event publisher:
+  `scheduler_threads_ms_per_step` in the JSON, by thread name);
 - gw us/tok: the gateway's CPU (its API servers included) per streamed token;
 - ITL+ p50/p99: the clients' inter-token latency minus the step time;
 - short req/s: short requests completed per second (16 in / 16 out, ignore_eos), once

@@ -19,6 +19,7 @@ import time
 import psutil
 
 from pagoda.services.common.free_ports import free_port
+from pagoda.services.common.thread_names import ONE_THREAD_NAMES
 
 CLI_MODULE = "pagoda.services.cli.main"
 URL_RE = re.compile(r"Pagoda is serving .* at (https?://\S+/v1)")
@@ -108,18 +109,23 @@ def cpu_seconds(processes: list[psutil.Process]) -> float:
     return total
 
 
-def thread_cpu_seconds(processes: list[psutil.Process]) -> dict[str, float]:
+def thread_cpu_seconds(processes: list[psutil.Process],
+                       one_thread_names: tuple[str, ...] = ONE_THREAD_NAMES) -> dict[str, float]:
     """User + system CPU seconds so far of `processes`' threads, summed by their native
     name (services/common/thread_names.py; an unnamed Python thread is "python", gRPC's
-    own are "event_engine" and the like); a thread or process that is gone counts 0."""
+    own are "event_engine" and the like); a thread or process that is gone counts 0.
+    Of the threads that share one of `one_thread_names`, only the oldest (the lowest
+    thread id: the one given the name) counts under it; those it started, which
+    inherited the name, count under "NAME's threads"."""
     ticks = os.sysconf("SC_CLK_TCK")
     total: dict[str, float] = collections.defaultdict(float)
     for proc in processes:
         task_dir = f"/proc/{proc.pid}/task"
         try:
-            tids = os.listdir(task_dir)
+            tids = sorted(os.listdir(task_dir), key=int)  # oldest first (ids grow until pid_max)
         except OSError:
             continue
+        seen: set[str] = set()
         for tid in tids:
             try:
                 with open(f"{task_dir}/{tid}/comm") as f:
@@ -128,5 +134,9 @@ def thread_cpu_seconds(processes: list[psutil.Process]) -> dict[str, float]:
                     fields = f.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            total[name] += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+            key = name
+            if name in one_thread_names:
+                key = f"{name}'s threads" if name in seen else name
+                seen.add(name)
+            total[key] += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
     return dict(total)

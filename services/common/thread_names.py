@@ -18,6 +18,14 @@ import sys
 _PR_SET_NAME = 15  # <linux/prctl.h>
 _MAX_BYTES = 15  # the kernel's TASK_COMM_LEN, less the terminating NUL
 
+ENGINE_LOOP = "engine-loop"  # the scheduler's engine thread
+KV_EVENTS = "kv-events"  # the scheduler's KV-event publisher
+# The names given to one thread each. A thread started by a named thread inherits its
+# native name (Linux copies it at creation): the gRPC call-completion thread that the
+# engine loop's first ExecuteModel call starts is "engine-loop" too. Readers of these
+# names tell the named thread (the oldest: the lowest thread id) from those it started.
+ONE_THREAD_NAMES = (ENGINE_LOOP, KV_EVENTS)
+
 
 def name_this_thread(name: str) -> None:
     """Give the calling thread `name` as its OS name (never call it on the main

@@ -19,7 +19,7 @@ from pagoda.messages import EngineCoreOutput, EngineCoreRequest
 from pagoda.engine.engine_core import EngineCore
 from pagoda.engine.worker_control import EngineSleeping
 from pagoda.metrics.recorder import EngineStatsRecorder
-from pagoda.services.common.thread_names import name_this_thread
+from pagoda.services.common.thread_names import ENGINE_LOOP, name_this_thread
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class EngineLoop:
         # The scheduler's waiting queue as of the last apply/step (guarded by _cv):
         # exact after a step, and counts accepted adds until the next one.
         self._num_waiting = 0
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=ENGINE_LOOP, daemon=True)
 
     def start(self) -> None:
         self._thread.start()

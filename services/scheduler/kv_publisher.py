@@ -28,7 +28,7 @@ from pagoda.services._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_p
 from pagoda.core.kv_events import KVEvent
 from pagoda.services.common.protocol.kv_events import lease_to_proto, publish_request
 from pagoda.services.common import grpc_channels
-from pagoda.services.common.thread_names import name_this_thread
+from pagoda.services.common.thread_names import KV_EVENTS, name_this_thread
 from pagoda.services.common.tracing import intercept
 from pagoda.services.scheduler.metrics import KvPublisherMetrics
 
@@ -68,7 +68,7 @@ class KvEventPublisher:
         self._cv = threading.Condition()
         self._stopped = False
         self._last_error_log = 0.0
-        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=KV_EVENTS, daemon=True)
 
     def start(self) -> "KvEventPublisher":
         self._thread.start()

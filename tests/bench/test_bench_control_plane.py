@@ -69,6 +69,47 @@ def test_a_named_threads_cpu_is_counted_under_its_name():
         thread.join()
 
 
+def test_a_thread_started_by_a_named_one_counts_apart_from_it():
+    """Linux copies a thread's native name to the threads it starts (as the engine loop's
+    gRPC call-completion thread): the named thread's own CPU is not theirs."""
+    done, child_spun = threading.Event(), threading.Event()
+
+    def burn(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    def child():
+        burn(0.3)
+        child_spun.set()
+        done.wait()
+
+    def parent():
+        name_this_thread("bench-parent")
+        threading.Thread(target=child, daemon=True).start()  # inherits "bench-parent"
+        burn(0.1)
+        done.wait()
+
+    thread = threading.Thread(target=parent)
+    thread.start()
+    try:
+        assert child_spun.wait(10)
+        time.sleep(0.05)  # the parent's 0.1 s is well done by now (or it waits its turn)
+        deadline = time.monotonic() + 10
+        while thread_cpu_seconds([psutil.Process()]).get("bench-parent", 0.0) < 0.38 \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        apart = thread_cpu_seconds([psutil.Process()], one_thread_names=("bench-parent",))
+        together = thread_cpu_seconds([psutil.Process()])
+    finally:
+        done.set()
+        thread.join()
+    assert 0.08 <= apart["bench-parent"] < 0.25  # the parent's 0.1 s alone
+    assert 0.28 <= apart["bench-parent's threads"] < 0.5  # the child's 0.3 s
+    assert 0.38 <= together["bench-parent"] < 0.7  # a name not listed: summed, as before
+    assert "bench-parent's threads" not in together
+
+
 def test_the_command_parses_subsets_and_prompts_differ():
     args = build_parser().parse_args(["bench", "control-plane", "--step-ms", "25",
                                       "--concurrency", "128,256", "--duration", "20"])
