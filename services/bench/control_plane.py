@@ -48,7 +48,8 @@ import psutil
 from pagoda.bench.stats import percentile
 from pagoda.services.bench.control_plane_load import (CLIENTS, idle_gaps, read_steps, run_window,
                                                      wait_idle)
-from pagoda.services.bench.serve_child import ServeChild, cpu_seconds, thread_cpu_seconds
+from pagoda.services.bench.serve_child import (ServeChild, ThreadSamples, cpu_seconds,
+                                               thread_cpu_samples, thread_cpu_seconds)
 
 
 def _floats(text: str) -> list[float]:
@@ -125,13 +126,17 @@ async def measure_row(args, child: ServeChild, model: str, record: str, step_ms:
     t0 = time.time() + args.warmup
     t1 = t0 + args.duration
     cpu: dict[str, dict[str, float]] = {}
-    threads: dict[str, dict[str, float]] = {}
+    threads_at_t0: ThreadSamples = {}
+    threads: dict[str, float] = {}  # the scheduler's threads' CPU in the window, by name
 
     async def snapshot(at: float, key: str) -> None:
         await asyncio.sleep(max(0.0, at - time.time()))
         cpu[key] = {kind: cpu_seconds(p) for kind, p in procs.items()}
         cpu[key]["client"] = cpu_seconds([me])
-        threads[key] = thread_cpu_seconds(procs.get("scheduler", []))
+        if key == "t0":
+            threads_at_t0.update(thread_cpu_samples(procs.get("scheduler", [])))
+        else:
+            threads.update(thread_cpu_seconds(procs.get("scheduler", []), since=threads_at_t0))
 
     stats, *_ = await asyncio.gather(
         run_window(child.url, model, concurrency, args.input_words, args.output_len, t0, t1,
@@ -153,8 +158,8 @@ async def measure_row(args, child: ServeChild, model: str, record: str, step_ms:
         "idle_p99_ms": percentile(gaps, 99) * 1e3 if gaps else None,
         "sched_ms_per_step": used.get("scheduler", 0.0) / len(steps) * 1e3 if steps else None,
         "scheduler_threads_ms_per_step": {
-            name: round((seconds - threads["t0"].get(name, 0.0)) / len(steps) * 1e3, 3)
-            for name, seconds in threads["t1"].items()} if steps else {},
+            name: round(seconds / len(steps) * 1e3, 3) for name, seconds in threads.items()}
+        if steps else {},
         "gateway_us_per_token": used.get("gateway", 0.0) / stats.tokens * 1e6
         if stats.tokens else None,
         "itl_added_p50_ms": (percentile(stats.itl, 50) - step_s) * 1e3 if stats.itl else None,

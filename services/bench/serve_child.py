@@ -109,16 +109,19 @@ def cpu_seconds(processes: list[psutil.Process]) -> float:
     return total
 
 
-def thread_cpu_seconds(processes: list[psutil.Process],
-                       one_thread_names: tuple[str, ...] = ONE_THREAD_NAMES) -> dict[str, float]:
-    """User + system CPU seconds so far of `processes`' threads, summed by their native
-    name (services/common/thread_names.py; an unnamed Python thread is "python", gRPC's
-    own are "event_engine" and the like); a thread or process that is gone counts 0.
-    Of the threads that share one of `one_thread_names`, only the oldest (the lowest
-    thread id: the one given the name) counts under it; those it started, which
-    inherited the name, count under "NAME's threads"."""
+ThreadSamples = dict[tuple[int, int], tuple[str, float]]
+
+
+def thread_cpu_samples(processes: list[psutil.Process],
+                       one_thread_names: tuple[str, ...] = ONE_THREAD_NAMES) -> ThreadSamples:
+    """(pid, tid) -> (the name it counts under, its user + system CPU seconds so far) for
+    `processes`' live threads. The name is the thread's native one
+    (services/common/thread_names.py; an unnamed Python thread is "python", gRPC's own
+    are "event_engine" and the like), except that of the threads sharing one of
+    `one_thread_names`, only the oldest (the lowest id: the one given the name) counts
+    under it; those it started, which inherited the name, count under "NAME's threads"."""
     ticks = os.sysconf("SC_CLK_TCK")
-    total: dict[str, float] = collections.defaultdict(float)
+    samples: ThreadSamples = {}
     for proc in processes:
         task_dir = f"/proc/{proc.pid}/task"
         try:
@@ -132,11 +135,28 @@ def thread_cpu_seconds(processes: list[psutil.Process],
                     name = f.read().strip()
                 with open(f"{task_dir}/{tid}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
+            except OSError:  # ended meanwhile
                 continue
             key = name
             if name in one_thread_names:
                 key = f"{name}'s threads" if name in seen else name
                 seen.add(name)
-            total[key] += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+            samples[(proc.pid, int(tid))] = (key, (int(fields[11]) + int(fields[12])) / ticks)
+    return samples
+
+
+def thread_cpu_seconds(processes: list[psutil.Process],
+                       one_thread_names: tuple[str, ...] = ONE_THREAD_NAMES,
+                       since: ThreadSamples | None = None) -> dict[str, float]:
+    """CPU seconds of `processes`' live threads, summed by the name they count under
+    (`thread_cpu_samples`); with `since` (earlier samples), only what each spent after
+    them. Per thread, so never negative: a thread started since counts from 0, and a
+    thread that ended since is not counted (its CPU left /proc with it; the process's
+    total still has it)."""
+    total: dict[str, float] = collections.defaultdict(float)
+    for thread, (key, seconds) in thread_cpu_samples(processes, one_thread_names).items():
+        before = (since or {}).get(thread)
+        if before is not None and before[1] <= seconds:  # else a reused id: a new thread
+            seconds -= before[1]
+        total[key] += seconds
     return dict(total)

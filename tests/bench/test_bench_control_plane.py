@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from pagoda.services.bench.control_plane import table
-from pagoda.services.bench.serve_child import thread_cpu_seconds
+from pagoda.services.bench.serve_child import thread_cpu_samples, thread_cpu_seconds
 from pagoda.services.common.thread_names import name_this_thread
 from pagoda.services.bench.control_plane_load import (idle_gaps, last_step_end, prompt_text,
                                                      read_steps)
@@ -108,6 +108,50 @@ def test_a_thread_started_by_a_named_one_counts_apart_from_it():
     assert 0.28 <= apart["bench-parent's threads"] < 0.5  # the child's 0.3 s
     assert 0.38 <= together["bench-parent"] < 0.7  # a name not listed: summed, as before
     assert "bench-parent's threads" not in together
+
+
+def _burn(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_cpu_since_a_sample_counts_each_thread_after_it():
+    """Two threads of one name: one burns 0.3 s and ends before the window closes; the
+    other burns 0.1 s before the window opens and 0.3 s inside it. The window holds the
+    second's 0.3 s (summing by name before and after would give 0: the ended thread's
+    CPU leaves /proc with it)."""
+    ended_burnt, started_burnt, go, burnt_again, done = (threading.Event() for _ in range(5))
+
+    def ending():
+        name_this_thread("bench-pair")
+        _burn(0.3)
+        ended_burnt.set()
+
+    def staying():
+        name_this_thread("bench-pair")
+        _burn(0.1)
+        started_burnt.set()
+        go.wait()
+        _burn(0.3)
+        burnt_again.set()
+        done.wait()
+
+    first, second = threading.Thread(target=ending), threading.Thread(target=staying)
+    first.start()
+    second.start()
+    try:
+        assert ended_burnt.wait(10) and started_burnt.wait(10)
+        opened = thread_cpu_samples([psutil.Process()])
+        first.join()
+        go.set()
+        assert burnt_again.wait(10)
+        window = thread_cpu_seconds([psutil.Process()], since=opened)
+    finally:
+        go.set()
+        done.set()
+        second.join()
+    assert 0.25 <= window["bench-pair"] < 0.38, window
 
 
 def test_the_command_parses_subsets_and_prompts_differ():
