@@ -22,8 +22,9 @@ ENGINE_LOOP = "engine-loop"  # the scheduler's engine thread
 KV_EVENTS = "kv-events"  # the scheduler's KV-event publisher
 # The names given to one thread each. A thread started by a named thread inherits its
 # native name (Linux copies it at creation): the gRPC call-completion thread that the
-# engine loop's first ExecuteModel call starts is "engine-loop" too. Readers of these
-# names tell the named thread (the oldest: the lowest thread id) from those it started.
+# engine loop's ExecuteModel calls start (again after each lull) is "engine-loop" too.
+# Readers of these names tell the named thread (the oldest: the lowest thread id) from
+# those it started.
 ONE_THREAD_NAMES = (ENGINE_LOOP, KV_EVENTS)
 
 
