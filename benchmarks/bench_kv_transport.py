@@ -29,7 +29,7 @@ CONNECTORS = ("PagodaConnector", "PagodaDistConnector")
 
 
 def free_port() -> int:
-    from pagoda.services.common.free_ports import free_port as pick
+    from pagoda.free_ports import free_port as pick
 
     return pick()
 

@@ -59,7 +59,7 @@ class Bench:
         from pagoda.services.bench.routing import extra_gateway
         from pagoda.services.cli import serve
         from pagoda.services.cli.local_cluster import LocalCluster
-        from pagoda.services.common.free_ports import free_port
+        from pagoda.free_ports import free_port
         from pagoda.services.common.redis_server import PrivateRedis
 
         self.redis = PrivateRedis().start()

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import httpx
 import uvicorn
 
-from pagoda.services.common.free_ports import free_port
+from pagoda.free_ports import free_port
 
 
 def healthy(url: str) -> bool:

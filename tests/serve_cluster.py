@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
-from pagoda.services.common.free_ports import free_port
+from pagoda.free_ports import free_port
 
 URL_RE = re.compile(r"Pagoda is serving .* at (https?://\S+/v1)")
 CLI_MODULE = "pagoda.services.cli.main"

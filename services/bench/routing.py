@@ -29,7 +29,7 @@ import httpx
 from pagoda.bench.stats import percentile
 from pagoda.services.cli import serve
 from pagoda.services.cli.local_cluster import LocalCluster, ServiceProcess
-from pagoda.services.common.free_ports import free_port
+from pagoda.free_ports import free_port
 from pagoda.services.common.redis_server import PrivateRedis
 
 ROUTERS = ("round_robin", "kv_aware")

@@ -18,7 +18,7 @@ import time
 
 import psutil
 
-from pagoda.services.common.free_ports import free_port
+from pagoda.free_ports import free_port
 from pagoda.services.common.thread_names import ONE_THREAD_NAMES
 
 CLI_MODULE = "pagoda.services.cli.main"

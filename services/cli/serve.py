@@ -54,7 +54,7 @@ from pagoda.config import StructuredOutputsConfig
 from pagoda.engine.arg_utils import EngineArgs, TRUST_REMOTE_CODE_REFUSED
 from pagoda.reasoning.budget import ReasoningConfig
 from pagoda.services.common import startup_clock
-from pagoda.services.common.free_ports import free_port
+from pagoda.free_ports import free_port
 from pagoda.services.common.redis_server import PrivateRedis
 from pagoda.tokenizer.chat_template import load_chat_template
 

@@ -18,7 +18,7 @@ import time
 import redis
 
 from pagoda.parent_death import dying_with_this_process
-from pagoda.services.common.free_ports import free_port
+from pagoda.free_ports import free_port
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from api_fakes import MODEL, SCRIPT, Gateway
 from pagoda.services.cli.chat import chat_loop, make_client
 from pagoda.services.cli.complete import complete_loop
 from pagoda.services.cli.main import build_parser
-from pagoda.services.common.free_ports import free_port
+from pagoda.free_ports import free_port
 
 pytestmark = pytest.mark.extended  # make test-extended
 

@@ -25,7 +25,7 @@ from serve_cluster import wait_until
 from pagoda.services.bench.routing import extra_gateway
 from pagoda.services.cli import serve
 from pagoda.services.cli.local_cluster import LocalCluster
-from pagoda.services.common.free_ports import free_port
+from pagoda.free_ports import free_port
 from pagoda.services.gateway.routing.router import _rendezvous
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]  # make test-extended

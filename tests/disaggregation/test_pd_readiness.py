@@ -23,7 +23,7 @@ from serve_cluster import CLI_MODULE, wait_until
 
 from pagoda.services.cli import serve
 from pagoda.services.cli.local_cluster import LocalCluster, ServiceFailed, ServiceProcess
-from pagoda.services.common.free_ports import free_port
+from pagoda.free_ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]  # make test-extended
 PROMPT = " ".join(f"token{i}" for i in range(40))  # more than a block: a lease is taken

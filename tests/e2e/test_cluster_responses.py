@@ -13,7 +13,7 @@ import openai
 import pytest
 from serve_cluster import flag_value, wait_until
 
-from pagoda.services.common.free_ports import free_port
+from pagoda.free_ports import free_port
 
 pytestmark = pytest.mark.slow
 # An enum keeps the random model's forced arguments short: the grammar leaves two choices.

@@ -19,7 +19,7 @@ from serve_cluster import flag_value, scheduler_load, wait_until
 from pagoda.config import DEFAULT_PREFIX_HASH_SEED
 from pagoda.core.block_hash import hash_request_tokens
 from pagoda.services.bench.startup import services_from_log
-from pagoda.services.common.free_ports import free_port
+from pagoda.free_ports import free_port
 from pagoda.services.common.startup_clock import parse_report
 from pagoda.services.kv_cache_manager.index import PrefixIndex
 

@@ -16,7 +16,7 @@ from shared_clusters import PLAIN_TINY_FLAGS
 from vllm_kv_subscriber import chain, check_stored_hashes, decode, low64, none_hash, replay
 
 from pagoda.core.block_hash import hash_request_tokens
-from pagoda.services.common.free_ports import free_port
+from pagoda.free_ports import free_port
 from pagoda.services.common.redis_server import PrivateRedis
 from pagoda.services.kv_cache_manager.index import PrefixIndex
 

@@ -29,8 +29,10 @@ pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
 LOG_LINES = 40
 # Ray's glog lines are "[date time L pid tid] ..." with L the level; a crash adds
-# "Check failed" and "*** ..." stack lines.
-TELLING = re.compile(r"^\[\S+ \S+ [WEF] |Check failed|^\*\*\*|SIG[A-Z]+|[Kk]illed")
+# "Check failed" and "*** ..." stack lines. Its Python processes (the agents) log
+# "date time\tLEVEL file:line -- ..." and die with a traceback ending "SomeError: ...".
+TELLING = re.compile(r"^\[\S+ \S+ [WEF] |\t(WARNING|ERROR|CRITICAL) |^Traceback |"
+                     r"^\w*(Error|Exception)\b|Check failed|^\*\*\*|SIG[A-Z]+|[Kk]illed")
 # Warnings every 10 s from a head started without Ray's metrics agent (no dashboard).
 NOISE = re.compile(r"Failed to export metrics|metrics agent|event\+metrics exporter")
 CHILD_TIMEOUT_S = 480  # under the suite's 600 s a test, so a hang still reports here

@@ -52,7 +52,7 @@ def test_resolves_hf_dirs_gguf_files_and_dirs_with_one_gguf(tiny_llama_dir, smol
 
 
 def test_unusable_paths_raise_clear_errors(tmp_path, monkeypatch):
-    from pagoda.services.common.free_ports import free_port
+    from pagoda.free_ports import free_port
 
     # A hub id with no hub to reach (nothing listens there) and an empty cache.
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")

@@ -16,7 +16,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as tpb
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as tpb_grpc
 
-from pagoda.services.common.free_ports import free_port
+from pagoda.free_ports import free_port
 from serve_cluster import wait_until
 
 

@@ -22,7 +22,7 @@ from pagoda.services.bench.routing import extra_gateway
 from pagoda.services.cli import serve
 from pagoda.services.cli.local_cluster import LocalCluster, ServiceProcess
 from pagoda.services.gateway.routing.peers import HEALTH_POLL_S
-from pagoda.services.common.free_ports import free_port
+from pagoda.free_ports import free_port
 from pagoda.services.kv_cache_manager.index import PrefixIndex
 from serve_cluster import wait_until
 

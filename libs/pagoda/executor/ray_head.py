@@ -21,13 +21,13 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from pagoda.free_ports import free_port
 from pagoda.parent_death import dying_with_this_process
 
 _STARTED = "Ray runtime started."
@@ -47,7 +47,7 @@ class PrivateRayHead:
     def start(self, timeout_s: float = 120.0) -> "PrivateRayHead":
         """Start the head; return once Ray says it runs, or raise with its log's tail."""
         self._dir = tempfile.mkdtemp(prefix="pagoda-ray-")
-        port = _free_port()
+        port = free_port()
         argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
                 f"--port={port}", f"--temp-dir={self._dir}", "--include-dashboard=false",
                 "--disable-usage-stats", *_own_ports()]
@@ -108,13 +108,10 @@ def _own_ports() -> list[str]:
     """Free ports for the head's servers whose Ray defaults are fixed numbers (the client
     server's 10001, the dashboard agent's 52365): two private heads on one machine (two
     `pagoda serve --tensor-parallel-size 2`, or tests run in parallel) would otherwise
-    collide, and a raylet whose agent cannot bind exits."""
+    collide, and a raylet whose agent cannot bind exits ("The raylet exited immediately
+    because one Ray agent failed"). From `free_port`, below the ephemeral range: a port
+    from bind(0) could be taken, before the agent binds it, by any outgoing connection
+    on the node's address (Ray's own start-up makes dozens)."""
     flags = ("--ray-client-server-port", "--dashboard-agent-listen-port",
              "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port")
-    return [f"{flag}={_free_port()}" for flag in flags]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return [f"{flag}={free_port()}" for flag in flags]

@@ -7,11 +7,11 @@ import socket
 import subprocess
 import sys
 
-from pagoda.services.common import free_ports
-from pagoda.services.common.free_ports import PORT_FLOOR, free_port
+from pagoda import free_ports
+from pagoda.free_ports import PORT_FLOOR, free_port
 
 PICKS = """
-from pagoda.services.common.free_ports import free_port
+from pagoda.free_ports import free_port
 print(" ".join(str(free_port()) for _ in range(150)))
 """
 

@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pagoda.services.common import grpc_channels
-from pagoda.services.common.free_ports import free_port
+from pagoda.free_ports import free_port
 
 
 def test_the_peer_channels_backoff_is_at_most_a_quarter_second():

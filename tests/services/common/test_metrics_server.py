@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from pagoda.services.common.metrics_server import (MetricsServer, maybe_start_metrics,
                                                    one_per_process)
-from pagoda.services.common.free_ports import free_port
+from pagoda.free_ports import free_port
 
 
 def test_metrics_and_health_follow_the_service_state():

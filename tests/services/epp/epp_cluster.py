@@ -19,7 +19,7 @@ import httpx
 from pagoda.services.bench.routing import extra_gateway
 from pagoda.services.cli import serve
 from pagoda.services.cli.local_cluster import LocalCluster, ServiceProcess
-from pagoda.services.common.free_ports import free_port
+from pagoda.free_ports import free_port
 from prefix_index_probe import indexed_blocks
 from serve_cluster import wait_until
 

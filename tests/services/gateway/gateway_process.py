@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from pagoda.services.common.free_ports import free_port
+from pagoda.free_ports import free_port
 
 
 def start_gateway_process(tokenizer_addr: str, scheduler_addr: str, *args: str,

@@ -17,7 +17,7 @@ from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2 as spb
 from pagoda.services._proto.pagoda.scheduler.v1 import scheduler_pb2_grpc as spb_grpc
 from pagoda.services._proto.pagoda.tokenizer.v1 import tokenizer_pb2_grpc as tpb_grpc
 from pagoda.services.common.protocol.scheduler import hash_blocks
-from pagoda.services.common.free_ports import free_port
+from pagoda.free_ports import free_port
 from pagoda.services.gateway.routing.discovery import Discovery, Target, parse_scheduler_addrs
 from pagoda.services.gateway.routing.peers import Peers, SchedulerReplica
 from pagoda.services.tokenizer.servicer import TokenizerServicer

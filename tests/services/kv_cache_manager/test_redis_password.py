@@ -13,7 +13,7 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagoda.services.common.free_ports import free_port
+from pagoda.free_ports import free_port
 from pagoda.services.common.redis_server import PrivateRedis
 from pagoda.services.common.redis_url import redact
 

@@ -11,7 +11,7 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagoda.services.common.free_ports import free_port
+from pagoda.free_ports import free_port
 
 
 def test_serves_health_and_metrics_then_exits_zero_on_sigterm(redis_server):

@@ -13,7 +13,7 @@ import pytest
 from pagoda.services._proto.pagoda.kv_cache_manager.v1 import kv_cache_manager_pb2_grpc as pb_grpc
 from pagoda.core.block_hash import hash_request_tokens
 from pagoda.core.kv_events import BlockRemoved, BlockStored
-from pagoda.services.common.free_ports import free_port
+from pagoda.free_ports import free_port
 from pagoda.services.kv_cache_manager.index import PrefixIndex
 from pagoda.services.kv_cache_manager.servicer import KvCacheManagerServicer
 from pagoda.services.scheduler.kv_publisher import KvEventPublisher
